@@ -1,0 +1,14 @@
+"""tandem: LLM serving on MLX.
+
+Importing the package selects the CPU BLAS before anything imports ``mlx``: the
+``mlx[cpu]`` wheel links the netlib reference BLAS (about 5 GFLOP/s for an fp32
+matmul on the development machines), and preloading MKL's ``libmkl_rt`` with
+``RTLD_GLOBAL`` makes mlx's ``sgemm`` resolve to MKL instead (about 150 GFLOP/s).
+``TANDEM_BLAS=reference`` keeps the stock library; see docs/cpu-performance.md.
+"""
+
+from tandem._blas import preload_blas
+
+__version__ = "0.1.0"
+
+BLAS = preload_blas()

@@ -1,0 +1,26 @@
+"""Settings owned by the engine (section [engine]) and model loading (section [model])."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelSettings:
+    path: str | None = field(default=None, metadata={"help": "mlx-lm model directory; default: the bundled SmolLM2-135M-Instruct, fetched on first use"})
+    weights: str = field(default="auto", metadata={"choices": ("auto", "dense", "quantized"), "help": "run quantized weights as they are, or dequantize them (dense is faster on the CPU BLAS path); auto picks per backend"})
+
+
+@dataclass
+class EngineSettings:
+    parallel: int = field(default=16, metadata={"min": 1, "max": 4096, "help": "maximum active (admitted) sequences"})
+    max_batch_size: int = field(default=0, metadata={"min": 0, "help": "sequences decoded together in one step; 0 = parallel"})
+    max_batch_prefill: int = field(default=4, metadata={"min": 1, "help": "prompts batched into one prefill pass"})
+    max_batch_prefill_tokens: int | None = field(default=None, metadata={"min": 0, "help": "padded-token cap on one batched prefill; unset = 2 x max_batch_prefill x prefill_chunk_size, 0 = uncapped"})
+    max_queue_depth: int = field(default=64, metadata={"min": 0, "help": "queued (not yet admitted) requests beyond which a submit is refused"})
+    prefill_chunk_size: int = field(default=512, metadata={"min": 16, "help": "tokens per prefill chunk"})
+    prefill_grant_interval: int = field(default=16, metadata={"min": 0, "help": "decode ticks a parked chunked prefill waits before it is granted one; 0 disables"})
+    enable_preemption: bool = field(default=True, metadata={"help": "recompute the lowest-priority sequence under KV pressure"})
+    block_size: int = field(default=16, metadata={"min": 1, "max": 1024, "help": "tokens per KV block"})
+    kv_cache_budget: str = field(default="auto", metadata={"help": "KV pool size: auto (from free memory), none (unbounded), or a size such as 2GiB"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"})

@@ -1,0 +1,18 @@
+"""Settings owned by the wire layer: the cluster secret (section [security]) and KV transfer ([transfer])."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SecuritySettings:
+    cluster_secret_file: str | None = field(default=None, metadata={"help": "file holding the cluster secret (>= 16 bytes)"})
+    decode_allowlist: list[str] = field(default_factory=list, metadata={"help": "decode worker node ids or addresses a prefill worker may hand KV to; empty = any authenticated peer"})
+
+
+@dataclass
+class TransferSettings:
+    strategy: str = field(default="adaptive", metadata={"choices": ("adaptive", "full", "streamed", "layer_parallel"), "help": "how KV travels from prefill to decode"})
+    compression: str = field(default="none", metadata={"choices": ("none", "lz4"), "help": "compress KV frames"})
+    quantization: str = field(default="none", metadata={"choices": ("none", "int8", "int4"), "help": "quantize K/V for transfer"})
