@@ -1,0 +1,79 @@
+"""What goes into and comes out of the engine. Plain data: workers and tests use these
+without touching the engine's internals.
+
+The engine calls ``EngineRequest.on_event`` from its own thread; the callback must
+return quickly (normally ``queue.put``), because the step loop waits for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tandem.kvtypes import KVSnapshot, SamplingParams
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineRefused(Exception):
+    """A submit the engine will not queue (queue full, prompt too long, ...)."""
+
+    def __init__(self, reason: str, retry_after_s: float = 1.0):
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class TokenEvent:
+    """The tokens one engine step produced for one request, and how it ended if it did."""
+
+    request_id: bytes
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    # Set on the final event of a request submitted with export_after_prefill=True.
+    snapshot: KVSnapshot | None = None
+
+
+@dataclass
+class EngineRequest:
+    request_id: bytes
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+    on_event: Callable[[TokenEvent], None]
+    priority: int = 0  # higher runs first and is preempted last
+    # Prefill role: prefill, sample the first token, then finish with a KVSnapshot
+    # (finish_reason None unless the first token already ended the request) and free the blocks.
+    export_after_prefill: bool = False
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_tokens_saved: int = 0
+    tokens_per_s: float = 0.0
+    step_time_ms: float = 0.0
+    steps: int = 0
