@@ -72,4 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main so `except UserError` sees the class commands raise.
+    from tandem.cli import main as _main
+
+    sys.exit(_main())

@@ -94,3 +94,68 @@ def build_tiny_model(out: Path, *, seed: int = 0, quantize: bool = False, model_
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
+
+
+def build_tiny_gguf(model_dir: Path, path: Path) -> Path:
+    """Write ``model_dir`` (an fp32 tiny llama) as a llama.cpp-style GGUF file.
+
+    Q/K rows are permuted the way llama.cpp's converter does it, and the tokenizer
+    goes into the metadata, so converting the file back must reproduce the model.
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    names = {
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    hd = config["head_dim"]
+    out = {}
+    for name, w in weights.items():
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = w
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = w
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            part = names[module]
+            if part in ("attn_q", "attn_k"):
+                heads = config["num_attention_heads"] if part == "attn_q" else config["num_key_value_heads"]
+                # llama.cpp convert_hf_to_gguf.py's permute(): interleave each head's rotary halves.
+                w = w.reshape(heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            out[f"blk.{layer}.{part}.{kind}"] = w
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    types = np.ones(len(tokens), dtype=np.int32)
+    for t in SPECIAL:
+        types[tokens.index(t)] = 3
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    meta = {
+        "general.architecture": "llama",
+        "llama.embedding_length": u32(config["hidden_size"]),
+        "llama.block_count": u32(config["num_hidden_layers"]),
+        "llama.feed_forward_length": u32(config["intermediate_size"]),
+        "llama.attention.head_count": u32(config["num_attention_heads"]),
+        "llama.attention.head_count_kv": u32(config["num_key_value_heads"]),
+        "llama.attention.layer_norm_rms_epsilon": mx.array(config["rms_norm_eps"], dtype=mx.float32),
+        "llama.rope.freq_base": mx.array(config["rope_theta"], dtype=mx.float32),
+        "llama.context_length": u32(config["max_position_embeddings"]),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": mx.array(types),
+        "tokenizer.ggml.bos_token_id": u32(tokens.index("<|im_start|>")),
+        "tokenizer.ggml.eos_token_id": u32(tokens.index("<|im_end|>")),
+        "tokenizer.ggml.add_bos_token": mx.array(False),
+        "tokenizer.chat_template": CHAT_TEMPLATE,
+    }
+    mx.save_gguf(str(path), out, meta)
+    return path
