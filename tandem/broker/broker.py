@@ -1,0 +1,178 @@
+"""The broker process: poll -> route -> purge expired -> heartbeat, on five sockets.
+
+``frontend`` (ROUTER) takes clients and the edge; ``backend`` (ROUTER) takes workers;
+``stream_in`` (XSUB) receives every worker's token messages and ``stream_out`` (XPUB)
+fans them out to subscribed clients: proxying by hand instead of ``zmq.proxy`` is what
+lets the broker see each request's progress (for migration) and each subscription
+(XPUB_VERBOSE, so it dispatches only after the client's SUB is in place and the first
+token cannot be dropped). ``stats`` (ROUTER) answers StatsRequest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from tandem.broker import jobs as J
+from tandem.broker.dispatcher import Dispatcher
+from tandem.broker.settings import BrokerSettings
+from tandem.broker.stats import snapshot
+from tandem.wire import codec
+from tandem.wire import messages as M
+from tandem.wire.errors import WireError
+from tandem.wire.sockets import bound_endpoint, make_socket
+
+log = logging.getLogger("tandem.broker")
+
+BATCH = 256  # messages taken from one socket before looking at the others (fairness)
+TICK_S = 0.05
+
+
+class Broker:
+    def __init__(self, settings: BrokerSettings, *, secret: bytes | None, ctx: zmq.Context | None = None):
+        self.s = settings
+        self.secret = secret
+        self.ctx = ctx or zmq.Context.instance()
+        self._stop = threading.Event()
+        self.dispatcher = Dispatcher(settings, to_worker=self._to_worker, to_client=self._to_client, publish=self._publish)
+        sec = secret
+        self.frontend = make_socket(self.ctx, zmq.ROUTER, bind=settings.frontend, security=sec)
+        self.backend = make_socket(self.ctx, zmq.ROUTER, bind=settings.backend, security=sec)
+        self.stream_in = make_socket(self.ctx, zmq.XSUB, bind=settings.stream_in, security=sec, hwm=100_000)
+        self.stream_out = make_socket(self.ctx, zmq.XPUB, bind=settings.stream_out, security=sec, xpub_verbose=True, hwm=100_000)
+        self.stats_sock = make_socket(self.ctx, zmq.ROUTER, bind=settings.stats, security=sec)
+        # Take every worker message: the broker itself is the subscriber that matters.
+        self.stream_in.send(b"\x01")
+        self.endpoints = {name: bound_endpoint(getattr(self, attr)) for name, attr in
+                          (("frontend", "frontend"), ("backend", "backend"), ("stream_in", "stream_in"),
+                           ("stream_out", "stream_out"), ("stats", "stats_sock"))}
+
+    # ---- outputs the dispatcher uses ------------------------------------------------------
+    def _send(self, sock, identity: bytes, msg) -> None:
+        try:
+            codec.send(sock, codec.route(identity, codec.encode(msg)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # ROUTER_MANDATORY: the peer is gone (or its pipe is full). The heartbeat
+            # deadline deals with dead workers; a vanished client just loses its reply.
+            self.dispatcher.counters["unroutable"] += 1
+            log.debug("could not send %s to %r: %s", type(msg).__name__, identity, exc)
+
+    def _to_worker(self, identity: bytes, msg) -> None:
+        self._send(self.backend, identity, msg)
+
+    def _to_client(self, identity: bytes, msg) -> None:
+        self._send(self.frontend, identity, msg)
+
+    def _publish(self, msg: M.TokenMessage) -> None:
+        self.stream_out.send_multipart(codec.encode_tokens(msg))
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        handlers = {
+            self.frontend: self._on_frontend,
+            self.backend: self._on_backend,
+            self.stream_in: self._on_stream_in,
+            self.stream_out: self._on_stream_out,
+            self.stats_sock: self._on_stats,
+        }
+        for sock in handlers:
+            poller.register(sock, zmq.POLLIN)
+        log.info("broker up: %s", ", ".join(f"{k}={v}" for k, v in self.endpoints.items()))
+        next_tick = time.monotonic() + TICK_S
+        try:
+            while not self._stop.is_set():
+                timeout = max(0.0, next_tick - time.monotonic())
+                for sock, _ in poller.poll(timeout * 1000):
+                    handler = handlers[sock]
+                    for _ in range(BATCH):
+                        try:
+                            frames = codec.recv_frames(sock, flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        except WireError as exc:
+                            self.dispatcher.counters["bad_messages"] += 1
+                            log.debug("dropped a message: %s", exc)
+                            continue
+                        handler(frames)
+                now = time.monotonic()
+                if now >= next_tick:
+                    self.dispatcher.tick()
+                    next_tick = now + TICK_S
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for sock in (self.frontend, self.backend, self.stream_in, self.stream_out, self.stats_sock):
+            sock.close(0)
+
+    # ---- handlers ---------------------------------------------------------------------------
+    def _decode_routed(self, frames):
+        try:
+            identity, rest = codec.split_route(frames)
+            return identity, codec.decode(rest)
+        except WireError as exc:
+            self.dispatcher.counters["bad_messages"] += 1
+            log.debug("dropped a malformed message: %s", exc)
+            return None, None
+
+    def _on_frontend(self, frames) -> None:
+        identity, msg = self._decode_routed(frames)
+        if msg is None:
+            return
+        if isinstance(msg, M.Submit):
+            self.dispatcher.submit(identity, msg)
+        elif isinstance(msg, M.Abort):
+            self.dispatcher.abort(msg.request_id)
+        elif isinstance(msg, M.StatsRequest):
+            self._to_client(identity, M.StatsReply(snapshot(self.dispatcher, verbose=self.s.stats_verbose and msg.verbose)))
+        else:
+            self.dispatcher.counters["unexpected_client_messages"] += 1
+
+    def _on_backend(self, frames) -> None:
+        identity, msg = self._decode_routed(frames)
+        if msg is not None:
+            self.dispatcher.worker_message(identity, msg)
+
+    def _on_stats(self, frames) -> None:
+        identity, msg = self._decode_routed(frames)
+        if isinstance(msg, M.StatsRequest):
+            reply = M.StatsReply(snapshot(self.dispatcher, verbose=self.s.stats_verbose and msg.verbose))
+            self._send(self.stats_sock, identity, reply)
+
+    def _on_stream_out(self, frames) -> None:
+        # XPUB_VERBOSE: b"\x01" + topic on every subscribe, b"\x00" + topic on the last unsubscribe.
+        event = frames[0]
+        if len(event) != 1 + J.ATTEMPT_TOPIC_BYTES - 1:
+            return
+        if event[0] == 1:
+            self.dispatcher.subscribe(bytes(event[1:]))
+        elif event[0] == 0:
+            self.dispatcher.unsubscribe(bytes(event[1:]))
+
+    def _on_stream_in(self, frames) -> None:
+        d = self.dispatcher
+        if len(frames) != 2 or len(frames[0]) != J.ATTEMPT_TOPIC_BYTES:
+            d.counters["bad_stream_messages"] += 1
+            return
+        topic = bytes(frames[0])
+        if topic == J.STREAM_PING_TOPIC:
+            d.stream_ping(bytes(frames[1]))
+            return
+        rid, attempt = topic[:16], topic[16]
+        try:
+            msg = codec.decode_tokens([rid, frames[1]])
+        except WireError:
+            d.counters["bad_stream_messages"] += 1
+            return
+        verdict = d.stream(d.jobs.get(rid), attempt, msg)
+        if verdict == "forward":
+            self.stream_out.send_multipart([rid, frames[1]])
+        elif verdict == "patched":
+            self._publish(msg)

@@ -1,0 +1,418 @@
+"""The broker's decisions, free of sockets: admit, queue, choose workers, track, migrate.
+
+The socket loop (:mod:`tandem.broker.broker`) decodes messages and calls in here; every
+decision goes out through the three callables it passes (``to_worker``, ``to_client``,
+``publish``), which keeps this class testable with plain lists. All deadlines use the
+monotonic clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+from tandem.broker import jobs as J
+from tandem.broker.jobs import Job
+from tandem.broker.registry import DOWN, DRAINING, UP, Load, Registry, Worker
+from tandem.broker.settings import BrokerSettings
+from tandem.broker.strategies import Selector, prefix_hashes
+from tandem.wire import messages as M
+
+log = logging.getLogger("tandem.broker")
+
+FINISHED_LINGER_S = 10.0  # keep a finished job this long for late DONEs, then forget it
+
+
+class Dispatcher:
+    def __init__(self, settings: BrokerSettings, *, to_worker, to_client, publish, clock=time.monotonic):
+        self.s = settings
+        self.clock = clock
+        self.to_worker, self.to_client, self.publish = to_worker, to_client, publish
+        self.registry = Registry(settings.heartbeat_interval_ms / 1000, settings.heartbeat_liveness, clock)
+        kw = dict(long_prompt_tokens=settings.long_prompt_tokens, load_guard=settings.prefix_load_guard)
+        self.entry = Selector(settings.strategy, **kw)
+        # Decode targets: prefix and prompt-length signals say nothing about decoding.
+        decode_strategy = settings.strategy if settings.strategy in ("round_robin", "memory_aware") else "least_loaded"
+        self.decode = Selector(decode_strategy, **kw)
+        self.jobs: dict[bytes, Job] = {}
+        self.subscriptions: set[bytes] = set()
+        self._order = 0
+        self._probe_deadline = 0.0
+        self._last_probe = -1e9
+        self.counters = Counter()
+        self.handoff_ms: list[float] = []  # recent dispatch -> handoff-complete times
+
+    # ---- clients -------------------------------------------------------------------------
+    def queued(self) -> list[Job]:
+        return [j for j in self.jobs.values() if j.state in (J.WAITING_SUB, J.QUEUED)]
+
+    def submit(self, client: bytes, msg: M.Submit) -> None:
+        rid = msg.request_id
+        self.counters["submitted"] += 1
+        if rid in self.jobs:
+            self._refuse(client, rid, "invalid", "request id already in use; use a fresh random 16-byte id")
+            return
+        if len(msg.prompt) > self.s.max_prompt_tokens:
+            self._refuse(client, rid, "invalid", f"prompt of {len(msg.prompt)} tokens exceeds the broker's limit of {self.s.max_prompt_tokens}")
+            return
+        if len(self.queued()) >= self.s.max_queue:
+            self.counters["refused_busy"] += 1
+            self._refuse(client, rid, "busy", "broker queue is full", self.s.retry_after_s)
+            return
+        if not self.registry.workers:
+            self.counters["refused_no_worker"] += 1
+            self._refuse(client, rid, "no_worker", "no worker has registered with the broker", self.s.retry_after_s)
+            return
+        now = self.clock()
+        self._order += 1
+        job = Job(rid, client, list(msg.prompt), msg.sampling, msg.priority, msg.model, now,
+                  now + self.s.subscribe_timeout_s, self._order)
+        self.jobs[rid] = job
+        self.to_client(client, M.Accepted(rid, queue_depth=len(self.queued())))
+        if rid in self.subscriptions:
+            self._subscribed(job)
+
+    def subscribe(self, topic: bytes) -> None:
+        self.subscriptions.add(topic)
+        job = self.jobs.get(topic)
+        if job is not None and job.state == J.WAITING_SUB:
+            self._subscribed(job)
+
+    def unsubscribe(self, topic: bytes) -> None:
+        self.subscriptions.discard(topic)
+
+    def _subscribed(self, job: Job) -> None:
+        job.state = J.QUEUED
+        job.deadline = self.clock() + self.s.queue_timeout_s
+        self.to_client(job.client, M.Subscribed(job.request_id))
+        self._try_dispatch(job)
+
+    def abort(self, rid: bytes) -> None:
+        job = self.jobs.get(rid)
+        if job is None or job.state == J.FINISHED:
+            return
+        self.counters["aborted"] += 1
+        self._release(job, notify=True)
+        self._finish(job)
+
+    def _refuse(self, client, rid, reason, message, retry_after=0.0):
+        self.to_client(client, M.Refused(rid, reason, message, retry_after))
+
+    # ---- workers -------------------------------------------------------------------------
+    def worker_message(self, identity: bytes, msg) -> None:
+        w = self.registry.get(identity)
+        if isinstance(msg, M.Ready):
+            if w is not None and w.inflight:
+                # The same identity announcing itself again lost whatever it held.
+                self._worker_lost(w, "worker re-registered")
+            w = self.registry.register(identity, name=msg.node_id, role=msg.role, model_id=msg.model,
+                                       capacity=msg.capacity, kv_addr=msg.kv_address or "")
+            w.load = Load(0, 0, msg.total_blocks, msg.total_blocks, msg.block_size)
+            log.info("worker %s registered as %s (capacity %d)", msg.node_id, w.node_id, msg.capacity)
+            self.dispatch_pending()
+            return
+        if w is None:
+            # Unknown (typically: the broker restarted). Ask it to announce itself again.
+            self.to_worker(identity, M.Disconnect("broker", "unknown worker: send READY"))
+            return
+        if w.state == DOWN and not isinstance(msg, M.Disconnect):
+            log.info("worker %s is back", w.node_id)
+            w.state = UP
+        self.registry.touch(w)
+        if isinstance(msg, M.Heartbeat):
+            w.load.running, w.load.waiting = msg.running, msg.waiting
+            w.load.free_blocks, w.load.total_blocks = msg.free_blocks, msg.total_blocks
+            w.remember_prefixes(reversed(msg.prefix_hashes))
+            if msg.draining and w.state == UP:
+                w.state = DRAINING
+            self.dispatch_pending()
+        elif isinstance(msg, M.Done):
+            self._done(w, msg)
+        elif isinstance(msg, M.Failed):
+            self._failed(w, msg.request_id, msg.error, msg.retryable)
+        elif isinstance(msg, M.Refused):
+            w.refusals += 1
+            self.counters["worker_refusals"] += 1
+            self._failed(w, msg.request_id, msg.message or msg.reason, True, migration=False)
+        elif isinstance(msg, M.Disconnect):
+            log.info("worker %s left: %s", w.node_id, msg.reason)
+            self._worker_lost(w, f"worker left ({msg.reason})")
+            w.state = DOWN
+            self.registry.forget(identity)
+        else:
+            self.counters["unexpected_worker_messages"] += 1
+
+    def stream_ping(self, identity: bytes) -> None:
+        w = self.registry.get(identity)
+        if w is not None and not w.stream_ok and w.state != DOWN:
+            w.stream_ok = True
+            self.dispatch_pending()
+
+    def _done(self, w: Worker, msg: M.Done) -> None:
+        job = self.jobs.get(msg.request_id)
+        if job is None:
+            return
+        if w.identity not in job.holders:
+            return  # a late DONE from an attempt we gave up on
+        self._unhold(job, w)
+        if msg.handed_to is not None and job.state == J.RUNNING:
+            self.counters["handoffs"] += 1
+            self.handoff_ms.append((self.clock() - job.arrived) * 1000)
+            del self.handoff_ms[:-1000]
+            return
+        if msg.usage is not None:
+            job.cached_prompt_tokens = max(job.cached_prompt_tokens, msg.usage.cached_prompt_tokens)
+        if job.state != J.FINISHED and msg.finish_reason is not None and not job.holders:
+            # The worker finished but its final stream message never reached us (a PUB
+            # drop, or the worker died right after): end the stream ourselves.
+            self._end_stream(job, finish_reason=msg.finish_reason)
+        self._maybe_forget(job)
+
+    def _failed(self, w: Worker, rid: bytes, error: str, retryable: bool, migration: bool = True) -> None:
+        job = self.jobs.get(rid)
+        if job is None or job.state == J.FINISHED or w.identity not in job.holders:
+            return
+        job.excluded.add(w.identity)
+        if retryable:
+            self._reschedule(job, f"{w.node_id}: {error}", count=migration)
+        else:
+            self._release(job, notify=True)
+            self._end_stream(job, error=f"request failed on {w.node_id}: {error}")
+
+    # ---- token streams -------------------------------------------------------------------
+    def stream(self, job: Job | None, attempt: int, msg: M.TokenMessage) -> str:
+        """Judge one worker token message. Returns 'forward', 'patched', or 'drop'."""
+        if job is None:
+            return "forward"  # not ours (a broker restart lost the record): pass it through
+        if job.state == J.FINISHED or attempt != job.attempt:
+            self.counters["stale_stream_messages"] += 1
+            return "drop"
+        if msg.seq < job.next_seq:
+            self.counters["duplicate_stream_messages"] += 1
+            return "drop"
+        if msg.seq > job.next_seq:
+            self.counters["stream_gaps"] += 1
+            self._release(job, notify=True)
+            self._end_stream(job, error=f"token stream gap: expected message {job.next_seq}, got {msg.seq}")
+            return "drop"
+        job.next_seq += 1
+        if job.first_token_at is None and msg.tokens:
+            job.first_token_at = self.clock()
+        job.generated.extend(msg.tokens)
+        self.counters["tokens"] += len(msg.tokens)
+        if msg.finish_reason is None and msg.error is None:
+            return "forward"
+        job.state = J.FINISHED
+        job.finished_at = self.clock()
+        self.counters["completed" if msg.error is None else "errored"] += 1
+        if job.migrations or job.resume or (msg.usage and msg.usage.prompt_tokens != len(job.prompt)):
+            # A resumed worker counted prompt + earlier tokens as its prompt: report the
+            # client's view instead.
+            cached = msg.usage.cached_prompt_tokens if msg.usage else 0
+            msg.usage = M.Usage(len(job.prompt), len(job.generated), min(cached, len(job.prompt)))
+            return "patched"
+        return "forward"
+
+    def _end_stream(self, job: Job, *, finish_reason: str | None = None, error: str | None = None) -> None:
+        """The broker writes the last stream message itself (failure or lost final)."""
+        if job.state == J.FINISHED:
+            return
+        self.publish(M.TokenMessage(job.request_id, job.next_seq, [], None,
+                                    finish_reason or "error", job.usage(), error))
+        job.next_seq += 1
+        if job.state in (J.WAITING_SUB, J.QUEUED) and error:
+            self.counters["errored"] += 1
+        self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        job.state = J.FINISHED
+        job.finished_at = self.clock()
+        self._maybe_forget(job)
+
+    def _maybe_forget(self, job: Job) -> None:
+        if job.state == J.FINISHED and not job.holders:
+            self.jobs.pop(job.request_id, None)
+
+    # ---- dispatch ------------------------------------------------------------------------
+    def dispatch_pending(self) -> None:
+        pending = sorted((j for j in self.jobs.values() if j.state == J.QUEUED), key=lambda j: (-j.priority, j.order))
+        for job in pending:
+            if not self._try_dispatch(job):
+                # Later jobs of the same priority would find the same full workers; stop
+                # scanning unless nothing at all is usable (then tick() handles refusals).
+                break
+
+    def _candidates(self, ws: list[Worker], job: Job) -> list[Worker]:
+        room = [w for w in ws if w.has_room() and (not job.model or job.model == w.model_id)]
+        preferred = [w for w in room if w.identity not in job.excluded]
+        return preferred or room
+
+    def _decode_targets(self, job: Job) -> list[Worker]:
+        ws = [w for w in self.registry.workers.values() if w.role == "decode" and w.kv_addr]
+        if self.s.decode_allowlist:
+            allowed = set(self.s.decode_allowlist)
+            ws = [w for w in ws if w.name in allowed or w.kv_addr in allowed]
+        return self._candidates(ws, job)
+
+    def _try_dispatch(self, job: Job) -> bool:
+        if job.state != J.QUEUED:
+            return True
+        workers = list(self.registry.workers.values())
+        if job.resume:
+            # Continue where the stream stopped on whichever worker can run it to the end,
+            # preferring those built for decoding.
+            dec = self._candidates([w for w in workers if w.decodes], job)
+            w = self.decode.choose(dec) or self.decode.choose(self._candidates(workers, job))
+            if w is None:
+                return False
+            job.attempt += 1
+            self._hold(job, w, prefill=True)
+            self.to_worker(w.identity, M.Resume(job.request_id, job.prompt, list(job.generated), job.next_seq,
+                                                self._remaining(job), job.priority, job.model, job.attempt))
+            self._dispatched(job, w, None)
+            return True
+        hashes = prefix_hashes(job.prompt) if self.s.strategy == "prefix_aware" else []
+        entries = self._candidates([w for w in workers if w.prefills], job)
+        targets = self._decode_targets(job)
+        if not targets and any(w.role == "decode" and w.usable for w in workers):
+            # Decode workers exist but are full: wait for one rather than decode on a
+            # prefill worker; hybrids can still take the whole request.
+            entries = [w for w in entries if w.role == "hybrid"]
+        entry = self.entry.choose(entries, prompt_len=len(job.prompt), prefixes=hashes)
+        if entry is None:
+            # No prefill-capable worker: a decode worker can still run the whole request.
+            entry = self.decode.choose(targets)
+            if entry is None:
+                return False
+            mode, target = "decode", None
+        elif entry.role == "prefill" and targets:
+            mode, target = "prefill", self.decode.choose(targets)
+        else:
+            mode, target = "hybrid", None
+        job.attempt += 1
+        self._hold(job, entry, prefill=True)
+        if target is not None:
+            self._hold(job, target, prefill=False)
+            target.decode_targeted += 1
+        entry.remember_prefixes(hashes)
+        self.to_worker(entry.identity, M.Dispatch(
+            job.request_id, mode, job.prompt, job.sampling, job.priority, job.model,
+            target.name if target else None, target.kv_addr if target else None, job.attempt))
+        self._dispatched(job, entry, target)
+        return True
+
+    def _remaining(self, job: Job):
+        import dataclasses
+        return dataclasses.replace(job.sampling, max_tokens=max(1, job.remaining_tokens))
+
+    def _dispatched(self, job: Job, entry: Worker, target: Worker | None) -> None:
+        job.state = J.RUNNING
+        job.prefill_worker = entry.identity
+        job.decode_worker = target.identity if target else entry.identity
+        entry.dispatched += 1
+        self.counters["dispatched"] += 1
+
+    def _hold(self, job: Job, w: Worker, *, prefill: bool) -> None:
+        job.holders.add(w.identity)
+        w.inflight.add(job.request_id)
+        if prefill:
+            w.inflight_tokens += len(job.prompt)
+
+    def _unhold(self, job: Job, w: Worker) -> None:
+        job.holders.discard(w.identity)
+        if job.request_id in w.inflight:
+            w.inflight.discard(job.request_id)
+            if job.prefill_worker == w.identity:
+                w.inflight_tokens = max(0, w.inflight_tokens - len(job.prompt))
+
+    def _release(self, job: Job, *, notify: bool, keep: Worker | None = None) -> None:
+        """Drop every holder's claim; tell the live ones to abort and free the KV."""
+        for identity in list(job.holders):
+            w = self.registry.get(identity)
+            if w is None:
+                job.holders.discard(identity)
+                continue
+            if notify and w.state != DOWN:
+                self.to_worker(identity, M.Abort(job.request_id))
+            self._unhold(job, w)
+
+    # ---- failure -------------------------------------------------------------------------
+    def _worker_lost(self, w: Worker, why: str) -> None:
+        for rid in list(w.inflight):
+            job = self.jobs.get(rid)
+            if job is None or job.state == J.FINISHED:
+                w.inflight.discard(rid)
+                if job is not None:
+                    self._unhold(job, w)
+                    self._maybe_forget(job)
+                continue
+            job.excluded.add(w.identity)
+            self._reschedule(job, f"{w.node_id}: {why}", count=True)
+        w.inflight.clear()
+        w.inflight_tokens = 0
+
+    def _reschedule(self, job: Job, why: str, *, count: bool) -> None:
+        self._release(job, notify=True)
+        if count:
+            job.migrations += 1
+            self.counters["migrations"] += 1
+            if job.migrations > self.s.max_migrations:
+                self.counters["migrations_exhausted"] += 1
+                self._end_stream(job, error=f"worker failed and no migration is left ({why})")
+                return
+        log.info("request %s moves to another worker (%s)", job.request_id.hex(), why)
+        # Anything already streamed must not be produced again: continue from it.
+        job.resume = job.next_seq > 0
+        job.state = J.QUEUED
+        job.deadline = self.clock() + self.s.queue_timeout_s
+        self._try_dispatch(job)
+
+    # ---- periodic ------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Purge expired workers and jobs, re-probe, refuse what cannot be placed."""
+        now = self.clock()
+        for w in self.registry.expired():
+            log.warning("worker %s missed its heartbeats; marked down", w.node_id)
+            self._worker_lost(w, "missed heartbeats")
+        usable = any(w.state == UP for w in self.registry.workers.values())
+        queued = self.queued()
+        can_probe = bool(self.registry.down())
+        probe_done = now >= self._probe_deadline
+        for job in queued:
+            if job.deadline < now:
+                if job.state == J.WAITING_SUB:
+                    reason, text = "invalid", "the client never subscribed to the request's stream"
+                else:
+                    reason, text = "busy", "no worker could take the request in time"
+                self.counters["refused_timeout"] += 1
+                self._refuse_job(job, reason, text)
+            elif job.state == J.QUEUED and not usable and (not can_probe or (probe_done and job.arrived <= self._last_probe)):
+                # Refuse for lack of workers only after a probe round that started after
+                # the request arrived went unanswered.
+                self.counters["refused_no_worker"] += 1
+                self._refuse_job(job, "no_worker", "no worker is available")
+        if not usable and any(j.state == J.QUEUED for j in self.jobs.values()):
+            self._reprobe(now)
+        self.dispatch_pending()
+        for job in [j for j in self.jobs.values() if j.state == J.FINISHED and j.finished_at + FINISHED_LINGER_S < now]:
+            self._release(job, notify=False)
+            self.jobs.pop(job.request_id, None)
+
+    def _refuse_job(self, job: Job, reason: str, text: str) -> None:
+        if job.next_seq == 0 and not job.migrations:
+            self._refuse(job.client, job.request_id, reason, text, self.s.retry_after_s)
+            self._finish(job)
+        else:
+            self._end_stream(job, error=text)
+
+    def _reprobe(self, now: float) -> None:
+        down = self.registry.down()
+        if not down or now < self._probe_deadline or now - self._last_probe < self.s.reprobe_interval_ms / 1000:
+            return
+        # Single flight: one probe round at a time, answers within the timeout count.
+        self._last_probe = now
+        self._probe_deadline = now + self.s.reprobe_timeout_ms / 1000
+        self.counters["reprobes"] += 1
+        for w in down:
+            self.to_worker(w.identity, M.Heartbeat("broker"))

@@ -1,0 +1,54 @@
+"""One client request as the broker tracks it, from submit to its final token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.kvtypes import SamplingParams
+from tandem.pipeline.api import Usage
+
+WAITING_SUB = "waiting_subscription"  # accepted; the client's SUB has not reached our XPUB yet
+QUEUED = "queued"  # ready to dispatch, waiting for a worker with room
+RUNNING = "running"
+FINISHED = "finished"
+
+# Workers publish on a 17-byte topic: the 16-byte request id and the dispatch attempt.
+# The broker strips the attempt before forwarding, so clients see the plain request id;
+# tokens from an attempt the broker has already given up on (a worker it declared dead
+# but which is still talking) are dropped instead of corrupting the stream.
+ATTEMPT_TOPIC_BYTES = 17
+STREAM_PING_TOPIC = b"\x00" * 16 + b"\xff"  # worker -> broker: "my PUB reaches you", payload = node id
+
+
+@dataclass
+class Job:
+    request_id: bytes
+    client: bytes  # frontend routing identity
+    prompt: list[int]
+    sampling: SamplingParams
+    priority: int
+    model: str
+    arrived: float
+    deadline: float  # monotonic: refuse if still not dispatched by then
+    order: int  # arrival counter (FIFO within a priority)
+    state: str = WAITING_SUB
+    attempt: int = 0
+    next_seq: int = 0
+    generated: list[int] = field(default_factory=list)
+    holders: set = field(default_factory=set)  # worker identities holding KV or work for it
+    prefill_worker: bytes | None = None
+    decode_worker: bytes | None = None
+    migrations: int = 0
+    excluded: set = field(default_factory=set)  # workers that refused or failed it
+    resume: bool = False  # next dispatch continues from prompt + generated
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cached_prompt_tokens: int = 0
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.generated),
+                     cached_prompt_tokens=self.cached_prompt_tokens)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.sampling.max_tokens - len(self.generated)

@@ -1,0 +1,136 @@
+"""The broker's view of its workers: who is up, what each can take, how loaded it is.
+
+Liveness is Majordomo-style: every message from a worker (READY, heartbeat, anything)
+pushes its expiry ``liveness x interval`` into the future on the monotonic clock; a
+worker past its expiry is marked down and skipped, and the broker re-dispatches what
+it held. A down worker is kept (not forgotten) so that a re-probe can bring it back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+ROLES = ("prefill", "decode", "hybrid")
+UP, DOWN, DRAINING = "up", "down", "draining"
+PREFIX_MEMORY = 1024  # routing prefix hashes remembered per worker (LRU)
+
+
+@dataclass
+class Load:
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 16
+
+
+@dataclass
+class Worker:
+    identity: bytes  # ROUTER routing id
+    name: str  # the worker's own name (host:pid or --name)
+    role: str
+    model_id: str
+    capacity: int  # requests it may hold at once
+    kv_addr: str  # where a decode/hybrid worker accepts KV handoffs ('' for prefill)
+    node_id: str  # stable redacted id, e.g. decode-1
+    expiry: float = 0.0
+    state: str = UP
+    stream_ok: bool = False  # its PUB reaches our XSUB (proved by a stream ping)
+    load: Load = field(default_factory=Load)
+    inflight: set = field(default_factory=set)  # request ids this worker holds
+    inflight_tokens: int = 0  # prompt tokens of requests dispatched for prefill and not done
+    dispatched: int = 0
+    decode_targeted: int = 0
+    refusals: int = 0
+    failures: int = 0
+    prefixes: OrderedDict = field(default_factory=OrderedDict)
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in ("prefill", "hybrid")
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in ("decode", "hybrid")
+
+    @property
+    def usable(self) -> bool:
+        return self.state == UP and self.stream_ok
+
+    def has_room(self) -> bool:
+        return self.usable and len(self.inflight) < self.capacity
+
+    def remember_prefixes(self, hashes) -> None:
+        for h in hashes:
+            self.prefixes[h] = None
+            self.prefixes.move_to_end(h)
+        while len(self.prefixes) > PREFIX_MEMORY:
+            self.prefixes.popitem(last=False)
+
+
+class Registry:
+    """All workers the broker has seen, keyed by routing identity."""
+
+    def __init__(self, heartbeat_s: float, liveness: int, clock=time.monotonic):
+        self.heartbeat_s = heartbeat_s
+        self.liveness = liveness
+        self.clock = clock
+        self.workers: dict[bytes, Worker] = {}
+        self._counters = {role: 0 for role in ROLES}
+        self._node_ids: dict[str, str] = {}
+
+    def register(self, identity: bytes, *, name: str, role: str, model_id: str, capacity: int, kv_addr: str) -> Worker:
+        old = self.workers.get(identity)
+        if old is not None:
+            # A worker re-announcing itself (restart of the broker or of the worker under
+            # the same identity): keep its counters, refresh everything it told us.
+            old.role, old.model_id, old.capacity, old.kv_addr = role, model_id, capacity, kv_addr
+            old.state = UP
+            old.stream_ok = False
+            self.touch(old)
+            return old
+        key = f"{role}:{name}:{kv_addr}"
+        node_id = self._node_ids.get(key)
+        if node_id is None:
+            node_id = f"{role}-{self._counters[role]}"
+            self._counters[role] += 1
+            self._node_ids[key] = node_id
+        w = Worker(identity=identity, name=name, role=role, model_id=model_id, capacity=capacity, kv_addr=kv_addr, node_id=node_id)
+        self.workers[identity] = w
+        self.touch(w)
+        return w
+
+    def get(self, identity: bytes) -> Worker | None:
+        return self.workers.get(identity)
+
+    def touch(self, w: Worker) -> None:
+        w.expiry = self.clock() + self.heartbeat_s * self.liveness
+
+    def expired(self) -> list[Worker]:
+        """Workers that just missed their deadline; they are marked down here."""
+        now = self.clock()
+        dead = [w for w in self.workers.values() if w.state != DOWN and w.expiry < now]
+        for w in dead:
+            w.state = DOWN
+            w.stream_ok = False
+            w.failures += 1
+        return dead
+
+    def forget(self, identity: bytes) -> Worker | None:
+        return self.workers.pop(identity, None)
+
+    def by_role(self, *, prefill: bool) -> list[Worker]:
+        """Workers in stable registration order that can do the given half of a request."""
+        return [w for w in self.workers.values() if (w.prefills if prefill else w.decodes)]
+
+    def counts(self) -> dict[str, int]:
+        out = {role: 0 for role in ROLES}
+        for w in self.workers.values():
+            if w.usable:
+                out[w.role] += 1
+        return out
+
+    def down(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.state == DOWN]

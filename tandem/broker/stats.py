@@ -1,0 +1,55 @@
+"""The broker's stats view: load spread, health, queue, migrations, refusals.
+
+Worker names and addresses reveal the cluster's topology, so by default each worker
+appears only under its stable broker-assigned id (``prefill-0``, ``decode-1``);
+``[broker] stats_verbose`` (a trusted network) adds names and addresses.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from tandem.broker import jobs as J
+
+
+def snapshot(dispatcher, *, verbose: bool = False) -> dict:
+    d = dispatcher
+    workers = []
+    for w in d.registry.workers.values():
+        row = {
+            "node": w.node_id,
+            "role": w.role,
+            "state": w.state if (w.stream_ok or w.state != "up") else "joining",
+            "model": w.model_id,
+            "capacity": w.capacity,
+            "inflight": len(w.inflight),
+            "dispatched": w.dispatched,
+            "decode_targeted": w.decode_targeted,
+            "refusals": w.refusals,
+            "failures": w.failures,
+            "running": w.load.running,
+            "waiting": w.load.waiting,
+            "free_blocks": w.load.free_blocks,
+            "total_blocks": w.load.total_blocks,
+            "used_blocks": max(0, w.load.total_blocks - w.load.free_blocks),
+        }
+        if verbose:
+            row["name"] = w.name
+            row["kv_address"] = w.kv_addr
+        workers.append(row)
+    states = {}
+    for j in d.jobs.values():
+        states[j.state] = states.get(j.state, 0) + 1
+    handoff = sorted(d.handoff_ms)
+    return {
+        "strategy": d.s.strategy,
+        "queue_depth": len(d.queued()),
+        "max_queue": d.s.max_queue,
+        "requests": {"running": states.get(J.RUNNING, 0), "queued": states.get(J.QUEUED, 0),
+                     "waiting_subscription": states.get(J.WAITING_SUB, 0)},
+        "counters": dict(d.counters),
+        "prefix_routed": d.entry.prefix_hits,
+        "handoff_ms_p50": statistics.median(handoff) if handoff else None,
+        "workers": workers,
+        "ready": d.registry.counts(),
+    }

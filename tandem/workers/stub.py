@@ -1,0 +1,187 @@
+"""A model-free engine with the real Engine's interface, for benchmarks and broker tests.
+
+The next token is a fixed function of every token before it (a rolling hash), so a
+request continued elsewhere from ``prompt + tokens streamed so far`` produces exactly
+the tokens an uninterrupted run would: the same property greedy decoding has, which
+is what migration and handoff tests need to check. Exported snapshots carry a tiny
+"KV" that encodes the tokens, and ``import_kv`` refuses a snapshot whose KV does not
+match its tokens, so a corrupted handoff cannot go unnoticed.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tandem.kvtypes import KVSnapshot
+from tandem.pipeline.api import EngineRefused, EngineRequest, EngineStats, TokenEvent, Usage
+
+VOCAB = 50_000
+_MOD = (1 << 61) - 1
+
+
+def next_token(history: list[int]) -> int:
+    h = 1469598103934665603
+    for t in history:
+        h = (h * 1000003 + t + 1) % _MOD
+    return h % VOCAB
+
+
+def reference_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    """What an uninterrupted stub run of ``prompt`` yields (no EOS)."""
+    seq = list(prompt)
+    for _ in range(max_tokens):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+@dataclass
+class _Seq:
+    req: EngineRequest
+    tokens: list[int]
+    prompt_len: int
+    generated: int = 0
+    out: list[int] = field(default_factory=list)
+
+
+class StubEngine:
+    BLOCK = 16
+
+    def __init__(self, *, parallel: int = 64, max_queue: int = 256, step_s: float = 0.0, total_blocks: int = 4096, model_id: str = "stub"):
+        self.parallel, self.max_queue, self.step_s = parallel, max_queue, step_s
+        self.total_blocks, self.model_id = total_blocks, model_id
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: list[_Seq] = []
+        self._running: dict[bytes, _Seq] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._steps = 0
+        self._pending = 0  # submitted but not yet picked up by the loop
+
+    # -- the Engine interface -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="stub-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout)
+
+    def submit(self, req: EngineRequest) -> None:
+        with self._lock:
+            if self._pending + len(self._waiting) >= self.max_queue:
+                raise EngineRefused("queue full", 0.1)
+            self._pending += 1
+        self._inbox.put(("submit", _Seq(req, list(req.prompt_tokens), len(req.prompt_tokens))))
+        self._wake.set()
+
+    def import_kv(self, snapshot: KVSnapshot, on_event, priority: int = 0) -> None:
+        expected = _encode_kv(snapshot.tokens[: snapshot.num_computed], snapshot.block_size)
+        if not np.array_equal(np.asarray(snapshot.keys[0]), expected):
+            raise EngineRefused("KV snapshot does not match its tokens", 0.0)
+        with self._lock:
+            self._pending += 1
+        req = EngineRequest(snapshot.request_id, list(snapshot.tokens), snapshot.sampling, on_event, priority)
+        s = _Seq(req, list(snapshot.tokens), snapshot.prompt_len, generated=snapshot.num_generated)
+        self._inbox.put(("import", s))
+        self._wake.set()
+
+    def abort(self, request_id: bytes) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def can_accept(self, n_tokens: int) -> bool:
+        with self._lock:
+            return self._pending + len(self._waiting) + len(self._running) < self.parallel + self.max_queue
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            used = sum(math.ceil(len(s.tokens) / self.BLOCK) for s in self._running.values())
+            return EngineStats(running=len(self._running), waiting=len(self._waiting) + self._pending,
+                               free_blocks=self.total_blocks - used, total_blocks=self.total_blocks,
+                               block_size=self.BLOCK, steps=self._steps)
+
+    # -- the step loop ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._running and not self._waiting:
+                self._wake.wait(0.05)
+            self._wake.clear()
+            self._admit()
+            if self._running:
+                self._step()
+                if self.step_s:
+                    time.sleep(self.step_s)
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            with self._lock:
+                if kind == "abort":
+                    s = self._running.pop(item, None)
+                    for w in [w for w in self._waiting if w.req.request_id == item]:
+                        self._waiting.remove(w)
+                        s = w
+                    if s is not None:
+                        s.req.on_event(TokenEvent(item, [], finish_reason="abort", usage=self._usage(s)))
+                    continue
+                self._pending -= 1
+                self._waiting.append(item)
+        with self._lock:
+            while self._waiting and len(self._running) < self.parallel:
+                s = self._waiting.pop(0)
+                self._running[s.req.request_id] = s
+
+    def _step(self) -> None:
+        self._steps += 1
+        done = []
+        for rid, s in list(self._running.items()):
+            tok = next_token(s.tokens)
+            s.tokens.append(tok)
+            s.generated += 1
+            sp = s.req.sampling
+            finish = None
+            if tok in sp.stop_token_ids and not sp.ignore_eos:
+                finish = "stop"
+            elif s.generated >= sp.max_tokens:
+                finish = "length"
+            if s.req.export_after_prefill and finish is None:
+                snap = KVSnapshot(rid, self.model_id, self.BLOCK, 1, 1, self.BLOCK, "float32",
+                                  list(s.tokens), len(s.tokens) - 1, s.prompt_len,
+                                  [_encode_kv(s.tokens[:-1], self.BLOCK)], [_encode_kv(s.tokens[:-1], self.BLOCK)],
+                                  sp, num_generated=s.generated)
+                s.req.on_event(TokenEvent(rid, [tok], snapshot=snap))
+                done.append(rid)
+                continue
+            usage = self._usage(s) if finish else None
+            s.req.on_event(TokenEvent(rid, [tok], finish_reason=finish, usage=usage))
+            if finish:
+                done.append(rid)
+        with self._lock:
+            for rid in done:
+                self._running.pop(rid, None)
+
+    @staticmethod
+    def _usage(s: _Seq) -> Usage:
+        return Usage(prompt_tokens=s.prompt_len, completion_tokens=s.generated)
+
+
+def _encode_kv(tokens: list[int], block: int) -> np.ndarray:
+    n = max(1, math.ceil(len(tokens) / block))
+    arr = np.zeros((n, 1, block, block), dtype=np.float32)
+    flat = np.zeros(n * block, dtype=np.float32)
+    flat[: len(tokens)] = tokens
+    arr[:, 0, :, 0] = flat.reshape(n, block)
+    return arr

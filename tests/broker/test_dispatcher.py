@@ -1,0 +1,262 @@
+"""The broker's decisions, driven directly with messages (no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.broker import jobs as J
+from tandem.broker.dispatcher import Dispatcher
+from tandem.broker.settings import BrokerSettings
+from tandem.kvtypes import SamplingParams
+from tandem.wire import messages as M
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class Harness:
+    def __init__(self, **kw):
+        self.clock = Clock()
+        self.to_w, self.to_c, self.pub = [], [], []
+        self.d = Dispatcher(BrokerSettings(**kw), to_worker=lambda i, m: self.to_w.append((i, m)),
+                            to_client=lambda i, m: self.to_c.append((i, m)), publish=self.pub.append, clock=self.clock)
+
+    def worker(self, name, role, capacity=4, free=100):
+        ident = name.encode()
+        kv = f"tcp://127.0.0.1:{9000 + len(self.d.registry.workers)}" if role != "prefill" else None
+        self.d.worker_message(ident, M.Ready(name, role, "m", capacity, kv, 16, free))
+        self.d.stream_ping(ident)
+        return ident
+
+    def submit(self, n=1, prompt=(1, 2, 3), max_tokens=8, subscribe=True, client=b"c"):
+        rids = []
+        for _ in range(n):
+            rid = len(self.d.jobs).to_bytes(2, "big") + bytes(14) if False else __import__("os").urandom(16)
+            if subscribe:
+                self.d.subscribe(rid)
+            self.d.submit(client, M.Submit(rid, list(prompt), SamplingParams(max_tokens=max_tokens)))
+            rids.append(rid)
+        return rids
+
+    def dispatches(self):
+        return [(i, m) for i, m in self.to_w if isinstance(m, (M.Dispatch, M.Resume))]
+
+
+def test_dispatch_waits_for_subscription():
+    h = Harness()
+    h.worker("h0", "hybrid")
+    (rid,) = h.submit(subscribe=False)
+    assert isinstance(h.to_c[-1][1], M.Accepted)
+    assert h.dispatches() == []
+    h.d.subscribe(rid)
+    assert isinstance(h.to_c[-1][1], M.Subscribed)
+    (ident, msg), = h.dispatches()
+    assert ident == b"h0" and msg.mode == "hybrid" and msg.attempt == 1
+
+
+def test_prefill_gets_decode_target():
+    h = Harness()
+    h.worker("p0", "prefill")
+    h.worker("d0", "decode")
+    h.submit()
+    (ident, msg), = h.dispatches()
+    assert ident == b"p0" and msg.mode == "prefill" and msg.decode_node == "d0" and msg.decode_address.startswith("tcp://")
+
+
+def test_queue_full_is_busy_with_retry_after():
+    h = Harness(max_queue=2, retry_after_s=2.5)
+    h.worker("h0", "hybrid", capacity=1)
+    h.submit(n=3)  # one runs, two queue
+    (rid,) = h.submit()
+    ident, msg = h.to_c[-1]
+    assert isinstance(msg, M.Refused) and msg.reason == "busy" and msg.retry_after_s == 2.5 and msg.request_id == rid
+
+
+def test_no_worker_refused():
+    h = Harness()
+    h.submit()
+    assert isinstance(h.to_c[-1][1], M.Refused) and h.to_c[-1][1].reason == "no_worker"
+
+
+@pytest.mark.parametrize("strategy", ["round_robin", "least_loaded", "memory_aware", "prompt_length_aware", "prefix_aware"])
+def test_every_strategy_spreads_load(strategy):
+    h = Harness(strategy=strategy)
+    for i in range(4):
+        h.worker(f"h{i}", "hybrid", capacity=100)
+    h.submit(n=40, prompt=list(range(40)))
+    counts = {}
+    for ident, _ in h.dispatches():
+        counts[ident] = counts.get(ident, 0) + 1
+    assert sorted(counts.values()) == [10, 10, 10, 10], counts
+
+
+def test_least_loaded_prefers_idle_worker():
+    h = Harness(strategy="least_loaded")
+    a = h.worker("a", "hybrid", capacity=100)
+    b = h.worker("b", "hybrid", capacity=100)
+    h.d.worker_message(a, M.Heartbeat("a", running=0, waiting=5))
+    h.submit(n=4)
+    assert [i for i, _ in h.dispatches()].count(b) >= 3
+
+
+def test_memory_aware_prefers_free_blocks():
+    h = Harness(strategy="memory_aware")
+    a = h.worker("a", "hybrid", capacity=100)
+    b = h.worker("b", "hybrid", capacity=100)
+    h.d.worker_message(a, M.Heartbeat("a", free_blocks=10, total_blocks=100))
+    h.d.worker_message(b, M.Heartbeat("b", free_blocks=90, total_blocks=100))
+    h.submit(n=3)
+    assert all(i == b for i, _ in h.dispatches())
+
+
+def test_prompt_length_aware_sends_long_prompts_to_least_prefill_work():
+    h = Harness(strategy="prompt_length_aware", long_prompt_tokens=100)
+    a = h.worker("a", "hybrid", capacity=100)
+    b = h.worker("b", "hybrid", capacity=100)
+    h.submit(prompt=list(range(1000)))  # long -> a (tie, first)
+    h.submit(n=3, prompt=[1, 2])  # short ones: fewest requests
+    h.submit(prompt=list(range(900)))  # long: least queued prompt tokens
+    idents = [i for i, _ in h.dispatches()]
+    assert idents[0] == a and idents[-1] == b
+
+
+def test_prefix_aware_follows_prefix_but_respects_load_guard():
+    h = Harness(strategy="prefix_aware", prefix_load_guard=2.0)
+    a = h.worker("a", "hybrid", capacity=100)
+    b = h.worker("b", "hybrid", capacity=100)
+    shared = list(range(64))
+    h.submit(prompt=shared + [1])
+    first = h.dispatches()[0][0]
+    h.submit(n=2, prompt=shared + [2])
+    idents = [i for i, _ in h.dispatches()]
+    assert idents[:3] == [first] * 3  # same prefix, load still within the guard
+    h.submit(n=6, prompt=shared + [3])
+    idents = [i for i, _ in h.dispatches()]
+    other = b if first == a else a
+    assert idents.count(other) >= 2  # the guard pushed some away from the hot worker
+    loads = [len(h.d.registry.get(x).inflight) for x in (a, b)]
+    assert max(loads) <= 2.0 * (min(loads) + 1)
+
+
+def test_decode_allowlist():
+    h = Harness(decode_allowlist=["d1"])
+    h.worker("p0", "prefill")
+    h.worker("d0", "decode")
+    h.worker("d1", "decode")
+    h.submit(n=4)
+    assert {m.decode_node for _, m in h.dispatches()} == {"d1"}
+
+
+def test_tokens_tracked_and_stale_attempt_dropped():
+    h = Harness()
+    h.worker("h0", "hybrid")
+    (rid,) = h.submit()
+    job = h.d.jobs[rid]
+    assert h.d.stream(job, 1, M.TokenMessage(rid, 0, [5, 6])) == "forward"
+    assert h.d.stream(job, 0, M.TokenMessage(rid, 1, [7])) == "drop"  # old attempt
+    assert h.d.stream(job, 1, M.TokenMessage(rid, 0, [5, 6])) == "drop"  # duplicate
+    assert job.generated == [5, 6] and job.next_seq == 1
+
+
+def test_gap_ends_stream_with_error():
+    h = Harness()
+    w = h.worker("h0", "hybrid")
+    (rid,) = h.submit()
+    job = h.d.jobs[rid]
+    h.d.stream(job, 1, M.TokenMessage(rid, 0, [5]))
+    assert h.d.stream(job, 1, M.TokenMessage(rid, 2, [7])) == "drop"
+    (last,) = h.pub
+    assert last.seq == 1 and last.error and "gap" in last.error
+    assert any(isinstance(m, M.Abort) for i, m in h.to_w if i == w)
+
+
+def test_decode_death_migrates_with_streamed_tokens():
+    h = Harness(heartbeat_interval_ms=100, heartbeat_liveness=3)
+    p = h.worker("p0", "prefill")
+    d0 = h.worker("d0", "decode")
+    d1 = h.worker("d1", "decode")
+    (rid,) = h.submit(max_tokens=10)
+    job = h.d.jobs[rid]
+    (_, disp), = h.dispatches()
+    target = disp.decode_node.encode()
+    h.d.stream(job, 1, M.TokenMessage(rid, 0, [11]))
+    h.d.worker_message(p, M.Done(rid, None, None, handed_to=disp.decode_node))
+    assert job.holders == {target}
+    h.d.stream(job, 1, M.TokenMessage(rid, 1, [12, 13]))
+    # Everyone but the decode target keeps heartbeating; the target goes silent.
+    h.clock.t += 0.35
+    for ident in (p, d0, d1):
+        if ident != target:
+            h.d.worker_message(ident, M.Heartbeat(ident.decode()))
+    h.d.tick()
+    (ident, res), = [(i, m) for i, m in h.dispatches() if isinstance(m, M.Resume)]
+    assert ident != target and res.generated == [11, 12, 13] and res.next_seq == 2 and res.attempt == 2
+    assert res.sampling.max_tokens == 7 and res.prompt == [1, 2, 3]
+    assert job.migrations == 1 and h.d.registry.get(target).state == "down"
+    # The new worker's final message gets the client's usage, not its own.
+    verdict = h.d.stream(job, 2, M.TokenMessage(rid, 2, [14], finish_reason="length", usage=M.Usage(6, 1)))
+    assert verdict == "patched"
+    assert job.state == J.FINISHED and job.generated == [11, 12, 13, 14]
+
+
+def test_migration_limit_ends_stream_with_error():
+    h = Harness(max_migrations=0)
+    a = h.worker("a", "hybrid")
+    h.worker("b", "hybrid")
+    (rid,) = h.submit()
+    h.d.worker_message(a, M.Failed(rid, "engine crashed", retryable=True)) if h.dispatches()[0][0] == a else \
+        h.d.worker_message(b"b", M.Failed(rid, "engine crashed", retryable=True))
+    (last,) = h.pub
+    assert last.error and "no migration" in last.error and rid not in h.d.jobs
+
+
+def test_reprobe_single_flight_before_refusing():
+    h = Harness(heartbeat_interval_ms=100, heartbeat_liveness=1, reprobe_interval_ms=250, reprobe_timeout_ms=500)
+    w = h.worker("h0", "hybrid")
+    h.clock.t += 0.2
+    h.d.tick()  # h0 missed its heartbeat
+    assert h.d.registry.get(w).state == "down"
+    (rid,) = h.submit()
+    h.d.tick()
+    h.d.tick()
+    probes = [m for i, m in h.to_w if isinstance(m, M.Heartbeat)]
+    assert len(probes) == 1  # rate-limited: one probe round
+    assert not any(isinstance(m, M.Refused) for _, m in h.to_c)  # waits for the probe
+    # The worker answers the probe: the queued request is dispatched instead of refused.
+    h.d.worker_message(w, M.Heartbeat("h0"))
+    h.d.stream_ping(w)
+    assert [m.request_id for _, m in h.dispatches()] == [rid]
+
+
+def test_reprobe_timeout_refuses():
+    h = Harness(heartbeat_interval_ms=100, heartbeat_liveness=1, reprobe_timeout_ms=500)
+    h.worker("h0", "hybrid")
+    h.clock.t += 0.2
+    h.d.tick()
+    h.submit()
+    h.d.tick()
+    h.clock.t += 0.6
+    h.d.tick()
+    assert isinstance(h.to_c[-1][1], M.Refused) and h.to_c[-1][1].reason == "no_worker"
+
+
+def test_abort_reaches_every_holder_and_frees_accounting():
+    h = Harness()
+    p = h.worker("p0", "prefill")
+    d = h.worker("d0", "decode")
+    (rid,) = h.submit()
+    h.d.abort(rid)
+    aborted = {i for i, m in h.to_w if isinstance(m, M.Abort)}
+    assert aborted == {p, d}
+    assert all(not w.inflight for w in h.d.registry.workers.values()) and rid not in h.d.jobs
+
+
+def test_unknown_worker_asked_to_register():
+    h = Harness()
+    h.d.worker_message(b"ghost", M.Heartbeat("ghost"))
+    assert isinstance(h.to_w[-1][1], M.Disconnect)
