@@ -1,0 +1,387 @@
+"""The engine: one thread owns MLX and runs admit -> schedule -> execute -> emit.
+
+Other threads only put commands on the inbox (submit, abort, import) and read
+:meth:`Engine.stats`; results go back through each request's ``on_event``. Device work
+is pipelined one step deep: step N+1 is built and queued with ``mx.async_eval`` (its
+decode inputs are step N's sampled tokens, still on the device) before step N's tokens
+are read back and emitted. A sequence that stopped at step N therefore computes one
+extra token in step N+1, which is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+
+from tandem.kvtypes import REQUEST_ID_BYTES, KVSnapshot, SamplingParams
+from tandem.pipeline import budget
+from tandem.pipeline.api import EngineRefused, EngineRequest, EngineStats, TokenEvent, TokenLogprob, Usage
+from tandem.pipeline.block_pool import BlockPool
+from tandem.pipeline.kv_store import KVStore, dtype_name
+from tandem.pipeline.model_runner import DenseRunner, PagedRunner, probe
+from tandem.pipeline.sampler import sample
+from tandem.pipeline.scheduler import Plan, Scheduler
+from tandem.pipeline.sequence import Sequence, Status
+from tandem.pipeline.settings import EngineSettings
+
+log = logging.getLogger("tandem.engine")
+
+
+class Engine:
+    def __init__(self, model, settings: EngineSettings, *, model_id: str, eos_token_ids=()):
+        self.model = model
+        self.settings = settings
+        self.model_id = model_id
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.shape = probe(model)
+        self.vocab_size = int(model(mx.array([[0]]))[0, -1].shape[-1])
+        sh = self.shape
+        bs = settings.block_size
+        if sh.pageable:
+            per_block = KVStore.bytes_per_block(sh.num_layers, sh.n_kv_heads, sh.head_dim, sh.v_head_dim, sh.dtype, bs)
+        else:
+            log.warning("model %s cannot be paged (%s): running it on dense per-sequence caches without prefix caching", model_id, sh.why_not)
+            per_block = max(1, sh.num_layers * bs * 2 * 4 * 256)  # a rough admission guess
+        self.bytes_per_block = per_block
+        num_blocks = budget.num_blocks(settings.kv_cache_budget, per_block)
+        self.pool = BlockPool(num_blocks, bs)
+        if sh.pageable:
+            self.store = KVStore(sh.num_layers, sh.n_kv_heads, sh.head_dim, sh.dtype, bs, num_blocks, sh.v_head_dim)
+            self.runner = PagedRunner(model, self.store)
+        else:
+            self.store = None
+            self.runner = DenseRunner(model)
+        self.scheduler = Scheduler(settings, self.pool, prefix_caching=settings.enable_prefix_caching and sh.pageable)
+        self._inbox: queue.Queue = queue.Queue()
+        self._by_id: dict[bytes, Sequence] = {}
+        self._inflight = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats = EngineStats(total_blocks=num_blocks, free_blocks=num_blocks, block_size=bs)
+        self._queued = 0  # requests in the inbox or waiting; read by submit() on other threads
+        self._lock = threading.Lock()
+        self._tok_rate = 0.0
+        self._step_ms = 0.0
+
+    # ---- public, any thread -------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+        self._thread = None
+
+    def submit(self, req: EngineRequest) -> None:
+        if not isinstance(req.request_id, bytes) or len(req.request_id) != REQUEST_ID_BYTES:
+            raise ValueError(f"request_id must be {REQUEST_ID_BYTES} bytes")
+        prompt = [int(t) for t in req.prompt_tokens]
+        if not prompt:
+            raise ValueError("the prompt is empty: send at least one token")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        sp = req.sampling
+        if sp.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.pool.blocks_for(len(prompt) + 1) > self.pool.num_blocks:
+            raise EngineRefused(f"prompt of {len(prompt)} tokens does not fit the KV cache ({self.pool.num_blocks * self.pool.block_size} tokens)", retry_after_s=0.0)
+        with self._lock:
+            if self._queued >= self.settings.max_queue_depth:
+                raise EngineRefused(f"engine queue is full ({self.settings.max_queue_depth} waiting)", retry_after_s=1.0)
+            self._queued += 1
+        if sp.seed is None:
+            sp = replace(sp, seed=random.getrandbits(63))
+        seq = Sequence(req.request_id, prompt, len(prompt), sp, req.on_event, priority=req.priority,
+                       export_after_prefill=req.export_after_prefill, stop_ids=self._stop_ids(sp))
+        self._inbox.put(("submit", seq))
+
+    def abort(self, request_id: bytes) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def import_kv(self, snapshot: KVSnapshot, on_event, priority: int = 0) -> None:
+        self._check_snapshot(snapshot)
+        sp = snapshot.sampling if snapshot.sampling.seed is not None else replace(snapshot.sampling, seed=0)
+        seq = Sequence(snapshot.request_id, list(snapshot.tokens), snapshot.prompt_len, sp, on_event,
+                       priority=priority, stop_ids=self._stop_ids(sp), imported=snapshot,
+                       num_generated=snapshot.num_generated, num_cached_prompt=snapshot.num_cached_prompt_tokens)
+        with self._lock:
+            self._queued += 1
+        self._inbox.put(("submit", seq))
+
+    def stats(self) -> EngineStats:
+        return replace(self._stats)
+
+    def can_accept(self, n_tokens: int) -> bool:
+        st = self._stats
+        return st.waiting < self.settings.max_queue_depth and self.pool.blocks_for(n_tokens + 1) <= st.free_blocks
+
+    def generate_many(self, requests: list[tuple[list[int], SamplingParams]], priorities: list[int] | None = None, timeout: float = 600.0) -> list[list[int]]:
+        """Submit every request, wait for all, return each one's generated tokens (tests, bench)."""
+        started = self._thread is None
+        self.start()
+        done: queue.Queue = queue.Queue()
+        ids = [uuid.uuid4().bytes for _ in requests]
+        out = {rid: [] for rid in ids}
+        try:
+            for i, (rid, (prompt, sp)) in enumerate(zip(ids, requests)):
+                prio = priorities[i] if priorities else 0
+                self.submit(EngineRequest(rid, prompt, sp, done.put, priority=prio))
+            remaining = set(ids)
+            deadline = time.monotonic() + timeout
+            while remaining:
+                ev = done.get(timeout=max(0.1, deadline - time.monotonic()))
+                out[ev.request_id].extend(ev.tokens)
+                if ev.finish_reason is not None:
+                    if ev.finish_reason == "error":
+                        raise RuntimeError(ev.error)
+                    remaining.discard(ev.request_id)
+        finally:
+            if started:
+                self.stop()
+        return [out[rid] for rid in ids]
+
+    # ---- the loop (engine thread only) --------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                idle = not (self.scheduler.waiting or self.scheduler.running or self._inflight)
+                self._drain(block=idle)
+                if self._stopping:
+                    break
+                t0 = time.perf_counter()
+                produced = self._tick()
+                self._update_stats(time.perf_counter() - t0, produced)
+        except Exception:  # pragma: no cover - a bug in the loop itself
+            log.exception("engine loop crashed")
+        finally:
+            self._shutdown()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = item
+            if kind == "submit":
+                if arg.request_id in self._by_id:
+                    self._emit(arg, TokenEvent(arg.request_id, [], finish_reason="error", error="duplicate request id"))
+                    with self._lock:
+                        self._queued -= 1
+                else:
+                    self._by_id[arg.request_id] = arg
+                    self.scheduler.add(arg)
+            elif kind == "abort":
+                seq = self._by_id.get(arg)
+                if seq is not None:
+                    self._finish(seq, "abort")
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _tick(self) -> int:
+        plan = self.scheduler.schedule()
+        launched = None
+        if plan is not None:
+            for seq, why in plan.failed:
+                self._finish(seq, "error", error=why)
+            if plan.rows:
+                try:
+                    launched = self._launch(plan)
+                except Exception as exc:
+                    log.exception("forward failed")
+                    for r in plan.rows:
+                        self._finish(r.seq, "error", error=f"engine error: {exc}")
+        produced = 0
+        if self._inflight is not None:
+            produced = self._complete(*self._inflight)
+        self._inflight = launched
+        return produced
+
+    def _launch(self, plan: Plan):
+        rows = plan.rows
+        if self.store is not None:
+            self.store.ensure_capacity(self.pool.high_water)
+            for src, dst in plan.copies:
+                self.store.copy_block(src, dst)
+            for r in rows:
+                snap = r.seq.imported
+                if snap is not None:
+                    nb = self.pool.blocks_for(snap.num_computed)
+                    self.store.import_blocks(r.seq.block_ids[:nb], *_reblocked(snap, self.pool.block_size))
+                    r.seq.imported = None
+        L = max(r.n for r in rows)
+        host = np.zeros((len(rows), L), np.int32)
+        dev_rows, dev_idx = [], []
+        for i, r in enumerate(rows):
+            known = r.seq.tokens[r.start : r.start + r.n]
+            host[i, : len(known)] = known
+            if len(known) < r.n:  # the last input is the in-flight step's sample
+                dev_rows.append(i)
+                dev_idx.append(r.seq.pending_index)
+        inputs = mx.array(host)
+        if dev_rows:
+            prev = self._inflight[1].tokens
+            inputs = inputs.at[mx.array(dev_rows), mx.array([rows[i].n - 1 for i in dev_rows])].add(prev[mx.array(dev_idx)])
+        logits = self.runner.forward(rows, inputs)
+        samplers = [i for i, r in enumerate(rows) if r.samples]
+        sampled = None
+        if samplers:
+            if len(samplers) < len(rows):
+                logits = logits[mx.array(samplers)]
+            seqs = [rows[i].seq for i in samplers]
+            sampled = sample(logits, [s.sampling for s in seqs], [s.num_generated + s.pending for s in seqs])
+            mx.async_eval(*sampled.arrays())
+        else:
+            mx.async_eval(logits)
+        self.scheduler.advance(plan)
+        for j, i in enumerate(samplers):
+            rows[i].seq.pending_index = j
+        return (plan, sampled, samplers)
+
+    def _complete(self, plan: Plan, sampled, samplers: list[int]) -> int:
+        produced = 0
+        if sampled is not None:
+            toks = sampled.tokens.tolist()
+            lps = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+            top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+            top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        for r in plan.rows:
+            self.scheduler.register_full_blocks(r.seq)
+        for j, i in enumerate(samplers):
+            seq = plan.rows[i].seq
+            if seq.status is Status.FINISHED:
+                continue  # stopped or aborted while this step was in flight
+            seq.pending -= 1
+            tok = toks[j]
+            seq.tokens.append(tok)
+            seq.num_generated += 1
+            produced += 1
+            self.scheduler.register_full_blocks(seq)
+            logprobs = None
+            if seq.sampling.logprobs is not None and lps is not None:
+                n = seq.sampling.logprobs
+                top = list(zip(top_ids[j][:n], top_lps[j][:n])) if top_ids is not None else []
+                logprobs = [TokenLogprob(tok, lps[j], top)]
+            if tok in seq.stop_ids:
+                self._finish(seq, "stop", logprobs=logprobs)
+            elif seq.num_generated >= seq.sampling.max_tokens:
+                self._finish(seq, "length", last=[tok], logprobs=logprobs)
+            elif seq.hold:
+                self._export(seq, tok, logprobs)
+            else:
+                self._emit(seq, TokenEvent(seq.request_id, [tok], logprobs))
+        return produced
+
+    def _export(self, seq: Sequence, tok: int, logprobs) -> None:
+        nb = self.pool.blocks_for(seq.num_computed)
+        keys, values = self.store.export_blocks(seq.block_ids[:nb])
+        sh = self.shape
+        snap = KVSnapshot(seq.request_id, self.model_id, self.pool.block_size, sh.num_layers, sh.n_kv_heads, sh.head_dim,
+                          dtype_name(sh.dtype), list(seq.tokens), seq.num_computed, seq.prompt_len, keys, values,
+                          seq.sampling, seq.num_generated, seq.num_cached_prompt)
+        self._finish(seq, None, last=[tok], logprobs=logprobs, snapshot=snap)
+
+    def _finish(self, seq: Sequence, reason: str | None, *, last=(), logprobs=None, error=None, snapshot=None) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.WAITING:
+            with self._lock:
+                self._queued -= 1
+        self.scheduler.remove(seq)
+        self._by_id.pop(seq.request_id, None)
+        usage = Usage(seq.prompt_len, seq.num_generated, seq.num_cached_prompt)
+        self._emit(seq, TokenEvent(seq.request_id, list(last), logprobs, reason, usage, error, snapshot))
+
+    def _emit(self, seq: Sequence, event: TokenEvent) -> None:
+        try:
+            seq.on_event(event)
+        except Exception:
+            log.exception("on_event callback for %s raised", seq.request_id.hex())
+
+    def _shutdown(self) -> None:
+        if self._inflight is not None:
+            try:
+                mx.eval(self._inflight[1].tokens) if self._inflight[1] is not None else None
+            except Exception:
+                pass
+            self._inflight = None
+        self._drain(block=False)
+        for seq in list(self._by_id.values()):
+            self._finish(seq, "abort")
+
+    def _update_stats(self, dt: float, produced: int) -> None:
+        with self._lock:
+            self._queued = len(self.scheduler.waiting) + self._inbox.qsize()
+        if produced:
+            self._tok_rate = 0.9 * self._tok_rate + 0.1 * (produced / max(dt, 1e-6))
+            self._step_ms = 0.9 * self._step_ms + 0.1 * dt * 1e3
+        c = self.pool.counters
+        self._stats = EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            free_blocks=self.pool.num_free, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
+            prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits, prefix_tokens_saved=c.prefix_tokens_saved,
+            tokens_per_s=self._tok_rate, step_time_ms=self._step_ms, steps=self._stats.steps + 1,
+        )
+
+    # ---- helpers ------------------------------------------------------------------
+    def _stop_ids(self, sp: SamplingParams) -> frozenset[int]:
+        ids = set(int(t) for t in sp.stop_token_ids)
+        if not sp.ignore_eos:
+            ids |= self.eos_token_ids
+        return frozenset(ids)
+
+    def _check_snapshot(self, snap: KVSnapshot) -> None:
+        sh = self.shape
+        if self.store is None:
+            raise ValueError(f"model {self.model_id} runs on dense caches and cannot import KV")
+        problems = []
+        if snap.model_id != self.model_id:
+            problems.append(f"model {snap.model_id!r} != {self.model_id!r}")
+        if (snap.num_layers, snap.num_kv_heads, snap.head_dim) != (sh.num_layers, sh.n_kv_heads, sh.head_dim):
+            problems.append("layer/head shape differs")
+        if snap.dtype != dtype_name(sh.dtype):
+            problems.append(f"KV dtype {snap.dtype} != this engine's {dtype_name(sh.dtype)}")
+        if not 0 < snap.num_computed < len(snap.tokens):
+            problems.append("num_computed must be between 1 and len(tokens) - 1")
+        if len(snap.keys) != sh.num_layers or len(snap.values) != sh.num_layers:
+            problems.append("wrong number of layers of KV")
+        nb = -(-snap.num_computed // snap.block_size) if snap.block_size > 0 else -1
+        for a in list(snap.keys) + list(snap.values):
+            if a.ndim != 4 or a.shape[0] != nb or a.shape[1] != sh.n_kv_heads or a.shape[2] != snap.block_size:
+                problems.append(f"KV array shape {a.shape} does not match {nb} blocks of {snap.block_size}")
+                break
+        if problems:
+            raise ValueError("cannot import KV snapshot: " + "; ".join(problems))
+
+
+def _reblocked(snap: KVSnapshot, block_size: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Snapshot KV rearranged to this pool's block size (a no-op when they agree)."""
+    if snap.block_size == block_size:
+        return snap.keys, snap.values
+
+    def one(a: np.ndarray) -> np.ndarray:
+        nb, h, bs, d = a.shape
+        flat = a.transpose(1, 0, 2, 3).reshape(h, nb * bs, d)[:, : snap.num_computed]
+        n = -(-snap.num_computed // block_size)
+        out = np.zeros((h, n * block_size, d), a.dtype)
+        out[:, : snap.num_computed] = flat
+        return out.reshape(h, n, block_size, d).transpose(1, 0, 2, 3)
+
+    return [one(a) for a in snap.keys], [one(a) for a in snap.values]

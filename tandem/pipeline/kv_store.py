@@ -1,0 +1,117 @@
+"""The KV tensors behind the block pool: one key and one value array per layer.
+
+Layout per layer: a flat ``((capacity + 1) * block_size, n_kv_heads, head_dim)`` array,
+token-major inside a block, so writing a step's new tokens is one row scatter (kept flat:
+see :func:`tandem.kernels.paged_attention.write_slots` on why never through a reshape). Store block 0 is scratch: padded query rows write
+there and padded block-table entries read from there. Pool block ``b`` is store block
+``b + 1``.
+
+Capacity grows on demand (doubling, up to the pool size) so a large byte budget costs
+memory only once the working set reaches it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from tandem.kernels import paged_attention as pa
+
+SCRATCH = 0
+
+
+class KVStore:
+    def __init__(self, num_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int, num_blocks: int, v_head_dim: int | None = None):
+        self.num_layers = num_layers
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.capacity = 0
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self.ensure_capacity(min(num_blocks, 64))
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, n_kv_heads: int, head_dim: int, v_head_dim: int, dtype: mx.Dtype, block_size: int) -> int:
+        return num_layers * n_kv_heads * block_size * (head_dim + v_head_dim) * dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    def ensure_capacity(self, blocks: int) -> None:
+        """Make pool blocks ``0 .. blocks-1`` addressable."""
+        if blocks <= self.capacity:
+            return
+        new_cap = min(self.num_blocks, max(blocks, 2 * self.capacity))
+        grow = new_cap - self.capacity + (0 if self.capacity else 1)
+        shape_k = (grow * self.block_size, self.n_kv_heads, self.head_dim)
+        shape_v = (grow * self.block_size, self.n_kv_heads, self.v_head_dim)
+        if not self.keys:
+            self.keys = [mx.zeros(shape_k, self.dtype) for _ in range(self.num_layers)]
+            self.values = [mx.zeros(shape_v, self.dtype) for _ in range(self.num_layers)]
+        else:
+            self.keys = [mx.concatenate([k, mx.zeros(shape_k, self.dtype)]) for k in self.keys]
+            self.values = [mx.concatenate([v, mx.zeros(shape_v, self.dtype)]) for v in self.values]
+        mx.eval(self.keys, self.values)
+        self.capacity = new_cap
+
+    # ---- per step (called from inside the model's forward) --------------------------
+    def write(self, layer: int, keys: mx.array, values: mx.array, slots: mx.array) -> None:
+        """keys: (B, H, L, D) new entries; slots: (B*L,) flat store slots (scratch for padding)."""
+        self.keys[layer] = pa.write_slots(self.keys[layer], keys, slots)
+        self.values[layer] = pa.write_slots(self.values[layer], values, slots)
+
+    def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
+        """table: (B, nb) store block ids -> keys, values (B, H, nb * block_size, D)."""
+        bs = self.block_size
+        return pa.gather_blocks(self.keys[layer], table, bs), pa.gather_blocks(self.values[layer], table, bs)
+
+    # ---- whole blocks (copy-on-write, export, import) -------------------------------
+    def copy_block(self, src: int, dst: int) -> None:
+        bs = self.block_size
+        s, d = (src + 1) * bs, (dst + 1) * bs
+        for i in range(self.num_layers):
+            self.keys[i][d : d + bs] = self.keys[i][s : s + bs]
+            self.values[i][d : d + bs] = self.values[i][s : s + bs]
+
+    def export_blocks(self, blocks: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per-layer numpy arrays of shape (len(blocks), n_kv_heads, block_size, D)."""
+        idx = self._slots(blocks)
+        n, bs = len(blocks), self.block_size
+        ks = [k[idx].reshape(n, bs, *k.shape[1:]).transpose(0, 2, 1, 3) for k in self.keys]
+        vs = [v[idx].reshape(n, bs, *v.shape[1:]).transpose(0, 2, 1, 3) for v in self.values]
+        mx.eval(ks, vs)
+        return [_to_numpy(a) for a in ks], [_to_numpy(a) for a in vs]
+
+    def import_blocks(self, blocks: list[int], keys: list[np.ndarray], values: list[np.ndarray]) -> None:
+        idx = self._slots(blocks)
+        for i in range(self.num_layers):
+            for dst, src in ((self.keys, keys[i]), (self.values, values[i])):
+                rows = _from_numpy(src, self.dtype).transpose(0, 2, 1, 3)  # (n, bs, H, D)
+                dst[i][idx] = rows.reshape(-1, *rows.shape[2:])
+        mx.eval(self.keys, self.values)
+
+    def _slots(self, blocks: list[int]) -> mx.array:
+        bs = self.block_size
+        starts = (np.asarray(blocks, dtype=np.int64) + 1) * bs
+        return mx.array((starts[:, None] + np.arange(bs)[None, :]).reshape(-1).astype(np.int32))
+
+
+def _to_numpy(a: mx.array) -> np.ndarray:
+    if a.dtype == mx.bfloat16:
+        return np.array(a.view(mx.uint16))
+    return np.array(a)
+
+
+def _from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    if dtype == mx.bfloat16:
+        return mx.array(a.astype(np.uint16, copy=False)).view(mx.bfloat16)
+    return mx.array(a).astype(dtype)
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")

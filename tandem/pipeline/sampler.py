@@ -1,0 +1,106 @@
+"""Pick each row's next token from its logits, per-request parameters, reproducibly.
+
+Greedy rows take the argmax, vectorized over the batch. Sampled rows apply temperature,
+top-k, top-p and min-p to the sorted distribution and draw with the Gumbel-max trick; the
+noise for the ``i``-th generated token of a request comes from a key derived only from
+``(seed, i)``, so a request draws the same tokens whatever else shares its batch and
+wherever it continues after a KV handoff.
+
+Everything stays lazy: the caller evaluates the result together with the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from tandem.kvtypes import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_key(seed: int, index: int) -> mx.array:
+    """The PRNG key of a request's ``index``-th generated token."""
+    return mx.random.key(_splitmix64(_splitmix64(seed & _MASK64) ^ index) & ((1 << 63) - 1))
+
+
+@dataclass
+class Sampled:
+    tokens: mx.array  # (B,) int32
+    logprobs: mx.array | None = None  # (B,) chosen token's logprob, when any row asked
+    top_ids: mx.array | None = None  # (B, N) when any row asked for top-N
+    top_logprobs: mx.array | None = None
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if a is not None]
+
+
+def sample(logits: mx.array, params: list[SamplingParams], indices: list[int]) -> Sampled:
+    """logits: (B, V); params[b] and indices[b] (the token's index within its request)."""
+    B, V = logits.shape
+    logits = logits.astype(mx.float32)
+    bias_rows, bias_cols, bias_vals = [], [], []
+    for b, p in enumerate(params):
+        for tok, val in p.logit_bias.items():
+            if 0 <= tok < V:
+                bias_rows.append(b)
+                bias_cols.append(tok)
+                bias_vals.append(val)
+    if bias_rows:
+        logits = logits.at[mx.array(bias_rows), mx.array(bias_cols)].add(mx.array(bias_vals, dtype=mx.float32))
+
+    hot = [b for b, p in enumerate(params) if p.temperature > 0]
+    tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+    if hot:
+        drawn = _draw(logits[mx.array(hot)], [params[b] for b in hot], [indices[b] for b in hot])
+        if len(hot) == B:
+            tokens = drawn
+        else:
+            tokens = tokens.at[mx.array(hot)].add(drawn - tokens[mx.array(hot)])
+
+    out = Sampled(tokens)
+    want = [p.logprobs for p in params if p.logprobs is not None]
+    if want:
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        out.logprobs = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+        n = min(max(want), V)
+        if n > 0:
+            top = mx.argsort(-lp, axis=-1)[:, :n]
+            out.top_ids = top
+            out.top_logprobs = mx.take_along_axis(lp, top, axis=-1)
+    return out
+
+
+def _draw(logits: mx.array, params: list[SamplingParams], indices: list[int]) -> mx.array:
+    """Temperature / top-k / top-p / min-p, then Gumbel-max with per-(seed, index) noise."""
+    n, V = logits.shape
+    temp = mx.array(np.array([p.temperature for p in params], np.float32))[:, None]
+    scaled = logits / temp
+    order = mx.argsort(-scaled, axis=-1)  # descending
+    sorted_logits = mx.take_along_axis(scaled, order, axis=-1)
+    probs = mx.softmax(sorted_logits, axis=-1)
+    rank = mx.arange(V)[None, :]
+    keep = mx.ones((n, V), dtype=mx.bool_)
+    top_k = np.array([p.top_k if p.top_k > 0 else V for p in params], np.int32)
+    if (top_k < V).any():
+        keep = keep & (rank < mx.array(top_k)[:, None])
+    top_p = np.array([p.top_p for p in params], np.float32)
+    if (top_p < 1.0).any():
+        before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+        keep = keep & (before < mx.array(top_p)[:, None])
+    min_p = np.array([p.min_p for p in params], np.float32)
+    if (min_p > 0).any():
+        keep = keep & (probs >= mx.array(min_p)[:, None] * probs[:, :1])
+    keep = keep | (rank == 0)  # the most likely token always stays eligible
+    noise = mx.stack([mx.random.gumbel((V,), key=step_key(p.seed, i)) for p, i in zip(params, indices)])
+    choice = mx.argmax(mx.where(keep, sorted_logits + noise, -mx.inf), axis=-1)
+    return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(mx.int32)
