@@ -1,0 +1,155 @@
+"""KV handoff connections over ZeroMQ: prefill DEALER (``KVSender``) -> decode ROUTER
+(``KVReceiver``), each beginning with the cluster handshake and sealing every message.
+
+The socket is plain ZeroMQ (no CURVE): the handshake and AES-GCM frames protect it,
+so the bulk path pays for one cipher, not two. Both classes own their socket but do no
+threading; the worker's IO thread polls ``.socket`` and calls ``recv`` / ``handle``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import zmq
+
+from tandem.wire import codec
+from tandem.wire.errors import WireError
+from tandem.wire.handshake import Initiator, Responder, error_frames
+from tandem.wire.messages import Message
+from tandem.wire.sealed import SealedChannel
+from tandem.wire.sockets import make_socket
+
+log = logging.getLogger(__name__)
+
+KV_HWM = 64  # messages; KV chunks are large, so keep the queue short and let send block
+MAX_PENDING_HANDSHAKES = 256
+
+
+class KVSender:
+    """One authenticated connection to a decode worker's KV ingest address.
+
+    ``KVSender(ctx, "tcp://10.0.0.2:5600", secret, "prefill-1")`` connects and runs the
+    handshake (raises AuthError on a wrong secret, PeerAtCapacity if the decode worker
+    refused, TimeoutError if it did not answer within ``timeout_s``)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, secret: bytes, node_id: str, *, timeout_s: float = 5.0):
+        self.address = address
+        self.socket = make_socket(ctx, zmq.DEALER, connect=address, hwm=KV_HWM)
+        try:
+            initiator = Initiator(secret, node_id)
+            self.socket.send_multipart(initiator.hello())
+            proof, self.channel, self.peer_id = initiator.on_challenge(self._recv_raw(timeout_s))
+            self.socket.send_multipart(proof)
+        except BaseException:
+            self.socket.close(0)
+            raise
+
+    def _recv_raw(self, timeout_s: float | None) -> list:
+        if timeout_s is not None and not self.socket.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"KV peer {self.address} did not answer within {timeout_s:.1f}s")
+        return codec.recv_frames(self.socket, copy=False)
+
+    def send(self, msg: Message) -> None:
+        codec.send(self.socket, self.channel.seal(codec.encode(msg)))
+
+    def send_frames(self, frames: list) -> None:
+        """Seal and send already-encoded frames (``codec.encode(msg)``)."""
+        codec.send(self.socket, self.channel.seal(frames))
+
+    def recv(self, timeout_s: float | None = None) -> Message:
+        """The next message from the decode worker (KVAck / KVRefuse)."""
+        return codec.decode(self.channel.open(self._recv_raw(timeout_s)))
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+class KVReceiver:
+    """The decode worker's KV ingest: a bound ROUTER, one session per connected peer.
+
+    Feed every incoming multipart message to :meth:`handle`; it runs handshakes itself
+    and returns ``(peer, message)`` for each authenticated, opened and decoded message.
+    ``at_capacity()`` decides the (authenticated) verdict for new connections. Any
+    failure drops that peer's session; counts are in ``stats``."""
+
+    def __init__(self, ctx: zmq.Context, bind: str, secret: bytes, node_id: str, *, at_capacity=None):
+        self.socket = make_socket(ctx, zmq.ROUTER, bind=bind, hwm=KV_HWM)
+        self._secret = secret
+        self._node_id = node_id
+        self._at_capacity = at_capacity or (lambda: False)
+        self._pending: dict[bytes, Responder] = {}
+        self._channels: dict[bytes, SealedChannel] = {}
+        self.peer_ids: dict[bytes, str] = {}
+        self.stats: Counter = Counter()
+
+    @property
+    def endpoint(self) -> str:
+        return self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def recv(self, timeout_s: float | None = None) -> tuple[bytes, Message] | None:
+        """Receive and handle messages until one decodes or ``timeout_s`` passes."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.socket.poll(wait):
+                return None
+            try:
+                frames = codec.recv_frames(self.socket, copy=False)
+            except WireError as exc:
+                self.stats["rejected_" + exc.reason] += 1
+                continue
+            result = self.handle(frames)
+            if result is not None:
+                return result
+
+    def handle(self, frames: list) -> tuple[bytes, Message] | None:
+        peer, body = codec.split_route(frames)
+        channel = self._channels.get(peer)
+        try:
+            if channel is not None:
+                return peer, codec.decode(channel.open(body))
+            responder = self._pending.pop(peer, None)
+            if responder is not None:
+                self._channels[peer] = responder.on_proof(body)
+                self.peer_ids[peer] = responder.peer_id
+                self.stats["handshakes_ok"] += 1
+                return None
+            responder = Responder(self._secret, self._node_id)
+            at_capacity = bool(self._at_capacity())
+            reply = responder.on_hello(body, at_capacity=at_capacity)
+            if at_capacity:
+                self.stats["refused_at_capacity"] += 1
+            else:
+                if len(self._pending) >= MAX_PENDING_HANDSHAKES:
+                    self._pending.pop(next(iter(self._pending)))
+                self._pending[peer] = responder
+            self._send_raw(peer, reply)
+        except WireError as exc:
+            self.stats["rejected_" + exc.reason] += 1
+            log.warning("KV peer %s dropped: %s", self.peer_ids.get(peer, peer.hex()), exc)
+            self.drop(peer)
+            self._send_raw(peer, error_frames())
+        return None
+
+    def send(self, peer: bytes, msg: Message) -> None:
+        channel = self._channels.get(peer)
+        if channel is None:
+            raise WireError(f"no authenticated session with peer {peer.hex()}", "no_session")
+        self._send_raw(peer, channel.seal(codec.encode(msg)))
+
+    def _send_raw(self, peer: bytes, frames: list) -> None:
+        try:
+            codec.send(self.socket, codec.route(peer, frames), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue is full
+            self.stats["send_failed"] += 1
+            log.info("KV reply to %s not delivered: %s", peer.hex(), exc)
+
+    def drop(self, peer: bytes) -> bool:
+        self._pending.pop(peer, None)
+        self.peer_ids.pop(peer, None)
+        return self._channels.pop(peer, None) is not None
+
+    def close(self) -> None:
+        self.socket.close(0)

@@ -1,0 +1,179 @@
+"""Handshake and sealed frames: wrong secrets, flipped bytes, replays and reorders are refused."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import zmq
+
+from tandem.wire import codec
+from tandem.wire import protocol as P
+from tandem.wire.errors import AuthError, WireError
+from tandem.wire.handshake import Initiator, PeerAtCapacity, Responder
+from tandem.wire.kvchannel import KVReceiver, KVSender
+from tandem.wire.messages import KVAck, KVChunk
+from tandem.wire.sealed import REJECTED, SealedChannel
+
+SECRET = b"k" * 32
+RID = b"q" * 16
+
+
+def _pair(secret_i=SECRET, secret_r=SECRET, at_capacity=False):
+    ini, res = Initiator(secret_i, "prefill-1"), Responder(secret_r, "decode-1")
+    challenge = res.on_hello(ini.hello(), at_capacity=at_capacity)
+    proof, ch_i, peer = ini.on_challenge(challenge)
+    assert peer == "decode-1"
+    return ch_i, res.on_proof(proof)
+
+
+def test_handshake_and_both_directions():
+    ch_i, ch_r = _pair()
+    frames = [b"header", b"x" * 100_000, b""]
+    assert ch_r.open(ch_i.seal(frames)) == frames
+    assert ch_i.open(ch_r.seal([b"ack"])) == [b"ack"]
+    assert ch_r.open(ch_i.seal([b"second"])) == [b"second"]
+
+
+def test_fresh_keys_per_connection():
+    a, _ = _pair()
+    b, _ = _pair()
+    assert a.seal([b"same"])[1] != b.seal([b"same"])[1]
+
+
+@pytest.mark.parametrize("side", ["initiator", "responder"])
+def test_wrong_secret_refused(side):
+    other = b"w" * 32
+    ini = Initiator(other if side == "initiator" else SECRET, "p")
+    res = Responder(other if side == "responder" else SECRET, "d")
+    with pytest.raises(AuthError, match="wrong cluster secret"):
+        ini.on_challenge(res.on_hello(ini.hello()))
+
+
+def test_forged_proof_refused():
+    ini, res = Initiator(SECRET, "p"), Responder(SECRET, "d")
+    res.on_hello(ini.hello())
+    with pytest.raises(AuthError):
+        res.on_proof([P.header_prefix(P.MsgType.PROOF) + msgpack.packb([b"\0" * 32])])
+
+
+def test_at_capacity_verdict_is_authenticated():
+    ini, res = Initiator(SECRET, "p"), Responder(SECRET, "d")
+    challenge = res.on_hello(ini.hello(), at_capacity=True, retry_after_s=0.25)
+    with pytest.raises(PeerAtCapacity) as err:
+        ini.on_challenge(challenge)
+    assert err.value.retry_after_s == 0.25
+    # A forger cannot turn an accept into a refusal (or back) without breaking the MAC.
+    ini, res = Initiator(SECRET, "p"), Responder(SECRET, "d")
+    accept = res.on_hello(ini.hello())[0]
+    assert b"\xa6accept" in accept
+    tampered = accept.replace(b"\xa6accept", b"\xabat_capacity")
+    with pytest.raises(AuthError):
+        ini.on_challenge([tampered])
+
+
+def test_every_single_byte_flip_is_rejected():
+    k1, k2 = b"1" * 32, b"2" * 32
+    sealed = SealedChannel(k1, k2).seal([b"hdr" * 10, bytes(range(256)) * 2])
+    assert SealedChannel(k2, k1).open(sealed) == [b"hdr" * 10, bytes(range(256)) * 2]
+    flips = 0
+    for f, frame in enumerate(sealed):
+        for pos in range(len(frame)):
+            tampered = [bytearray(x) for x in sealed]
+            tampered[f][pos] ^= 0x01 << (pos % 8)
+            with pytest.raises(WireError):
+                SealedChannel(k2, k1).open([bytes(x) for x in tampered])
+            flips += 1
+    assert flips == sum(len(x) for x in sealed)
+
+
+def test_replay_reorder_truncation_rejected_and_counted():
+    ch_i, ch_r = _pair()
+    m1, m2, m3 = ch_i.seal([b"one"]), ch_i.seal([b"two"]), ch_i.seal([b"three", b"four"])
+    assert ch_r.open(m1) == [b"one"]
+    before = dict(REJECTED)
+    with pytest.raises(AuthError) as err:
+        ch_r.open(m1)  # replay
+    assert err.value.reason == "replay" and REJECTED["replay"] == before.get("replay", 0) + 1
+    with pytest.raises(AuthError, match="already rejected"):
+        ch_r.open(m2)  # the channel is broken: drop the connection
+    ch_i, ch_r = _pair()
+    m1, m2 = ch_i.seal([b"one"]), ch_i.seal([b"two"])
+    with pytest.raises(AuthError) as err:
+        ch_r.open(m2)  # reorder
+    assert err.value.reason == "reorder"
+    ch_i, ch_r = _pair()
+    m = ch_i.seal([b"a", b"b"])
+    with pytest.raises(AuthError) as err:
+        ch_r.open(m[:2])  # truncated
+    assert err.value.reason == "truncated"
+    ch_i, ch_r = _pair()
+    m = ch_i.seal([b"a", b"b"])
+    with pytest.raises(AuthError):
+        ch_r.open([m[0], m[2], m[1]])  # frames swapped
+
+
+@pytest.fixture
+def ctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def test_kv_sender_receiver_over_zeromq(ctx):
+    rx = KVReceiver(ctx, "tcp://127.0.0.1:*", SECRET, "decode-1")
+    import threading
+
+    result = {}
+
+    def sender():
+        tx = KVSender(ctx, rx.endpoint, SECRET, "prefill-1")
+        tx.send(KVChunk(RID, 0, 0, 1, 0, 1, True, [b"K" * 70_000, b"V"]))
+        result["ack"] = tx.recv(timeout_s=5)
+        tx.close()
+
+    t = threading.Thread(target=sender)
+    t.start()
+    got = None
+    while got is None:
+        got = rx.recv(timeout_s=5)
+        assert got is not None or t.is_alive()
+    peer, msg = got
+    assert rx.peer_ids[peer] == "prefill-1"
+    assert [bytes(f) for f in msg.frames] == [b"K" * 70_000, b"V"]
+    rx.send(peer, KVAck(RID, True))
+    t.join(5)
+    assert result["ack"] == KVAck(RID, True)
+    rx.close()
+
+
+def test_wrong_secret_peer_refused_over_zeromq(ctx):
+    rx = KVReceiver(ctx, "tcp://127.0.0.1:*", SECRET, "decode-1")
+    import threading
+
+    errors = []
+
+    def sender():
+        try:
+            KVSender(ctx, rx.endpoint, b"x" * 32, "intruder", timeout_s=5)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+
+    t = threading.Thread(target=sender)
+    t.start()
+    assert rx.recv(timeout_s=1.0) is None
+    t.join(5)
+    assert isinstance(errors[0], AuthError)
+    assert not rx._channels
+
+
+def test_unauthenticated_garbage_gets_nothing(ctx):
+    rx = KVReceiver(ctx, "tcp://127.0.0.1:*", SECRET, "decode-1")
+    d = ctx.socket(zmq.DEALER)
+    d.linger = 0
+    d.connect(rx.endpoint)
+    ch_i, _ = _pair()
+    for frames in ([b"hello?"], codec.encode(KVAck(RID)), ch_i.seal([b"sealed under other keys"])):
+        d.send_multipart(frames)
+        assert rx.recv(timeout_s=0.3) is None
+    assert sum(v for k, v in rx.stats.items() if k.startswith("rejected_")) == 3
+    d.close()
