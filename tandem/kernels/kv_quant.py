@@ -1,0 +1,127 @@
+"""int8 / int4 quantization of paged K/V blocks for transfer, with one scale per (block, head).
+
+Arrays are ``(num_blocks, num_kv_heads, block_size, head_dim)`` in the cache dtype
+(``float16``, ``float32``, or ``bfloat16`` carried as a ``uint16`` view). Symmetric
+absmax: ``s = max|x| / qmax`` over each (block, head) tile, ``q = round(x / s)`` with
+``qmax`` 127 (int8) or 7 (int4, two values per byte along ``head_dim``, stored as
+``q + 8`` nibbles, low nibble first).
+
+Error bound (documented in docs/protocol.md and checked by tests): every element of
+the dequantized tile satisfies ``|x - x_hat| <= s / 2`` before the final rounding to the
+cache dtype, which adds at most half an ulp of ``x_hat`` (2^-11 relative for float16,
+2^-8 for bfloat16, 2^-24 for float32).
+
+``quantize``/``dequantize`` are the vectorized numpy kernels the wire uses;
+``quantize_reference``/``dequantize_reference`` are the tile-by-tile pure-ops
+definition they are tested against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QMAX = {8: 127, 4: 7}
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def to_float32(x: np.ndarray, dtype: str) -> np.ndarray:
+    """The cache array as float32 (bfloat16 arrives as a uint16 view)."""
+    if dtype == "bfloat16":
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x.astype(np.float32)
+
+
+def from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        bits = x.astype(np.float32).view(np.uint32)
+        # Round to nearest even on the 16 dropped bits (values here are finite).
+        bits = bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))
+        return (bits >> 16).astype(np.uint16)
+    return x.astype(dtype)
+
+
+def _check(x: np.ndarray, bits: int) -> None:
+    if bits not in QMAX:
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    if x.ndim != 4:
+        raise ValueError(f"expected (blocks, heads, block_size, head_dim), got shape {x.shape}")
+    if bits == 4 and x.shape[-1] % 2:
+        raise ValueError(f"int4 packs pairs along head_dim; head_dim {x.shape[-1]} is odd")
+
+
+def quantize(x: np.ndarray, bits: int, dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """-> (q, scales). q: int8 of x's shape (8 bits) or uint8 with head_dim/2 (4 bits);
+    scales: float32 ``(num_blocks, num_kv_heads)``."""
+    _check(x, bits)
+    xf = to_float32(x, dtype or str(x.dtype))
+    qmax = QMAX[bits]
+    scales = np.abs(xf).max(axis=(2, 3)) / np.float32(qmax)
+    inv = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > 0)
+    xf *= inv[:, :, None, None]
+    np.rint(xf, out=xf)
+    np.clip(xf, -qmax, qmax, out=xf)
+    q = xf.astype(np.int8)
+    if bits == 4:
+        u = (q + 8).astype(np.uint8)
+        q = u[..., 0::2] | (u[..., 1::2] << 4)
+    return q, scales.astype(np.float32)
+
+
+def dequantize(q: np.ndarray, scales: np.ndarray, bits: int, dtype: str) -> np.ndarray:
+    """Inverse of :func:`quantize`, returned in the cache ``dtype`` (bfloat16 as uint16)."""
+    if bits == 4:
+        lo = (q & 0x0F).astype(np.int8) - 8
+        hi = (q >> 4).astype(np.int8) - 8
+        vals = np.empty(q.shape[:-1] + (q.shape[-1] * 2,), np.float32)
+        vals[..., 0::2] = lo
+        vals[..., 1::2] = hi
+    else:
+        vals = q.astype(np.float32)
+    vals *= scales[:, :, None, None]
+    return from_float32(vals, dtype)
+
+
+def quantize_reference(x: np.ndarray, bits: int, dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Tile-by-tile definition of :func:`quantize` (slow; for tests)."""
+    _check(x, bits)
+    xf = to_float32(x, dtype or str(x.dtype))
+    qmax = QMAX[bits]
+    nb, nh, bs, hd = xf.shape
+    q = np.zeros((nb, nh, bs, hd), np.int8)
+    scales = np.zeros((nb, nh), np.float32)
+    for b in range(nb):
+        for h in range(nh):
+            tile = xf[b, h]
+            s = np.float32(np.abs(tile).max()) / np.float32(qmax)
+            scales[b, h] = s
+            if s > 0:
+                q[b, h] = np.clip(np.rint(tile * (np.float32(1) / s)), -qmax, qmax)
+    if bits == 4:
+        packed = np.zeros((nb, nh, bs, hd // 2), np.uint8)
+        for i in range(hd // 2):
+            packed[..., i] = (q[..., 2 * i] + 8).astype(np.uint8) | ((q[..., 2 * i + 1] + 8).astype(np.uint8) << 4)
+        q = packed
+    return q, scales
+
+
+def dequantize_reference(q: np.ndarray, scales: np.ndarray, bits: int, dtype: str) -> np.ndarray:
+    if bits == 4:
+        nb, nh, bs, half = q.shape
+        vals = np.zeros((nb, nh, bs, half * 2), np.float32)
+        for i in range(half):
+            vals[..., 2 * i] = (q[..., i] & 0x0F).astype(np.float32) - 8
+            vals[..., 2 * i + 1] = (q[..., i] >> 4).astype(np.float32) - 8
+    else:
+        vals = q.astype(np.float32)
+    out = np.zeros(vals.shape, np.float32)
+    for b in range(vals.shape[0]):
+        for h in range(vals.shape[1]):
+            out[b, h] = vals[b, h] * scales[b, h]
+    return from_float32(out, dtype)
+
+
+def error_bound(x: np.ndarray, scales: np.ndarray, dtype: str) -> np.ndarray:
+    """Per-element bound on |x - dequantize(quantize(x))|: s/2 plus the dtype's rounding."""
+    rel = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24}[dtype]
+    xf = np.abs(to_float32(x, dtype))
+    return scales[:, :, None, None] / 2 * (1 + 1e-6) + (xf + scales[:, :, None, None]) * rel

@@ -1,0 +1,70 @@
+"""KV quantization: the numpy kernel equals the tile-by-tile reference, and stays within its bound."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.kernels import kv_quant as kq
+
+
+def _cache(dtype, seed=0, shape=(5, 3, 16, 64), outliers=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if outliers:  # K caches have a few large channels; one tile is all zeros
+        x[..., 3] *= 20
+        x[1, 2] = 0
+    return kq.from_float32(x, dtype)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", kq.DTYPES)
+def test_kernel_equals_reference(bits, dtype):
+    x = _cache(dtype)
+    q, s = kq.quantize(x, bits, dtype)
+    q_ref, s_ref = kq.quantize_reference(x, bits, dtype)
+    np.testing.assert_array_equal(s, s_ref)
+    np.testing.assert_array_equal(q, q_ref)
+    np.testing.assert_array_equal(kq.dequantize(q, s, bits, dtype), kq.dequantize_reference(q, s, bits, dtype))
+    expected_shape = x.shape if bits == 8 else x.shape[:-1] + (x.shape[-1] // 2,)
+    assert q.shape == expected_shape and s.shape == x.shape[:2] and s.dtype == np.float32
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", kq.DTYPES)
+def test_error_within_documented_bound(bits, dtype):
+    for seed in range(3):
+        x = _cache(dtype, seed)
+        q, s = kq.quantize(x, bits, dtype)
+        x_hat = kq.dequantize(q, s, bits, dtype)
+        err = np.abs(kq.to_float32(x, dtype) - kq.to_float32(x_hat, dtype))
+        assert np.all(err <= kq.error_bound(x, s, dtype))
+        # The bound is tight enough to mean something: the worst error uses a good part of it.
+        assert err.max() > 0.3 * (s.max() / 2)
+    # All-zero tiles come back exactly.
+    assert np.all(kq.to_float32(x_hat, dtype)[1, 2] == 0)
+
+
+def test_int8_relative_error_on_normal_data():
+    x = _cache("float16", outliers=False)
+    q, s = kq.quantize(x, 8)
+    x_hat = kq.dequantize(q, s, 8, "float16")
+    rel = np.linalg.norm(x_hat.astype(np.float32) - x.astype(np.float32)) / np.linalg.norm(x.astype(np.float32))
+    assert rel < 0.01  # about 0.3% on unit normals; the bound above is the contract
+
+
+def test_bfloat16_round_trip_helpers():
+    f = np.array([1.0009765625, 1e-3, 65504.0], np.float32)
+    back = kq.to_float32(kq.from_float32(f, "bfloat16"), "bfloat16")
+    assert np.all(np.abs(back - f) <= np.abs(f) * 2.0**-8)
+    exact = np.array([1.0, -2.5, 3.140625], np.float32)  # representable in bfloat16
+    np.testing.assert_array_equal(kq.to_float32(kq.from_float32(exact, "bfloat16"), "bfloat16"), exact)
+
+
+def test_bad_shapes_refused():
+    with pytest.raises(ValueError):
+        kq.quantize(np.zeros((2, 2, 2), np.float16), 8)
+    with pytest.raises(ValueError):
+        kq.quantize(np.zeros((1, 1, 2, 3), np.float16), 4)
+    with pytest.raises(ValueError):
+        kq.quantize(np.zeros((1, 1, 2, 4), np.float16), 2)
