@@ -1,0 +1,165 @@
+"""The Falcon ASGI app: ``create_app(config, backend=None, tokenizer=None)``.
+
+gunicorn imports the app in its master (``preload_app``: the tokenizer is loaded
+once and shared copy-on-write) and forks workers; the wire client holds ZeroMQ
+sockets, which must not cross a fork, so each worker builds its own in the ASGI
+lifespan startup (or on the first request when lifespan is off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from pathlib import Path
+
+import falcon
+import falcon.asgi
+
+from tandem.http.backend import Backend, make_backend
+from tandem.http.completions import CompletionsResource
+from tandem.http.errors import ApiError, handle_error
+from tandem.http.metrics import EdgeMetrics
+from tandem.http.ops import HealthResource, MetricsResource, ModelResource, ModelsResource, ReadyResource, StatsResource
+from tandem.http.settings import EdgeSettings
+from tandem.http.tokenizer import EdgeTokenizer, load_tokenizer
+
+log = logging.getLogger("tandem.edge")
+
+
+class Edge:
+    """Per-process state the resources share: settings, tokenizer, metrics, backend."""
+
+    def __init__(self, config, backend: Backend | None, tokenizer: EdgeTokenizer, model_name: str, api_key: bytes | None):
+        self.config = config
+        self.settings: EdgeSettings = config.edge
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.api_key = api_key
+        self.metrics = EdgeMetrics()
+        self._backend = backend
+        self._backend_pid = os.getpid() if backend is not None else None
+        self._started = False
+        self._lock: asyncio.Lock | None = None
+
+    async def get_backend(self) -> Backend:
+        if self._backend is None or self._backend_pid != os.getpid():
+            # Built in this process: a client inherited across fork() shares sockets.
+            self._backend = make_backend(self.config)
+            self._backend_pid = os.getpid()
+            self._started = False
+        if not self._started:
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                if not self._started:
+                    await self._backend.start()
+                    self._started = True
+        return self._backend
+
+    async def close(self) -> None:
+        if self._backend is not None and self._started and self._backend_pid == os.getpid():
+            await self._backend.close()
+            self._started = False
+
+
+class _Lifespan:
+    def __init__(self, edge: Edge):
+        self.edge = edge
+
+    async def process_startup(self, scope, event):
+        try:
+            await self.edge.get_backend()
+        except ImportError:
+            raise
+        except Exception as exc:  # a broker that is down now may come up later: /ready says so
+            log.warning("wire client did not start: %s (requests will retry)", exc)
+
+    async def process_shutdown(self, scope, event):
+        await self.edge.close()
+
+
+class _Auth:
+    """Bearer-token check for /v1/*; health, readiness and metrics stay open for probes."""
+
+    def __init__(self, edge: Edge):
+        self.edge = edge
+
+    async def process_request(self, req, resp):
+        if self.edge.api_key is None or not req.path.startswith("/v1/"):
+            return
+        header = req.get_header("Authorization") or ""
+        scheme, _, token = header.partition(" ")
+        supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
+        # compare_digest takes time independent of where the strings differ.
+        if not hmac.compare_digest(supplied, self.edge.api_key):
+            self.edge.metrics.refuse("unauthorized")
+            raise ApiError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+
+def _model_dir(config) -> Path:
+    if config.model.path:
+        return Path(config.model.path).expanduser()
+    try:
+        from tandem.pipeline.model_store import default_model_dir
+    except ImportError:
+        raise ValueError("no model directory configured; pass --model PATH") from None
+    return Path(default_model_dir())
+
+
+def _api_key(settings: EdgeSettings) -> bytes | None:
+    if not settings.api_key_file:
+        return None
+    try:
+        key = Path(settings.api_key_file).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the API key file {settings.api_key_file}: {exc.strerror}") from None
+    if not key:
+        raise ValueError(f"the API key file {settings.api_key_file} is empty")
+    return key
+
+
+class EdgeApp(falcon.asgi.App):
+    """The Falcon app, carrying its :class:`Edge` (tests and the gunicorn hooks read it)."""
+
+    edge: Edge
+
+
+def create_app(config=None, backend: Backend | None = None, tokenizer: EdgeTokenizer | None = None) -> EdgeApp:
+    """Build the edge. ``backend`` and ``tokenizer`` default to the production ones."""
+    if config is None:
+        from tandem.config import load
+
+        config = load()
+    model_name = config.edge.model_name
+    if tokenizer is None or model_name is None:
+        model_dir = _model_dir(config)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model_dir)
+        model_name = model_name or model_dir.name
+    edge = Edge(config, backend, tokenizer, model_name, _api_key(config.edge))
+    app = EdgeApp(middleware=[_Lifespan(edge), _Auth(edge)], cors_enable=False)
+    app.req_options.strip_url_path_trailing_slash = True
+    app.add_error_handler(Exception, handle_error)
+    app.add_error_handler(falcon.HTTPError, handle_error)
+    app.add_route("/v1/chat/completions", CompletionsResource(edge, "chat"))
+    app.add_route("/v1/completions", CompletionsResource(edge, "completion"))
+    app.add_route("/v1/models", ModelsResource(edge))
+    app.add_route("/v1/models/{model_id}", ModelResource(edge))
+    app.add_route("/v1/stats", StatsResource(edge))
+    app.add_route("/health", HealthResource())
+    app.add_route("/ready", ReadyResource(edge))
+    app.add_route("/metrics", MetricsResource(edge))
+    app.edge = edge  # for tests and the gunicorn config
+    return app
+
+
+def gunicorn_app() -> falcon.asgi.App:
+    """Entry point for gunicorn (``tandem.http.app:gunicorn_app()``): config from the
+    environment that ``tandem edge`` prepared."""
+    from tandem.config import load
+
+    return create_app(load())
