@@ -42,7 +42,7 @@ class KVOptions:
     connections: int = 2  # layer_parallel
 
 
-def make_header(snap: KVSnapshot, options: KVOptions, *, stream_seq: int = 0, priority: int = 0) -> KVHeader:
+def make_header(snap: KVSnapshot, options: KVOptions, *, stream_seq: int = 0, priority: int = 0, attempt: int = 0) -> KVHeader:
     return KVHeader(
         request_id=snap.request_id, model=snap.model_id, block_size=snap.block_size,
         num_layers=snap.num_layers, num_kv_heads=snap.num_kv_heads, head_dim=snap.head_dim,
@@ -51,7 +51,7 @@ def make_header(snap: KVSnapshot, options: KVOptions, *, stream_seq: int = 0, pr
         num_cached_prompt_tokens=snap.num_cached_prompt_tokens,
         num_blocks=math.ceil(snap.num_computed / snap.block_size),
         compression=options.compression, quantization=options.quantization, strategy=options.strategy,
-        stream_seq=stream_seq, priority=priority,
+        stream_seq=stream_seq, priority=priority, attempt=attempt,
     )
 
 
@@ -93,10 +93,12 @@ def encode_chunk(snap: KVSnapshot, layers: range, blocks: range, options: KVOpti
     return KVChunk(snap.request_id, index, layers.start, layers.stop, blocks.start, blocks.stop, last, frames)
 
 
-def snapshot_messages(snap: KVSnapshot, options: KVOptions, *, stream_seq: int = 0) -> list[list]:
+def snapshot_messages(
+    snap: KVSnapshot, options: KVOptions, *, stream_seq: int = 0, priority: int = 0, attempt: int = 0
+) -> list[list]:
     """Per connection: [KVHeader, KVChunk, ...]. Every connection repeats the header so
     each one can be validated on its own, whichever arrives first."""
-    header = make_header(snap, options, stream_seq=stream_seq)
+    header = make_header(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt)
     out = []
     index = 0
     for ranges in plan(snap.num_layers, header.num_blocks, options):

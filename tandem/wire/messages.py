@@ -215,6 +215,7 @@ class KVHeader:
     strategy: str = w(S.Str(16, P.KV_STRATEGIES), "full")
     stream_seq: int = w(S.SEQ, 0)  # the next token-stream sequence number the decode side publishes
     priority: int = w(S.PRIORITY, 0)
+    attempt: int = w(S.Int(0, P.MAX_ATTEMPTS), 0)  # the dispatch attempt the decode side publishes under
 
 
 @message(MsgType.KV_CHUNK)
