@@ -1,0 +1,253 @@
+"""Moving one KVSnapshot from a prefill worker to a decode worker: strategies, acks,
+timeouts, and the adaptive choice of strategy from measured bandwidth.
+
+Sender: :func:`send_snapshot` over one or more :class:`KVSender` connections to the same
+decode worker (LayerParallel spreads layers over them, one thread per connection).
+Receiver: :class:`KVIngest` wraps a :class:`KVReceiver`, assembles transfers from any
+number of connections, acknowledges complete ones, refuses ones ``can_accept`` rejects,
+and forgets partial ones after ``timeout_s`` so no KV stays pinned by a dead peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from tandem.kvtypes import KVSnapshot
+from tandem.wire import codec
+from tandem.wire.errors import WireError
+from tandem.wire.kvchannel import KVReceiver, KVSender
+from tandem.wire.kvframes import KVAssembler, KVOptions, snapshot_messages
+from tandem.wire.messages import KVAck, KVChunk, KVHeader, KVRefuse
+
+log = logging.getLogger(__name__)
+
+
+class KVRefused(WireError):
+    """The decode worker authenticated and refused this request (at capacity, ...)."""
+
+    def __init__(self, refuse: KVRefuse):
+        super().__init__(f"decode worker refused KV: {refuse.reason} {refuse.message}".strip(), refuse.reason)
+        self.retry_after_s = refuse.retry_after_s
+
+
+@dataclass
+class TransferResult:
+    strategy: str
+    nbytes: int  # bytes of KV moved (the snapshot's, before compression/quantization)
+    wire_bytes: int  # payload bytes actually sent
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def send_snapshot(
+    senders: list[KVSender],
+    snap: KVSnapshot,
+    options: KVOptions,
+    *,
+    stream_seq: int = 0,
+    priority: int = 0,
+    attempt: int = 0,
+    timeout_s: float = 30.0,
+) -> TransferResult:
+    """Send and wait for the decode worker's KVAck(complete). Raises KVRefused, AuthError,
+    WireError or TimeoutError; after any of these the connections should be closed."""
+    if options.strategy == "layer_parallel":
+        options = KVOptions(**{**options.__dict__, "connections": min(options.connections, len(senders))})
+    t0 = time.perf_counter()
+    per_conn = snapshot_messages(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt)
+    wire_bytes = sum(len(codec.as_buffer(f)) for msgs in per_conn for m in msgs if isinstance(m, KVChunk) for f in m.frames)
+    if len(per_conn) == 1:
+        for msg in per_conn[0]:
+            senders[0].send(msg)
+    else:
+        errors: list[BaseException] = []
+
+        def push(sender: KVSender, msgs: list) -> None:
+            try:
+                for msg in msgs:
+                    sender.send(msg)
+            except BaseException as exc:  # re-raised below in the caller's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=push, args=(s, m)) for s, m in zip(senders, per_conn)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+    _await_ack(senders[: len(per_conn)], snap.request_id, timeout_s)
+    return TransferResult(options.strategy, snap.nbytes, wire_bytes, time.perf_counter() - t0)
+
+
+def _await_ack(senders: list[KVSender], request_id: bytes, timeout_s: float) -> None:
+    poller = zmq.Poller()
+    for s in senders:
+        poller.register(s.socket, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"decode worker did not acknowledge KV within {timeout_s:.1f}s")
+        for sock, _ in poller.poll(int(remaining * 1000)):
+            sender = next(s for s in senders if s.socket is sock)
+            msg = sender.recv()
+            if isinstance(msg, KVRefuse) and msg.request_id == request_id:
+                raise KVRefused(msg)
+            if isinstance(msg, KVAck) and msg.request_id == request_id and msg.complete:
+                return
+
+
+@dataclass
+class _Pending:
+    assembler: KVAssembler
+    peer: bytes
+    started: float
+    peers: set = field(default_factory=set)
+
+
+class KVIngest:
+    """The decode side of KV transfers. Call :meth:`handle` with each message from
+    ``.socket`` (or :meth:`poll`); it returns the transfers that just completed as
+    ``(header, snapshot, peer_node_id)``. ``can_accept(header)`` may return a refusal
+    reason string (``"at_capacity"``) to refuse a transfer, or None to take it."""
+
+    def __init__(self, ctx: zmq.Context, bind: str, secret: bytes, node_id: str, *, can_accept=None, at_capacity=None, timeout_s: float = 30.0):
+        self.receiver = KVReceiver(ctx, bind, secret, node_id, at_capacity=at_capacity)
+        self.socket = self.receiver.socket
+        self._can_accept = can_accept or (lambda header: None)
+        self._timeout_s = timeout_s
+        self._pending: dict[bytes, _Pending] = {}
+        self._refused: dict[bytes, float] = {}
+        self.completed = 0
+        self.bytes_received = 0
+
+    @property
+    def endpoint(self) -> str:
+        return self.receiver.endpoint
+
+    def poll(self, timeout_s: float) -> list[tuple[KVHeader, KVSnapshot, str]]:
+        got = self.receiver.recv(timeout_s)
+        return [] if got is None else self._on_message(*got)
+
+    def handle(self, frames: list) -> list[tuple[KVHeader, KVSnapshot, str]]:
+        got = self.receiver.handle(frames)
+        return [] if got is None else self._on_message(*got)
+
+    def _on_message(self, peer: bytes, msg) -> list:
+        rid = getattr(msg, "request_id", None)
+        if rid in self._refused:
+            return []
+        try:
+            if isinstance(msg, KVHeader):
+                return self._on_header(peer, msg)
+            if isinstance(msg, KVChunk):
+                pending = self._pending.get(rid)
+                if pending is None:
+                    raise WireError("KV chunk before its header")
+                pending.assembler.add(msg)
+                pending.peer = peer
+                return self._maybe_complete(rid)
+            raise WireError(f"unexpected {type(msg).__name__} on the KV ingest socket")
+        except WireError as exc:
+            log.warning("KV transfer %s from %s failed: %s", rid.hex() if rid else "?", self.receiver.peer_ids.get(peer), exc)
+            self._pending.pop(rid, None)
+            if rid is not None:
+                self._refuse(peer, KVRefuse(rid, "invalid", str(exc)[:200]))
+            return []
+
+    def _on_header(self, peer: bytes, header: KVHeader) -> list:
+        pending = self._pending.get(header.request_id)
+        if pending is not None:
+            if not pending.assembler.same_geometry(header):
+                raise WireError("KV header repeated with a different geometry")
+            return []
+        reason = self._can_accept(header)
+        if reason:
+            self._refuse(peer, KVRefuse(header.request_id, reason, "", 0.05))
+            return []
+        self._pending[header.request_id] = _Pending(KVAssembler(header), peer, time.monotonic())
+        return self._maybe_complete(header.request_id)
+
+    def _maybe_complete(self, rid: bytes) -> list:
+        pending = self._pending[rid]
+        if not pending.assembler.complete:
+            return []
+        del self._pending[rid]
+        self.completed += 1
+        self.bytes_received += pending.assembler.bytes_received
+        self.receiver.send(pending.peer, KVAck(rid, True))
+        return [(pending.assembler.header, pending.assembler.snapshot(), self.receiver.peer_ids.get(pending.peer, ""))]
+
+    def _refuse(self, peer: bytes, refuse: KVRefuse) -> None:
+        self._refused[refuse.request_id] = time.monotonic()
+        try:
+            self.receiver.send(peer, refuse)
+        except WireError:
+            pass  # the peer's session is gone; its sender times out
+
+    def expire(self, now: float | None = None) -> list[bytes]:
+        """Forget transfers older than the timeout; returns their request ids."""
+        now = time.monotonic() if now is None else now
+        dead = [rid for rid, p in self._pending.items() if now - p.started > self._timeout_s]
+        for rid in dead:
+            del self._pending[rid]
+        for rid, t in list(self._refused.items()):
+            if now - t > self._timeout_s:
+                del self._refused[rid]
+        return dead
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+class AdaptiveSelector:
+    """Picks a strategy per decode peer from measured throughput.
+
+    Small transfers go Full (one round trip beats any overlap). For larger ones every
+    candidate is tried once per peer, then the best EWMA of achieved GB/s wins, with one
+    exploratory pick of the least recently tried candidate every ``explore_every``
+    transfers so a changed link or load is noticed."""
+
+    def __init__(self, *, small_bytes: int = 4 << 20, explore_every: int = 16, alpha: float = 0.3):
+        self.small_bytes = small_bytes
+        self.explore_every = explore_every
+        self.alpha = alpha
+        self._gbps: dict[tuple[str, str], float] = {}
+        self._last_used: dict[tuple[str, str], int] = {}
+        self._count: dict[str, int] = {}
+
+    def choose(self, peer: str, nbytes: int, *, streaming: bool = False) -> str:
+        if nbytes < self.small_bytes:
+            return "full"
+        candidates = ["full", "layer_parallel"] + (["streamed"] if streaming else [])
+        n = self._count[peer] = self._count.get(peer, 0) + 1
+        untried = [c for c in candidates if (peer, c) not in self._gbps]
+        if untried:
+            pick = min(untried, key=lambda c: self._last_used.get((peer, c), -1))
+        elif n % self.explore_every == 0:
+            pick = min(candidates, key=lambda c: self._last_used.get((peer, c), -1))
+        else:
+            pick = max(candidates, key=lambda c: self._gbps[(peer, c)])
+        self._last_used[(peer, pick)] = n
+        return pick
+
+    def record(self, peer: str, strategy: str, nbytes: int, seconds: float) -> None:
+        if seconds <= 0 or nbytes < self.small_bytes:
+            return
+        gbps = nbytes / seconds / 1e9
+        old = self._gbps.get((peer, strategy))
+        self._gbps[(peer, strategy)] = gbps if old is None else old + self.alpha * (gbps - old)
+
+    def bandwidth(self, peer: str) -> float | None:
+        """The best measured GB/s to ``peer`` (for stats), or None before any large transfer."""
+        rates = [v for (p, _), v in self._gbps.items() if p == peer]
+        return max(rates) if rates else None

@@ -1,0 +1,110 @@
+"""KV transfers over real loopback sockets, every strategy, plus refusal, timeout and the selector."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from tandem.wire.kvchannel import KVSender
+from tandem.wire.kvframes import KVOptions
+from tandem.wire.transfer import AdaptiveSelector, KVIngest, KVRefused, send_snapshot
+from tests.wire.test_kvframes import make_snapshot
+
+SECRET = b"t" * 32
+
+
+@pytest.fixture
+def ctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def _run(ctx, ingest, snap, options, connections=1):
+    out = {}
+
+    def sender():
+        senders = []
+        try:
+            senders = [KVSender(ctx, ingest.endpoint, SECRET, "prefill-1") for _ in range(connections)]
+            out["result"] = send_snapshot(senders, snap, options, stream_seq=1, attempt=2, timeout_s=10)
+        except Exception as exc:  # noqa: BLE001 - inspected by the test
+            out["error"] = exc
+        finally:
+            for s in senders:
+                s.close()
+
+    t = threading.Thread(target=sender)
+    t.start()
+    done = []
+    while t.is_alive() or not done:
+        done += ingest.poll(0.2)
+        if not t.is_alive() and not done:
+            done += ingest.poll(0.2)
+            break
+    t.join(10)
+    return out, done
+
+
+@pytest.mark.parametrize(
+    "options,connections",
+    [
+        (KVOptions(strategy="full"), 1),
+        (KVOptions(strategy="streamed", blocks_per_chunk=2, compression="lz4"), 1),
+        (KVOptions(strategy="layer_parallel", connections=3), 3),
+        (KVOptions(strategy="layer_parallel", connections=2, quantization="int8"), 2),
+    ],
+    ids=lambda x: getattr(x, "strategy", str(x)),
+)
+def test_transfer_over_loopback(ctx, options, connections):
+    ingest = KVIngest(ctx, "tcp://127.0.0.1:*", SECRET, "decode-1")
+    snap = make_snapshot(num_computed=100, layers=4)
+    out, done = _run(ctx, ingest, snap, options, connections)
+    assert "error" not in out, out.get("error")
+    assert len(done) == 1
+    header, got, peer = done[0]
+    assert peer == "prefill-1" and header.stream_seq == 1 and header.attempt == 2
+    assert got.tokens == snap.tokens and got.sampling == snap.sampling
+    for a, b in zip(got.keys + got.values, snap.keys + snap.values):
+        if options.quantization == "none":
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), atol=0.05)
+    assert out["result"].nbytes == snap.nbytes and ingest.completed == 1
+    ingest.close()
+
+
+def test_refusal_reaches_the_sender(ctx):
+    ingest = KVIngest(ctx, "tcp://127.0.0.1:*", SECRET, "decode-1", can_accept=lambda h: "at_capacity")
+    out, done = _run(ctx, ingest, make_snapshot(), KVOptions())
+    assert done == [] and isinstance(out["error"], KVRefused) and out["error"].reason == "at_capacity"
+    ingest.close()
+
+
+def test_partial_transfers_expire(ctx):
+    ingest = KVIngest(ctx, "tcp://127.0.0.1:*", SECRET, "decode-1", timeout_s=5)
+    from tandem.wire.kvframes import make_header
+
+    ingest._on_header(b"peer", make_header(make_snapshot(), KVOptions()))
+    assert ingest.expire() == []
+    import time
+
+    assert ingest.expire(time.monotonic() + 6) == [b"R" * 16]
+    ingest.close()
+
+
+def test_adaptive_selector_explores_then_exploits():
+    sel = AdaptiveSelector(small_bytes=1000, explore_every=4)
+    assert sel.choose("d1", 10) == "full"  # small: always full
+    first, second = sel.choose("d1", 10_000), sel.choose("d1", 10_000)
+    assert {first, second} == {"full", "layer_parallel"}
+    sel.record("d1", "full", 10_000, 1e-5)  # 1 GB/s
+    sel.record("d1", "layer_parallel", 10_000, 5e-6)  # 2 GB/s
+    picks = [sel.choose("d1", 10_000) for _ in range(8)]
+    assert picks.count("layer_parallel") >= 6 and "full" in picks  # mostly the faster, sometimes re-checks
+    assert sel.bandwidth("d1") == pytest.approx(2.0)
+    assert sel.choose("d2", 10_000) == "full"  # per peer
+    assert sel.choose("d3", 10_000, streaming=True) in ("full", "layer_parallel", "streamed")
