@@ -1,0 +1,238 @@
+"""Linear layers for serving: flattened rows, and a weight format chosen per backend.
+
+Flattening: MLX's CUDA quantized matmul treats a ``(B, 1, K)`` input as B separate
+one-row products and streams the weights B times; measured on an H200, batch-16 decode
+went from 64 to 504 tok/s (4-bit) by reshaping every linear input to ``(B*L, K)`` first.
+:func:`flatten_linears` wraps every ``nn.Linear`` / ``nn.QuantizedLinear`` of a model so it
+does exactly that; the arithmetic per row is unchanged.
+
+Weight formats (:func:`choose_weight_format`):
+
+* ``quantized``: the stored 4/8-bit weights only (least memory).
+* ``dense``: float16 (GPU) / float32 (CPU) weights only.
+* ``dual``: both. Products of at most ``small_rows`` rows (decode) use the quantized
+  weights through the multirow CUDA kernel, which reads ~4x fewer bytes; larger ones
+  (prefill, big decode batches) use the dense GEMM, which on the H200 is 15-25x faster
+  than MLX's quantized GEMM for hundreds of rows. Costs dense + quantized memory.
+
+Chunking: MLX's CUDA quantized GEMM fails to launch (``cudaGraphAddKernelNode ...
+invalid argument``) for 64 x 512 rows in one product; :data:`QUANTIZED_MAX_ROWS` is the
+most rows one quantized product is given here, larger inputs are split. The engine
+should keep ``max_batch_prefill_tokens`` at or below it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from tandem.kernels import quantized_matmul as qmm
+
+log = logging.getLogger("tandem.kernels")
+
+QUANTIZED_MAX_ROWS = 4096
+"""Most rows handed to one quantized matmul (4,096 = 8 x 512 ran in the H200 measurements;
+32,768 crashed inside MLX)."""
+
+FORMATS = ("quantized", "dense", "dual")
+
+_seen_paths: set[str] = set()
+
+
+def _note_path(path: str) -> None:
+    # One log line per distinct path, the first time it runs: says which kernel served.
+    if path not in _seen_paths:
+        _seen_paths.add(path)
+        log.info("linear path in use: %s", path)
+
+
+def paths_used() -> list[str]:
+    """The matmul paths that have run so far (for logs, tests and the bench)."""
+    return sorted(_seen_paths)
+
+
+class FlatLinear(nn.Module):
+    """A linear layer over flattened rows holding dense and/or quantized weights.
+
+    ``weight``: (N, K) dense or None; ``qweight/scales/biases``: MLX affine quantized or
+    None; ``bias``: (N,) or None. ``small_rows``: at most this many rows go to the
+    quantized multirow kernel when both formats are held.
+    """
+
+    def __init__(self, weight=None, qweight=None, scales=None, biases=None, bias=None,
+                 group_size: int = 64, bits: int = 4, mode: str = "affine",
+                 small_rows: int = qmm.MAX_KERNEL_ROWS):
+        super().__init__()
+        if weight is None and qweight is None:
+            raise ValueError("FlatLinear needs dense or quantized weights")
+        if weight is not None:
+            self.weight = weight
+        if qweight is not None:
+            self.qweight, self.scales = qweight, scales
+            if biases is not None:
+                self.biases = biases
+        if bias is not None:
+            self.bias = bias
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.small_rows = small_rows
+        self.freeze()
+
+    @property
+    def has_dense(self) -> bool:
+        return "weight" in self
+
+    @property
+    def has_quantized(self) -> bool:
+        return "qweight" in self
+
+    @property
+    def output_dims(self) -> int:
+        return (self["weight"] if self.has_dense else self["qweight"]).shape[0]
+
+    def _quantized(self, x2: mx.array) -> mx.array:
+        rows = x2.shape[0]
+        w, s, b = self["qweight"], self["scales"], self.get("biases")
+        if (rows <= self.small_rows and b is not None and qmm.cuda_available()
+                and qmm.kernel_supports(rows, w, s, x2.dtype, self.group_size, self.bits, self.mode)):
+            _note_path(f"cuda-multirow-{self.bits}bit")
+            return qmm.quantized_matmul_cuda(x2, w, s, b, self.group_size, self.bits)
+        _note_path(f"mlx-quantized-{self.bits}bit")
+        outs = []
+        for i in range(0, rows, QUANTIZED_MAX_ROWS):
+            outs.append(mx.quantized_matmul(x2[i:i + QUANTIZED_MAX_ROWS], w, s, b, transpose=True,
+                                            group_size=self.group_size, bits=self.bits,
+                                            mode=self.mode))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        lead = x.shape[:-1]
+        rows = math.prod(lead)
+        x2 = x.reshape(rows, x.shape[-1])
+        if self.has_quantized and (not self.has_dense or rows <= self.small_rows):
+            y = self._quantized(x2)
+        else:
+            w = self["weight"]
+            _note_path(f"dense-{str(w.dtype).split('.')[-1]}")
+            y = x2 @ w.T
+        if "bias" in self:
+            y = y + self["bias"]
+        return y.reshape(*lead, y.shape[-1])
+
+
+def _from_module(m: nn.Module, fmt: str, dense_dtype, small_rows: int) -> FlatLinear:
+    bias = m.get("bias")
+    if isinstance(m, nn.QuantizedLinear):
+        q = dict(qweight=m["weight"], scales=m["scales"], biases=m.get("biases"),
+                 group_size=m.group_size, bits=m.bits, mode=getattr(m, "mode", "affine"))
+        if fmt == "quantized":
+            return FlatLinear(bias=bias, small_rows=small_rows, **q)
+        dense = mx.dequantize(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size,
+                              bits=m.bits, mode=getattr(m, "mode", "affine")).astype(dense_dtype)
+        if fmt == "dense":
+            return FlatLinear(weight=dense, bias=bias, group_size=m.group_size, bits=m.bits)
+        return FlatLinear(weight=dense, bias=bias, small_rows=small_rows, **q)
+    return FlatLinear(weight=m["weight"], bias=bias)
+
+
+def flatten_linears(model: nn.Module, fmt: str = "keep", dense_dtype=mx.float16,
+                    small_rows: int = qmm.MAX_KERNEL_ROWS) -> int:
+    """Replace every Linear / QuantizedLinear of ``model`` by a :class:`FlatLinear`, in place.
+
+    fmt: ``keep`` (each layer keeps its own weights), or one of :data:`FORMATS` for
+    quantized layers (dense layers stay dense). Returns the number of layers replaced.
+    """
+    if fmt != "keep" and fmt not in FORMATS:
+        raise ValueError(f"weight format {fmt!r}: choose keep or one of {', '.join(FORMATS)}")
+    fmt_q = "quantized" if fmt == "keep" else fmt
+    replaced = []
+    for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if isinstance(m, (nn.Linear, nn.QuantizedLinear)):
+            replaced.append((path, _from_module(m, fmt_q, dense_dtype, small_rows)))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return len(replaced)
+
+
+def fuse_linears(layers: list[FlatLinear]) -> FlatLinear:
+    """One FlatLinear computing ``concat([l(x) for l in layers], -1)`` with one product.
+
+    Used for q/k/v and gate/up: fewer launches and one pass over x. All layers must hold
+    the same formats and quantization parameters.
+    """
+    first = layers[0]
+    kw = dict(group_size=first.group_size, bits=first.bits, mode=first.mode,
+              small_rows=first.small_rows)
+    for l in layers:
+        if (l.has_dense, l.has_quantized, l.group_size, l.bits) != (
+                first.has_dense, first.has_quantized, first.group_size, first.bits):
+            raise ValueError("fuse_linears: layers differ in weight format")
+    cat = lambda key: mx.concatenate([l[key] for l in layers], axis=0)  # noqa: E731
+    biases_present = [("bias" in l) for l in layers]
+    if any(biases_present) and not all(biases_present):
+        raise ValueError("fuse_linears: some layers have a bias and some do not")
+    return FlatLinear(
+        weight=cat("weight") if first.has_dense else None,
+        qweight=cat("qweight") if first.has_quantized else None,
+        scales=cat("scales") if first.has_quantized else None,
+        biases=cat("biases") if first.has_quantized and "biases" in first else None,
+        bias=cat("bias") if all(biases_present) else None,
+        **kw,
+    )
+
+
+def choose_weight_format(quantized: bool, dense_bytes: int, quantized_bytes: int,
+                         memory_bytes: int | None, backend: str | None = None,
+                         headroom: float = 0.6) -> tuple[str, str]:
+    """Pick the weight format for this backend; returns (format, reason for the log line).
+
+    Measured on an H200 (mlx 0.32.4): fp16 GEMM beats MLX's 4-bit GEMM 15-25x at prefill
+    sizes, while for 1-16 rows the multirow 4-bit kernel reads 4x fewer bytes than fp16.
+    So on CUDA: ``dual`` when both copies fit in ``headroom`` of device memory, else
+    ``quantized`` (memory demands it). CPU: ``dense`` (the CPU quantized kernel is slow).
+    Metal: ``quantized`` (its quantized kernels are fast).
+    """
+    backend = backend or _backend()
+    if not quantized:
+        return "dense", "checkpoint is not quantized"
+    budget = None if memory_bytes is None else headroom * memory_bytes
+    if backend == "cuda":
+        if budget is None or dense_bytes + quantized_bytes <= budget:
+            return "dual", (f"cuda: dense {dense_bytes / 2**30:.1f} GiB + quantized "
+                            f"{quantized_bytes / 2**30:.1f} GiB fit; multirow kernel for "
+                            f"<= {qmm.MAX_KERNEL_ROWS} rows, dense GEMM above")
+        return "quantized", (f"cuda: dense copy ({dense_bytes / 2**30:.1f} GiB) does not fit "
+                             f"in {budget / 2**30:.1f} GiB; quantized only")
+    if backend == "cpu":
+        return "dense", "cpu: dense BLAS matmul is far faster than the CPU quantized kernel"
+    return "quantized", f"{backend}: quantized kernels are fast here"
+
+
+def _backend() -> str:
+    if mx.default_device() != mx.gpu:
+        return "cpu"
+    return "cuda" if qmm.cuda_available() else "metal"
+
+
+def prepare_model(model: nn.Module, fmt: str = "auto", memory_bytes: int | None = None) -> str:
+    """Flatten every linear and apply the weight format; logs and returns what runs."""
+    qbytes = dbytes = 0
+    quantized = False
+    for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if isinstance(m, nn.QuantizedLinear):
+            quantized = True
+            qbytes += sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+            dbytes += m["scales"].shape[0] * m["weight"].shape[1] * 32 // m.bits * 2
+        elif isinstance(m, nn.Linear):
+            dbytes += m["weight"].nbytes
+    if fmt == "auto":
+        fmt, why = choose_weight_format(quantized, dbytes, qbytes, memory_bytes)
+    else:
+        why = "requested"
+    n = flatten_linears(model, fmt if quantized else "keep",
+                        dense_dtype=mx.float16 if _backend() != "cpu" else mx.float32)
+    log.info("linear weights: %s (%s); %d layers flattened", fmt, why, n)
+    return fmt

@@ -1,0 +1,412 @@
+"""Paged decode attention on CUDA, reading KV blocks in place (split-K / flash-decoding).
+
+Pool layout is the engine's (``tandem.pipeline.kv_store``): per layer a flat
+``(num_slots, n_kv_heads, head_dim)`` array, slot ``block * block_size + i`` holding
+token ``i`` of ``block``; a batch addresses it with a block table ``(B, nb)`` of store
+block ids and ``context_lens (B,)``. The pure-mx path (``paged_attention.paged_attention``)
+gathers every row's blocks into a dense copy each step and runs SDPA on it: the KV is
+read, written and read again. Here one CUDA block handles one (row, KV head, partition
+of the context): it reads the partition's keys and values once for all query heads of
+that KV head (GQA), keeps an online softmax, and writes a partial (max, sum, acc). A
+second small kernel merges the partitions. Splitting over the context is what fills the
+card for one long sequence, where a (row, head) grid has only 8 blocks.
+
+``write_kv_rope`` is the companion for the step's new tokens: it splits a fused QKV
+projection, applies RoPE to queries and keys, writes keys and values into their slots
+in place, and returns the rotated queries (and keys, for prefill attention). It mutates
+its pool inputs, which MLX does not know about: call it only on pool arrays that nothing
+else holds a lazy reference to, and read the pools only through ops that depend on its
+outputs (the attention kernel takes its rotated queries, which orders the two).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+_ATT_THREADS = 128  # 4 warps x 4 token slots x 8 lanes
+_SLOTS = 16
+
+_HEADER = r"""
+__device__ __forceinline__ float pa_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float pa_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float pa_f(float v) { return v; }
+__device__ __forceinline__ void pa_st(__half* p, float v) { *p = __float2half(v); }
+__device__ __forceinline__ void pa_st(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+__device__ __forceinline__ void pa_st(float* p, float v) { *p = v; }
+template <typename T, int NV>
+__device__ __forceinline__ void pa_load(const T* p, float* f) {
+  if constexpr (sizeof(T) == 2 && NV % 8 == 0) {
+#pragma unroll
+    for (int c = 0; c < NV / 8; ++c) {
+      uint4 u = reinterpret_cast<const uint4*>(p)[c];
+      const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[c * 8 + i] = pa_f(h[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) f[i] = pa_f(p[i]);
+  }
+}
+"""
+
+# Template: T, D (head dim), KVH, G (query heads per KV head), BS (block size),
+# PART (context tokens per partition), NB (block-table width).
+# Inputs: q (B, KVH*G, D), k_pool/v_pool (S, KVH, D), table (B, NB) int32,
+# lens (B,) int32, scale (1,) float32. Output: part (B, KVH*G, NPART, D + 2) float32.
+_ATT_SOURCE = r"""
+  constexpr int DL = D / 8;                 // dims per lane
+  const int part = blockIdx.x;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int npart = gridDim.x;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int sub = lane & 7;                 // which D/8 slice of the head
+  const int slot = warp * 4 + (lane >> 3);  // which token this 8-lane group takes
+  const int len = lens[b];
+  const int t0 = part * PART;
+  const int t1 = min(len, t0 + PART);
+  const float sc = scale[0];
+
+  float qf[G][DL];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    pa_load<T, DL>(q + ((size_t)b * KVH * G + h * G + g) * D + sub * DL, qf[g]);
+#pragma unroll
+    for (int i = 0; i < DL; ++i) qf[g][i] *= sc;
+  }
+  float mx_[G], l_[G], acc[G][DL];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    mx_[g] = -INFINITY;
+    l_[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DL; ++i) acc[g][i] = 0.f;
+  }
+
+  for (int t = t0 + slot; t < t1; t += 16) {
+    const int blk = table[(size_t)b * NB + t / BS];
+    const size_t base = (((size_t)blk * BS + (t % BS)) * KVH + h) * D + sub * DL;
+    float kf[DL], vf[DL];
+    pa_load<T, DL>(k_pool + base, kf);
+    pa_load<T, DL>(v_pool + base, vf);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < DL; ++i) s = fmaf(qf[g][i], kf[i], s);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      const float mn = fmaxf(mx_[g], s);
+      const float c = __expf(mx_[g] - mn);
+      const float p = __expf(s - mn);
+      l_[g] = l_[g] * c + p;
+#pragma unroll
+      for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], c, p * vf[i]);
+      mx_[g] = mn;
+    }
+  }
+
+  // Merge the 4 token groups of a warp (lanes differing in bits 3 and 4).
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int o = 8; o <= 16; o <<= 1) {
+      const float om = __shfl_xor_sync(0xffffffffu, mx_[g], o);
+      const float ol = __shfl_xor_sync(0xffffffffu, l_[g], o);
+      const float mn = fmaxf(mx_[g], om);
+      const float ca = (mx_[g] == -INFINITY) ? 0.f : __expf(mx_[g] - mn);
+      const float cb = (om == -INFINITY) ? 0.f : __expf(om - mn);
+      l_[g] = l_[g] * ca + ol * cb;
+#pragma unroll
+      for (int i = 0; i < DL; ++i) {
+        const float oa = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+        acc[g][i] = acc[g][i] * ca + oa * cb;
+      }
+      mx_[g] = mn;
+    }
+  }
+  // Merge the 4 warps through shared memory.
+  __shared__ float sm_m[4][G], sm_l[4][G];
+  __shared__ float sm_acc[4][G][D];
+  if (lane < 8) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int i = 0; i < DL; ++i) sm_acc[warp][g][sub * DL + i] = acc[g][i];
+      if (sub == 0) { sm_m[warp][g] = mx_[g]; sm_l[warp][g] = l_[g]; }
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < G * D; e += blockDim.x) {
+    const int g = e / D, d = e % D;
+    float mn = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) mn = fmaxf(mn, sm_m[w][g]);
+    float lsum = 0.f, a = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float c = (sm_m[w][g] == -INFINITY) ? 0.f : __expf(sm_m[w][g] - mn);
+      lsum += sm_l[w][g] * c;
+      a += sm_acc[w][g][d] * c;
+    }
+    float* o = out + (((size_t)b * KVH * G + h * G + g) * npart + part) * (D + 2);
+    o[d] = a;
+    if (d == 0) { o[D] = mn; o[D + 1] = lsum; }
+  }
+"""
+
+# Template: T, D. Inputs: part (B, H, NPART, D + 2). Output: o (B, H, D) in T.
+_REDUCE_SOURCE = r"""
+  const int bh = blockIdx.x;
+  const int npart = part_shape[2];
+  const float* p = part + (size_t)bh * npart * (D + 2);
+  float mn = -INFINITY;
+  for (int i = 0; i < npart; ++i) mn = fmaxf(mn, p[i * (D + 2) + D]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float lsum = 0.f, a = 0.f;
+    for (int i = 0; i < npart; ++i) {
+      const float m = p[i * (D + 2) + D];
+      const float c = (m == -INFINITY) ? 0.f : __expf(m - mn);
+      lsum += p[i * (D + 2) + D + 1] * c;
+      a += p[i * (D + 2) + d] * c;
+    }
+    pa_st(&o[(size_t)bh * D + d], lsum > 0.f ? a / lsum : 0.f);
+  }
+"""
+
+# Template: T, H, KVH, D, BS (unused: slots are flat), ROPE, TRAD.
+# Inputs: qkv (N, (H + 2*KVH) * D), pos (N,) int32, slots (N,) int32 (<0: skip),
+# inv_freq (D/2,) float32, k_pool, v_pool (S, KVH, D). Outputs: q (N, H, D), k (N, KVH, D).
+_WRITE_SOURCE = r"""
+  constexpr int HALF_D = D / 2;
+  constexpr int HEADS = H + 2 * KVH;
+  const size_t gid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int n_tok = qkv_shape[0];
+  if (gid >= (size_t)n_tok * HEADS * HALF_D) return;
+  const int i = gid % HALF_D;
+  const int hd = (gid / HALF_D) % HEADS;
+  const int n = gid / ((size_t)HALF_D * HEADS);
+  const int i0 = TRAD ? 2 * i : i;
+  const int i1 = TRAD ? 2 * i + 1 : i + HALF_D;
+  const T* src = qkv + ((size_t)n * HEADS + hd) * D;
+  float a = pa_f(src[i0]), c = pa_f(src[i1]);
+  if (ROPE && hd < H + KVH) {
+    float sn, cs;
+    __sincosf((float)pos[n] * inv_freq[i], &sn, &cs);
+    const float ra = a * cs - c * sn;
+    const float rc = a * sn + c * cs;
+    a = ra; c = rc;
+  }
+  if (hd < H) {
+    T* dst = q_out + ((size_t)n * H + hd) * D;
+    pa_st(dst + i0, a); pa_st(dst + i1, c);
+    return;
+  }
+  const int s = slots[n];
+  if (hd < H + KVH) {
+    const int kh = hd - H;
+    T* kd = k_out + ((size_t)n * KVH + kh) * D;
+    pa_st(kd + i0, a); pa_st(kd + i1, c);
+    if (s >= 0) {
+      T* dst = const_cast<T*>(k_pool) + ((size_t)s * KVH + kh) * D;
+      pa_st(dst + i0, a); pa_st(dst + i1, c);
+    }
+  } else if (s >= 0) {
+    const int vh = hd - H - KVH;
+    T* dst = const_cast<T*>(v_pool) + ((size_t)s * KVH + vh) * D;
+    pa_st(dst + i0, a); pa_st(dst + i1, c);
+  }
+"""
+
+
+@functools.cache
+def _attention_kernel():
+    return mx.fast.cuda_kernel(
+        name="tandem_paged_decode",
+        input_names=["q", "k_pool", "v_pool", "table", "lens", "scale"],
+        output_names=["out"],
+        source=_ATT_SOURCE,
+        header=_HEADER,
+    )
+
+
+@functools.cache
+def _reduce_kernel():
+    return mx.fast.cuda_kernel(
+        name="tandem_paged_reduce",
+        input_names=["part"],
+        output_names=["o"],
+        source=_REDUCE_SOURCE,
+        header=_HEADER,
+    )
+
+
+@functools.cache
+def _write_kernel():
+    # Not ensure_row_contiguous: a contiguity copy of a pool would swallow the writes.
+    return mx.fast.cuda_kernel(
+        name="tandem_write_kv_rope",
+        input_names=["qkv", "pos", "slots", "inv_freq", "k_pool", "v_pool"],
+        output_names=["q_out", "k_out"],
+        source=_WRITE_SOURCE,
+        header=_HEADER,
+        ensure_row_contiguous=False,
+    )
+
+
+@functools.cache
+def _scale_array(scale: float) -> mx.array:
+    return mx.array([scale], dtype=mx.float32)
+
+
+def choose_partition(batch: int, n_kv_heads: int, max_len: int, sms: int = 132) -> int:
+    """Context tokens per partition: small enough that B x KVH x partitions covers the
+    card about four times over, at least 64 so each partition amortizes its merge."""
+    target = 4 * sms
+    part = 64
+    while part < 2048 and batch * n_kv_heads * -(-max_len // part) > target:
+        part *= 2
+    return part
+
+
+def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array,
+                           lens: mx.array, scale: float, block_size: int, max_len: int,
+                           partition: int | None = None) -> mx.array:
+    """One query token per row over its paged context, on CUDA.
+
+    q: (B, H, D); pools: (S, KVH, D); table: (B, nb) int32 store block ids covering
+    ``lens[b]`` tokens; lens: (B,) int32 (>= 1); max_len: host-side max of lens (sets
+    the partition grid). Returns (B, H, D) in q's dtype.
+    """
+    B, H, D = q.shape
+    kvh = k_pool.shape[1]
+    if H % kvh or D % 8 or D > 256:
+        raise ValueError(f"paged_decode_attention: unsupported heads {H}/{kvh} or head_dim {D}")
+    part = partition or choose_partition(B, kvh, max_len)
+    npart = max(1, -(-max_len // part))
+    (partials,) = _attention_kernel()(
+        inputs=[q, k_pool, v_pool, table.astype(mx.int32), lens.astype(mx.int32),
+                _scale_array(float(scale))],
+        template=[("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh),
+                  ("BS", block_size), ("PART", part), ("NB", table.shape[1])],
+        grid=(npart * _ATT_THREADS, kvh, B),
+        threadgroup=(_ATT_THREADS, 1, 1),
+        output_shapes=[(B, H, npart, D + 2)],
+        output_dtypes=[mx.float32],
+    )
+    (o,) = _reduce_kernel()(
+        inputs=[partials],
+        template=[("T", q.dtype), ("D", D)],
+        grid=(B * H * min(D, 128), 1, 1),
+        threadgroup=(min(D, 128), 1, 1),
+        output_shapes=[(B, H, D)],
+        output_dtypes=[q.dtype],
+    )
+    return o
+
+
+def paged_decode_attention_reference(q: mx.array, k_pool: mx.array, v_pool: mx.array,
+                                     table: mx.array, lens: mx.array, scale: float,
+                                     block_size: int) -> mx.array:
+    """Row by row in fp32 with explicit softmax over exactly ``lens[b]`` tokens."""
+    B, H, D = q.shape
+    kvh = k_pool.shape[1]
+    out = []
+    for b in range(B):
+        n = int(lens[b].item())
+        blocks = table[b, : -(-n // block_size)]
+        slots = (blocks[:, None] * block_size + mx.arange(block_size)[None, :]).reshape(-1)[:n]
+        k = mx.repeat(k_pool[slots].astype(mx.float32).transpose(1, 0, 2), H // kvh, axis=0)
+        v = mx.repeat(v_pool[slots].astype(mx.float32).transpose(1, 0, 2), H // kvh, axis=0)
+        s = (q[b].astype(mx.float32)[:, None, :] * scale) @ k.transpose(0, 2, 1)  # (H, 1, n)
+        out.append((mx.softmax(s, axis=-1) @ v)[:, 0, :])
+    return mx.stack(out).astype(q.dtype)
+
+
+def rope_inv_freq(rope, head_dim: int) -> mx.array:
+    """Per-pair inverse frequencies (D/2,) float32 equal to what an mlx-lm RoPE module uses.
+
+    Llama-3 style modules carry ``_freqs`` (wavelength-like periods: angle = pos / f);
+    ``nn.RoPE`` carries ``base`` and ``scale`` (angle = pos * scale * base^(-2i/dims)).
+    """
+    dims = getattr(rope, "dims", head_dim)
+    if dims != head_dim:
+        raise ValueError(f"partial RoPE ({dims} of {head_dim} dims) is not supported")
+    freqs = getattr(rope, "_freqs", None)
+    if freqs is not None:
+        return (1.0 / freqs.astype(mx.float32)).astype(mx.float32)
+    base = getattr(rope, "base", None)
+    if base is None:
+        raise ValueError(f"cannot read RoPE frequencies from {type(rope).__name__}")
+    scale = float(getattr(rope, "scale", 1.0))
+    i = mx.arange(0, dims, 2, dtype=mx.float32) / dims
+    return (scale * mx.power(float(base), -i)).astype(mx.float32)
+
+
+def rope_reference(x: mx.array, positions: mx.array, inv_freq: mx.array,
+                   traditional: bool = False) -> mx.array:
+    """x: (N, heads, D) token-major; positions (N,) -> x rotated, in fp32 math."""
+    N, _, D = x.shape
+    ang = positions.astype(mx.float32)[:, None, None] * inv_freq[None, None, :]  # (N,1,D/2)
+    cos, sin = mx.cos(ang), mx.sin(ang)
+    xf = x.astype(mx.float32)
+    if traditional:
+        a, c = xf[..., 0::2], xf[..., 1::2]
+        ra, rc = a * cos - c * sin, a * sin + c * cos
+        out = mx.stack([ra, rc], axis=-1).reshape(N, -1, D)
+    else:
+        a, c = xf[..., : D // 2], xf[..., D // 2:]
+        out = mx.concatenate([a * cos - c * sin, a * sin + c * cos], axis=-1)
+    return out.astype(x.dtype)
+
+
+def write_kv_rope(qkv: mx.array, positions: mx.array, slots: mx.array, inv_freq: mx.array,
+                  k_pool: mx.array, v_pool: mx.array, n_heads: int, n_kv_heads: int,
+                  rope: bool = True, traditional: bool = False) -> tuple[mx.array, mx.array]:
+    """Split a fused QKV row per token, rotate q and k, write k and v into ``slots`` in place.
+
+    qkv: (N, (H + 2*KVH) * D) contiguous; positions, slots: (N,) int32 (slot < 0 skips
+    the write). Returns (q (N, H, D), k (N, KVH, D)) rotated. The pools are modified
+    in place when the returned arrays are evaluated.
+    """
+    N = qkv.shape[0]
+    D = k_pool.shape[-1]
+    heads = n_heads + 2 * n_kv_heads
+    if qkv.shape[1] != heads * D:
+        raise ValueError(f"qkv width {qkv.shape[1]} != ({n_heads} + 2*{n_kv_heads}) * {D}")
+    total = N * heads * (D // 2)
+    q, k = _write_kernel()(
+        inputs=[mx.contiguous(qkv), positions.astype(mx.int32), slots.astype(mx.int32),
+                inv_freq, k_pool, v_pool],
+        template=[("T", qkv.dtype), ("H", n_heads), ("KVH", n_kv_heads), ("D", D),
+                  ("ROPE", bool(rope)), ("TRAD", bool(traditional))],
+        grid=(total, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(N, n_heads, D), (N, n_kv_heads, D)],
+        output_dtypes=[qkv.dtype, qkv.dtype],
+    )
+    return q, k
+
+
+def write_kv_rope_reference(qkv, positions, slots, inv_freq, k_pool, v_pool, n_heads, n_kv_heads,
+                            rope=True, traditional=False):
+    """Pure-ops version: returns (q, k, new_k_pool, new_v_pool) without touching the inputs."""
+    N = qkv.shape[0]
+    D = k_pool.shape[-1]
+    x = qkv.reshape(N, n_heads + 2 * n_kv_heads, D)
+    q, k, v = x[:, :n_heads], x[:, n_heads:n_heads + n_kv_heads], x[:, n_heads + n_kv_heads:]
+    if rope:
+        q = rope_reference(q, positions, inv_freq, traditional)
+        k = rope_reference(k, positions, inv_freq, traditional)
+    keep = [i for i, s in enumerate(slots.tolist()) if s >= 0]
+    kp, vp = mx.array(k_pool), mx.array(v_pool)
+    if keep:
+        idx = mx.array(keep)
+        kp[slots[idx]] = k[idx]
+        vp[slots[idx]] = v[idx]
+    return q, k, kp, vp

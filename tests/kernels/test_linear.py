@@ -1,0 +1,96 @@
+"""The flatten-rows patch changes nothing numerically; formats dispatch as documented."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import llama
+
+from tandem.kernels import linear
+from tandem.kernels.linear import FlatLinear, flatten_linears, fuse_linears, choose_weight_format
+
+
+def _tiny_llama(seed=0):
+    mx.random.seed(seed)
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=256, tie_word_embeddings=False)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_flattened_model_gives_identical_logits(quantize):
+    model = _tiny_llama()
+    if quantize:
+        nn.quantize(model, group_size=32, bits=4)
+    tokens = mx.random.randint(0, 256, (3, 7))
+    before = model(tokens)
+    n = flatten_linears(model)
+    assert n == 2 * 7 + 1
+    assert all(isinstance(m, FlatLinear) for _, m in model.named_modules()
+               if isinstance(m, (nn.Linear, nn.QuantizedLinear)) or "proj" in _)
+    after = model(tokens)
+    assert mx.array_equal(before, after).item()
+
+
+def test_flat_linear_reshapes_any_leading_shape():
+    mx.random.seed(1)
+    lin = nn.Linear(64, 48, bias=True)
+    x = mx.random.normal((2, 3, 5, 64))
+    flat = FlatLinear(weight=lin.weight, bias=lin.bias)
+    assert flat(x).shape == (2, 3, 5, 48)
+    assert mx.array_equal(flat(x), lin(x.reshape(-1, 64)).reshape(2, 3, 5, 48)).item()
+
+
+def test_dual_format_uses_quantized_for_small_rows_and_dense_above():
+    mx.random.seed(2)
+    q = nn.QuantizedLinear(128, 64, bias=False, group_size=32, bits=4)
+    dual = linear._from_module(q, "dual", mx.float32, small_rows=4)
+    x_small, x_big = mx.random.normal((1, 3, 128)), mx.random.normal((2, 8, 128))
+    assert mx.array_equal(dual(x_small), q(x_small)).item()
+    dense = mx.dequantize(q.weight, q.scales, q.biases, group_size=32, bits=4)
+    assert mx.allclose(dual(x_big), x_big @ dense.T, atol=1e-5).item()
+    assert "dense-float32" in linear.paths_used()
+
+
+def test_quantized_rows_are_chunked_to_the_launch_limit(monkeypatch):
+    mx.random.seed(3)
+    q = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+    flat = linear._from_module(q, "quantized", mx.float32, small_rows=0)
+    calls = []
+    real = mx.quantized_matmul
+
+    def spy(x, *a, **k):
+        calls.append(x.shape[0])
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(linear, "QUANTIZED_MAX_ROWS", 5)
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    x = mx.random.normal((3, 4, 64))
+    y = flat(x)
+    monkeypatch.undo()
+    assert calls == [5, 5, 2]
+    assert mx.array_equal(y, q(x)).item()
+
+
+def test_fused_linears_equal_the_concatenated_outputs():
+    mx.random.seed(4)
+    parts = [nn.QuantizedLinear(64, n, bias=False, group_size=32, bits=4) for n in (32, 16, 16)]
+    flats = [linear._from_module(p, "dual", mx.float32, small_rows=16) for p in parts]
+    fused = fuse_linears(flats)
+    for rows in (2, 40):
+        x = mx.random.normal((rows, 64))
+        want = mx.concatenate([f(x) for f in flats], axis=-1)
+        assert mx.allclose(fused(x), want, atol=1e-5).item()
+
+
+def test_weight_format_choice_per_backend():
+    gib = 2**30
+    assert choose_weight_format(True, 16 * gib, 5 * gib, 139 * gib, "cuda")[0] == "dual"
+    assert choose_weight_format(True, 16 * gib, 5 * gib, 24 * gib, "cuda")[0] == "quantized"
+    assert choose_weight_format(True, 16 * gib, 5 * gib, None, "cpu")[0] == "dense"
+    assert choose_weight_format(True, 16 * gib, 5 * gib, None, "metal")[0] == "quantized"
+    assert choose_weight_format(False, 16 * gib, 0, None, "cuda")[0] == "dense"

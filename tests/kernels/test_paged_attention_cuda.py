@@ -1,0 +1,115 @@
+"""Paged decode attention and the fused RoPE + KV write agree with pure-mx references."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.rope_utils import initialize_rope
+
+from tandem.kernels import paged_attention as pa
+from tandem.kernels import paged_attention_cuda as pac
+from tandem.kernels.quantized_matmul import cuda_available
+
+gpu = pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+
+LLAMA31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+
+
+def _pool_case(B, H, KVH, D, bs, lens, seed, dtype=mx.float16):
+    """A pool with shuffled block assignment; block 0 is scratch, like the engine's store."""
+    mx.random.seed(seed)
+    nbs = [-(-n // bs) for n in lens]
+    total = sum(nbs) + 1
+    perm = (mx.random.permutation(total - 1) + 1).tolist()
+    table = mx.zeros((B, max(nbs)), dtype=mx.int32)
+    at = 0
+    rows = []
+    for b, nb in enumerate(nbs):
+        rows.append(perm[at:at + nb] + [0] * (max(nbs) - nb))
+        at += nb
+    table = mx.array(rows, dtype=mx.int32)
+    k_pool = mx.random.normal((total * bs, KVH, D)).astype(dtype)
+    v_pool = mx.random.normal((total * bs, KVH, D)).astype(dtype)
+    q = mx.random.normal((B, H, D)).astype(dtype)
+    return q, k_pool, v_pool, table, mx.array(lens, dtype=mx.int32)
+
+
+@pytest.mark.parametrize("rope_scaling", [None, LLAMA31])
+@pytest.mark.parametrize("traditional", [False, True])
+def test_rope_reference_matches_mlx_rope(rope_scaling, traditional):
+    D = 64
+    rope = initialize_rope(D, 500000.0, traditional, rope_scaling, 131072)
+    inv = pac.rope_inv_freq(rope, D)
+    mx.random.seed(0)
+    x = mx.random.normal((1, 3, 9, D))  # (B, heads, L, D)
+    want = rope(x, offset=37)
+    tok = x[0].transpose(1, 0, 2)  # (L, heads, D)
+    got = pac.rope_reference(tok, mx.arange(37, 46), inv, traditional)
+    assert mx.allclose(got, want[0].transpose(1, 0, 2), atol=1e-4).item()
+
+
+def test_decode_reference_matches_the_engines_paged_attention_reference():
+    B, H, KVH, D, bs = 3, 8, 2, 32, 16
+    lens = [5, 40, 17]
+    q, kp, vp, table, lens_a = _pool_case(B, H, KVH, D, bs, lens, seed=1, dtype=mx.float32)
+    ours = pac.paged_decode_attention_reference(q, kp, vp, table, lens_a, 0.3, bs)
+    theirs = pa.paged_attention_reference(q[:, :, None], kp, vp, table, lens_a - 1, bs, 0.3)
+    assert mx.allclose(ours, theirs[:, :, 0], atol=1e-5).item()
+
+
+def test_write_reference_scatters_rotated_keys_and_skips_negative_slots():
+    H, KVH, D = 4, 2, 16
+    mx.random.seed(2)
+    qkv = mx.random.normal((3, (H + 2 * KVH) * D))
+    inv = pac.rope_inv_freq(initialize_rope(D, 10000.0, False, None, 4096), D)
+    pos, slots = mx.array([0, 7, 3]), mx.array([5, -1, 2])
+    kp, vp = mx.zeros((8, KVH, D)), mx.zeros((8, KVH, D))
+    q, k, kp2, vp2 = pac.write_kv_rope_reference(qkv, pos, slots, inv, kp, vp, H, KVH)
+    x = qkv.reshape(3, H + 2 * KVH, D)
+    assert mx.allclose(q[0], x[0, :H]).item()  # position 0: rotation is the identity
+    assert mx.allclose(kp2[5], k[0]).item() and mx.allclose(vp2[2], x[2, H + KVH:]).item()
+    assert mx.array_equal(kp2[7], mx.zeros((KVH, D))).item()
+    assert mx.array_equal(kp, mx.zeros((8, KVH, D))).item()  # inputs untouched
+
+
+def test_partition_choice_grows_with_batch():
+    assert pac.choose_partition(1, 8, 600) == 64
+    assert pac.choose_partition(64, 8, 600) > pac.choose_partition(4, 8, 600)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("lens,bs,part", [([1, 600, 33, 129], 16, None), ([2000], 16, 64),
+                                          ([17, 31], 32, 64), ([700] * 8, 16, None)])
+def test_cuda_decode_matches_reference(dtype, lens, bs, part):
+    B, H, KVH, D = len(lens), 32, 8, 128
+    q, kp, vp, table, la = _pool_case(B, H, KVH, D, bs, lens, seed=sum(lens), dtype=dtype)
+    got = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, bs, max(lens), part)
+    want = pac.paged_decode_attention_reference(q, kp, vp, table, la, D**-0.5, bs)
+    err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    assert err < (3e-2 if dtype == mx.bfloat16 else 5e-3)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("traditional", [False, True])
+def test_cuda_write_kv_rope_matches_reference(traditional):
+    H, KVH, D, N = 32, 8, 128, 5
+    mx.random.seed(3)
+    qkv = mx.random.normal((N, (H + 2 * KVH) * D)).astype(mx.float16)
+    inv = pac.rope_inv_freq(initialize_rope(D, 500000.0, traditional, LLAMA31, 131072), D)
+    pos = mx.array([0, 511, 12, 4000, 77], dtype=mx.int32)
+    slots = mx.array([3, 9, -1, 0, 17], dtype=mx.int32)
+    kp = mx.random.normal((20, KVH, D)).astype(mx.float16)
+    vp = mx.random.normal((20, KVH, D)).astype(mx.float16)
+    mx.eval(kp, vp)
+    q_r, k_r, kp_r, vp_r = pac.write_kv_rope_reference(qkv, pos, slots, inv, kp, vp, H, KVH,
+                                                       traditional=traditional)
+    mx.eval(q_r, k_r, kp_r, vp_r)
+    q, k = pac.write_kv_rope(qkv, pos, slots, inv, kp, vp, H, KVH, traditional=traditional)
+    mx.eval(q, k)
+    assert mx.allclose(q, q_r, atol=2e-2).item() and mx.allclose(k, k_r, atol=2e-2).item()
+    assert mx.allclose(kp, kp_r, atol=2e-2).item()
+    assert mx.array_equal(vp, vp_r).item()
