@@ -133,14 +133,24 @@ class Engine:
     def generate_many(self, requests: list[tuple[list[int], SamplingParams]], priorities: list[int] | None = None, timeout: float = 600.0) -> list[list[int]]:
         """Submit every request, wait for all, return each one's generated tokens (tests, bench)."""
         started = self._thread is None
-        self.start()
         done: queue.Queue = queue.Queue()
         ids = [uuid.uuid4().bytes for _ in requests]
         out = {rid: [] for rid in ids}
         try:
+            # Queue everything before the loop starts (when it is not running yet), so
+            # the schedule does not depend on how fast this thread submits.
             for i, (rid, (prompt, sp)) in enumerate(zip(ids, requests)):
-                prio = priorities[i] if priorities else 0
-                self.submit(EngineRequest(rid, prompt, sp, done.put, priority=prio))
+                req = EngineRequest(rid, prompt, sp, done.put, priority=priorities[i] if priorities else 0)
+                while True:
+                    try:
+                        self.submit(req)
+                        break
+                    except EngineRefused as exc:
+                        if exc.retry_after_s == 0:
+                            raise
+                        self.start()
+                        time.sleep(0.005)
+            self.start()
             remaining = set(ids)
             deadline = time.monotonic() + timeout
             while remaining:
@@ -157,6 +167,15 @@ class Engine:
 
     # ---- the loop (engine thread only) --------------------------------------------
     def _loop(self) -> None:
+        # Streams are per thread in mlx 0.32: a thread that exits with its streams alive
+        # makes the process abort at exit ("terminate called without an active exception").
+        try:
+            self._run()
+        finally:
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _run(self) -> None:
         try:
             while not self._stopping:
                 idle = not (self.scheduler.waiting or self.scheduler.running or self._inflight)

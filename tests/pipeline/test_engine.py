@@ -1,0 +1,262 @@
+"""The engine against mlx_lm.generate: batched, paged, chunked, cached, preempted == alone."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from tandem.kvtypes import SamplingParams
+from tandem.pipeline.api import EngineRefused, EngineRequest
+from tandem.pipeline.engine import Engine
+from tandem.pipeline.settings import EngineSettings
+from tests.pipeline.conftest import EOS, oracle, random_prompts
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny):
+    """16 prompts of 1..70 tokens and what the oracle yields for each alone."""
+    prompts = random_prompts(16, 1, 70, seed=7)
+    return prompts, [oracle(tiny, p, MAX_TOKENS) for p in prompts]
+
+
+def make(model, **kw) -> Engine:
+    kw.setdefault("kv_cache_budget", "16MiB")
+    return Engine(model, EngineSettings(**kw), model_id="tiny", eos_token_ids=[EOS])
+
+
+def greedy(n=MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+CONFIGS = {
+    "default": {},
+    "chunked": dict(prefill_chunk_size=16, prefill_grant_interval=2),
+    "chunked-no-grant": dict(prefill_chunk_size=16, prefill_grant_interval=0),
+    "sequential-prefill": dict(max_batch_prefill=1),
+    "small-blocks-small-batch": dict(block_size=4, max_batch_size=3, parallel=8),
+    "prefill-token-cap": dict(max_batch_prefill=8, max_batch_prefill_tokens=96),
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batch_matches_single(tiny, mixed, name):
+    prompts, expected = mixed
+    eng = make(tiny, **CONFIGS[name])
+    got = eng.generate_many([(p, greedy()) for p in prompts])
+    assert got == expected
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_small_batches_match_single(tiny, mixed, n):
+    prompts, expected = mixed
+    assert make(tiny).generate_many([(p, greedy()) for p in prompts[:n]]) == expected[:n]
+
+
+def test_prefix_hits_reuse_blocks_and_match(tiny):
+    system = random_prompts(1, 48, 48, seed=3)[0]  # exactly 3 blocks of 16
+    prompts = [system + s for s in random_prompts(6, 1, 20, seed=4)] + [system]
+    expected = [oracle(tiny, p, MAX_TOKENS) for p in prompts]
+    eng = make(tiny)
+    assert eng.generate_many([(p, greedy()) for p in prompts]) == expected
+    # Second round: every prompt finds its prefix cached, including the block-aligned one
+    # whose last cached block must be copied before its last token is recomputed.
+    before = eng.stats()
+    assert eng.generate_many([(p, greedy()) for p in prompts]) == expected
+    after = eng.stats()
+    assert after.prefix_hits - before.prefix_hits == len(prompts)
+    assert after.prefix_tokens_saved - before.prefix_tokens_saved >= 48 * len(prompts) - 1
+    assert eng.pool.counters.cow_copies >= 1
+    eng.pool.check()
+    assert all(c == 0 for c in eng.pool.ref_count)
+
+
+def test_concurrent_borrowers_share_one_copy(tiny):
+    system = random_prompts(1, 64, 64, seed=5)[0]
+    eng = make(tiny)
+    eng.generate_many([(system + [7], greedy(1))])
+    prompts = [system + s for s in random_prompts(4, 2, 9, seed=6)]
+    expected = [oracle(tiny, p, MAX_TOKENS) for p in prompts]
+    assert eng.generate_many([(p, greedy()) for p in prompts]) == expected
+    assert eng.stats().prefix_hits == 5 - 1  # the first request had nothing to hit
+    assert eng.pool.num_cached >= 4  # the shared blocks stay cached once, not per borrower
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+def test_kv_pressure_preempts_or_queues_and_still_matches(tiny, mixed, preempt):
+    prompts, expected = mixed
+    # 8 KiB per block for the tiny model: 24 blocks hold a few sequences, not 16.
+    eng = make(tiny, kv_cache_budget="192KiB", enable_preemption=preempt)
+    assert eng.pool.num_blocks == 24
+    got = eng.generate_many([(p, greedy()) for p in prompts])
+    assert got == expected
+    if preempt:
+        assert eng.scheduler.preemptions > 0
+    else:
+        assert eng.scheduler.preemptions == 0
+    eng.pool.check()
+    assert all(c == 0 for c in eng.pool.ref_count)
+
+
+def test_priority_preempts_to_admit(tiny, mixed):
+    prompts, _ = mixed
+    n = 24
+    expected = [oracle(tiny, p, n, eos=()) for p in prompts[:3]]
+    eng = make(tiny, parallel=2, enable_preemption=True)
+    events: queue.Queue = queue.Queue()
+    got: dict[bytes, list[int]] = {}
+    ids = [bytes([65 + i]) * 16 for i in range(3)]
+    eng.start()
+    try:
+        for rid, p in zip(ids[:2], prompts[:2]):
+            eng.submit(EngineRequest(rid, p, greedy(n, ignore_eos=True), events.put, priority=0))
+        done = 0
+        while done < 3:
+            ev = events.get(timeout=30)
+            got.setdefault(ev.request_id, []).extend(ev.tokens)
+            if len(got) == 2 and ids[2] not in got and all(len(v) >= 2 for v in got.values()):
+                got[ids[2]] = []  # both low-priority streams are decoding: now the urgent one
+                eng.submit(EngineRequest(ids[2], prompts[2], greedy(n, ignore_eos=True), events.put, priority=5))
+            done += ev.finish_reason is not None
+    finally:
+        eng.stop()
+    assert [got[r] for r in ids] == expected  # the preempted stream continued without loss
+    assert eng.scheduler.preemptions >= 1
+
+
+def test_export_import_continues_token_identically(tiny):
+    prompt = random_prompts(1, 37, 37, seed=11)[0]
+    expected = oracle(tiny, prompt, MAX_TOKENS)
+    src = make(tiny)
+    events: queue.Queue = queue.Queue()
+    src.start()
+    try:
+        src.submit(EngineRequest(b"x" * 16, prompt, greedy(), events.put, export_after_prefill=True))
+        ev = events.get(timeout=30)
+    finally:
+        src.stop()
+    assert ev.finish_reason is None and ev.snapshot is not None and ev.tokens == expected[:1]
+    snap = ev.snapshot
+    assert snap.num_computed == len(prompt) and snap.tokens == prompt + expected[:1]
+    assert snap.keys[0].shape == (3, 2, 16, 16)
+    assert all(c == 0 for c in src.pool.ref_count)
+    for block_size in (16, 8):  # the decode side may page differently
+        dst = make(tiny, block_size=block_size)
+        out: queue.Queue = queue.Queue()
+        dst.start()
+        try:
+            dst.import_kv(snap, out.put)
+            toks = []
+            while True:
+                e = out.get(timeout=30)
+                toks += e.tokens
+                if e.finish_reason:
+                    break
+        finally:
+            dst.stop()
+        assert expected[:1] + toks == expected
+        assert e.usage.prompt_tokens == len(prompt) and e.usage.completion_tokens == len(expected) + (len(expected) < MAX_TOKENS)
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch_mates(tiny):
+    prompt = random_prompts(1, 20, 20, seed=12)[0]
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, min_p=0.01, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = make(tiny).generate_many([(prompt, sp)])[0]
+    mates = [(p, SamplingParams(temperature=1.0, seed=i, max_tokens=30, ignore_eos=True)) for i, p in enumerate(random_prompts(7, 1, 60, seed=13))]
+    crowd = make(tiny, prefill_chunk_size=16).generate_many(mates[:3] + [(prompt, sp)] + mates[3:])[3]
+    assert alone == crowd and len(alone) == 24
+    other_seed = make(tiny).generate_many([(prompt, SamplingParams(**{**sp.__dict__, "seed": 99}))])[0]
+    assert other_seed != alone
+    greedy_run = make(tiny).generate_many([(prompt, greedy(24, ignore_eos=True))])[0]
+    assert greedy_run != alone  # temperature 0.9 really samples
+
+
+def test_sampled_export_import_matches_single_engine(tiny):
+    prompt = random_prompts(1, 25, 25, seed=14)[0]
+    sp = SamplingParams(temperature=0.8, seed=77, max_tokens=12, ignore_eos=True)
+    whole = make(tiny).generate_many([(prompt, sp)])[0]
+    src, dst = make(tiny), make(tiny)
+    q1: queue.Queue = queue.Queue()
+    src.start()
+    src.submit(EngineRequest(b"y" * 16, prompt, sp, q1.put, export_after_prefill=True))
+    snap = q1.get(timeout=30).snapshot
+    src.stop()
+    q2: queue.Queue = queue.Queue()
+    dst.start()
+    dst.import_kv(snap, q2.put)
+    toks = []
+    while True:
+        e = q2.get(timeout=30)
+        toks += e.tokens
+        if e.finish_reason:
+            break
+    dst.stop()
+    assert snap.tokens[-1:] + toks == whole
+
+
+def test_stop_ids_logit_bias_and_logprobs(tiny, mixed):
+    import mlx.core as mx
+
+    prompts, expected = mixed
+    p, exp = prompts[0], expected[0]
+    eng = make(tiny)
+    # a stop id ends the stream without emitting it
+    stopped = eng.generate_many([(p, greedy(stop_token_ids=[exp[3]]))])[0]
+    assert stopped == exp[: exp.index(exp[3])]
+    # a large bias forces a token
+    biased = eng.generate_many([(p, greedy(4, logit_bias={42: 1e4}))])[0]
+    assert biased == [42, 42, 42, 42]
+    # logprobs: the chosen token's log-softmax and the top-N list, best first
+    events: queue.Queue = queue.Queue()
+    eng.start()
+    eng.submit(EngineRequest(b"z" * 16, p, greedy(3, logprobs=5), events.put))
+    evs = []
+    while not evs or evs[-1].finish_reason is None:
+        evs.append(events.get(timeout=30))
+    eng.stop()
+    logits = tiny(mx.array([p]))[0, -1]
+    ref = (logits - mx.logsumexp(logits)).tolist()
+    first = evs[0].logprobs[0]
+    assert first.token == exp[0] and abs(first.logprob - ref[exp[0]]) < 1e-4
+    assert [t for t, _ in first.top][0] == exp[0] and len(first.top) == 5
+    assert all(a[1] >= b[1] for a, b in zip(first.top, first.top[1:]))
+
+
+def test_abort_refusals_and_validation(tiny):
+    eng = make(tiny, max_queue_depth=2, kv_cache_budget="64KiB")  # 8 blocks of 16 tokens
+    with pytest.raises(EngineRefused):
+        eng.submit(EngineRequest(b"a" * 16, list(range(3, 300)), greedy(), print))
+    with pytest.raises(ValueError):
+        eng.submit(EngineRequest(b"a" * 16, [], greedy(), print))
+    with pytest.raises(ValueError):
+        eng.submit(EngineRequest(b"short", [5], greedy(), print))
+    events: queue.Queue = queue.Queue()
+    eng.submit(EngineRequest(b"1" * 16, [5, 6, 7], greedy(1000, ignore_eos=True), events.put))
+    eng.submit(EngineRequest(b"2" * 16, [5, 6, 8], greedy(1000, ignore_eos=True), events.put))
+    with pytest.raises(EngineRefused):  # not started: both still queued
+        eng.submit(EngineRequest(b"3" * 16, [5], greedy(), events.put))
+    eng.start()
+    try:
+        first = events.get(timeout=30)
+        eng.abort(b"1" * 16)
+        eng.abort(b"1" * 16)  # idempotent
+        eng.abort(b"9" * 16)  # unknown: ignored
+        seen = {b"1" * 16: None, b"2" * 16: None}
+        while seen[b"1" * 16] is None:
+            e = events.get(timeout=30)
+            if e.finish_reason:
+                seen[e.request_id] = e.finish_reason
+        assert seen[b"1" * 16] == "abort"
+    finally:
+        eng.stop()
+    assert first.finish_reason is None
+    # stop() ends whatever is left with "abort" and frees every block
+    while True:
+        e = events.get(timeout=5)
+        if e.request_id == b"2" * 16 and e.finish_reason:
+            assert e.finish_reason == "abort"
+            break
+    assert all(c == 0 for c in eng.pool.ref_count)
