@@ -13,7 +13,7 @@ from typing import AsyncIterator, Protocol
 from tandem.kvtypes import SamplingParams
 
 try:
-    from tandem.wire.client import Busy, StreamError, StreamEvent, Unavailable
+    from tandem.wire.client import Busy, InvalidRequest, StreamError, StreamEvent, Unavailable
 except ImportError:  # pragma: no cover - only while the wire client is being written
     from dataclasses import dataclass
 
@@ -29,6 +29,9 @@ except ImportError:  # pragma: no cover - only while the wire client is being wr
     class StreamError(Exception):  # type: ignore[no-redef]
         pass
 
+    class InvalidRequest(ValueError):  # type: ignore[no-redef]
+        pass
+
     @dataclass
     class StreamEvent:  # type: ignore[no-redef]
         tokens: list
@@ -38,7 +41,7 @@ except ImportError:  # pragma: no cover - only while the wire client is being wr
         error: str | None = None
 
 
-__all__ = ["Backend", "Busy", "StreamError", "StreamEvent", "Unavailable", "make_backend"]
+__all__ = ["Backend", "Busy", "InvalidRequest", "StreamError", "StreamEvent", "Unavailable", "make_backend"]
 
 
 class Backend(Protocol):
@@ -54,8 +57,8 @@ class Backend(Protocol):
         priority: int = 0,
         request_id: bytes | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        """Stream one request's events. Raises Busy/Unavailable before the first
-        event, StreamError after it."""
+        """Stream one request's events. Raises Busy/Unavailable/InvalidRequest before
+        the first event, StreamError after it."""
         ...
 
     async def abort(self, request_id: bytes) -> None: ...
@@ -68,27 +71,11 @@ class Backend(Protocol):
 def make_backend(config) -> Backend:
     """The production backend: a wire client to the configured broker."""
     from tandem.wire.client import AsyncClient
+    from tandem.wire.secret import load_cluster_secret
 
-    secret = None
-    if config.security.cluster_secret_file:
-        secret = _read_secret(config.security.cluster_secret_file)
     return AsyncClient(
         config.broker.frontend,
         config.broker.stream_out,
-        secret=secret,
+        secret=load_cluster_secret(config.security.cluster_secret_file),
         timeout_s=config.edge.broker_timeout_s,
     )
-
-
-def _read_secret(path: str) -> bytes:
-    try:
-        from tandem.wire import secret as wire_secret  # the wire layer's own loader, if present
-
-        return wire_secret.load_secret(path)
-    except (ImportError, AttributeError):
-        pass
-    with open(path, "rb") as fh:
-        data = fh.read().strip()
-    if len(data) < 16:
-        raise ValueError(f"cluster secret in {path} is {len(data)} bytes; it needs at least 16")
-    return data

@@ -15,7 +15,7 @@ import logging
 import falcon
 from falcon.asgi import SSEvent
 
-from tandem.http.backend import Busy, StreamError, Unavailable
+from tandem.http.backend import Busy, InvalidRequest, StreamError, Unavailable
 from tandem.http.errors import ApiError, bad_request, busy, unavailable
 from tandem.http.generation import Choice, Delta
 from tandem.http.protocol import Job, parse_chat, parse_completion
@@ -148,6 +148,9 @@ class CompletionsResource:
         if isinstance(failure, Unavailable):
             metrics.refuse("unavailable")
             raise unavailable(str(failure))
+        if isinstance(failure, InvalidRequest):
+            metrics.refuse("invalid_request")
+            raise bad_request(f"the cluster refused the request: {failure}", None, "invalid_request")
         if isinstance(failure, StreamError):
             metrics.refuse("stream_error")
             raise ApiError(500, f"the cluster failed the request: {failure}", type="server_error", code="stream_error")

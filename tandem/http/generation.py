@@ -23,11 +23,6 @@ from tandem.http.stops import StopMatcher
 from tandem.http.tokenizer import EdgeTokenizer
 from tandem.kvtypes import REQUEST_ID_BYTES, SamplingParams
 
-# After aborting on a stop string, how long to wait for the worker's final event,
-# which carries the exact usage (cached prompt tokens).
-_USAGE_GRACE_S = 0.5
-
-
 @dataclass
 class Delta:
     """What one choice adds to the response in one step."""
@@ -122,14 +117,15 @@ class Choice:
             self._metrics.waiting.dec()
         if self._counted_running:
             self._metrics.running.dec()
+        # A stop string ends the choice here while the worker is still generating.
+        # (The worker sends nothing after an abort, so the cached-prompt count of such
+        # a choice is whatever the stream reported before: usually 0.)
         aborted_on_stop = self.finish_reason == "stop" and self._stops.stopped
         if self.finish_reason is None or aborted_on_stop:
             try:
                 await self._backend.abort(self.request_id)
             except Exception:  # the request is gone either way; a dead broker forgets it
                 pass
-            if aborted_on_stop and self._events is not None:
-                await self._collect_final_usage()
         if self.finish_reason is not None:
             self._metrics.prompt_tokens.inc(self.usage.prompt_tokens)
             self._metrics.cached_tokens.inc(self.usage.cached_tokens)
@@ -181,18 +177,3 @@ class Choice:
         if final:
             self.usage.prompt_tokens = int(getattr(usage, "prompt_tokens", self.usage.prompt_tokens))
             self.usage.completion_tokens = int(getattr(usage, "completion_tokens", self.usage.completion_tokens))
-
-    async def _collect_final_usage(self) -> None:
-        # Tokens the worker produced after the stop string are not the client's:
-        # keep our count, take only the cached-prompt figure from the final event.
-        deadline = time.monotonic() + _USAGE_GRACE_S
-        try:
-            while (left := deadline - time.monotonic()) > 0:
-                async with asyncio.timeout(left):
-                    event = await self._events.__anext__()
-                if event.usage is not None:
-                    self.usage.cached_tokens = int(getattr(event.usage, "cached_prompt_tokens", 0) or 0)
-                if event.finish_reason or event.error:
-                    return
-        except (StopAsyncIteration, asyncio.TimeoutError, Exception):
-            return

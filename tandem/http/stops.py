@@ -22,8 +22,11 @@ class StopMatcher:
         if not self._stops:
             return text
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        # The stop that completes first wins (as if text arrived one character at a
+        # time), so the result does not depend on how the text was split.
+        hits = [(i + len(s), i) for s in self._stops if (i := self._pending.find(s)) >= 0]
+        if hits:
+            cut = min(hits)[1]
             out, self._pending = self._pending[:cut], ""
             self.stopped = True
             return out
