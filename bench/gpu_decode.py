@@ -1,0 +1,630 @@
+"""Decode / prefill throughput on a CUDA GPU: stock mlx-lm vs tandem, one run, one table.
+
+Builds a random-weight Llama-3.1-8B-shape model (32 layers, hidden 4096, FFN 14336,
+8 KV heads, vocab 128256) on the GPU in fp16 and a 4-bit g64 copy, then measures:
+
+* ``kernels``: the multirow quantized kernel vs ``mx.quantized_matmul`` vs fp16 matmul at
+  the model's shapes, and paged decode attention vs the gather + SDPA path (with
+  agreement checks against the pure-mx references on fresh random inputs);
+* ``stock``: mlx-lm ``generate_step`` single stream (512-token prompt) and its
+  ``BatchGenerator`` aggregate decode at each batch size, 4-bit and fp16;
+* ``engine``: tandem's ``pipeline.Engine`` on the same model after
+  ``kernels.linear.prepare_model`` (flattened linears; ``dual`` weights);
+* ``loop``: a minimal batched decode loop built from the kernels alone (fused QKV and
+  gate/up products, fused RoPE + in-place KV write, split-K paged attention) over the
+  engine's pool layout: what the engine reaches once its attention dispatches to them.
+
+Prints a table and writes ``docs/benchmarks/gpu_decode.{md,json}`` (or ``--out``).
+Needs only mlx, mlx-lm and numpy (the GPU machine has no pyzmq etc.).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tandem  # noqa: F401,E402  (BLAS choice before mlx)
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tandem.kernels import linear, paged_attention as pa, paged_attention_cuda as pac  # noqa: E402
+from tandem.kernels import quantized_matmul as qm  # noqa: E402
+
+LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+RESULTS: dict = {"runs": []}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def record(section: str, **row) -> None:
+    row["section"] = section
+    RESULTS["runs"].append(row)
+    log("  " + json.dumps(row))
+
+
+TINY = False  # smoke-test shape (set by --tiny): same code paths, small matrices
+
+
+def _vocab() -> int:
+    return 1000 if TINY else 128000
+
+
+def model_args(layers: int):
+    from mlx_lm.models import llama
+    h, f, v = (256, 512, 1000) if TINY else (4096, 14336, 128256)
+    return llama.ModelArgs(model_type="llama", hidden_size=h, num_hidden_layers=layers,
+                           intermediate_size=f, num_attention_heads=32 if not TINY else 4,
+                           num_key_value_heads=8 if not TINY else 2,
+                           rms_norm_eps=1e-5, vocab_size=v, rope_theta=500000.0,
+                           rope_scaling=LLAMA31_ROPE, max_position_embeddings=131072,
+                           tie_word_embeddings=False)
+
+
+def build_models(layers: int):
+    """fp16 model and a 4-bit g64 copy of the same weights (quantized from the fp16 ones)."""
+    from mlx_lm.models import llama
+    mx.random.seed(0)
+    args = model_args(layers)
+    fp16 = llama.Model(args)
+    fp16.set_dtype(mx.float16)
+    for layer in fp16.model.layers:
+        mx.eval(layer.parameters())
+    mx.eval(fp16.parameters())
+    q4 = llama.Model(args)
+    q4.update(fp16.parameters())
+    nn.quantize(q4, group_size=64, bits=4)
+    mx.eval(q4.parameters())
+    return fp16, q4
+
+
+def nbytes(model) -> int:
+    from mlx.utils import tree_flatten
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def timeit(fn, warmup=2, iters=10):
+    for _ in range(warmup):
+        mx.eval(fn())
+    mx.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        out = fn()
+        mx.eval(out)
+    mx.synchronize()
+    return (time.perf_counter() - t) / iters
+
+
+def timeit_async(fn, iters=20):
+    """Launch ``iters`` independent calls back to back; time per call (hides launch gaps)."""
+    mx.eval(fn())
+    mx.synchronize()
+    t = time.perf_counter()
+    outs = [fn() for _ in range(iters)]
+    mx.eval(outs)
+    mx.synchronize()
+    return (time.perf_counter() - t) / iters
+
+
+# ---------------------------------------------------------------------------------------
+def section_kernels(quick: bool) -> None:
+    log("== kernels: multirow quantized matmul (4-bit g64, fp16 activations)")
+    shapes = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+              ("down", 4096, 14336), ("lm_head", 128256, 4096)]
+    rows_list = [1, 2, 4, 8, 16] if not quick else [1, 4, 16]
+    for name, n, k in shapes:
+        mx.random.seed(n + k)
+        w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
+        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+        mx.eval(w, wq, s, b)
+        qbytes = wq.nbytes + s.nbytes + b.nbytes
+        for m in rows_list:
+            x = mx.random.normal((m, k)).astype(mx.float16)
+            mx.eval(x)
+            got = qm.quantized_matmul_cuda(x, wq, s, b, 64, 4)
+            want = qm.quantized_matmul_reference(x, wq, s, b, 64, 4)
+            err = (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
+                   / mx.abs(want.astype(mx.float32)).max()).item()
+            t_k = timeit_async(lambda: qm.quantized_matmul_cuda(x, wq, s, b, 64, 4))
+            t_s = timeit_async(lambda: mx.quantized_matmul(x, wq, s, b, transpose=True,
+                                                           group_size=64, bits=4))
+            t_d = timeit_async(lambda: x @ w.T)
+            record("kernels", what="qmv", shape=name, n=n, k=k, rows=m, rel_err=err,
+                   tandem_us=t_k * 1e6, stock_q4_us=t_s * 1e6, fp16_us=t_d * 1e6,
+                   tandem_GBps=qbytes / t_k / 1e9, fp16_GBps=w.nbytes / t_d / 1e9)
+        if name in ("gate_up", "down"):
+            x = mx.random.normal((1, k)).astype(mx.float16)
+            for r in (1, 2, 4):
+                for half in (True, False):
+                    t = timeit_async(lambda: qm.quantized_matmul_cuda(
+                        x, wq, s, b, 64, 4, rows_per_warp_override=r, half_math=half))
+                    record("kernels", what="qmv-variant", shape=name, rows=1, rows_per_warp=r,
+                           half_math=half, us=t * 1e6, GBps=qbytes / t / 1e9)
+        # 8-bit at one row for the record
+        wq8, s8, b8 = mx.quantize(w, group_size=64, bits=8)
+        x = mx.random.normal((1, k)).astype(mx.float16)
+        got = qm.quantized_matmul_cuda(x, wq8, s8, b8, 64, 8)
+        want = qm.quantized_matmul_reference(x, wq8, s8, b8, 64, 8)
+        err = (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
+               / mx.abs(want.astype(mx.float32)).max()).item()
+        t8 = timeit_async(lambda: qm.quantized_matmul_cuda(x, wq8, s8, b8, 64, 8))
+        t8s = timeit_async(lambda: mx.quantized_matmul(x, wq8, s8, b8, transpose=True,
+                                                       group_size=64, bits=8))
+        q8bytes = wq8.nbytes + s8.nbytes + b8.nbytes
+        record("kernels", what="qmv-8bit", shape=name, rows=1, rel_err=err, tandem_us=t8 * 1e6,
+               stock_q8_us=t8s * 1e6, tandem_GBps=q8bytes / t8 / 1e9)
+        del w, wq, s, b, wq8, s8, b8
+        gc.collect()
+
+    log("== kernels: paged decode attention (32 q heads, 8 KV heads, D 128, block 16)")
+    for B, ctx in ([(1, 576), (1, 4096), (1, 32768), (16, 576), (64, 576), (128, 576)]
+                   if not quick else [(1, 4096), (64, 576)]):
+        H, KVH, D, bs = 32, 8, 128, 16
+        nb = -(-ctx // bs)
+        mx.random.seed(B + ctx)
+        table = (mx.random.permutation(B * nb) + 1).reshape(B, nb).astype(mx.int32)
+        kp = mx.random.normal(((B * nb + 1) * bs, KVH, D)).astype(mx.float16)
+        vp = mx.random.normal(((B * nb + 1) * bs, KVH, D)).astype(mx.float16)
+        q = mx.random.normal((B, H, D)).astype(mx.float16)
+        lens = mx.array([ctx - (i % 7) for i in range(B)], dtype=mx.int32)
+        mx.eval(table, kp, vp, q, lens)
+        got = pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5, bs, ctx)
+        if B * ctx <= 64 * 4096:
+            want = pac.paged_decode_attention_reference(q, kp, vp, table, lens, D**-0.5, bs)
+            err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        else:
+            err = None
+        t_k = timeit_async(lambda: pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5,
+                                                              bs, ctx))
+        q4 = q[:, :, None, :]
+        q0 = lens - 1
+        t_g = timeit_async(lambda: pa.paged_attention(q4, kp, vp, table, q0, bs, D**-0.5))
+        kv_bytes = int(lens.sum().item()) * KVH * D * 2 * 2
+        record("kernels", what="paged-attention", batch=B, ctx=ctx, max_abs_err=err,
+               tandem_us=t_k * 1e6, gather_sdpa_us=t_g * 1e6, tandem_GBps=kv_bytes / t_k / 1e9,
+               partition=pac.choose_partition(B, KVH, ctx))
+        del table, kp, vp, q
+        gc.collect()
+
+
+# ---------------------------------------------------------------------------------------
+def stock_single(model, prompt_len: int, gen: int) -> tuple[float, float]:
+    from mlx_lm.generate import generate_step
+    prompt = mx.array(np.random.randint(0, _vocab(), prompt_len), dtype=mx.uint32)
+    t0 = time.perf_counter()
+    times = []
+    for i, (tok, _) in enumerate(generate_step(prompt, model, max_tokens=gen)):
+        times.append(time.perf_counter())
+    prefill = prompt_len / (times[0] - t0)
+    decode = (len(times) - 2) / (times[-1] - times[1])
+    return prefill, decode
+
+
+def stock_batch(model, B: int, prompt_len: int, steps: int) -> tuple[float, float]:
+    from mlx_lm.generate import BatchGenerator
+    gen = BatchGenerator(model, max_tokens=steps + 8, completion_batch_size=max(B, 32),
+                         prefill_batch_size=min(B, 8), prefill_step_size=2048)
+    prompts = [np.random.randint(0, _vocab(), prompt_len).tolist() for _ in range(B)]
+    t0 = time.perf_counter()
+    gen.insert(prompts)
+    started: set[int] = set()
+    while len(started) < B:
+        for r in gen.next_generated():
+            started.add(r.uid)
+    t1 = time.perf_counter()
+    for _ in range(2):
+        gen.next_generated()
+    mx.synchronize()
+    t = time.perf_counter()
+    n = 0
+    for _ in range(steps):
+        n += len(gen.next_generated())
+    mx.synchronize()
+    dt = time.perf_counter() - t
+    gen.close()
+    del gen
+    return B * prompt_len / (t1 - t0), n / dt
+
+
+def section_stock(models: dict, batches: list[int], prompt_len: int, steps: int,
+                  max_batch_q4: int) -> None:
+    for fmt, model in models.items():
+        log(f"== stock mlx-lm, {fmt}")
+        pf, dec = stock_single(model, prompt_len, 48)
+        record("stock", fmt=fmt, batch=1, mode="single-stream", prefill_tps=pf, decode_tps=dec)
+        for B in batches:
+            if fmt == "4bit" and B > max_batch_q4:
+                record("stock", fmt=fmt, batch=B, mode="batch", skipped=f"> {max_batch_q4}")
+                continue
+            pf, dec = stock_batch(model, B, prompt_len, steps if B > 1 else 2 * steps)
+            record("stock", fmt=fmt, batch=B, mode="batch", prefill_tps=pf, decode_tps=dec)
+            mx.clear_cache()
+
+
+# ---------------------------------------------------------------------------------------
+def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_len: int,
+                   steps: int) -> None:
+    from mlx_lm.models import llama
+    from tandem.kvtypes import SamplingParams
+    from tandem.pipeline.api import EngineRequest
+    from tandem.pipeline.engine import Engine
+    from tandem.pipeline.settings import EngineSettings
+
+    model = llama.Model(model_args(layers))
+    nn.quantize(model, group_size=64, bits=4)  # lazy: replaced by the shared arrays below
+    model.update(base_q4.parameters())  # shares the arrays; prepare_model adds the dense copy
+    mem = mx.device_info().get("memory_size") if hasattr(mx, "device_info") else None
+    fmt = linear.prepare_model(model, "auto", memory_bytes=mem)
+    mx.eval(model.parameters())
+    # Llama-3 RoPE keeps its frequencies in a private (non-parameter) array built lazily
+    # on this thread's stream; the engine thread could not evaluate it.
+    mx.eval([l.self_attn.rope._freqs for l in model.model.layers
+             if hasattr(l.self_attn.rope, "_freqs")])
+    log(f"== tandem engine (weights {fmt}, {nbytes(model) / 2**30:.1f} GiB)")
+    top = max(batches)
+    st = EngineSettings(parallel=top, max_batch_size=top, max_batch_prefill=8,
+                        max_batch_prefill_tokens=linear.QUANTIZED_MAX_ROWS,
+                        prefill_chunk_size=prompt_len, kv_cache_budget="24GiB",
+                        enable_prefix_caching=False, max_queue_depth=4 * top)
+    eng = Engine(model, st, model_id="bench-8b")
+    eng.start()
+    try:
+        for B in batches:
+            gen_tokens = steps + 2
+            marks: dict[bytes, list] = {}
+            done = []
+            import threading
+            lock = threading.Lock()
+            all_done = threading.Event()
+
+            def on_event(ev, marks=marks, done=done):
+                now = time.perf_counter()
+                with lock:
+                    marks.setdefault(ev.request_id, []).append((now, len(ev.tokens)))
+                    if ev.finish_reason is not None:
+                        done.append(ev.request_id)
+                        if len(done) == B:
+                            all_done.set()
+
+            t0 = time.perf_counter()
+            for i in range(B):
+                prompt = np.random.randint(0, _vocab(), prompt_len).tolist()
+                sp = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
+                eng.submit(EngineRequest(os.urandom(16), prompt, sp, on_event))
+            if not all_done.wait(600):
+                raise RuntimeError("engine bench timed out")
+            first = max(ev[0][0] for ev in marks.values())
+            last = max(ev[-1][0] for ev in marks.values())
+            after = sum(n for evs in marks.values() for (t, n) in evs if t > first)
+            record("engine", fmt=fmt, batch=B, prefill_tps=B * prompt_len / (first - t0),
+                   decode_tps=after / (last - first) if last > first else None,
+                   paths=linear.paths_used())
+    finally:
+        eng.stop()
+        del eng, model
+        gc.collect()
+        mx.clear_cache()
+
+
+# ---------------------------------------------------------------------------------------
+class KernelLoop:
+    """A batched greedy decode over the engine's pool layout, built from the kernels only.
+
+    Per layer: rms_norm -> fused QKV product -> RoPE + in-place KV write -> split-K paged
+    attention (decode) or causal SDPA (prefill) -> o product -> residual -> rms_norm ->
+    fused gate/up product -> swiglu -> down product -> residual.
+    """
+
+    BS = 16
+
+    def __init__(self, fp16, q4, fmt: str):
+        a = fp16.args
+        self.H, self.KVH = a.num_attention_heads, a.num_key_value_heads
+        self.D = a.hidden_size // a.num_attention_heads
+        self.vocab = a.vocab_size
+        from mlx_lm.models.activations import swiglu
+        self.swiglu = swiglu
+        FlatLinear = linear.FlatLinear
+
+        def flat(mf, mq):
+            q = dict(qweight=mq.weight, scales=mq.scales, biases=mq.biases,
+                     group_size=mq.group_size, bits=mq.bits)
+            if fmt == "dense":
+                return FlatLinear(weight=mf.weight)
+            if fmt == "quantized":
+                return FlatLinear(**q)
+            # dual serves a quantized checkpoint: its dense copy is the dequantized weights
+            dense = mx.dequantize(mq.weight, mq.scales, mq.biases, group_size=mq.group_size,
+                                  bits=mq.bits).astype(mx.float16)
+            return FlatLinear(weight=dense, **q)
+
+        self.layers = []
+        for lf, lq in zip(fp16.model.layers, q4.model.layers):
+            af, aq, mf, mq = lf.self_attn, lq.self_attn, lf.mlp, lq.mlp
+            qkv = linear.fuse_linears([flat(af.q_proj, aq.q_proj), flat(af.k_proj, aq.k_proj),
+                                       flat(af.v_proj, aq.v_proj)])
+            gu = linear.fuse_linears([flat(mf.gate_proj, mq.gate_proj), flat(mf.up_proj, mq.up_proj)])
+            layer = (lf.input_layernorm.weight, qkv, flat(af.o_proj, aq.o_proj),
+                     lf.post_attention_layernorm.weight, gu, flat(mf.down_proj, mq.down_proj))
+            mx.eval([m.parameters() for m in layer[1:] if not isinstance(m, mx.array)])
+            self.layers.append(layer)
+        self.embed = (fp16 if fmt == "dense" else q4).model.embed_tokens
+        self.norm = fp16.model.norm.weight
+        self.head = flat(fp16.lm_head, q4.lm_head)
+        mx.eval(self.head.parameters())
+        self.eps = fp16.args.rms_norm_eps
+        self.F = fp16.args.intermediate_size
+        self.inv_freq = pac.rope_inv_freq(fp16.model.layers[0].self_attn.rope, self.D)
+        self.scale = self.D ** -0.5
+        mx.eval(self.inv_freq)
+        seen = set()
+        total = 0
+        for l in self.layers:
+            for m in l:
+                arrs = [m] if isinstance(m, mx.array) else [v for _, v in _leaves(m)]
+                for a in arrs:
+                    if id(a) not in seen:
+                        seen.add(id(a))
+                        total += a.nbytes
+        self.weight_bytes = total
+
+    def _forward(self, h, pos, slots, kp, vp, attn):
+        H, KVH, D, F = self.H, self.KVH, self.D, self.F
+        N = h.shape[0]
+        for li, (ln1, qkv, o, ln2, gu, down) in enumerate(self.layers):
+            y = qkv(mx.fast.rms_norm(h, ln1, self.eps))
+            q, k = pac.write_kv_rope(y, pos, slots, self.inv_freq, kp[li], vp[li], H, KVH)
+            a = attn(li, q, k, y)
+            h = h + o(a.reshape(N, H * D))
+            g = gu(mx.fast.rms_norm(h, ln2, self.eps))
+            h = h + down(self.swiglu(g[:, :F], g[:, F:]))
+        return h
+
+    def _logits_argmax(self, h):
+        return mx.argmax(self.head(mx.fast.rms_norm(h, self.norm, self.eps)), axis=-1).astype(mx.int32)
+
+    def prefill(self, prompts: np.ndarray, table: np.ndarray, kp, vp) -> mx.array:
+        B, L = prompts.shape
+        per = max(1, linear.QUANTIZED_MAX_ROWS // L)
+        firsts = []
+        pos_np = np.arange(L, dtype=np.int32)
+        for s in range(0, B, per):
+            b = min(per, B - s)
+            tok = mx.array(prompts[s:s + b].reshape(-1))
+            pos = np.tile(pos_np, b)
+            rows = np.repeat(np.arange(s, s + b), L)
+            slots = table[rows, pos // self.BS] * self.BS + pos % self.BS
+            H, KVH, D = self.H, self.KVH, self.D
+
+            def attn(li, q, k, y, b=b):
+                qq = q.reshape(b, L, H, D).transpose(0, 2, 1, 3)
+                kk = k.reshape(b, L, KVH, D).transpose(0, 2, 1, 3)
+                vv = y[:, (H + KVH) * D:].reshape(b, L, KVH, D).transpose(0, 2, 1, 3)
+                out = mx.fast.scaled_dot_product_attention(qq, kk, vv, scale=self.scale, mask="causal")
+                return out.transpose(0, 2, 1, 3)
+
+            h = self._forward(self.embed(tok), mx.array(pos), mx.array(slots.astype(np.int32)),
+                              kp, vp, attn)
+            firsts.append(self._logits_argmax(h.reshape(b, L, -1)[:, -1]))
+            mx.async_eval(firsts[-1])
+        return mx.concatenate(firsts)
+
+    def step(self, tok: mx.array, lens: np.ndarray, table: np.ndarray, table_mx, kp, vp, part):
+        """tok: (B,) this step's inputs at positions lens - 1 -> next tokens (B,)."""
+        pos = lens - 1
+        slots = table[np.arange(len(lens)), pos // self.BS] * self.BS + pos % self.BS
+        lens_mx = mx.array(lens.astype(np.int32))
+        max_len = int(lens.max())
+
+        def attn(li, q, k, y):
+            return pac.paged_decode_attention(q, kp[li], vp[li], table_mx, lens_mx, self.scale,
+                                              self.BS, max_len, part)
+
+        h = self._forward(self.embed(tok), mx.array(pos.astype(np.int32)),
+                          mx.array(slots.astype(np.int32)), kp, vp, attn)
+        return self._logits_argmax(h)
+
+    def pools(self, slots_total: int):
+        kp = [mx.zeros((slots_total, self.KVH, self.D), mx.float16) for _ in self.layers]
+        vp = [mx.zeros((slots_total, self.KVH, self.D), mx.float16) for _ in self.layers]
+        mx.eval(kp, vp)
+        return kp, vp
+
+    def generate(self, prompt: list[int], n: int) -> list[int]:
+        """Greedy tokens for one prompt (the equivalence check against mlx-lm)."""
+        nb = -(-(len(prompt) + n + 1) // self.BS)
+        kp, vp = self.pools((nb + 1) * self.BS)
+        table = (1 + np.arange(nb, dtype=np.int32)).reshape(1, nb)
+        tok = self.prefill(np.array([prompt], dtype=np.int32), table, kp, vp)
+        out = [int(tok.item())]
+        lens = np.array([len(prompt) + 1])
+        for _ in range(n - 1):
+            tok = self.step(tok, lens, table, mx.array(table), kp, vp, None)
+            out.append(int(tok.item()))
+            lens += 1
+        return out
+
+    def measure(self, B: int, prompt_len: int, steps: int) -> dict:
+        warm = 3
+        nb = -(-(prompt_len + steps + warm + 2) // self.BS)
+        slots_total = (B * nb + 1) * self.BS
+        kp, vp = self.pools(slots_total)
+        table = (1 + np.arange(B * nb, dtype=np.int32)).reshape(B, nb)
+        table_mx = mx.array(table)
+        prompts = np.random.randint(0, self.vocab, (B, prompt_len)).astype(np.int32)
+        # Warm the prefill kernels on one sequence, then time the whole batch's prefill.
+        mx.eval(self.prefill(prompts[:1], table, kp, vp))
+        mx.synchronize()
+        t0 = time.perf_counter()
+        tok = self.prefill(prompts, table, kp, vp)
+        mx.eval(tok)
+        t_pf = time.perf_counter() - t0
+        lens = np.full(B, prompt_len + 1, dtype=np.int64)
+        part = pac.choose_partition(B, self.KVH, prompt_len + steps + warm + 2)
+        for _ in range(warm):
+            tok = self.step(tok, lens, table, table_mx, kp, vp, part)
+            mx.eval(tok)
+            lens += 1
+        mx.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = self.step(tok, lens, table, table_mx, kp, vp, part)
+            mx.async_eval(tok)
+            lens += 1
+        mx.eval(tok)
+        dt = time.perf_counter() - t0
+        del kp, vp
+        return {"prefill_tps": B * prompt_len / t_pf, "decode_tps": B * steps / dt,
+                "step_ms": dt / steps * 1e3, "paths": linear.paths_used()}
+
+
+def _leaves(module):
+    from mlx.utils import tree_flatten
+    return tree_flatten(module.parameters())
+
+
+# ---------------------------------------------------------------------------------------
+def section_loop(base_fp16, base_q4, batches: list[int], prompt_len: int, steps: int,
+                 formats: list[str]) -> None:
+    for fmt in formats:
+        loop = KernelLoop(base_fp16, base_q4, fmt)
+        log(f"== kernel loop ({fmt}, {loop.weight_bytes / 2**30:.1f} GiB of weights)")
+        # Equivalence: the loop's greedy tokens against mlx-lm's own generate_step.
+        from mlx_lm.generate import generate_step
+        ref_model = base_fp16 if fmt == "dense" else base_q4
+        prompt = np.random.randint(0, _vocab(), 64).tolist()
+        want = [int(t) for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=16)]
+        got = loop.generate(prompt, 16)
+        same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+        record("loop", fmt=fmt, check="greedy tokens equal mlx-lm generate_step",
+               matching_prefix=same, of=len(want))
+        for B in batches:
+            r = loop.measure(B, prompt_len, steps)
+            record("loop", fmt=fmt, batch=B, **r)
+            mx.clear_cache()
+        del loop
+        gc.collect()
+        mx.clear_cache()
+
+
+def floors(layers: int) -> dict:
+    """Bandwidth floors per decode step at 4.3 TB/s (the card's measured copy rate)."""
+    bw = 4.3e12
+    h, f, kvh, d, v = 4096, 14336, 8, 128, 128256
+    per_layer = h * (h + 2 * kvh * d) + h * h + 3 * h * f
+    params = layers * per_layer + v * h
+    kv_per_token = layers * 2 * kvh * d * 2
+    out = {}
+    for name, bpp in (("fp16", 2.0), ("4bit", 0.5 + 4 / 64)):
+        for B in (1, 4, 16, 64, 128):
+            step = (params * bpp + B * (prompt_ctx := 576) * kv_per_token) / bw
+            out[f"{name}_b{B}"] = B / step
+    return out
+
+
+def write_docs(out_dir: Path, meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    RESULTS["meta"] = meta
+    (out_dir / "gpu_decode.json").write_text(json.dumps(RESULTS, indent=1))
+    lines = [f"# gpu_decode run {meta['date']}", "", f"`{meta['cmd']}`", "",
+             f"device: {meta.get('device')}", ""]
+    lines += ["| section | fmt | batch | prefill tok/s | decode tok/s | note |", "|---|---|---|---|---|---|"]
+    for r in RESULTS["runs"]:
+        if r["section"] in ("stock", "engine", "loop"):
+            pf = r.get("prefill_tps")
+            dec = r.get("decode_tps")
+            note = r.get("mode", "") or r.get("skipped", "") or r.get("error", "")
+            lines.append(f"| {r['section']} | {r.get('fmt')} | {r.get('batch')} | "
+                         f"{pf:,.0f} | {dec:,.0f} | {note} |" if pf and dec else
+                         f"| {r['section']} | {r.get('fmt')} | {r.get('batch')} | - | - | {note} {r.get('error', '')} |")
+    lines += ["", "Kernel rows (µs):", "", "```"]
+    lines += [json.dumps(r) for r in RESULTS["runs"] if r["section"] == "kernels"]
+    lines += ["```", "", "Bandwidth floors (tok/s, 4.3 TB/s, 576-token contexts):", "", "```",
+              json.dumps(meta.get("floors"), indent=1), "```"]
+    (out_dir / "gpu_decode_run.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default="kernels,stock,engine,loop")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and steps")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--batches", default="1,4,16,64,128")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--stock-steps", type=int, default=8)
+    ap.add_argument("--stock-max-batch-4bit", type=int, default=64)
+    ap.add_argument("--loop-formats", default="dual,dense")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
+    args = ap.parse_args()
+    if not qm.cuda_available():
+        log("no CUDA device: this benchmark measures the CUDA kernels; nothing to do")
+        return 2
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    secs = args.sections.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "cmd": " ".join(sys.argv), "mlx": mx.__version__, "layers": args.layers,
+            "prompt": args.prompt, "steps": args.steps, "floors": floors(args.layers)}
+    try:
+        meta["device"] = str(mx.device_info()) if hasattr(mx, "device_info") else "cuda"
+    except Exception as exc:  # noqa: BLE001
+        meta["device"] = f"cuda ({exc})"
+    out_dir = Path(args.out)
+    t_all = time.perf_counter()
+
+    def guarded(name, fn, *a):
+        t = time.perf_counter()
+        try:
+            fn(*a)
+        except Exception as exc:  # noqa: BLE001 - keep the other sections' numbers
+            traceback.print_exc()
+            record(name, error=f"{type(exc).__name__}: {exc}"[:500])
+        log(f"-- {name} took {time.perf_counter() - t:.1f} s")
+        write_docs(out_dir, meta)
+
+    if "kernels" in secs:
+        guarded("kernels", section_kernels, args.quick)
+    if any(s in secs for s in ("stock", "engine", "loop")):
+        t = time.perf_counter()
+        fp16, q4 = build_models(args.layers)
+        log(f"models built in {time.perf_counter() - t:.1f} s: fp16 {nbytes(fp16) / 2**30:.1f} GiB, "
+            f"4-bit {nbytes(q4) / 2**30:.1f} GiB")
+        if "stock" in secs:
+            guarded("stock", section_stock, {"4bit": q4, "fp16": fp16}, batches, args.prompt,
+                    args.stock_steps, args.stock_max_batch_4bit)
+        if "loop" in secs:
+            guarded("loop", section_loop, fp16, q4, batches, args.prompt, args.steps,
+                    args.loop_formats.split(","))
+        if "engine" in secs:
+            guarded("engine", section_engine, fp16, q4, args.layers, batches, args.prompt,
+                    args.steps)
+    log(f"total {time.perf_counter() - t_all:.1f} s")
+    write_docs(out_dir, meta)
+    summary(RESULTS)
+    return 0
+
+
+def summary(res: dict) -> None:
+    log("\n=== summary (tok/s) ===")
+    for r in res["runs"]:
+        if r["section"] in ("stock", "engine", "loop") and "batch" in r:
+            log(f"{r['section']:7s} {str(r.get('fmt')):6s} B={str(r.get('batch')):4s} "
+                f"prefill={r.get('prefill_tps') or 0:10.0f} decode={r.get('decode_tps') or 0:9.0f} "
+                f"{r.get('mode', '')}{r.get('error', '')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
