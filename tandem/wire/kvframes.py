@@ -31,6 +31,7 @@ from tandem.wire.messages import KVChunk, KVHeader
 MAX_KV_BYTES = 64 << 30  # a header may not describe more (dequantized) KV than this
 _NP_DTYPE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
 _BITS = {"int8": 8, "int4": 4}
+_DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.38e38, "float32": 3.4e38}
 
 
 @dataclass
@@ -190,8 +191,9 @@ class KVAssembler:
         qdtype = np.uint8 if self._bits == 4 else np.int8
         q = np.frombuffer(qbuf, dtype=qdtype).reshape(nb, h.num_kv_heads, h.block_size, last)
         s = np.frombuffer(sbuf, dtype=np.float32).reshape(nb, h.num_kv_heads)
-        if not np.all(np.isfinite(s)):
-            raise WireError("KV scales are not finite")
+        limit = _DTYPE_MAX[h.dtype] / kv_quant.QMAX[self._bits]
+        if not np.all((s >= 0) & (s <= limit)):  # also false for NaN
+            raise WireError("KV scales are negative, not finite, or overflow the cache dtype")
         return kv_quant.dequantize(q, s, self._bits, h.dtype)
 
     def _store(self, arrays: list, layer: int, block_start: int, part: np.ndarray) -> None:
