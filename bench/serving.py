@@ -1,0 +1,464 @@
+"""Serving benchmark: tandem (edge + broker + hybrid worker) vs mlx_lm.server, one run, one client.
+
+For each concurrency level N, N clients each send ``--rounds`` streaming chat requests
+back to back (prompts of about ``--prompt-tokens`` tokens under the chat template,
+``--max-tokens`` new tokens, temperature 0, EOS suppressed with a -100 logit bias on
+every EOS id, which both servers honour). Measured per level: aggregate generated
+tokens per second over the level's wall time, time to first token (mean, p95),
+inter-token latency (mean gap between streamed tokens; p95), and errors (non-200,
+broken streams, or fewer tokens than asked).
+
+The servers run one after the other on the same machine (never both at once), on the
+same model directory and weight format: with ``--weights dense`` (the default, the
+fast format on the CPU BLAS path) mlx_lm.server gets a dequantized float32 copy of the
+model, and it starts under a Python that imports tandem first, so both use MKL.
+
+    .venv/bin/python bench/serving.py                      # full sweep, default model
+    .venv/bin/python bench/serving.py --concurrency 1,4 --rounds 1 --servers tandem
+
+Writes docs/benchmarks/serving.md and serving.json (``--out`` changes the stem).
+Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import select
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import tandem  # noqa: F401  (BLAS before mlx)
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+CORPUS = (
+    "The history of the river valley begins with the first farmers who cleared the forests, drained the marshes, "
+    "and built low stone walls to mark their fields. Over the centuries the villages grew into market towns, the "
+    "towns were linked by roads and canals, and merchants carried grain, wool, timber and salt to the coast. Wars, "
+    "floods and plagues emptied some settlements and enriched others; monasteries kept records of harvests and "
+    "prices; engineers later straightened the river, and railways replaced the barges. "
+)
+
+
+# ---------------------------------------------------------------- processes -------------
+
+class Server:
+    def __init__(self, name: str, args: list[str], log: Path, env: dict):
+        self.name = name
+        self.log = log
+        self._err = open(log, "ab")
+        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._err, env=env, start_new_session=True)
+
+    def ready_line(self, timeout: float = 300.0) -> dict:
+        deadline, buf = time.monotonic() + timeout, b""
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
+            if select.select([self.p.stdout], [], [], 0.2)[0]:
+                buf += os.read(self.p.stdout.fileno(), 65536)
+                for line in buf.split(b"\n"):
+                    if line.startswith(b"{") and b'"ready"' in line:
+                        return json.loads(line)
+        raise TimeoutError(f"{self.name} not ready: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.p.pid, signal.SIGTERM)
+            self.p.wait(15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.p.wait(5)
+        self._err.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def wait_http(port: int, path: str, timeout: float = 300.0, ok=lambda status, body: status == 200) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status, body = asyncio.run(http_get(port, path))
+            if ok(status, body):
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"127.0.0.1:{port}{path} did not come up")
+
+
+def start_tandem(model: Path, weights: str, parallel: int, edge_workers: int, tmp: Path, env: dict,
+                 engine: str = "mlx", stub_step_ms: float = 5.0) -> tuple[list[Server], int]:
+    py = [sys.executable, "-m", "tandem.cli"]
+    secret = tmp / "cluster.secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    procs = []
+    broker = Server("broker", py + ["broker", *sum((["--" + k, f"tcp://{HOST}:*"] for k in ("frontend", "backend", "stream-in", "stream-out", "stats")), []),
+                                    "--cluster-secret-file", str(secret)], tmp / "broker.log", env)
+    procs.append(broker)
+    ends = broker.ready_line()
+    worker = Server("worker", py + ["worker", "--role", "hybrid", "--model", str(model), "--weights", weights,
+                                    "--parallel", str(parallel), "--broker-backend", ends["backend"], "--engine", engine,
+                                    *(["--stub-step-ms", str(stub_step_ms)] if engine == "stub" else []),
+                                    "--broker-stream", ends["stream_in"], "--cluster-secret-file", str(secret)],
+                    tmp / "worker.log", env)
+    procs.append(worker)
+    worker.ready_line()
+    port = free_port()
+    edge = Server("edge", py + ["edge", "--bind", f"{HOST}:{port}", "--workers", str(edge_workers), "--model", str(model),
+                                "--broker", ends["frontend"], "--broker-stream", ends["stream_out"],
+                                "--cluster-secret-file", str(secret)], tmp / "edge.log", env)
+    procs.append(edge)
+    edge.ready_line()
+    wait_http(port, "/ready")
+    return procs, port
+
+
+def dense_copy(model: Path, out: Path) -> Path:
+    """A float32 dequantized copy of ``model`` (what tandem's worker runs with --weights dense)."""
+    from mlx_lm.utils import save_config, save_model
+
+    from tandem.pipeline.loader import load_model
+
+    loaded = load_model(model, "dense")
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(out, loaded.model)
+    config = dict(loaded.config)
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    save_config(config, out / "config.json")
+    for f in model.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json", "chat_template.jinja"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def start_mlx_lm(model_dir: Path, tmp: Path, env: dict) -> tuple[list[Server], int]:
+    port = free_port()
+    # Import tandem first: its MKL preload gives mlx_lm.server the same BLAS as tandem.
+    code = ("import tandem, runpy, sys; "
+            f"sys.argv = ['mlx_lm.server', '--model', {str(model_dir)!r}, '--host', '{HOST}', '--port', '{port}', '--log-level', 'WARNING']; "
+            "runpy.run_module('mlx_lm.server', run_name='__main__')")
+    server = Server("mlx_lm.server", [sys.executable, "-c", code], tmp / "mlx_lm_server.log", env)
+    wait_http(port, "/v1/models")
+    return [server], port
+
+
+# ---------------------------------------------------------------- client ----------------
+
+@dataclass
+class Sample:
+    ok: bool
+    ttft: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str = ""
+
+
+async def http_get(port: int, path: str) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection(HOST, port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def _body_chunks(reader, headers: dict):
+    """Yield raw body bytes: chunked transfer decoding, or read to EOF."""
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                return
+            data = await reader.readexactly(size)
+            await reader.readexactly(2)
+            yield data
+    else:
+        while data := await reader.read(65536):
+            yield data
+
+
+async def stream_chat(port: int, body: dict, timeout: float) -> Sample:
+    payload = json.dumps(body).encode()
+    t0 = time.perf_counter()
+    try:
+        reader, writer = await asyncio.open_connection(HOST, port)
+    except OSError as exc:
+        return Sample(False, error=f"connect: {exc}")
+    try:
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+        await writer.drain()
+        async with asyncio.timeout(timeout):
+            status_line = await reader.readline()
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                k, _, v = line.decode().partition(":")
+                headers[k.strip().lower()] = v.strip()
+            status = int(status_line.split()[1])
+            if status != 200:
+                rest = b"".join([c async for c in _body_chunks(reader, headers)])
+                return Sample(False, error=f"HTTP {status}: {rest[:200]!r}")
+            buf, last, first, stamps, usage, done = b"", None, None, [], None, False
+            async for data in _body_chunks(reader, headers):
+                buf += data
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data: "):
+                            continue
+                        payload_s = line[6:]
+                        if payload_s == b"[DONE]":
+                            done = True
+                            continue
+                        chunk = json.loads(payload_s)
+                        if "error" in chunk:
+                            return Sample(False, error=f"stream error: {chunk['error'].get('message')}")
+                        usage = chunk.get("usage") or usage
+                        for choice in chunk.get("choices") or []:
+                            if (choice.get("delta") or {}).get("content"):
+                                now = time.perf_counter()
+                                first = first or now
+                                stamps.append(now)
+        if not done or first is None:
+            return Sample(False, error="stream ended without [DONE]" if not done else "no content")
+        tokens = int(usage["completion_tokens"]) if usage else len(stamps)
+        return Sample(True, ttft=first - t0, gaps=[b - a for a, b in zip(stamps, stamps[1:])], tokens=tokens)
+    except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as exc:
+        return Sample(False, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        writer.close()
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+async def run_level(port: int, bodies: list[dict], clients: int, rounds: int, max_tokens: int, timeout: float) -> dict:
+    samples: list[Sample] = []
+
+    async def client(i: int) -> None:
+        for r in range(rounds):
+            s = await stream_chat(port, bodies[(i * rounds + r) % len(bodies)], timeout)
+            if s.ok and s.tokens < max_tokens:
+                s = Sample(False, error=f"only {s.tokens} of {max_tokens} tokens")
+            samples.append(s)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    wall = time.perf_counter() - t0
+    good = [s for s in samples if s.ok]
+    ttfts = [s.ttft for s in good]
+    gaps = [g for s in good for g in s.gaps]
+    itl = [(sum(s.gaps) / len(s.gaps)) for s in good if s.gaps]
+    errors = [s.error for s in samples if not s.ok]
+    return {
+        "clients": clients,
+        "requests": len(samples),
+        "errors": len(errors),
+        "error_examples": errors[:3],
+        "wall_s": wall,
+        "tokens": sum(s.tokens for s in good),
+        "tok_per_s": sum(s.tokens for s in good) / wall if wall else 0.0,
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else float("nan"),
+        "ttft_p95_s": pct(ttfts, 0.95),
+        "itl_mean_ms": 1000 * statistics.fmean(itl) if itl else float("nan"),
+        "itl_p95_ms": 1000 * pct(gaps, 0.95),
+    }
+
+
+# ---------------------------------------------------------------- workload --------------
+
+def build_bodies(model: Path, prompt_tokens: int, max_tokens: int, count: int) -> tuple[list[dict], int]:
+    from tandem.http.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model)
+    bodies, lengths = [], []
+    words = CORPUS.split()
+    for i in range(count):
+        # Distinct from the first word on, so no request reuses another's prompt beyond the template.
+        text, k = f"Request {i}: summarise this passage.", i * 7
+        while True:
+            candidate = text + " " + words[k % len(words)]
+            messages = [{"role": "user", "content": candidate}]
+            if len(tok.apply_chat_template(messages)) > prompt_tokens:
+                break
+            text, k = candidate, k + 1
+        messages = [{"role": "user", "content": text}]
+        lengths.append(len(tok.apply_chat_template(messages)))
+        bias = {str(t): -100 for t in sorted(tok.eos_token_ids | tok.special_ids)}
+        bodies.append({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}, "logit_bias": bias})
+    return bodies, round(statistics.fmean(lengths))
+
+
+def sweep(name: str, port: int, model_id: str, bodies: list[dict], levels: list[int], rounds: int,
+          max_tokens: int, timeout: float) -> list[dict]:
+    bodies = [dict(b, model=model_id) for b in bodies]
+    asyncio.run(run_level(port, bodies[-1:], 1, 1, max_tokens, timeout))  # warm-up, not measured
+    rows = []
+    for n in levels:
+        row = asyncio.run(run_level(port, bodies, n, rounds, max_tokens, timeout))
+        row["server"] = name
+        rows.append(row)
+        print(f"  {name:14s} {n:3d} clients: {row['tok_per_s']:7.1f} tok/s  TTFT mean {row['ttft_mean_s']:.2f} s "
+              f"p95 {row['ttft_p95_s']:.2f} s  ITL {row['itl_mean_ms']:.1f} ms  errors {row['errors']}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------- report ----------------
+
+def report(results: dict, out: Path) -> str:
+    by = {}
+    for row in results["rows"]:
+        by.setdefault(row["clients"], {})[row["server"]] = row
+    servers = [s for s in ("tandem", "mlx_lm.server") if any(s in v for v in by.values())]
+    head = "| clients | " + " | ".join(f"{s} tok/s | {s} TTFT mean / p95 (s) | {s} ITL mean / p95 (ms) | {s} errors" for s in servers)
+    if len(servers) == 2:
+        head += " | tok/s ratio | TTFT p95 ratio"
+    lines = [head + " |", "|" + "---|" * (head.count("|"))]
+    for n in sorted(by):
+        cells = [str(n)]
+        for s in servers:
+            r = by[n].get(s)
+            cells += ["-"] * 4 if r is None else [f"{r['tok_per_s']:.1f}", f"{r['ttft_mean_s']:.2f} / {r['ttft_p95_s']:.2f}",
+                                                  f"{r['itl_mean_ms']:.1f} / {r['itl_p95_ms']:.1f}", f"{r['errors']}/{r['requests']}"]
+        if len(servers) == 2 and all(s in by[n] for s in servers):
+            a, b = by[n]["tandem"], by[n]["mlx_lm.server"]
+            cells.append(f"{a['tok_per_s'] / b['tok_per_s']:.2f}x" if b["tok_per_s"] else "-")
+            cells.append(f"{a['ttft_p95_s'] / b['ttft_p95_s']:.2f}x" if b["ttft_p95_s"] else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    meta = results["meta"]
+    md = [
+        "# Serving benchmark: tandem vs mlx_lm.server",
+        "",
+        f"Produced by `{meta['command']}` on {meta['date']} ({meta['machine']}).",
+        "",
+        f"Model `{meta['model']}` ({meta['weights']} weights for both servers, BLAS {meta['blas']}); chat prompts of "
+        f"{meta['prompt_tokens']} tokens on average, {meta['max_tokens']} new tokens, temperature 0, EOS suppressed "
+        f"(logit bias -100), {meta['rounds']} request(s) per client per level, streaming, the same client for both. "
+        f"tandem: broker + one hybrid worker (parallel {meta['parallel']}) + edge ({meta['edge_workers']} gunicorn worker(s)). "
+        "The servers ran one after the other, never together. 1-minute load average when each started: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in meta["load_average_at_start"].items())
+        + (" (other work was running on the machine: absolute numbers are low, compare the ratios)."
+           if any(v > 1.0 for v in meta["load_average_at_start"].values()) else "."),
+        *([f"Engine: tandem's model-free stub ({meta['engine']}), measuring the edge + broker path alone."]
+          if meta["engine"] == "stub" else []),
+        "",
+        "tok/s: generated tokens of successful requests / wall time of the level. TTFT: request sent to first content "
+        "token. ITL: mean gap between streamed tokens per request (mean over requests) / p95 over all gaps. "
+        "Ratios are tandem / mlx_lm.server (higher tok/s is better, lower TTFT is better).",
+        "",
+        table,
+        "",
+    ]
+    text = "\n".join(md)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    return table
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="mlx-lm model directory (default: tandem's default model)")
+    p.add_argument("--weights", choices=("dense", "quantized"), default="dense")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32")
+    p.add_argument("--rounds", type=int, default=1, help="requests per client per level")
+    p.add_argument("--prompt-tokens", type=int, default=170)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--parallel", type=int, default=32, help="tandem engine: maximum active sequences")
+    p.add_argument("--edge-workers", type=int, default=1)
+    p.add_argument("--servers", default="tandem,mlx_lm", help="comma list of tandem, mlx_lm")
+    p.add_argument("--engine", choices=("mlx", "stub"), default="mlx",
+                   help="stub: tandem's model-free engine, to measure the edge+broker path alone (tandem only)")
+    p.add_argument("--stub-step-ms", type=float, default=5.0, help="stub engine: time per step")
+    p.add_argument("--timeout", type=float, default=900.0, help="per-request limit in seconds")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "serving"))
+    args = p.parse_args()
+
+    from tandem.pipeline.model_store import resolve_model
+
+    model = resolve_model(args.model).resolve()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if args.engine == "stub":
+        servers = [s for s in servers if s == "tandem"]
+    bodies, mean_len = build_bodies(model, args.prompt_tokens, args.max_tokens, max(levels) * args.rounds + 1)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_ENGINE_MAX_QUEUE_DEPTH="1024")
+    for name in ("PROMETHEUS_MULTIPROC_DIR", "TANDEM_CLUSTER_SECRET", "TANDEM_CLUSTER_SECRET_FILE"):
+        env.pop(name, None)
+    tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-serving-"))
+    rows: list[dict] = []
+    load: dict[str, float] = {}
+    print(f"model {model.name} ({args.weights}), prompts ~{mean_len} tokens, {args.max_tokens} new, levels {levels}", flush=True)
+    try:
+        if "tandem" in servers:
+            load["tandem"] = os.getloadavg()[0]
+            procs, port = start_tandem(model, args.weights, args.parallel, args.edge_workers, tmp, env,
+                                       args.engine, args.stub_step_ms)
+            try:
+                model_id = json.loads(asyncio.run(http_get(port, "/v1/models"))[1])["data"][0]["id"]
+                rows += sweep("tandem", port, model_id, bodies, levels, args.rounds, args.max_tokens, args.timeout)
+            finally:
+                for proc in reversed(procs):
+                    proc.stop()
+        if "mlx_lm" in servers:
+            load["mlx_lm.server"] = os.getloadavg()[0]
+            served = dense_copy(model, tmp / "dense") if args.weights == "dense" else model
+            procs, port = start_mlx_lm(served, tmp, env)
+            try:
+                rows += sweep("mlx_lm.server", port, "default_model", bodies, levels, args.rounds, args.max_tokens, args.timeout)
+            finally:
+                for proc in procs:
+                    proc.stop()
+    finally:
+        logs = sorted(tmp.glob("*.log"))
+        if any(r["errors"] for r in rows):
+            for log in logs:
+                print(f"== {log.name}\n{log.read_text()[-1500:]}", file=sys.stderr)
+        shutil.rmtree(tmp, ignore_errors=True)
+    results = {
+        "meta": {
+            "command": "python bench/serving.py " + " ".join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+            "model": model.name, "weights": args.weights, "blas": tandem.BLAS,
+            "prompt_tokens": mean_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
+            "parallel": args.parallel, "edge_workers": args.edge_workers, "engine": args.engine,
+            "load_average_at_start": load,
+        },
+        "rows": rows,
+    }
+    print(report(results, Path(args.out)))
+    return 1 if any(r["errors"] for r in rows if r["clients"] <= 32) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
