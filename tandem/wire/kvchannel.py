@@ -15,6 +15,7 @@ from collections import Counter
 import zmq
 
 from tandem.wire import codec
+from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
 from tandem.wire.handshake import Initiator, Responder, error_frames
 from tandem.wire.messages import Message
@@ -23,6 +24,7 @@ from tandem.wire.sockets import make_socket
 
 log = logging.getLogger(__name__)
 
+STREAM_RECORDS_BYTES = 1 << 20  # above this a message goes one record per ZeroMQ message
 KV_HWM = 64  # messages; KV chunks are large, so keep the queue short and let send block
 MAX_PENDING_HANDSHAKES = 256
 
@@ -48,19 +50,29 @@ class KVSender:
 
     def _recv_raw(self, timeout_s: float | None) -> list:
         if timeout_s is not None and not self.socket.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"KV peer {self.address} did not answer within {timeout_s:.1f}s")
-        return codec.recv_frames(self.socket, copy=False)
+            raise TimeoutError(f"KV peer {self.address} did not answer in time")
+        return codec.recv_frames(self.socket, copy=False, max_frames=2 * P.MAX_FRAMES)
 
     def send(self, msg: Message) -> None:
-        codec.send(self.socket, self.channel.seal(codec.encode(msg)))
+        self.send_frames(codec.encode(msg))
 
     def send_frames(self, frames: list) -> None:
-        """Seal and send already-encoded frames (``codec.encode(msg)``)."""
-        codec.send(self.socket, self.channel.seal(frames))
+        """Seal and send already-encoded frames (``codec.encode(msg)``): one record per
+        ZeroMQ message when the payload is large, so sealing overlaps transmission."""
+        if len(frames) > 1 and sum(len(codec.as_buffer(f)) for f in frames) >= STREAM_RECORDS_BYTES:
+            for record in self.channel.seal_records(frames):
+                codec.send(self.socket, record)
+        else:
+            codec.send(self.socket, self.channel.seal(frames))
 
     def recv(self, timeout_s: float | None = None) -> Message:
         """The next message from the decode worker (KVAck / KVRefuse)."""
-        return codec.decode(self.channel.open(self._recv_raw(timeout_s)))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            frames = self.channel.open(self._recv_raw(remaining))
+            if frames is not None:
+                return codec.decode(frames)
 
     def close(self) -> None:
         self.socket.close(0)
@@ -96,7 +108,7 @@ class KVReceiver:
             if not self.socket.poll(wait):
                 return None
             try:
-                frames = codec.recv_frames(self.socket, copy=False)
+                frames = codec.recv_frames(self.socket, copy=False, max_frames=1 + 2 * P.MAX_FRAMES)
             except WireError as exc:
                 self.stats["rejected_" + exc.reason] += 1
                 continue
@@ -109,7 +121,8 @@ class KVReceiver:
         channel = self._channels.get(peer)
         try:
             if channel is not None:
-                return peer, codec.decode(channel.open(body))
+                frames = channel.open(body)
+                return None if frames is None else (peer, codec.decode(frames))
             responder = self._pending.pop(peer, None)
             if responder is not None:
                 self._channels[peer] = responder.on_proof(body)

@@ -1,15 +1,20 @@
 """AES-256-GCM sealed messages for one direction pair of one connection.
 
-A sealed message is ``[head, ct_0, ..., ct_{n-1}]``: ``head = b"TD" + version + SEALED +
-counter (u64 BE) + n (u16 BE)``; ``ct_i = AES-256-GCM(key, nonce = 0^4 || u64(counter + i),
-frame_i, aad = head || u16(i))``. The counter starts at 0 per direction and advances by
-the frames sealed, so each nonce is used once per key. The receiver insists on exactly
-the next counter (ZeroMQ keeps one connection's messages in order), which rejects a
-replayed or reordered message; ``n`` and each frame's index in the associated data
-reject dropped, added or swapped frames; the GCM tag rejects any altered byte.
+A message of frames ``f_0 .. f_{n-1}`` is sealed as ``n`` records ``[head_i, ct_i]``:
+``head_i = b"TD" + version + SEALED + base (u64 BE) + n (u16 BE)
++ i (u16 BE)`` and ``ct_i = AES-256-GCM(key, nonce = 0^4 || u64(base + i), f_i, aad =
+head_i)``. ``base`` starts at 0 per direction and advances by ``n`` per message, so each
+nonce is used once per key. Records travel either all in one ZeroMQ message
+(:meth:`SealedChannel.seal`, for small messages) or one ZeroMQ message per record
+(:meth:`SealedChannel.seal_records`, for bulk KV): then the sender seals frame ``i + 1``
+while ZeroMQ already transmits frame ``i``, and the receiver opens frame ``i`` while the
+rest is in flight, so a large KV message costs max(cipher, network), not their sum.
 
-After any rejection the channel is *broken*: every later message is refused too, and
-the owner must drop the connection (a fresh handshake gives fresh keys).
+The receiver insists on exactly the next ``base`` and index (ZeroMQ keeps one
+connection's messages in order), which rejects replayed, reordered, dropped or
+duplicated records; the GCM tag over ``head_i`` rejects any altered byte. After any
+rejection the channel is *broken*: every later record is refused too, and the owner
+must drop the connection (a fresh handshake gives fresh keys).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections import Counter
+from typing import Iterator
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -28,9 +34,8 @@ from tandem.wire.errors import AuthError, WireError
 log = logging.getLogger(__name__)
 
 TAG_BYTES = 16
-_HEAD = struct.Struct(">QH")
+_HEAD = struct.Struct(">QHH")
 _HEAD_LEN = P.PREFIX_LEN + _HEAD.size
-_INDEX = struct.Struct(">H")
 _MAX_COUNTER = (1 << 64) - 1 - (1 << 16)
 
 # Rejections by reason across every channel of this process (exported by stats).
@@ -43,59 +48,84 @@ class SealedChannel:
         self._recv = AESGCM(recv_key)
         self._send_counter = 0
         self._recv_counter = 0
+        self._partial: list[bytes] = []
+        self._partial_n = 0
         self.broken: str | None = None
         self.bytes_sealed = 0
         self.bytes_opened = 0
 
     def seal(self, frames: list) -> list:
-        if not 1 <= len(frames) <= P.MAX_FRAMES:
-            raise ValueError(f"can seal 1 to {P.MAX_FRAMES} frames, got {len(frames)}")
-        counter = self._send_counter
-        if counter > _MAX_COUNTER:
+        """All records of one message as one ZeroMQ multipart message."""
+        return [part for record in self.seal_records(frames) for part in record]
+
+    def seal_records(self, frames: list) -> Iterator[list]:
+        """Yield the records of one message, one ZeroMQ message each, sealing each only
+        when the previous one has been taken (so sending overlaps sealing)."""
+        n = len(frames)
+        if not 1 <= n <= P.MAX_FRAMES:
+            raise ValueError(f"can seal 1 to {P.MAX_FRAMES} frames, got {n}")
+        base = self._send_counter
+        if base > _MAX_COUNTER:
             raise WireError("sealed channel exhausted its nonces; reconnect", "exhausted")
-        head = P.header_prefix(P.MsgType.SEALED) + _HEAD.pack(counter, len(frames))
-        out = [head]
+        self._send_counter = base + n  # reserved now: a half-consumed generator never reuses nonces
+        prefix = P.header_prefix(P.MsgType.SEALED)
+        return self._records(prefix, base, frames)
+
+    def _records(self, prefix: bytes, base: int, frames: list) -> Iterator[list]:
+        n = len(frames)
         for i, frame in enumerate(frames):
+            head = prefix + _HEAD.pack(base, n, i)
             data = as_buffer(frame)
             self.bytes_sealed += len(data)
-            out.append(self._send.encrypt(_nonce(counter + i), data, head + _INDEX.pack(i)))
-        self._send_counter = counter + len(frames)
-        return out
+            yield [head, self._send.encrypt(_nonce(base + i), data, head)]
 
-    def open(self, frames) -> list[bytes]:
-        """The plaintext frames of a sealed message, or AuthError (and the channel breaks)."""
+    def open(self, frames) -> list[bytes] | None:
+        """Open the records in one ZeroMQ message. Returns the plaintext frames once a
+        message's last record has arrived, None before that; AuthError (and the channel
+        breaks) on anything out of place."""
         if self.broken:
             raise AuthError(f"sealed channel already rejected a frame ({self.broken}); reconnect", "broken")
         try:
-            return self._open(frames)
+            if not 2 <= len(frames) <= 2 * P.MAX_FRAMES or len(frames) % 2:
+                raise AuthError(f"sealed message with {len(frames)} frames", "frames")
+            result = None
+            for j in range(0, len(frames), 2):
+                if result is not None:
+                    raise AuthError("records after the end of a sealed message", "frames")
+                result = self._open(frames[j], frames[j + 1])
+            return result
         except WireError as exc:
             self.broken = exc.reason
+            self._partial = []
             REJECTED[exc.reason] += 1
-            log.warning("rejected sealed message (%s): %s", exc.reason, exc)
+            log.warning("rejected sealed record (%s): %s", exc.reason, exc)
             raise
 
-    def _open(self, frames) -> list[bytes]:
-        if not 2 <= len(frames) <= P.MAX_FRAMES + 1:
-            raise AuthError(f"sealed message with {len(frames)} frames", "frames")
-        head = bytes(as_buffer(frames[0]))
+    def _open(self, head, ct) -> list[bytes] | None:
+        head = bytes(as_buffer(head))
         if len(head) != _HEAD_LEN or head[: P.PREFIX_LEN] != P.header_prefix(P.MsgType.SEALED):
-            raise AuthError("not a sealed message header", "header")
-        counter, n = _HEAD.unpack_from(head, P.PREFIX_LEN)
-        if n != len(frames) - 1:
-            raise AuthError(f"sealed message says {n} frames, carries {len(frames) - 1}", "truncated")
-        if counter != self._recv_counter:
-            reason = "replay" if counter < self._recv_counter else "reorder"
-            raise AuthError(f"sealed counter {counter}, expected {self._recv_counter}", reason)
-        out = []
-        for i in range(n):
-            ct = as_buffer(frames[i + 1])
-            if len(ct) < TAG_BYTES or len(ct) > P.MAX_FRAME_BYTES + TAG_BYTES:
-                raise AuthError(f"sealed frame of {len(ct)} bytes", "size")
-            try:
-                out.append(self._recv.decrypt(_nonce(counter + i), ct, head + _INDEX.pack(i)))
-            except InvalidTag:
-                raise AuthError("sealed frame failed authentication (altered or wrong key)", "altered") from None
-        self._recv_counter = counter + n
+            raise AuthError("not a sealed record header", "header")
+        base, n, i = _HEAD.unpack_from(head, P.PREFIX_LEN)
+        if self._partial and i == 0:
+            raise AuthError(f"a new message began after record {len(self._partial)} of {self._partial_n}", "truncated")
+        if base != self._recv_counter:
+            reason = "replay" if base < self._recv_counter else "reorder"
+            raise AuthError(f"sealed counter {base}, expected {self._recv_counter}", reason)
+        if i != len(self._partial) or not 1 <= n <= P.MAX_FRAMES or (self._partial and n != self._partial_n):
+            raise AuthError(f"sealed record {i} of {n}, expected record {len(self._partial)}", "reorder")
+        ct = as_buffer(ct)
+        if len(ct) < TAG_BYTES or len(ct) > P.MAX_FRAME_BYTES + TAG_BYTES:
+            raise AuthError(f"sealed frame of {len(ct)} bytes", "size")
+        try:
+            frame = self._recv.decrypt(_nonce(base + i), ct, head)
+        except InvalidTag:
+            raise AuthError("sealed frame failed authentication (altered or wrong key)", "altered") from None
+        self._partial.append(frame)
+        self._partial_n = n
+        if len(self._partial) < n:
+            return None
+        out, self._partial = self._partial, []
+        self._recv_counter = base + n
         self.bytes_opened += sum(len(f) for f in out)
         return out
 

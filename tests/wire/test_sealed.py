@@ -103,13 +103,27 @@ def test_replay_reorder_truncation_rejected_and_counted():
     assert err.value.reason == "reorder"
     ch_i, ch_r = _pair()
     m = ch_i.seal([b"a", b"b"])
+    assert ch_r.open(m[:2]) is None  # first record only: incomplete, not yet an error
     with pytest.raises(AuthError) as err:
-        ch_r.open(m[:2])  # truncated
+        ch_r.open(ch_i.seal([b"next"]))  # the last record of the previous message never came
     assert err.value.reason == "truncated"
+    for bad in ([0, 3, 2, 1], [2, 3, 0, 1], [0, 1, 2], [0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 2, 3]):
+        ch_i, ch_r = _pair()
+        m = ch_i.seal([b"a", b"b"])
+        with pytest.raises(AuthError):
+            ch_r.open([m[k] for k in bad])  # swapped, reordered, dropped or duplicated records
+
+
+def test_records_one_per_zeromq_message():
     ch_i, ch_r = _pair()
-    m = ch_i.seal([b"a", b"b"])
+    frames = [b"h", b"x" * 1000, b"y" * 10]
+    records = list(ch_i.seal_records(frames))
+    assert len(records) == 3 and all(len(r) == 2 for r in records)
+    assert ch_r.open(records[0]) is None and ch_r.open(records[1]) is None
+    assert ch_r.open(records[2]) == frames
+    assert ch_r.open(ch_i.seal([b"after"])) == [b"after"]
     with pytest.raises(AuthError):
-        ch_r.open([m[0], m[2], m[1]])  # frames swapped
+        ch_r.open(records[1])  # replayed record
 
 
 @pytest.fixture
