@@ -23,6 +23,7 @@ from tandem.http.responses import Formatter, dumps, error_chunk, usage_body
 
 log = logging.getLogger("tandem.edge")
 PRIORITY_RANGE = (-100, 100)
+MAX_CHOICES = 64  # prompts x n of one request: each is a separate request on the cluster
 _END = object()
 
 
@@ -39,6 +40,8 @@ async def read_json(req: falcon.asgi.Request, limit: int):
         return json.loads(data)
     except (UnicodeDecodeError, ValueError) as exc:
         raise bad_request(f"the request body is not valid JSON ({exc})", None, "invalid_json") from None
+    except RecursionError:
+        raise bad_request("the request body nests too deeply", None, "invalid_json") from None
 
 
 def priority_of(req: falcon.asgi.Request) -> int:
@@ -70,12 +73,22 @@ class CompletionsResource:
                 raise ApiError(404, f"model {job.model!r} is not served here; this server serves {edge.model_name!r}",
                                param="model", code="model_not_found")
             priority = priority_of(req)
+            if len(job.prompts) * job.n > MAX_CHOICES:
+                raise bad_request(f"a request may ask for at most {MAX_CHOICES} completions (prompts x n); "
+                                  f"this one asks for {len(job.prompts) * job.n}", "prompt")
             prompts = await asyncio.to_thread(self._tokenize, job)
             limits = [self._max_tokens(job, p) for p in prompts]
         except ApiError as err:
             edge.metrics.refuse(err.code or "invalid_request")
             raise
-        backend = await edge.get_backend()
+        if job.user:
+            log.debug("request for user %r: %d prompt(s) x n=%d", job.user, len(prompts), job.n)
+        try:
+            backend = await edge.get_backend()
+        except Exception as exc:
+            log.warning("wire client unavailable: %s", exc)
+            edge.metrics.refuse("unavailable")
+            raise unavailable(str(exc) or type(exc).__name__) from None
         choices = []
         for p_idx, (prompt, limit) in enumerate(zip(prompts, limits)):
             for i in range(job.n):

@@ -352,3 +352,19 @@ def test_metrics_count_tokens_and_latency(make_app, fake):
     itl = [line for line in text.splitlines() if line.startswith("tandem_inter_token_latency_seconds_count")]
     tokens = float(gen[0].split()[-1])
     assert tokens > 0 and float(itl[0].split()[-1]) == tokens - 2 * 3  # first events carry 3 tokens each
+
+
+def test_too_many_choices_and_deep_json(make_app, fake):
+    app = make_app(fake)
+    r = post(app, "/v1/completions", {"model": "tiny", "prompt": ["a"] * 20, "n": 4})
+    assert r.status == 400 and "at most" in r.json()["error"]["message"]
+    r = run(call(app, "POST", "/v1/chat/completions", raw=b"[" * 100000 + b"]" * 100000))
+    assert r.status == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_redact_drops_addresses_keeps_numbers():
+    from tandem.http.ops import redact
+
+    stats = {"workers": [{"node": "decode-0", "kv_address": "tcp://10.1.2.3:7000", "ip": "10.1.2.3",
+                          "free_blocks": 3, "pipeline_depth": 2}], "endpoint": "tcp://x", "counters": {"aborted": 1}}
+    assert redact(stats) == {"workers": [{"node": "decode-0", "free_blocks": 3, "pipeline_depth": 2}], "counters": {"aborted": 1}}

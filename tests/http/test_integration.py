@@ -304,8 +304,11 @@ def test_disconnect_mid_stream_frees_worker_blocks(stack):
     while received.count(b"data: ") < 5:
         received += sock.recv(65536)
     assert received.startswith(b"HTTP/1.1 200")
-    during = _worker_load(port)
-    assert during["used_blocks"] > 0 and during["running"] == 1
+    deadline = time.monotonic() + 10
+    while not ((during := _worker_load(port))["used_blocks"] > 0 and during["running"] == 1):
+        # The broker learns a worker's load from its heartbeats: wait for one.
+        assert time.monotonic() < deadline, f"the worker never reported the request: {during}"
+        time.sleep(0.1)
     sock.close()
     deadline = time.monotonic() + 20
     while (load := _worker_load(port)) != {"used_blocks": 0, "running": 0, "inflight": 0}:
