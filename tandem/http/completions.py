@@ -157,7 +157,7 @@ class CompletionsResource:
         metrics = self.edge.metrics
         if isinstance(failure, Busy):
             metrics.refuse(failure.reason or "busy")
-            raise busy(failure.reason, failure.retry_after_s)
+            raise busy(failure.reason, failure.retry_after_s, str(failure))
         if isinstance(failure, Unavailable):
             metrics.refuse("unavailable")
             raise unavailable(str(failure))

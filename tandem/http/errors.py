@@ -60,11 +60,12 @@ def unsupported(param: str, why: str = "") -> ApiError:
     return ApiError(400, f"{param!r} is not supported by this server{suffix}", param=param, code="unsupported_parameter")
 
 
-def busy(reason: str, retry_after_s: float) -> ApiError:
+def busy(reason: str, retry_after_s: float, detail: str = "") -> ApiError:
     seconds = max(1, int(retry_after_s + 0.999))
+    why = detail if detail and detail != reason else reason
     return ApiError(
         503,
-        f"the server is at capacity ({reason}); retry after {seconds} s",
+        f"the server is at capacity ({why}); retry after {seconds} s",
         type="server_overloaded",
         code=reason or "busy",
         headers={"Retry-After": str(seconds)},
