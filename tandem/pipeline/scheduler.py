@@ -259,7 +259,7 @@ class Scheduler:
             seq.block_ids = list(reused)
             seq.num_hashed = len(reused)
             seq.last_hash = hashes[-1] if hashes else ROOT_HASH
-            if seq.imported is None:
+            if seq.imported is None and self.prefix_caching:
                 saved = min(len(reused) * self.pool.block_size, len(seq.tokens) - 1)
                 if seq.num_preemptions == 0:
                     self.pool.record_lookup(saved)
