@@ -99,7 +99,8 @@ def stack(tmp_path_factory, tiny_model_dir):
         while _get(port, "/ready")[0] != 200:  # the worker registers with the broker
             assert time.monotonic() < deadline, "edge never became ready"
             time.sleep(0.2)
-        yield {"port": port, "base": base + "/v1", "logs": tmp}
+        yield {"port": port, "base": base + "/v1", "logs": tmp, "env": env, "ends": ends, "secret": secret,
+               "model": tiny_model_dir}
     finally:
         for p in reversed(procs):
             p.kill()
@@ -365,3 +366,36 @@ def test_metrics_aggregate_across_gunicorn_workers(stack):
                  "tandem_prompt_tokens_total", "tandem_generation_tokens_total", "tandem_prefix_cache_hit_ratio",
                  "tandem_kv_cache_usage_ratio", "tandem_broker_up 1.0"):
         assert name in text, name
+
+
+def test_sigterm_drains_open_streams(stack):
+    """SIGTERM to `tandem edge` stops new connections but lets an open stream finish."""
+    tmp = stack["logs"]
+    port = _free_port()
+    edge = Proc(["edge", "--bind", f"127.0.0.1:{port}", "--model", str(stack["model"]), "--model-name", "tiny",
+                 "--broker", stack["ends"]["frontend"], "--broker-stream", stack["ends"]["stream_out"],
+                 "--cluster-secret-file", str(stack["secret"])], tmp / "edge-drain.log", stack["env"])
+    try:
+        edge.ready()
+        body = json.dumps({"model": "tiny", "prompt": "drain", "max_tokens": 400, "temperature": 0,
+                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        received = b""
+        while b"data: " not in received:
+            received += sock.recv(65536)
+        edge.p.send_signal(signal.SIGTERM)  # the command forwards it to gunicorn's master
+        while chunk := sock.recv(65536):
+            received += chunk
+        sock.close()
+        assert edge.p.wait(30) == 0
+        # gunicorn saw the stream still open when it began to stop, and waited for it.
+        assert "Waiting for 1 connections to finish" in (tmp / "edge-drain.log").read_text()
+        assert b"data: [DONE]" in received
+        usage = [json.loads(line[6:]) for line in received.split(b"\n")
+                 if line.startswith(b"data: {") and b'"choices":[]' in line]
+        assert usage and usage[0]["usage"]["completion_tokens"] == 400
+        assert _get(port, "/health")[0] == 0  # no longer listening
+    finally:
+        edge.kill()
