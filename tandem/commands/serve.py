@@ -1,0 +1,168 @@
+"""`tandem serve`: the whole stack on this machine (broker, workers, HTTP edge)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HELP = "run the whole stack on this machine: broker, prefill + decode workers and the OpenAI HTTP edge"
+DESCRIPTION = (
+    "Start a broker, one prefill and one decode worker (or --topology hybrid for one "
+    "hybrid worker; --prefill N --decode M for more) and the HTTP edge as child "
+    "processes on loopback, with a cluster secret generated in the state directory. "
+    "Waits until the edge answers /ready, prints the URL and an example request, and "
+    "streams every child's log with its name. A child that dies is restarted; Ctrl-C "
+    "or SIGTERM drains and stops everything."
+)
+# Offsets from --base-port; decode workers take base+10, base+11, ...
+PORTS = {"frontend": 0, "backend": 1, "stream_in": 2, "stream_out": 3, "stats": 4}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", metavar="PATH", help="mlx-lm model directory (default: the bundled SmolLM2-135M-Instruct, fetched on first use)")
+    p.add_argument("--weights", choices=("auto", "dense", "quantized"), help="weight format the workers run (default auto)")
+    p.add_argument("--config", metavar="FILE", help="TOML config file passed to every child")
+    p.add_argument("--topology", choices=("disaggregated", "hybrid"), default="disaggregated",
+                   help="disaggregated: separate prefill and decode workers (default); hybrid: one worker does both")
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+    p.add_argument("--hybrid", type=int, default=1, metavar="N", help="hybrid workers with --topology hybrid (default 1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
+    p.add_argument("--base-port", type=int, default=5555, help="first of the ZeroMQ ports (default 5555)")
+    p.add_argument("--parallel", type=int, help="active sequences per worker")
+    p.add_argument("--api-key-file", metavar="PATH", help="require this API key as a Bearer token")
+    p.add_argument("--state-dir", metavar="DIR", help="where the generated cluster secret lives (default $XDG_STATE_HOME/tandem)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the stack to come up")
+
+
+def state_dir(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(Path.home(), ".local", "state")
+    return Path(base) / "tandem"
+
+
+def ensure_secret(directory: Path) -> Path:
+    """A 32-byte cluster secret, mode 0600, created once and reused."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = directory / "cluster-secret"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    os.chmod(path, 0o600)
+    return path
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    from tandem.cli import UserError
+
+    if not 0 < port < 65536:
+        raise UserError(f"port {port} for {what} is out of range")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise UserError(f"port {port} ({what}) is already in use; pick other ports with --port / --base-port") from None
+
+
+def build_specs(args, model: Path, secret: Path):
+    from tandem.supervisor import ChildSpec
+
+    tandem = [sys.executable, "-m", "tandem.cli"]
+    addr = {k: f"tcp://127.0.0.1:{args.base_port + off}" for k, off in PORTS.items()}
+    common = ["--cluster-secret-file", str(secret)] + (["--config", args.config] if args.config else [])
+    model_args = ["--model", str(model)] + (["--weights", args.weights] if args.weights else [])
+    worker = tandem + ["worker", "--broker-backend", addr["backend"], "--broker-stream", addr["stream_in"]] + common + model_args
+    if args.parallel:
+        worker += ["--parallel", str(args.parallel)]
+    specs = [ChildSpec("broker", tandem + ["broker", "--frontend", addr["frontend"], "--backend", addr["backend"],
+                                           "--stream-in", addr["stream_in"], "--stream-out", addr["stream_out"],
+                                           "--stats", addr["stats"]] + common)]
+    if args.topology == "hybrid":
+        specs += [ChildSpec(f"hybrid-{i}", worker + ["--role", "hybrid", "--name", f"hybrid-{i}"]) for i in range(args.hybrid)]
+    else:
+        specs += [ChildSpec(f"decode-{i}", worker + ["--role", "decode", "--name", f"decode-{i}",
+                                                     "--kv-bind", f"tcp://127.0.0.1:{args.base_port + 10 + i}"])
+                  for i in range(args.decode)]
+        specs += [ChildSpec(f"prefill-{i}", worker + ["--role", "prefill", "--name", f"prefill-{i}"]) for i in range(args.prefill)]
+    edge = tandem + ["edge", "--bind", f"{args.host}:{args.port}", "--broker", addr["frontend"],
+                     "--broker-stream", addr["stream_out"], "--model", str(model)] + common
+    if args.api_key_file:
+        edge += ["--api-key-file", args.api_key_file]
+    specs.append(ChildSpec("edge", edge, stop_grace_s=35.0))
+    return specs, addr
+
+
+def wait_ready(url: str, sup, deadline: float) -> None:
+    from tandem.supervisor import ChildFailed
+
+    while time.monotonic() < deadline:
+        for child in sup.children:
+            if child.poll() is not None:
+                raise ChildFailed(child.describe_exit())
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if sup.stopping.wait(0.5):
+            raise ChildFailed("interrupted during start-up")
+    raise ChildFailed(f"{url} did not report ready in time (workers still loading?)")
+
+
+def run(args) -> int:
+    from tandem.cli import UserError
+    from tandem.pipeline.model_store import ModelError, resolve_model
+    from tandem.supervisor import ChildFailed, Supervisor
+
+    for name, n in (("--prefill", args.prefill), ("--decode", args.decode), ("--hybrid", args.hybrid)):
+        if n < 1:
+            raise UserError(f"{name}={n} must be at least 1")
+    check_port_free(args.host, args.port, "HTTP")
+    for what, off in PORTS.items():
+        check_port_free("127.0.0.1", args.base_port + off, f"broker {what}, --base-port + {off}")
+    if args.topology == "disaggregated":
+        for i in range(args.decode):
+            check_port_free("127.0.0.1", args.base_port + 10 + i, f"decode-{i} KV ingest, --base-port + {10 + i}")
+    try:
+        model = resolve_model(args.model, log=lambda m: print(f"{'serve':>10} | {m}", flush=True))
+    except ModelError as exc:
+        raise UserError(str(exc)) from None
+    secret = ensure_secret(state_dir(args.state_dir))
+    specs, _ = build_specs(args, model, secret)
+    sup = Supervisor(specs)
+    stop = lambda *_: sup.stopping.set()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    url = f"http://{args.host}:{args.port}"
+    try:
+        sup.say(f"model {model}; cluster secret {secret}")
+        deadline = time.monotonic() + args.startup_timeout
+        for child in sup.children:
+            sup.start(child, ready_timeout_s=max(1.0, deadline - time.monotonic()))
+        wait_ready(url + "/ready", sup, deadline)
+        sup.say(f"ready: {url}/v1  (OpenAI-compatible; Ctrl-C stops everything)")
+        sup.say("try: curl -N " + url + "/v1/chat/completions -H 'Content-Type: application/json' "
+                "-d '{\"model\": \"" + model.name + "\", \"stream\": true, \"temperature\": 0, "
+                "\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'")
+        while not sup.stopping.wait(0.5):
+            sup.check()
+    except ChildFailed as exc:
+        if not sup.stopping.is_set():
+            sup.stop_all()
+            print(f"tandem serve: {exc}", file=sys.stderr)
+            return 1
+    finally:
+        sup.stop_all()
+    sup.say("stopped")
+    return 0
