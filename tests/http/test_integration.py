@@ -377,7 +377,7 @@ def test_sigterm_drains_open_streams(stack):
                  "--cluster-secret-file", str(stack["secret"])], tmp / "edge-drain.log", stack["env"])
     try:
         edge.ready()
-        body = json.dumps({"model": "tiny", "prompt": "drain", "max_tokens": 400, "temperature": 0,
+        body = json.dumps({"model": "tiny", "prompt": "drain", "max_tokens": 1500, "temperature": 0,
                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
         sock = socket.create_connection(("127.0.0.1", port), timeout=60)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -395,7 +395,7 @@ def test_sigterm_drains_open_streams(stack):
         assert b"data: [DONE]" in received
         usage = [json.loads(line[6:]) for line in received.split(b"\n")
                  if line.startswith(b"data: {") and b'"choices":[]' in line]
-        assert usage and usage[0]["usage"]["completion_tokens"] == 400
+        assert usage and usage[0]["usage"]["completion_tokens"] == 1500
         assert _get(port, "/health")[0] == 0  # no longer listening
     finally:
         edge.kill()
