@@ -15,8 +15,9 @@ _config = load()
 _edge = _config.edge
 
 # Metrics from every worker land in one directory; `tandem edge` makes a fresh one.
+_own_metrics_dir = None
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="tandem-metrics-")
+    _own_metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="tandem-metrics-")
 # The tokenizer is loaded before the fork; its Rust thread pool must not be used across it.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -48,3 +49,10 @@ def child_exit(server, worker):
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    if _own_metrics_dir:
+        import shutil
+
+        shutil.rmtree(_own_metrics_dir, ignore_errors=True)
