@@ -356,12 +356,18 @@ def report(results: dict, out: Path) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     meta = results["meta"]
+    stub = meta["engine"] == "stub"
     md = [
-        "# Serving benchmark: tandem vs mlx_lm.server",
+        "# Serving benchmark: the edge + broker path (model-free stub engine)" if stub
+        else "# Serving benchmark: tandem vs mlx_lm.server",
         "",
         f"Produced by `{meta['command']}` on {meta['date']} ({meta['machine']}).",
         "",
-        f"Model `{meta['model']}` ({meta['weights']} weights for both servers, BLAS {meta['blas']}); chat prompts of "
+        (f"Tokenizer of `{meta['model']}`; the worker runs tandem's stub engine (no model), so this measures what the "
+         f"edge, broker and wire add per token: at {meta.get('stub_step_ms')} ms per engine step the ceiling is "
+         f"clients x {1000 / (meta.get('stub_step_ms') or 1):.0f} tok/s. " if stub else
+         f"Model `{meta['model']}` ({meta['weights']} weights for both servers, BLAS {meta['blas']}). ")
+        + "Chat prompts of "
         f"{meta['prompt_tokens']} tokens on average, {meta['max_tokens']} new tokens, temperature 0, EOS suppressed "
         f"(logit bias -100), {meta['rounds']} request(s) per client per level, streaming, the same client for both. "
         f"tandem: broker + one hybrid worker (parallel {meta['parallel']}) + edge ({meta['edge_workers']} gunicorn worker(s)). "
@@ -369,8 +375,6 @@ def report(results: dict, out: Path) -> str:
         + ", ".join(f"{k} {v:.1f}" for k, v in meta["load_average_at_start"].items())
         + (" (other work was running on the machine: absolute numbers are low, compare the ratios)."
            if any(v > 1.0 for v in meta["load_average_at_start"].values()) else "."),
-        *([f"Engine: tandem's model-free stub ({meta['engine']}), measuring the edge + broker path alone."]
-          if meta["engine"] == "stub" else []),
         "",
         "tok/s: generated tokens of successful requests / wall time of the level. TTFT: request sent to first content "
         "token. ITL: mean gap between streamed tokens per request (mean over requests) / p95 over all gaps. "
@@ -452,6 +456,7 @@ def main() -> int:
             "model": model.name, "weights": args.weights, "blas": tandem.BLAS,
             "prompt_tokens": mean_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
             "parallel": args.parallel, "edge_workers": args.edge_workers, "engine": args.engine,
+            "stub_step_ms": args.stub_step_ms if args.engine == "stub" else None,
             "load_average_at_start": load,
         },
         "rows": rows,
