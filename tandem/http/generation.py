@@ -121,7 +121,7 @@ class Choice:
         # (The worker sends nothing after an abort, so the cached-prompt count of such
         # a choice is whatever the stream reported before: usually 0.)
         aborted_on_stop = self.finish_reason == "stop" and self._stops.stopped
-        if self.finish_reason is None or aborted_on_stop:
+        if self._events is not None and (self.finish_reason is None or aborted_on_stop):
             try:
                 await self._backend.abort(self.request_id)
             except Exception:  # the request is gone either way; a dead broker forgets it
