@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 
+import numpy as np
 import zmq
 
 from tandem.wire import codec
@@ -29,6 +30,45 @@ KV_HWM = 64  # messages; KV chunks are large, so keep the queue short and let se
 MAX_PENDING_HANDSHAKES = 256
 
 
+class SendArena:
+    """A ring of reusable memory for sealed records in flight.
+
+    Each record's ciphertext is written into the next free region and sent zero-copy
+    with a tracker; a region is reused only after libzmq has released it. The arena is
+    touched once at creation, so steady-state sealing never page-faults."""
+
+    def __init__(self, size: int):
+        self._view: memoryview | None = None  # allocated on first use
+        self._size = size
+        self._pos = 0
+        self._inflight: deque = deque()  # [start, end, tracker] of regions libzmq may still read
+
+    def alloc(self, nbytes: int) -> memoryview | None:
+        if nbytes > self._size // 2:
+            return None
+        if self._view is None:
+            self._view = memoryview(np.ones(self._size, dtype=np.uint8))
+        if self._pos + nbytes > self._size:
+            self._pos = 0
+        start, end = self._pos, self._pos + nbytes
+        keep: deque = deque()
+        for region in self._inflight:
+            tracker = region[2]  # None: its send failed, nothing holds it
+            if tracker is None or tracker.done:
+                continue
+            if region[0] < end and start < region[1]:
+                tracker.wait()  # libzmq still owns bytes we are about to overwrite
+            else:
+                keep.append(region)
+        keep.append([start, end, None])
+        self._inflight = keep
+        self._pos = end
+        return self._view[start:end]
+
+    def track(self, tracker) -> None:
+        self._inflight[-1][2] = tracker
+
+
 class KVSender:
     """One authenticated connection to a decode worker's KV ingest address.
 
@@ -36,8 +76,11 @@ class KVSender:
     handshake (raises AuthError on a wrong secret, PeerAtCapacity if the decode worker
     refused, TimeoutError if it did not answer within ``timeout_s``)."""
 
-    def __init__(self, ctx: zmq.Context, address: str, secret: bytes, node_id: str, *, timeout_s: float = 5.0):
+    def __init__(
+        self, ctx: zmq.Context, address: str, secret: bytes, node_id: str, *, timeout_s: float = 5.0, arena_bytes: int = 64 << 20
+    ):
         self.address = address
+        self._arena = SendArena(arena_bytes)
         self.socket = make_socket(ctx, zmq.DEALER, connect=address, hwm=KV_HWM)
         try:
             initiator = Initiator(secret, node_id)
@@ -60,8 +103,13 @@ class KVSender:
         """Seal and send already-encoded frames (``codec.encode(msg)``): one record per
         ZeroMQ message when the payload is large, so sealing overlaps transmission."""
         if len(frames) > 1 and sum(len(codec.as_buffer(f)) for f in frames) >= STREAM_RECORDS_BYTES:
-            for record in self.channel.seal_records(frames):
-                codec.send(self.socket, record)
+            arena = self._arena
+            for record in self.channel.seal_records(frames, alloc=arena.alloc):
+                if isinstance(record[1], memoryview):  # in the arena: track until libzmq lets go
+                    self.socket.send(record[0], zmq.SNDMORE)
+                    arena.track(self.socket.send(record[1], copy=False, track=True))
+                else:
+                    codec.send(self.socket, record)
         else:
             codec.send(self.socket, self.channel.seal(frames))
 

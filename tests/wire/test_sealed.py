@@ -191,3 +191,35 @@ def test_unauthenticated_garbage_gets_nothing(ctx):
         assert rx.recv(timeout_s=0.3) is None
     assert sum(v for k, v in rx.stats.items() if k.startswith("rejected_")) == 3
     d.close()
+
+
+def test_large_writable_frames_decrypt_in_place_and_reject_flips():
+    import random
+
+    from tandem.wire.kvchannel import SendArena
+
+    k1, k2 = b"1" * 32, b"2" * 32
+    big = bytes(random.Random(0).randbytes(200_000))
+    arena = SendArena(1 << 20)
+    records = list(SealedChannel(k1, k2).seal_records([b"hdr", big], alloc=arena.alloc))
+    assert isinstance(records[1][1], memoryview)  # sealed into the arena
+    wire = [[bytes(h), bytes(c)] for h, c in records]
+
+    def deliver(tamper=None):
+        rx = SealedChannel(k2, k1)
+        out = None
+        for r, (h, c) in enumerate(wire):
+            frames = [bytearray(h), bytearray(c)]  # writable, as recv(copy=False) gives
+            if tamper and tamper[0] == r:
+                frames[tamper[1]][tamper[2]] ^= 0x10
+            out = rx.open(frames)
+        return out
+
+    out = deliver()
+    assert bytes(out[0]) == b"hdr" and bytes(out[1]) == big and isinstance(out[1], memoryview)
+    rng = random.Random(1)
+    positions = list(range(len(wire[1][0]))) + [0, 1, len(wire[1][1]) - 1] + rng.sample(range(len(wire[1][1])), 100)
+    for k, pos in enumerate(positions):
+        part = 0 if k < len(wire[1][0]) else 1
+        with pytest.raises(WireError):
+            deliver((1, part, pos))
