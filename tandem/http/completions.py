@@ -73,6 +73,10 @@ class CompletionsResource:
                 raise ApiError(404, f"model {job.model!r} is not served here; this server serves {edge.model_name!r}",
                                param="model", code="model_not_found")
             priority = priority_of(req)
+            vocab = edge.tokenizer.vocab_size
+            bad = next((t for t in job.sampling.logit_bias if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"'logit_bias' names token {bad}, outside the vocabulary (0..{vocab - 1})", "logit_bias")
             if len(job.prompts) * job.n > MAX_CHOICES:
                 raise bad_request(f"a request may ask for at most {MAX_CHOICES} completions (prompts x n); "
                                   f"this one asks for {len(job.prompts) * job.n}", "prompt")

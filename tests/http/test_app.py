@@ -193,6 +193,8 @@ BAD = [
     ({**CHAT, "stop": ["a", ""]}, "stop", 400, "invalid_value"),
     ({**CHAT, "stop": 5}, "stop", 400, "invalid_type"),
     ({**CHAT, "seed": 1.5}, "seed", 400, "invalid_type"),
+    ({**CHAT, "logit_bias": {"999999": 5}}, "logit_bias", 400, "invalid_value"),
+    ({**CHAT, "logit_bias": {"3": 500}}, "logit_bias", 400, "invalid_value"),
     ({**CHAT, "messages": []}, "messages", 400, "invalid_type"),
     ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", 400, "unsupported_parameter"),
     ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", 400, "invalid_value"),
