@@ -151,9 +151,11 @@ def test_completion_logprobs_shape_streaming(make_app, fake):
 
 
 def test_max_tokens_and_ignore_eos_pass_through(make_app, fake, edge_tokenizer):
-    r = post(make_app(fake), "/v1/chat/completions", {**CHAT, "max_completion_tokens": 100, "ignore_eos": True})
+    r = post(make_app(fake), "/v1/chat/completions", {**CHAT, "max_completion_tokens": 100, "ignore_eos": True,
+                                                      "logit_bias": {"5": -100}, "top_k": 4, "min_p": 0.1, "top_p": 0.9})
     sampling = fake.submitted[0][2]
     assert sampling.max_tokens == 100 and sampling.ignore_eos
+    assert (sampling.logit_bias, sampling.top_k, sampling.min_p, sampling.top_p) == ({5: -100.0}, 4, 0.1, 0.9)
     body = r.json()
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["choices"][0]["message"]["content"] == TEXT + " never seen"
