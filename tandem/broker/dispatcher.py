@@ -18,10 +18,12 @@ from tandem.broker.registry import DOWN, DRAINING, UP, Load, Registry, Worker
 from tandem.broker.settings import BrokerSettings
 from tandem.broker.strategies import Selector, prefix_hashes
 from tandem.wire import messages as M
+from tandem.wire.protocol import MAX_ATTEMPTS
 
 log = logging.getLogger("tandem.broker")
 
-FINISHED_LINGER_S = 10.0  # keep a finished job this long for late DONEs, then forget it
+FINISHED_LINGER_S = 10.0
+FINAL_GRACE_S = 2.0  # after a worker's DONE, wait this long for its final stream message  # keep a finished job this long for late DONEs, then forget it
 
 
 class Dispatcher:
@@ -121,6 +123,7 @@ class Dispatcher:
             w.state = UP
         self.registry.touch(w)
         if isinstance(msg, M.Heartbeat):
+            w.saturated = False
             w.load.running, w.load.waiting = msg.running, msg.waiting
             w.load.free_blocks, w.load.total_blocks = msg.free_blocks, msg.total_blocks
             w.remember_prefixes(reversed(msg.prefix_hashes))
@@ -132,9 +135,7 @@ class Dispatcher:
         elif isinstance(msg, M.Failed):
             self._failed(w, msg.request_id, msg.error, msg.retryable)
         elif isinstance(msg, M.Refused):
-            w.refusals += 1
-            self.counters["worker_refusals"] += 1
-            self._failed(w, msg.request_id, msg.message or msg.reason, True, migration=False)
+            self._worker_refused(w, msg)
         elif isinstance(msg, M.Disconnect):
             log.info("worker %s left: %s", w.node_id, msg.reason)
             self._worker_lost(w, f"worker left ({msg.reason})")
@@ -156,18 +157,39 @@ class Dispatcher:
         if w.identity not in job.holders:
             return  # a late DONE from an attempt we gave up on
         self._unhold(job, w)
-        if msg.handed_to is not None and job.state == J.RUNNING:
+        if msg.handed_to is not None:
             self.counters["handoffs"] += 1
             self.handoff_ms.append((self.clock() - job.arrived) * 1000)
             del self.handoff_ms[:-1000]
+            self._maybe_forget(job)
             return
         if msg.usage is not None:
             job.cached_prompt_tokens = max(job.cached_prompt_tokens, msg.usage.cached_prompt_tokens)
         if job.state != J.FINISHED and msg.finish_reason is not None and not job.holders:
-            # The worker finished but its final stream message never reached us (a PUB
-            # drop, or the worker died right after): end the stream ourselves.
-            self._end_stream(job, finish_reason=msg.finish_reason)
+            # DONE and the stream travel on different connections, so DONE may arrive
+            # first; give the final stream message a grace period before ending the
+            # stream ourselves (tick()).
+            job.worker_done = msg
+            job.worker_done_at = self.clock()
         self._maybe_forget(job)
+
+    def _worker_refused(self, w: Worker, msg: M.Refused) -> None:
+        self.counters["worker_refusals"] += 1
+        job = self.jobs.get(msg.request_id)
+        if job is None or job.state == J.FINISHED or w.identity not in job.holders:
+            return
+        target = self.registry.get(job.decode_worker) if job.decode_worker else None
+        if job.next_seq > 0 and target is not None and target is not w:
+            # A prefill worker whose decode target refused the KV (full, timed out): the
+            # first token is out, so the request continues elsewhere from it.
+            target.refusals += 1
+            target.saturated = True
+            job.excluded.add(target.identity)
+        else:
+            w.refusals += 1
+            w.saturated = True
+            job.excluded.add(w.identity)
+        self._reschedule(job, f"{w.node_id}: {msg.message or msg.reason}", count=False)
 
     def _failed(self, w: Worker, rid: bytes, error: str, retryable: bool, migration: bool = True) -> None:
         job = self.jobs.get(rid)
@@ -257,6 +279,10 @@ class Dispatcher:
 
     def _try_dispatch(self, job: Job) -> bool:
         if job.state != J.QUEUED:
+            return True
+        if job.attempt >= MAX_ATTEMPTS:
+            self.counters["attempts_exhausted"] += 1
+            self._refuse_job(job, "busy", f"no worker took the request in {MAX_ATTEMPTS} attempts")
             return True
         workers = list(self.registry.workers.values())
         if job.resume:
@@ -394,6 +420,15 @@ class Dispatcher:
                 self._refuse_job(job, "no_worker", "no worker is available")
         if not usable and any(j.state == J.QUEUED for j in self.jobs.values()):
             self._reprobe(now)
+        for job in [j for j in self.jobs.values() if j.worker_done_at is not None and j.state != J.FINISHED]:
+            if job.worker_done_at + FINAL_GRACE_S < now:
+                self.counters["lost_finals"] += 1
+                done = job.worker_done
+                expected = done.usage.completion_tokens if done.usage else None
+                if expected is None or job.resume or job.migrations or expected == len(job.generated):
+                    self._end_stream(job, finish_reason=done.finish_reason)
+                else:
+                    self._end_stream(job, error="the worker finished but some of its tokens were lost in transit")
         self.dispatch_pending()
         for job in [j for j in self.jobs.values() if j.state == J.FINISHED and j.finished_at + FINISHED_LINGER_S < now]:
             self._release(job, notify=False)

@@ -44,6 +44,8 @@ class Job:
     first_token_at: float | None = None
     finished_at: float | None = None
     cached_prompt_tokens: int = 0
+    worker_done: object = None  # a DONE that arrived before the final stream message
+    worker_done_at: float | None = None
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.generated),

@@ -46,6 +46,7 @@ class Worker:
     refusals: int = 0
     failures: int = 0
     prefixes: OrderedDict = field(default_factory=OrderedDict)
+    saturated: bool = False  # it refused work; no more until its next heartbeat says otherwise
 
     @property
     def prefills(self) -> bool:
@@ -60,7 +61,7 @@ class Worker:
         return self.state == UP and self.stream_ok
 
     def has_room(self) -> bool:
-        return self.usable and len(self.inflight) < self.capacity
+        return self.usable and not self.saturated and len(self.inflight) < self.capacity
 
     def remember_prefixes(self, hashes) -> None:
         for h in hashes:

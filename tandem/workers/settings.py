@@ -8,5 +8,11 @@ from dataclasses import dataclass, field
 @dataclass
 class WorkerSettings:
     role: str = field(default="hybrid", metadata={"choices": ("prefill", "decode", "hybrid"), "help": "what this worker does"})
-    kv_bind: str = field(default="tcp://127.0.0.1:0", metadata={"help": "address a decode worker accepts KV handoffs on"})
+    kv_bind: str = field(default="tcp://127.0.0.1:0", metadata={"help": "address a decode worker accepts KV handoffs on (port 0 = any free port)"})
     drain_grace_s: float = field(default=30.0, metadata={"min": 0, "help": "seconds SIGTERM waits for in-flight requests"})
+    name: str = field(default="", metadata={"help": "this worker's node id (default: role-host-pid)"})
+    capacity: int = field(default=0, metadata={"min": 0, "help": "requests the broker may give this worker at once; 0 = engine parallel + queue depth"})
+    transfer_timeout_s: float = field(default=10.0, metadata={"min": 0.05, "help": "a KV handoff not acknowledged by then is abandoned and its KV released, on both sides"})
+    stall_timeout_s: float = field(default=30.0, metadata={"min": 0.1, "help": "stop heartbeating (so the broker moves our requests) if the engine makes no progress for this long while it has work"})
+    engine: str = field(default="mlx", metadata={"choices": ("mlx", "stub"), "help": "mlx: the real engine; stub: model-free deterministic tokens (benchmarks, tests)"})
+    stub_step_ms: float = field(default=0.0, metadata={"min": 0, "help": "stub engine: sleep per step"})

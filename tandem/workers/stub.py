@@ -118,9 +118,9 @@ class StubEngine:
             self._wake.clear()
             self._admit()
             if self._running:
-                self._step()
                 if self.step_s:
-                    time.sleep(self.step_s)
+                    time.sleep(self.step_s)  # before the step: the first token takes a step too
+                self._step()
 
     def _admit(self) -> None:
         while True:

@@ -1,0 +1,81 @@
+"""`tandem stats`: the broker's view of the cluster as a table (or JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+HELP = "show the broker's stats: workers, load, queue, migrations, refusals"
+COLUMNS = ("node", "role", "state", "inflight", "dispatched", "decode_targeted", "running", "waiting",
+           "used_blocks", "total_blocks", "refusals", "failures")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file")
+    p.add_argument("--stats", metavar="ADDR", help="the broker's stats socket (default tcp://127.0.0.1:5559)")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS", help="refresh every SECONDS (default 2)")
+    p.add_argument("--verbose-addresses", action="store_true", help="ask for worker addresses (the broker must allow it)")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--cluster-secret-file", metavar="PATH")
+
+
+def fetch(address: str, secret: bytes | None, timeout_s: float, verbose: bool = False) -> dict:
+    import zmq
+
+    from tandem.wire import codec
+    from tandem.wire import messages as M
+    from tandem.wire.client import Unavailable
+    from tandem.wire.sockets import make_socket
+
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.DEALER, connect=address, security=secret)
+    try:
+        codec.send(sock, codec.encode(M.StatsRequest(verbose)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise Unavailable(f"no answer from the broker's stats socket {address} within {timeout_s:.1f}s")
+        msg = codec.decode(codec.recv_frames(sock))
+        return msg.stats
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def render(stats: dict) -> str:
+    lines = []
+    c = stats.get("counters", {})
+    lines.append(f"strategy {stats.get('strategy')}  queue {stats.get('queue_depth')}/{stats.get('max_queue')}  "
+                 f"running {stats.get('requests', {}).get('running', 0)}  "
+                 f"dispatched {c.get('dispatched', 0)}  completed {c.get('completed', 0)}  "
+                 f"migrations {c.get('migrations', 0)}  busy {c.get('refused_busy', 0)}  "
+                 f"handoffs {c.get('handoffs', 0)}  handoff p50 "
+                 + (f"{stats['handoff_ms_p50']:.1f} ms" if stats.get("handoff_ms_p50") is not None else "-"))
+    rows = [COLUMNS] + [tuple(str(w.get(k, "")) for k in COLUMNS) for w in stats.get("workers", [])]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    for r in rows:
+        lines.append("  ".join(v.ljust(widths[i]) for i, v in enumerate(r)))
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from tandem import config as config_mod
+    from tandem.cli import UserError
+    from tandem.wire.client import Unavailable
+    from tandem.wire.secret import load_cluster_secret
+
+    cfg = config_mod.load(args.config, overrides={"broker.stats": args.stats,
+                                                  "security.cluster_secret_file": args.cluster_secret_file})
+    secret = load_cluster_secret(cfg.security.cluster_secret_file)
+    while True:
+        try:
+            stats = fetch(cfg.broker.stats, secret, args.timeout, args.verbose_addresses)
+        except Unavailable as exc:
+            raise UserError(f"{exc}; is `tandem broker` running, with the same cluster secret?") from None
+        out = json.dumps(stats, indent=2, sort_keys=True) if args.json else render(stats)
+        if args.watch:
+            sys.stdout.write("\x1b[2J\x1b[H" + time.strftime("%H:%M:%S") + "\n")
+        print(out, flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)

@@ -1,0 +1,84 @@
+"""`tandem worker --role prefill|decode|hybrid`: an engine behind the broker."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+HELP = "run a prefill, decode or hybrid worker that serves requests from the broker"
+DESCRIPTION = (
+    "Run one worker process. It loads the model, connects to the broker's backend and "
+    "stream sockets, registers (READY) and heartbeats its load. A decode worker also "
+    "binds --kv-bind for authenticated KV handoffs from prefill workers. SIGTERM drains: "
+    "no new work, in-flight requests finish (or move to another worker) within "
+    "--drain-grace seconds. Prints one JSON line {\"event\": \"ready\", ...} when it has "
+    "registered its sockets."
+)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--role", choices=("prefill", "decode", "hybrid"), help="what this worker does (default hybrid)")
+    p.add_argument("--config", metavar="FILE", help="TOML config file")
+    p.add_argument("--model", metavar="PATH", help="mlx-lm model directory (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--weights", choices=("auto", "dense", "quantized"))
+    p.add_argument("--broker-backend", metavar="ADDR", help="the broker's worker address (default tcp://127.0.0.1:5556)")
+    p.add_argument("--broker-stream", metavar="ADDR", help="the broker's XSUB address (default tcp://127.0.0.1:5557)")
+    p.add_argument("--kv-bind", metavar="ADDR", help="decode: where to accept KV handoffs (default tcp://127.0.0.1:0 = any port)")
+    p.add_argument("--name", help="node id (default role-host-pid)")
+    p.add_argument("--parallel", type=int, help="engine: maximum active sequences")
+    p.add_argument("--heartbeat-ms", type=int, help="heartbeat interval (match the broker's)")
+    p.add_argument("--engine", choices=("mlx", "stub"), help="stub: model-free deterministic tokens for benchmarks and tests")
+    p.add_argument("--stub-step-ms", type=float, help="stub engine: time per step")
+    p.add_argument("--drain-grace", type=float, help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument("--cluster-secret-file", metavar="PATH", help="cluster secret (>= 16 bytes)")
+
+
+def build_engine(cfg, args, log):
+    from tandem.cli import UserError
+
+    if cfg.worker.engine == "stub":
+        from tandem.workers.stub import StubEngine
+
+        eng = StubEngine(parallel=cfg.engine.parallel, max_queue=cfg.engine.max_queue_depth,
+                         step_s=cfg.worker.stub_step_ms / 1000)
+        return eng, eng.model_id
+    from tandem.pipeline.engine import Engine
+    from tandem.pipeline.loader import load_model
+    from tandem.pipeline.model_store import ModelError, resolve_model
+
+    try:
+        loaded = load_model(resolve_model(cfg.model.path, log=log), cfg.model.weights)
+    except ModelError as exc:
+        raise UserError(str(exc)) from None
+    eng = Engine(loaded.model, cfg.engine, model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids)
+    return eng, loaded.model_id
+
+
+def run(args) -> int:
+    from tandem import config as config_mod
+    from tandem.wire.secret import require_cluster_secret
+    from tandem.wire.sockets import is_loopback
+    from tandem.workers.worker import Worker
+
+    cfg = config_mod.load(args.config, overrides={
+        "worker.role": args.role, "model.path": args.model, "model.weights": args.weights,
+        "broker.backend": args.broker_backend, "broker.stream_in": args.broker_stream,
+        "worker.kv_bind": args.kv_bind, "worker.name": args.name, "engine.parallel": args.parallel,
+        "broker.heartbeat_interval_ms": args.heartbeat_ms, "worker.engine": args.engine,
+        "worker.stub_step_ms": args.stub_step_ms, "worker.drain_grace_s": args.drain_grace,
+        "security.cluster_secret_file": args.cluster_secret_file,
+    })
+    role = cfg.worker.role
+    loopback = all(is_loopback(a) for a in (cfg.broker.backend, cfg.broker.stream_in))
+    secret = require_cluster_secret(role, cfg.security.cluster_secret_file, loopback_only=loopback)
+    engine, model_id = build_engine(cfg, args, lambda m: print(m, file=sys.stderr))
+    st = engine.stats()
+    worker = Worker(engine, settings=cfg.worker, backend=cfg.broker.backend, stream_in=cfg.broker.stream_in,
+                    secret=secret, model_id=model_id, heartbeat_s=cfg.broker.heartbeat_interval_ms / 1000,
+                    decode_allowlist=cfg.security.decode_allowlist, block_size=st.block_size or 16,
+                    total_blocks=st.total_blocks, capacity=cfg.engine.parallel + cfg.engine.max_queue_depth)
+    worker.install_signals()
+    print(json.dumps({"event": "ready", "role": role, "node": worker.node_id, "model": model_id,
+                      "kv_address": worker.kv_address}), flush=True)
+    worker.run()
+    return 0
