@@ -154,7 +154,7 @@ def _post_raw(port: int, path: str, body: bytes, headers: dict | None = None):
         conn.request("POST", path, body=body, headers={"Authorization": f"Bearer {API_KEY}",
                                                        "Content-Type": "application/json", **(headers or {})})
         r = conn.getresponse()
-        return r.status, dict(r.getheaders()), r.read()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
     finally:
         conn.close()
 
@@ -399,3 +399,32 @@ def test_sigterm_drains_open_streams(stack):
         assert _get(port, "/health")[0] == 0  # no longer listening
     finally:
         edge.kill()
+
+
+def test_backpressure_and_unreachable_broker_are_503(stack):
+    """A broker with no worker refuses (503 + Retry-After); a dead broker is 503 unavailable."""
+    tmp, env = stack["logs"], dict(stack["env"], TANDEM_EDGE_BROKER_TIMEOUT_S="1")
+    secret = str(stack["secret"])
+    broker = Proc(["broker", *sum((["--" + k, "tcp://127.0.0.1:*"] for k in ("frontend", "backend", "stream-in", "stream-out", "stats")), []),
+                   "--cluster-secret-file", secret], tmp / "broker-empty.log", env)
+    edge = None
+    try:
+        ends = broker.ready()
+        port = _free_port()
+        edge = Proc(["edge", "--bind", f"127.0.0.1:{port}", "--model", str(stack["model"]), "--model-name", "tiny",
+                     "--broker", ends["frontend"], "--broker-stream", ends["stream_out"], "--cluster-secret-file", secret],
+                    tmp / "edge-empty.log", env)
+        edge.ready()
+        body = json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 4, "stream": True}).encode()
+        status, headers, raw = _post_raw(port, "/v1/chat/completions", body)
+        assert status == 503 and int(headers["retry-after"]) >= 1
+        assert json.loads(raw)["error"]["code"] == "no_worker"
+        assert _get(port, "/ready")[0] == 503
+        broker.kill()
+        status, headers, raw = _post_raw(port, "/v1/chat/completions", body)
+        assert status == 503 and json.loads(raw)["error"]["code"] == "unavailable"
+        assert _get(port, "/health")[0] == 200
+    finally:
+        if edge is not None:
+            edge.kill()
+        broker.kill()
