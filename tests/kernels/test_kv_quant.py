@@ -68,3 +68,30 @@ def test_bad_shapes_refused():
         kq.quantize(np.zeros((1, 1, 2, 3), np.float16), 4)
     with pytest.raises(ValueError):
         kq.quantize(np.zeros((1, 1, 2, 4), np.float16), 2)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fast_conversions_match_numpy(dtype):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(1 << 16) * np.exp(rng.uniform(-25, 10, 1 << 16))).astype(np.float32)
+    x = np.clip(x, -65504, 65504)
+    x[:6] = [0.0, -0.0, 1e-8, 6e-8, 3e-8, 65504.0]
+    if dtype == "float16":
+        h = kq.from_float32(x, "float16")
+        np.testing.assert_array_equal(h.view(np.uint16), x.astype(np.float16).view(np.uint16))
+        np.testing.assert_array_equal(kq.to_float32(h, "float16"), h.astype(np.float32))
+    else:
+        b = kq.from_float32(x, "bfloat16")
+        back = kq.to_float32(b, "bfloat16")
+        assert np.all(np.abs(back - x) <= np.abs(x) * 2.0**-8)
+
+
+def test_non_finite_kv_refused():
+    for dtype in ("float16", "float32"):
+        x = np.zeros((1, 1, 4, 4), dtype)
+        x[0, 0, 1, 2] = np.inf
+        with pytest.raises(ValueError, match="inf or NaN"):
+            kq.quantize(x, 8)
+        x[0, 0, 1, 2] = np.nan
+        with pytest.raises(ValueError, match="inf or NaN"):
+            kq.quantize(x, 4)
