@@ -1,0 +1,196 @@
+"""`tandem serve` end to end: real children on loopback, an OpenAI request, a killed
+child restarted, and nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n free consecutive ports (best effort)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65000:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no free port block")
+
+
+def pids_in_session(sid_root: int) -> set[int]:
+    """Every live process whose ancestry includes sid_root (via /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if fields[0] != "Z":
+                    parents[int(entry)] = int(fields[1])
+            except OSError:
+                continue
+    found = set()
+    for pid in parents:
+        p = pid
+        while p in parents and p > 1:
+            if parents[p] == sid_root:
+                found.add(pid)
+                break
+            p = parents[p]
+    return found
+
+
+class Serve:
+    def __init__(self, args, tmp_path):
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "serve", *args, "--state-dir", str(tmp_path / "state")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.descendants: set[int] = set()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text, *more, timeout=240):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in l and all(m in l for m in more) for l in self.lines):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"{text!r} not seen; output:\n" + "\n".join(self.lines[-40:]))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.descendants |= pids_in_session(self.proc.pid)
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for pid in pids_in_session(self.proc.pid) | self.descendants:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def serve(tiny_model_dir, tmp_path):
+    started = []
+
+    def start(*extra):
+        base = free_port_block(12)
+        port = free_port_block(1)
+        s = Serve(["--model", str(tiny_model_dir), "--base-port", str(base), "--port", str(port), *extra], tmp_path)
+        s.url = f"http://127.0.0.1:{port}"
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def chat(url, text="Hello"):
+    body = json.dumps({"model": "tiny-llama0", "temperature": 0, "max_tokens": 8,
+                       "messages": [{"role": "user", "content": text}]}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.timeout(400)
+def test_serve_comes_up_serves_restarts_and_leaves_nothing(serve, tmp_path):
+    from openai import OpenAI
+
+    s = serve()
+    s.wait_for("ready: http://")
+    secret = tmp_path / "state" / "cluster-secret"
+    assert oct(secret.stat().st_mode & 0o777) == "0o600" and len(secret.read_bytes()) == 32
+    client = OpenAI(base_url=s.url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, temperature=0, max_tokens=8,
+                                           messages=[{"role": "user", "content": "Hello"}])
+    assert reply.usage.completion_tokens >= 1
+    first = reply.choices[0].message.content
+
+    # Kill the decode worker: serve reports it, restarts it, and the stack serves again.
+    descendants = pids_in_session(s.proc.pid)
+    s.descendants |= descendants
+    decode = [p for p in descendants if "--role\0decode" in open(f"/proc/{p}/cmdline").read()]
+    assert len(decode) == 1
+    os.kill(decode[0], signal.SIGKILL)
+    s.wait_for("decode-0 was killed by signal 9", "restarting it (1/5)")
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            again = client.chat.completions.create(model=model, temperature=0, max_tokens=8,
+                                                   messages=[{"role": "user", "content": "Hello"}])
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+    assert again.choices[0].message.content == first
+
+    all_pids = pids_in_session(s.proc.pid) | s.descendants
+    s.proc.send_signal(signal.SIGINT)
+    assert s.proc.wait(timeout=120) == 0
+    time.sleep(0.5)
+    alive = [p for p in all_pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert alive == [], f"left behind: {alive}"
+    assert s.lines[-1].endswith("stopped")
+
+
+def test_port_in_use_is_a_one_line_error(tiny_model_dir, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "tandem.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+             "--state-dir", str(tmp_path)], capture_output=True, text=True, timeout=60,
+        )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"tandem serve: port {port} (HTTP) is already in use; pick other ports with --port / --base-port"
+
+
+def test_a_child_that_cannot_start_fails_serve_loudly(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[broker]\nheartbeat_interval_ms = 1\n")  # below the minimum: the broker refuses to start
+    base = free_port_block(12)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "serve", "--model", str(tiny_model_dir), "--config", str(bad),
+         "--base-port", str(base), "--port", str(free_port_block(1)), "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("tandem serve: broker exited with status 2") and "heartbeat_interval_ms" in last
