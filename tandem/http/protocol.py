@@ -163,10 +163,12 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise bad_request("'seed' must be an integer", "seed", "invalid_type")
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise bad_request("'seed' must fit in a signed 64-bit integer", "seed")
     return SamplingParams(
         temperature=_num(body, "temperature", 0.0, 2.0, 1.0),
         top_p=_num(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
-        top_k=_int(body, "top_k", 0) or 0,
+        top_k=_int(body, "top_k", 0, 1 << 31) or 0,
         min_p=_num(body, "min_p", 0.0, 1.0, 0.0),
         seed=seed,
         max_tokens=max_tokens or 0,
@@ -181,7 +183,7 @@ def _message(i: int, msg: Any) -> dict:
     if not isinstance(msg, dict):
         raise bad_request(f"{where} must be an object with 'role' and 'content'", where, "invalid_type")
     role = msg.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         if role in ("tool", "function"):
             raise unsupported(f"{where}.role", f"role {role!r} needs tool calling, which is not implemented")
         raise bad_request(f"{where}.role must be one of system, developer, user, assistant; got {role!r}", f"{where}.role")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tandem.http.detokenizer import Detokenizer
 from tandem.http.stops import StopMatcher
 
-_SETTINGS = settings(max_examples=150, deadline=None)
+_SETTINGS = settings(max_examples=100, deadline=None)
 
 
 def _stream(tok, tokens, splits):
@@ -84,3 +84,36 @@ def test_stop_matcher_equals_cut_at_first_stop(text, stops, cuts):
     else:
         assert not matcher.stopped
         assert out + matcher.flush() == text
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+_FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+           "stop", "n", "stream", "stream_options", "logprobs", "top_logprobs", "logit_bias", "user", "tools",
+           "presence_penalty", "response_format", "echo", "best_of", "top_k", "min_p", "ignore_eos"]
+bodies = st.one_of(json_values, st.dictionaries(st.sampled_from(_FIELDS), json_values, max_size=8))
+messages = st.lists(st.fixed_dictionaries({"role": json_values | st.sampled_from(["user", "system", "tool"]),
+                                           "content": json_values}), max_size=3)
+
+
+@settings(max_examples=250, deadline=None)
+@given(body=bodies, msgs=messages)
+def test_request_parser_fuzz_never_raises_anything_but_api_errors(body, msgs):
+    from tandem.http.errors import ApiError
+    from tandem.http.protocol import parse_chat, parse_completion
+    from tandem.http.settings import EdgeSettings
+
+    chat, completion = body, body
+    if isinstance(body, dict):
+        chat = {"model": "m", **body, "messages": body.get("messages", msgs)}
+        completion = {"model": "m", "prompt": "x", **{k: v for k, v in body.items() if k != "messages"}}
+    for parse, request in ((parse_chat, chat), (parse_completion, completion)):
+        try:
+            job = parse(request, EdgeSettings())
+        except ApiError as err:
+            assert err.status == 400 and err.body()["error"]["message"]
+        else:
+            assert job.n >= 1 and isinstance(job.stop, list)
