@@ -15,4 +15,6 @@ class SecuritySettings:
 class TransferSettings:
     strategy: str = field(default="adaptive", metadata={"choices": ("adaptive", "full", "streamed", "layer_parallel"), "help": "how KV travels from prefill to decode"})
     compression: str = field(default="none", metadata={"choices": ("none", "lz4"), "help": "compress KV frames"})
-    quantization: str = field(default="none", metadata={"choices": ("none", "int8", "int4"), "help": "quantize K/V for transfer"})
+    quantization: str = field(default="none", metadata={"choices": ("none", "int8", "int4"), "help": "quantize K/V for transfer (int8: |error| <= absmax/254 per block and head)"})
+    blocks_per_chunk: int = field(default=64, metadata={"min": 1, "max": 1 << 20, "help": "streamed: KV blocks per chunk (a prefill chunk's worth)"})
+    connections: int = field(default=2, metadata={"min": 1, "max": 16, "help": "layer_parallel: connections per decode peer"})
