@@ -160,3 +160,38 @@ def coerce(dotted: str, value: Any, hint: Any, meta: Mapping[str, Any], source: 
     if hi is not None and out > hi:
         raise ConfigError(f"{where} is too large; the maximum is {hi}")
     return out
+
+
+def render_example(config: Config | None = None) -> str:
+    """Every setting with its default and help text, as a commented TOML file.
+
+    ``ops/tandem.toml.example`` is this output; a test keeps the two in step.
+    """
+    config = config or Config()
+    lines = [
+        "# tandem configuration: every key with its default. Precedence: this file <",
+        "# TANDEM_<SECTION>_<KEY> environment variables < command-line flags.",
+    ]
+    for section in dataclasses.fields(config):
+        lines += ["", f"[{section.name}]"]
+        obj = getattr(config, section.name)
+        for f in dataclasses.fields(obj):
+            meta = f.metadata
+            note = meta.get("help", "")
+            if "choices" in meta:
+                note += f" (one of: {', '.join(map(str, meta['choices']))})"
+            if note:
+                lines.append(f"# {note}")
+            value = getattr(obj, f.name)
+            lines.append(f"# {f.name} = (unset)" if value is None else f"{f.name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
