@@ -11,35 +11,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Protocol
 
 from tandem.kvtypes import SamplingParams
-
-try:
-    from tandem.wire.client import Busy, InvalidRequest, StreamError, StreamEvent, Unavailable
-except ImportError:  # pragma: no cover - only while the wire client is being written
-    from dataclasses import dataclass
-
-    class Busy(Exception):  # type: ignore[no-redef]
-        def __init__(self, reason: str = "busy", retry_after_s: float = 1.0):
-            super().__init__(reason)
-            self.reason = reason
-            self.retry_after_s = retry_after_s
-
-    class Unavailable(Exception):  # type: ignore[no-redef]
-        pass
-
-    class StreamError(Exception):  # type: ignore[no-redef]
-        pass
-
-    class InvalidRequest(ValueError):  # type: ignore[no-redef]
-        pass
-
-    @dataclass
-    class StreamEvent:  # type: ignore[no-redef]
-        tokens: list
-        logprobs: list | None = None
-        finish_reason: str | None = None
-        usage: object | None = None
-        error: str | None = None
-
+from tandem.wire.client import Busy, InvalidRequest, StreamError, StreamEvent, Unavailable
 
 __all__ = ["Backend", "Busy", "InvalidRequest", "StreamError", "StreamEvent", "Unavailable", "make_backend"]
 
