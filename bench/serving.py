@@ -106,7 +106,7 @@ def wait_http(port: int, path: str, timeout: float = 300.0, ok=lambda status, bo
 
 
 def start_tandem(model: Path, weights: str, parallel: int, edge_workers: int, tmp: Path, env: dict,
-                 engine: str = "mlx", stub_step_ms: float = 5.0) -> tuple[list[Server], int]:
+                 engine: str = "mlx", stub_step_ms: float = 5.0, topology: str = "hybrid") -> tuple[list[Server], int]:
     py = [sys.executable, "-m", "tandem.cli"]
     secret = tmp / "cluster.secret"
     secret.write_bytes(os.urandom(32))
@@ -116,13 +116,14 @@ def start_tandem(model: Path, weights: str, parallel: int, edge_workers: int, tm
                                     "--cluster-secret-file", str(secret)], tmp / "broker.log", env)
     procs.append(broker)
     ends = broker.ready_line()
-    worker = Server("worker", py + ["worker", "--role", "hybrid", "--model", str(model), "--weights", weights,
+    for role in (("hybrid",) if topology == "hybrid" else ("decode", "prefill")):
+        worker = Server(role, py + ["worker", "--role", role, "--model", str(model), "--weights", weights,
                                     "--parallel", str(parallel), "--broker-backend", ends["backend"], "--engine", engine,
                                     *(["--stub-step-ms", str(stub_step_ms)] if engine == "stub" else []),
                                     "--broker-stream", ends["stream_in"], "--cluster-secret-file", str(secret)],
-                    tmp / "worker.log", env)
-    procs.append(worker)
-    worker.ready_line()
+                        tmp / f"worker-{role}.log", env)
+        procs.append(worker)
+        worker.ready_line()
     port = free_port()
     edge = Server("edge", py + ["edge", "--bind", f"{HOST}:{port}", "--workers", str(edge_workers), "--model", str(model),
                                 "--broker", ends["frontend"], "--broker-stream", ends["stream_out"],
@@ -370,7 +371,8 @@ def report(results: dict, out: Path) -> str:
         + "Chat prompts of "
         f"{meta['prompt_tokens']} tokens on average, {meta['max_tokens']} new tokens, temperature 0, EOS suppressed "
         f"(logit bias -100), {meta['rounds']} request(s) per client per level, streaming, the same client for both. "
-        f"tandem: broker + one hybrid worker (parallel {meta['parallel']}) + edge ({meta['edge_workers']} gunicorn worker(s)). "
+        f"tandem: broker + {'one hybrid worker' if meta.get('topology', 'hybrid') == 'hybrid' else 'one prefill + one decode worker'} "
+        f"(parallel {meta['parallel']}) + edge ({meta['edge_workers']} gunicorn worker(s)). "
         "The servers ran one after the other, never together. 1-minute load average when each started: "
         + ", ".join(f"{k} {v:.1f}" for k, v in meta["load_average_at_start"].items())
         + (" (other work was running on the machine: absolute numbers are low, compare the ratios)."
@@ -399,6 +401,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--parallel", type=int, default=32, help="tandem engine: maximum active sequences")
     p.add_argument("--edge-workers", type=int, default=1)
+    p.add_argument("--topology", choices=("hybrid", "split"), default="hybrid",
+                   help="tandem workers: one hybrid, or one prefill + one decode (KV handoff)")
     p.add_argument("--servers", default="tandem,mlx_lm", help="comma list of tandem, mlx_lm")
     p.add_argument("--engine", choices=("mlx", "stub"), default="mlx",
                    help="stub: tandem's model-free engine, to measure the edge+broker path alone (tandem only)")
@@ -426,7 +430,7 @@ def main() -> int:
         if "tandem" in servers:
             load["tandem"] = os.getloadavg()[0]
             procs, port = start_tandem(model, args.weights, args.parallel, args.edge_workers, tmp, env,
-                                       args.engine, args.stub_step_ms)
+                                       args.engine, args.stub_step_ms, args.topology)
             try:
                 model_id = json.loads(asyncio.run(http_get(port, "/v1/models"))[1])["data"][0]["id"]
                 rows += sweep("tandem", port, model_id, bodies, levels, args.rounds, args.max_tokens, args.timeout)
@@ -455,7 +459,7 @@ def main() -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
             "model": model.name, "weights": args.weights, "blas": tandem.BLAS,
             "prompt_tokens": mean_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
-            "parallel": args.parallel, "edge_workers": args.edge_workers, "engine": args.engine,
+            "parallel": args.parallel, "edge_workers": args.edge_workers, "topology": args.topology, "engine": args.engine,
             "stub_step_ms": args.stub_step_ms if args.engine == "stub" else None,
             "load_average_at_start": load,
         },
