@@ -344,6 +344,10 @@ class Engine:
         self._drain(block=False)
         for seq in list(self._by_id.values()):
             self._finish(seq, "abort")
+        try:
+            self.runner.quiesce()
+        except Exception:
+            log.exception("could not settle the KV store at shutdown")
 
     def _update_stats(self, dt: float, produced: int) -> None:
         with self._lock:

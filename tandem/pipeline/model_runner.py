@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -62,6 +63,27 @@ class _Batch:
     table: mx.array
     mask: object
     exact_len: int | None  # single row: slice the gathered keys to exactly this many
+    mirror: str | None = None  # decode only: "append" to or "rebuild" the decode mirror
+    mirror_idx: mx.array | None = None
+    kv_len: int = 0
+
+
+class _Mirror:
+    """The decode batch's KV, contiguous ``(B, H, cap, D)`` per layer (stored flat).
+
+    Attention over keys gathered from scattered blocks costs a copy per layer per step,
+    and on the CPU that copy costs as much as the attention itself. While the decode
+    batch keeps the same rows, each step appends its one new entry here as well as to the
+    pool and attends over this view instead; any change of rows rebuilds it from the
+    pool with one gather. The pool stays the record (prefix cache, export).
+    """
+
+    def __init__(self):
+        self.rows: list[tuple[int, int]] = []
+        self.lens = np.zeros(0, np.int32)
+        self.cap = 0
+        self.keys: list[mx.array | None] = []
+        self.values: list[mx.array | None] = []
 
 
 class PagedLayerCache:
@@ -74,12 +96,29 @@ class PagedLayerCache:
         return self._runner.batch.offsets
 
     def update_and_fetch(self, keys, values):
-        batch = self._runner.batch
-        store = self._runner.store
-        store.write(self._layer, keys, values, batch.slots)
-        k, v = store.gather(self._layer, batch.table)
-        if batch.exact_len is not None:
-            k, v = k[:, :, : batch.exact_len], v[:, :, : batch.exact_len]
+        runner, layer = self._runner, self._layer
+        batch, store = runner.batch, runner.store
+        store.write(layer, keys, values, batch.slots)
+        if batch.mirror is None:
+            k, v = store.gather(layer, batch.table)
+            n = batch.exact_len if batch.exact_len is not None else k.shape[2]
+            return mx.contiguous(k[:, :, :n]), mx.contiguous(v[:, :, :n])
+        m = runner.mirror
+        B, H, _, D = keys.shape
+        if batch.mirror == "rebuild":
+            kv = []
+            for new in store.gather(layer, batch.table):
+                have = new.shape[2]
+                if have < m.cap:
+                    new = mx.pad(new, [(0, 0), (0, 0), (0, m.cap - have), (0, 0)])
+                kv.append(mx.contiguous(new[:, :, : m.cap]).reshape(B * H * m.cap, D))
+            m.keys[layer], m.values[layer] = kv
+        else:
+            m.keys[layer][batch.mirror_idx] = keys.reshape(B * H, D)
+            m.values[layer][batch.mirror_idx] = values.reshape(B * H, values.shape[-1])
+        n = batch.kv_len
+        k = m.keys[layer].reshape(B, H, m.cap, D)[:, :, :n]
+        v = m.values[layer].reshape(B, H, m.cap, -1)[:, :, :n]
         return k, v
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **_):
@@ -88,7 +127,7 @@ class PagedLayerCache:
         mask = self._runner.batch.mask
         if isinstance(mask, str) or (mask is None and return_array):
             q0 = self._runner.batch.offsets
-            kv = self._runner.batch.exact_len
+            kv = self._runner.batch.exact_len or self._runner.batch.kv_len
             return pa.causal_mask(q0, N, kv)
         return mask
 
@@ -96,14 +135,34 @@ class PagedLayerCache:
         return False
 
 
+class _LastRows(nn.Module):
+    """Stands in for the model's final norm during a prefill so the vocabulary projection
+    runs on each row's last real position only, not on every prompt position."""
+
+    def __init__(self, norm, index: mx.array):
+        super().__init__()
+        self.norm = norm
+        self.index = index
+
+    def __call__(self, h):
+        h = h[mx.arange(h.shape[0]), self.index][:, None, :]
+        return self.norm(h)
+
+
 class PagedRunner:
     """Batched forward over the paged store."""
 
-    def __init__(self, model, store: KVStore):
+    def __init__(self, model, store: KVStore, mirror: bool = True):
         self.model = model
         self.store = store
         self.caches = [PagedLayerCache(self, i) for i in range(store.num_layers)]
         self.batch = _Batch()
+        self.use_mirror = mirror
+        self.mirror = _Mirror()
+        self.mirror.keys = [None] * store.num_layers
+        self.mirror.values = [None] * store.num_layers
+        inner = getattr(model, "model", None)
+        self._norm_owner = inner if isinstance(getattr(inner, "norm", None), nn.Module) else None
 
     def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
         """inputs: (B, L) token ids, row b's real tokens first -> logits (B, V) at each row's last real token."""
@@ -126,17 +185,54 @@ class PagedRunner:
         b.offsets = mx.array(starts)
         b.slots = mx.array(slots.reshape(-1))
         b.table = mx.array(table)
+        b.mirror = None
+        kv_len = int(ctx.max())
+        b.kv_len = kv_len
+        if L == 1 and self.use_mirror:
+            self._plan_mirror(rows, starts, ctx)
         if B == 1:
             # Alone, a row sees exactly its own context, as mlx-lm's own cache would give it.
             b.exact_len = int(ctx[0])
             b.mask = None if L == 1 else "causal"
+        elif L == 1:
+            b.exact_len = None
+            b.mask = None if (ctx == kv_len).all() else (mx.arange(kv_len)[None, :] < mx.array(ctx)[:, None])[:, None, None, :]
         else:
             b.exact_len = None
             b.mask = pa.causal_mask(b.offsets, L, nb * bs)
-        logits = self.model(inputs, cache=self.caches)
-        if L == 1:
-            return logits[:, 0, :]
-        return logits[mx.arange(B), mx.array(ns - 1)]
+        if L == 1 or self._norm_owner is None:
+            logits = self.model(inputs, cache=self.caches)
+            return logits[:, -1, :] if L == 1 else logits[mx.arange(B), mx.array(ns - 1)]
+        owner = self._norm_owner
+        norm = owner.norm
+        owner.norm = _LastRows(norm, mx.array(ns - 1))
+        try:
+            logits = self.model(inputs, cache=self.caches)
+        finally:
+            owner.norm = norm
+        return logits[:, 0, :]
+
+    def _plan_mirror(self, rows: list[Row], starts: np.ndarray, ctx: np.ndarray) -> None:
+        m, b = self.mirror, self.batch
+        H = self.store.n_kv_heads
+        key = [(r.seq.serial, r.seq.num_preemptions) for r in rows]
+        if key == m.rows and np.array_equal(starts, m.lens) and int(ctx.max()) <= m.cap:
+            b.mirror = "append"
+            B = len(rows)
+            b.mirror_idx = mx.array(((np.arange(B)[:, None] * H + np.arange(H)[None, :]) * m.cap + starts[:, None]).reshape(-1).astype(np.int32))
+        else:
+            b.mirror = "rebuild"
+            m.cap = -(-(int(ctx.max()) + 64) // 128) * 128
+            m.rows = key
+        m.lens = ctx.copy()
+
+    def quiesce(self) -> None:
+        """Evaluate every array that outlives a step and drop the mirror: the engine thread
+        is about to end, and arrays still pending on its stream could not run elsewhere."""
+        mx.eval(self.store.keys, self.store.values)
+        self.mirror = _Mirror()
+        self.mirror.keys = [None] * self.store.num_layers
+        self.mirror.values = [None] * self.store.num_layers
 
 
 class DenseRunner:
@@ -144,6 +240,9 @@ class DenseRunner:
 
     def __init__(self, model):
         self.model = model
+
+    def quiesce(self) -> None:
+        pass
 
     def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
         out = []

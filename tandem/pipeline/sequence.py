@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tandem.kvtypes import KVSnapshot, SamplingParams
 from tandem.pipeline.block_pool import ROOT_HASH
+
+
+_serials = itertools.count()
 
 
 class Status(enum.Enum):
@@ -41,6 +45,7 @@ class Sequence:
     imported: KVSnapshot | None = None  # KV waiting to be copied in at admission
     dense_cache: Any = None  # per-sequence mlx-lm cache when the model cannot be paged
     num_preemptions: int = 0
+    serial: int = field(default_factory=lambda: next(_serials))  # unique for the process's life
     pending_index: int = -1  # row of the in-flight step's sampled tokens holding the pending one
 
     @property
