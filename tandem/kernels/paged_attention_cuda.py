@@ -52,10 +52,11 @@ __device__ __forceinline__ void pa_load(const T* p, float* f) {
 }
 """
 
-# Template: T, D (head dim), KVH, G (query heads per KV head), BS (block size),
-# PART (context tokens per partition), NB (block-table width).
-# Inputs: q (B, KVH*G, D), k_pool/v_pool (S, KVH, D), table (B, NB) int32,
-# lens (B,) int32, scale (1,) float32. Output: part (B, KVH*G, NPART, D + 2) float32.
+# Template: T, D (head dim), KVH, G (query heads per KV head), BS (block size); shapes
+# and the partition length stay runtime (each template variant is an NVRTC compile).
+# Inputs: q (B, KVH*G, D), k_pool/v_pool (S, KVH, D), table (B, nb) int32,
+# lens (B,) int32, params (2,) float32 = [scale, partition tokens].
+# Output: out (B, KVH*G, NPART, D + 2) float32 = per partition [acc, max, sum].
 _ATT_SOURCE = r"""
   constexpr int DL = D / 8;                 // dims per lane
   const int part = blockIdx.x;
@@ -66,10 +67,12 @@ _ATT_SOURCE = r"""
   const int warp = tid >> 5, lane = tid & 31;
   const int sub = lane & 7;                 // which D/8 slice of the head
   const int slot = warp * 4 + (lane >> 3);  // which token this 8-lane group takes
+  const int NB = table_shape[1];
+  const int PART = (int)params[1];
   const int len = lens[b];
   const int t0 = part * PART;
   const int t1 = min(len, t0 + PART);
-  const float sc = scale[0];
+  const float sc = params[0];
 
   float qf[G][DL];
 #pragma unroll
@@ -197,7 +200,7 @@ _WRITE_SOURCE = r"""
   float a = pa_f(src[i0]), c = pa_f(src[i1]);
   if (ROPE && hd < H + KVH) {
     float sn, cs;
-    __sincosf((float)pos[n] * inv_freq[i], &sn, &cs);
+    sincosf((float)pos[n] * inv_freq[i], &sn, &cs);  // exact: angles reach 1e5 rad
     const float ra = a * cs - c * sn;
     const float rc = a * sn + c * cs;
     a = ra; c = rc;
@@ -228,7 +231,7 @@ _WRITE_SOURCE = r"""
 def _attention_kernel():
     return mx.fast.cuda_kernel(
         name="tandem_paged_decode",
-        input_names=["q", "k_pool", "v_pool", "table", "lens", "scale"],
+        input_names=["q", "k_pool", "v_pool", "table", "lens", "params"],
         output_names=["out"],
         source=_ATT_SOURCE,
         header=_HEADER,
@@ -260,8 +263,8 @@ def _write_kernel():
 
 
 @functools.cache
-def _scale_array(scale: float) -> mx.array:
-    return mx.array([scale], dtype=mx.float32)
+def _params(scale: float, part: int) -> mx.array:
+    return mx.array([scale, float(part)], dtype=mx.float32)
 
 
 def choose_partition(batch: int, n_kv_heads: int, max_len: int, sms: int = 132) -> int:
@@ -291,9 +294,8 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     npart = max(1, -(-max_len // part))
     (partials,) = _attention_kernel()(
         inputs=[q, k_pool, v_pool, table.astype(mx.int32), lens.astype(mx.int32),
-                _scale_array(float(scale))],
-        template=[("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh),
-                  ("BS", block_size), ("PART", part), ("NB", table.shape[1])],
+                _params(float(scale), part)],
+        template=[("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size)],
         grid=(npart * _ATT_THREADS, kvh, B),
         threadgroup=(_ATT_THREADS, 1, 1),
         output_shapes=[(B, H, npart, D + 2)],

@@ -59,6 +59,31 @@ __device__ __forceinline__ void tq_load_f(const T* p, float* f) {
     for (int i = 0; i < NV; ++i) f[i] = tq_f(p[i]);
   }
 }
+// NV product inputs starting at column k0 of one x row, as floats: silu(gate) * up when
+// SWIGLU (gate at [0, K), up at [K, 2K)), times norm_w * rs when NORM.
+template <typename T, int NV, bool NORM, bool SWIGLU>
+__device__ __forceinline__ void tq_load_x(const T* xrow, const T* norm_w, int k0, int K,
+                                          float rs, float* f) {
+#pragma unroll
+  for (int e = 0; e < NV / 8; ++e) {
+    tq_load_f<T, 8>(xrow + k0 + 8 * e, f + 8 * e);
+    if constexpr (SWIGLU) {
+      float u[8];
+      tq_load_f<T, 8>(xrow + K + k0 + 8 * e, u);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float gt = f[8 * e + i];
+        f[8 * e + i] = gt / (1.f + __expf(-gt)) * u[i];
+      }
+    }
+    if constexpr (NORM) {
+      float gw[8];
+      tq_load_f<T, 8>(norm_w + k0 + 8 * e, gw);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[8 * e + i] *= gw[i] * rs;
+    }
+  }
+}
 // One packed word -> its 8 (4-bit) or 4 (8-bit) integers as floats, natural order.
 template <int BITS>
 __device__ __forceinline__ void tq_decode_f(uint32_t w, float* q) {
@@ -82,20 +107,41 @@ __device__ __forceinline__ void tq_decode_f(uint32_t w, float* q) {
 }
 """
 
-# Template constants: T (dtype), BITS, GS (group size), K, N, MMAX (row bucket),
-# R (output rows per warp), HALF (half2 products; fp16 4-bit only).
+# Template constants (one NVRTC compile each, ~5 s on the H200 machine, so shapes stay
+# runtime): T (dtype), BITS, MMAX (row bucket), R (output rows per warp), HALF (half2
+# products; fp16 4-bit only), NORM (x <- rms_norm(x) * norm_w), SWIGLU (x holds [gate, up]
+# and the product input is silu(gate) * up), RES (y += res).
 _SOURCE = r"""
-  constexpr int WPR = K * BITS / 32;        // packed words per weight row
-  constexpr int CHUNKS = WPR / 4;           // 16-byte chunks per weight row
-  constexpr int EPW = 32 / BITS;            // elements per word
-  constexpr int EPC = 4 * EPW;              // elements per chunk
-  constexpr int ITERS = (CHUNKS + 31) / 32;
-  constexpr int GPR = K / GS;               // groups per row
+  constexpr int EPW = 32 / BITS;            // elements per packed word
+  constexpr int EPC = 4 * EPW;              // elements per 16-byte chunk
+  const int N = w_shape[0];
+  const int WPR = w_shape[1];               // packed words per weight row
+  const int CHUNKS = WPR / 4;
+  const int K = WPR * EPW;
+  const int GS = K / scales_shape[1];
+  const int XS = x_shape[1];                // x row stride (2K with SWIGLU)
   const int M = x_shape[0];
   const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int row0 = warp * R;
   if (row0 >= N) return;
+
+  // RMS of each input row: every warp reads whole x rows anyway (a few KB, from L2).
+  float rs[MMAX];
+#pragma unroll
+  for (int m = 0; m < MMAX; ++m) {
+    rs[m] = 1.f;
+    if (NORM && m < M) {
+      float ss = 0.f;
+      for (int c = lane; c < K / 8; c += 32) {
+        float f[8];
+        tq_load_f<T, 8>(x + (size_t)m * XS + c * 8, f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
+      }
+      rs[m] = rsqrtf(tq_warp_sum(ss) / K + fparams[0]);
+    }
+  }
 
   float acc[MMAX][R];
 #pragma unroll
@@ -104,11 +150,12 @@ _SOURCE = r"""
     for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
 
   const uint4* wv = reinterpret_cast<const uint4*>(w);
+  const int ITERS = (CHUNKS + 31) / 32;
 
 #pragma unroll 2
   for (int it = 0; it < ITERS; ++it) {
     const int c = lane + 32 * it;
-    if ((CHUNKS % 32) == 0 || c < CHUNKS) {
+    if (c < CHUNKS) {
       const int k0 = c * EPC;
       const int g = k0 / GS;
       uint4 wr[R];
@@ -116,11 +163,11 @@ _SOURCE = r"""
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         wr[r] = wv[(size_t)(row0 + r) * CHUNKS + c];
-        sc[r] = tq_f(scales[(size_t)(row0 + r) * GPR + g]);
-        bi[r] = tq_f(biases[(size_t)(row0 + r) * GPR + g]);
+        sc[r] = tq_f(scales[(size_t)(row0 + r) * scales_shape[1] + g]);
+        bi[r] = tq_f(biases[(size_t)(row0 + r) * scales_shape[1] + g]);
       }
       if constexpr (HALF) {
-        // 4-bit, fp16: q - 8 in half2 pairs (n_j, n_{j+4}); bias absorbs the +8.
+        // 4-bit, fp16: q - 8 as half2 pairs (n_j, n_{j+4}); the bias absorbs the +8.
         __half2 qp[R][16];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -138,27 +185,43 @@ _SOURCE = r"""
 #pragma unroll
         for (int m = 0; m < MMAX; ++m) {
           if (m < M) {
-            const uint4* xv = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
+            __half2 xp[16];
+            float xs = 0.f;
+            if constexpr (!NORM && !SWIGLU) {
+              const uint4* xv = reinterpret_cast<const uint4*>(x + (size_t)m * XS + k0);
+#pragma unroll
+              for (int wi = 0; wi < 4; ++wi) {
+                uint4 u = xv[wi];
+                const __half2* h2 = reinterpret_cast<const __half2*>(&u);
+                xp[wi * 4 + 0] = __lows2half2(h2[0], h2[2]);
+                xp[wi * 4 + 1] = __highs2half2(h2[0], h2[2]);
+                xp[wi * 4 + 2] = __lows2half2(h2[1], h2[3]);
+                xp[wi * 4 + 3] = __highs2half2(h2[1], h2[3]);
+                float2 s0 = __half22float2(__hadd2(__hadd2(h2[0], h2[1]), __hadd2(h2[2], h2[3])));
+                xs += s0.x + s0.y;
+              }
+            } else {
+              float xf[32];
+              tq_load_x<T, 32, NORM, SWIGLU>(x + (size_t)m * XS, norm_w, k0, K, rs[m], xf);
+#pragma unroll
+              for (int wi = 0; wi < 4; ++wi)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                  xp[wi * 4 + j] = __floats2half2_rn(xf[wi * 8 + j], xf[wi * 8 + j + 4]);
+                  xs += xf[wi * 8 + j] + xf[wi * 8 + j + 4];
+                }
+            }
             float dots[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) dots[r] = 0.f;
-            float xs = 0.f;
 #pragma unroll
             for (int wi = 0; wi < 4; ++wi) {
-              uint4 u = xv[wi];
-              const __half2* h2 = reinterpret_cast<const __half2*>(&u);
-              __half2 xp0 = __lows2half2(h2[0], h2[2]);
-              __half2 xp1 = __highs2half2(h2[0], h2[2]);
-              __half2 xp2 = __lows2half2(h2[1], h2[3]);
-              __half2 xp3 = __highs2half2(h2[1], h2[3]);
-              float2 s0 = __half22float2(__hadd2(__hadd2(h2[0], h2[1]), __hadd2(h2[2], h2[3])));
-              xs += s0.x + s0.y;
 #pragma unroll
               for (int r = 0; r < R; ++r) {
-                __half2 a = __hmul2(xp0, qp[r][wi * 4 + 0]);
-                a = __hfma2(xp1, qp[r][wi * 4 + 1], a);
-                a = __hfma2(xp2, qp[r][wi * 4 + 2], a);
-                a = __hfma2(xp3, qp[r][wi * 4 + 3], a);
+                __half2 a = __hmul2(xp[wi * 4 + 0], qp[r][wi * 4 + 0]);
+                a = __hfma2(xp[wi * 4 + 1], qp[r][wi * 4 + 1], a);
+                a = __hfma2(xp[wi * 4 + 2], qp[r][wi * 4 + 2], a);
+                a = __hfma2(xp[wi * 4 + 3], qp[r][wi * 4 + 3], a);
                 float2 f = __half22float2(a);
                 dots[r] += f.x + f.y;
               }
@@ -171,23 +234,22 @@ _SOURCE = r"""
 #pragma unroll
         for (int m = 0; m < MMAX; ++m) {
           if (m < M) {
-            const T* xp = x + (size_t)m * K + k0;
+            float xf[EPC];
+            tq_load_x<T, EPC, NORM, SWIGLU>(x + (size_t)m * XS, norm_w, k0, K, rs[m], xf);
+            float xs = 0.f;
+#pragma unroll
+            for (int e = 0; e < EPC; ++e) xs += xf[e];
             float dots[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) dots[r] = 0.f;
-            float xs = 0.f;
 #pragma unroll
             for (int wi = 0; wi < 4; ++wi) {
-              float xf[EPW];
-              tq_load_f<T, EPW>(xp + wi * EPW, xf);
-#pragma unroll
-              for (int e = 0; e < EPW; ++e) xs += xf[e];
 #pragma unroll
               for (int r = 0; r < R; ++r) {
                 float q[EPW];
                 tq_decode_f<BITS>(reinterpret_cast<const uint32_t*>(&wr[r])[wi], q);
 #pragma unroll
-                for (int e = 0; e < EPW; ++e) dots[r] = fmaf(xf[e], q[e], dots[r]);
+                for (int e = 0; e < EPW; ++e) dots[r] = fmaf(xf[wi * EPW + e], q[e], dots[r]);
               }
             }
 #pragma unroll
@@ -207,7 +269,12 @@ _SOURCE = r"""
     for (int m = 0; m < MMAX; ++m)
       if (m < M)
 #pragma unroll
-        for (int r = 0; r < R; ++r) tq_st(&y[(size_t)m * N + row0 + r], acc[m][r]);
+        for (int r = 0; r < R; ++r) {
+          const size_t o = (size_t)m * N + row0 + r;
+          float v = acc[m][r];
+          if (RES) v += tq_f(res[o]);
+          tq_st(&y[o], v);
+        }
   }
 """
 
@@ -216,7 +283,7 @@ _SOURCE = r"""
 def _kernel():
     return mx.fast.cuda_kernel(
         name="tandem_qmv",
-        input_names=["x", "w", "scales", "biases"],
+        input_names=["x", "w", "scales", "biases", "norm_w", "res", "fparams"],
         output_names=["y"],
         source=_SOURCE,
         header=_HEADER,
@@ -250,25 +317,45 @@ def rows_per_warp(n: int) -> int:
     return 4 if n % 4 == 0 else 2
 
 
+@functools.cache
+def _dummy(dtype) -> mx.array:
+    return mx.zeros((1,), dtype=dtype)
+
+
+@functools.cache
+def _fparams(eps: float) -> mx.array:
+    return mx.array([eps], dtype=mx.float32)
+
+
 def quantized_matmul_cuda(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-                          group_size: int = 64, bits: int = 4,
+                          group_size: int = 64, bits: int = 4, *,
+                          norm_weight: mx.array | None = None, eps: float = 1e-5,
+                          residual: mx.array | None = None, swiglu: bool = False,
                           rows_per_warp_override: int | None = None,
                           half_math: bool | None = None) -> mx.array:
-    """``x @ dequantize(w).T`` for 2-D ``x`` of 1-16 rows, on CUDA.
+    """``x @ dequantize(w).T`` for 2-D ``x`` of 1-16 rows, on CUDA, with optional fusions.
 
-    x: (M, K) fp16/bf16/fp32; w: (N, K*bits/32) uint32; scales, biases: (N, K/group_size).
-    Returns (M, N) in x's dtype. The caller checks ``kernel_supports`` first.
+    x: (M, K) fp16/bf16/fp32, or (M, 2K) holding [gate, up] when ``swiglu``;
+    w: (N, K*bits/32) uint32; scales, biases: (N, K/group_size).
+    norm_weight (K,): the input is ``rms_norm(x, norm_weight, eps)`` first.
+    residual (M, N): added to the result. Returns (M, N) in x's dtype; see
+    ``quantized_matmul_reference`` for the exact definition. The caller checks
+    ``kernel_supports`` first.
     """
-    m, k = x.shape
+    m = x.shape[0]
     n = w.shape[0]
     bucket = next(b for b in _ROW_BUCKETS if b >= m)
     r = rows_per_warp_override or rows_per_warp(n)
     if half_math is None:
         half_math = bits == 4 and x.dtype == mx.float16
     (y,) = _kernel()(
-        inputs=[x, w, scales, biases],
-        template=[("T", x.dtype), ("BITS", bits), ("GS", group_size), ("K", k), ("N", n),
-                  ("MMAX", bucket), ("R", r), ("HALF", bool(half_math))],
+        inputs=[x, w, scales, biases,
+                norm_weight.astype(x.dtype) if norm_weight is not None else _dummy(x.dtype),
+                residual.astype(x.dtype) if residual is not None else _dummy(x.dtype),
+                _fparams(float(eps))],
+        template=[("T", x.dtype), ("BITS", bits), ("MMAX", bucket), ("R", r),
+                  ("HALF", bool(half_math)), ("NORM", norm_weight is not None),
+                  ("SWIGLU", bool(swiglu)), ("RES", residual is not None)],
         grid=(n // r * 32, 1, 1),
         threadgroup=(_THREADS, 1, 1),
         output_shapes=[(m, n)],
@@ -278,10 +365,26 @@ def quantized_matmul_cuda(x: mx.array, w: mx.array, scales: mx.array, biases: mx
 
 
 def quantized_matmul_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-                               group_size: int = 64, bits: int = 4) -> mx.array:
-    """Pure-ops reference: dequantize, then an fp32 matmul; (..., K) -> (..., N) in x's dtype."""
+                               group_size: int = 64, bits: int = 4, *,
+                               norm_weight: mx.array | None = None, eps: float = 1e-5,
+                               residual: mx.array | None = None, swiglu: bool = False) -> mx.array:
+    """Pure-ops definition in fp32: [swiglu] -> [rms_norm] -> dequantized matmul -> [+ residual]."""
+    xf = x.astype(mx.float32)
+    if swiglu:
+        k = xf.shape[-1] // 2
+        xf = nn_silu(xf[..., :k]) * xf[..., k:]
+    if norm_weight is not None:
+        xf = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        xf = xf * norm_weight.astype(mx.float32)
     wd = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(mx.float32)
-    return (x.astype(mx.float32) @ wd.T).astype(x.dtype)
+    y = xf @ wd.T
+    if residual is not None:
+        y = y + residual.astype(mx.float32)
+    return y.astype(x.dtype)
+
+
+def nn_silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,

@@ -94,3 +94,18 @@ def test_weight_format_choice_per_backend():
     assert choose_weight_format(True, 16 * gib, 5 * gib, None, "cpu")[0] == "dense"
     assert choose_weight_format(True, 16 * gib, 5 * gib, None, "metal")[0] == "quantized"
     assert choose_weight_format(False, 16 * gib, 0, None, "cuda")[0] == "dense"
+
+
+def test_fused_call_falls_back_to_the_separate_ops():
+    mx.random.seed(5)
+    q = nn.QuantizedLinear(128, 64, bias=False, group_size=32, bits=4)
+    flat = linear._from_module(q, "dual", mx.float32, small_rows=16)
+    h = mx.random.normal((3, 128))
+    g = mx.random.normal((128,))
+    res = mx.random.normal((3, 64))
+    got = flat.fused(h, norm_weight=g, eps=1e-5, residual=res)
+    assert mx.array_equal(got, res + flat(mx.fast.rms_norm(h, g, 1e-5))).item()
+    gu = mx.random.normal((3, 256))
+    got = flat.fused(gu, swiglu=True)
+    want = flat(nn.silu(gu[:, :128]) * gu[:, 128:])
+    assert mx.allclose(got, want, atol=1e-5).item()
