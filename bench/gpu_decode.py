@@ -202,7 +202,7 @@ def stock_single(model, prompt_len: int, gen: int) -> tuple[float, float]:
     for i, (tok, _) in enumerate(generate_step(prompt, model, max_tokens=gen)):
         times.append(time.perf_counter())
     prefill = prompt_len / (times[0] - t0)
-    decode = (len(times) - 2) / (times[-1] - times[1])
+    decode = (len(times) - 5) / (times[-1] - times[4])  # skip the first steps (JIT compiles)
     return prefill, decode
 
 
