@@ -1,0 +1,117 @@
+"""The real engine on the tiny model behind the broker: disaggregated (2 prefill + 2
+decode workers, KV handed off over sealed channels) == hybrid == one in-process engine,
+token for token at temperature 0, for 32 concurrent requests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+from tandem.kvtypes import SamplingParams
+from tandem.wire.client import AsyncClient
+from tests.integration.test_cluster_stub import wait_clean
+
+N_REQUESTS = 32
+
+
+def _prompts():
+    rng = random.Random(7)
+    # Varied lengths (several KV blocks, partial last blocks) and a shared prefix for some,
+    # so prefix caching and multi-block handoffs are both exercised.
+    shared = [rng.randrange(3, 380) for _ in range(40)]
+    out = []
+    for i in range(N_REQUESTS):
+        n = rng.randrange(3, 70)
+        body = [rng.randrange(3, 380) for _ in range(n)]
+        out.append(shared + body if i % 3 == 0 else body)
+    return out
+
+
+def _sampling():
+    return SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _run_all(cluster, prompts):
+    async def main():
+        async with AsyncClient(cluster.endpoints["frontend"], cluster.endpoints["stream_out"],
+                               secret=cluster.secret, timeout_s=120) as ac:
+            async def one(p):
+                return [t async for ev in ac.generate(p, _sampling()) for t in ev.tokens]
+            return await asyncio.gather(*(one(p) for p in prompts))
+    return asyncio.run(main())
+
+
+def test_disaggregated_equals_hybrid_equals_single_process(cluster, tiny_model_dir):
+    prompts = _prompts()
+    cluster.start_broker()
+    procs = [cluster.start_worker(role, engine="mlx", model=tiny_model_dir, wait=False)
+             for role in ("prefill", "prefill", "decode", "decode")]
+    for p in procs:
+        p.wait_ready(120)
+    c = cluster.client(timeout_s=60)
+    cluster.wait_workers(c, prefill=2, decode=2, timeout=120)
+    disagg = _run_all(cluster, prompts)
+    st = wait_clean(c, timeout=20)
+    assert st["counters"]["handoffs"] == N_REQUESTS
+    prefill_counts = [w["dispatched"] for w in st["workers"] if w["role"] == "prefill"]
+    decode_counts = [w["decode_targeted"] for w in st["workers"] if w["role"] == "decode"]
+    assert min(prefill_counts) > 0 and min(decode_counts) > 0, st["workers"]
+
+    for p in procs:
+        p.signal(signal.SIGTERM)  # drain: nothing in flight, so they leave at once
+    for p in procs:
+        p.p.wait(30)
+    cluster.start_worker("hybrid", engine="mlx", model=tiny_model_dir)
+    cluster.wait_workers(c, hybrid=1, timeout=120)
+    hybrid = _run_all(cluster, prompts)
+    wait_clean(c, timeout=20)
+
+    from tandem.pipeline.engine import Engine
+    from tandem.pipeline.loader import load_model
+    from tandem.pipeline.settings import EngineSettings
+
+    loaded = load_model(tiny_model_dir)
+    engine = Engine(loaded.model, EngineSettings(), model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids)
+    try:
+        single = [engine.generate_many([(p, _sampling())])[0] for p in prompts]
+    finally:
+        engine.stop()
+
+    assert all(len(t) == 12 for t in single)
+    assert disagg == single
+    assert hybrid == single
+
+
+def test_decode_sigkill_mid_stream_real_engine_exact(cluster, tiny_model_dir):
+    from tests.integration.test_cluster_stub import _kill_holder
+
+    cluster.start_broker("--stats-verbose")
+    procs = [cluster.start_worker(role, engine="mlx", model=tiny_model_dir, wait=False)
+             for role in ("prefill", "decode", "decode")]
+    for p in procs:
+        p.wait_ready(120)
+    c = cluster.client(timeout_s=60)
+    cluster.wait_workers(c, prefill=1, decode=2, timeout=120)
+    prompt = _prompts()[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    toks, killed = [], None
+    for ev in c.generate(prompt, sp):
+        toks += ev.tokens
+        if killed is None and len(toks) >= 20:
+            killed = _kill_holder(c, cluster, procs[1:])
+    assert killed is not None
+    st = wait_clean(c, timeout=20)
+    assert st["counters"]["migrations"] == 1
+
+    from tandem.pipeline.engine import Engine
+    from tandem.pipeline.loader import load_model
+    from tandem.pipeline.settings import EngineSettings
+
+    loaded = load_model(tiny_model_dir)
+    engine = Engine(loaded.model, EngineSettings(), model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids)
+    try:
+        (single,) = engine.generate_many([(prompt, sp)])
+    finally:
+        engine.stop()
+    assert toks == single
