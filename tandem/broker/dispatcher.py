@@ -38,6 +38,7 @@ class Dispatcher:
         decode_strategy = settings.strategy if settings.strategy in ("round_robin", "memory_aware") else "least_loaded"
         self.decode = Selector(decode_strategy, **kw)
         self.jobs: dict[bytes, Job] = {}
+        self.pending: dict[bytes, Job] = {}
         self.subscriptions: set[bytes] = set()
         self._order = 0
         self._probe_deadline = 0.0
@@ -47,7 +48,16 @@ class Dispatcher:
 
     # ---- clients -------------------------------------------------------------------------
     def queued(self) -> list[Job]:
-        return [j for j in self.jobs.values() if j.state in (J.WAITING_SUB, J.QUEUED)]
+        return list(self.pending.values())
+
+    def _set_state(self, job: Job, state: str) -> None:
+        # ``pending`` mirrors the jobs not yet dispatched, so admission and the dispatch
+        # scan cost O(queue), not O(every request in flight).
+        job.state = state
+        if state in (J.WAITING_SUB, J.QUEUED):
+            self.pending[job.request_id] = job
+        else:
+            self.pending.pop(job.request_id, None)
 
     def submit(self, client: bytes, msg: M.Submit) -> None:
         rid = msg.request_id
@@ -58,7 +68,7 @@ class Dispatcher:
         if len(msg.prompt) > self.s.max_prompt_tokens:
             self._refuse(client, rid, "invalid", f"prompt of {len(msg.prompt)} tokens exceeds the broker's limit of {self.s.max_prompt_tokens}")
             return
-        if len(self.queued()) >= self.s.max_queue:
+        if len(self.pending) >= self.s.max_queue:
             self.counters["refused_busy"] += 1
             self._refuse(client, rid, "busy", "broker queue is full", self.s.retry_after_s)
             return
@@ -71,7 +81,8 @@ class Dispatcher:
         job = Job(rid, client, list(msg.prompt), msg.sampling, msg.priority, msg.model, now,
                   now + self.s.subscribe_timeout_s, self._order)
         self.jobs[rid] = job
-        self.to_client(client, M.Accepted(rid, queue_depth=len(self.queued())))
+        self._set_state(job, J.WAITING_SUB)
+        self.to_client(client, M.Accepted(rid, queue_depth=len(self.pending)))
         if rid in self.subscriptions:
             self._subscribed(job)
 
@@ -85,9 +96,10 @@ class Dispatcher:
         self.subscriptions.discard(topic)
 
     def _subscribed(self, job: Job) -> None:
-        job.state = J.QUEUED
+        self._set_state(job, J.QUEUED)
         job.deadline = self.clock() + self.s.queue_timeout_s
-        self.to_client(job.client, M.Subscribed(job.request_id))
+        # (No SUBSCRIBED to the client: it has subscribed before submitting, and the
+        # dispatch itself is what the confirmation guards.)
         self._try_dispatch(job)
 
     def abort(self, rid: bytes) -> None:
@@ -225,7 +237,7 @@ class Dispatcher:
         self.counters["tokens"] += len(msg.tokens)
         if msg.finish_reason is None and msg.error is None:
             return "forward"
-        job.state = J.FINISHED
+        self._set_state(job, J.FINISHED)
         job.finished_at = self.clock()
         self.counters["completed" if msg.error is None else "errored"] += 1
         if job.migrations or job.resume or (msg.usage and msg.usage.prompt_tokens != len(job.prompt)):
@@ -248,7 +260,7 @@ class Dispatcher:
         self._finish(job)
 
     def _finish(self, job: Job) -> None:
-        job.state = J.FINISHED
+        self._set_state(job, J.FINISHED)
         job.finished_at = self.clock()
         self._maybe_forget(job)
 
@@ -258,7 +270,9 @@ class Dispatcher:
 
     # ---- dispatch ------------------------------------------------------------------------
     def dispatch_pending(self) -> None:
-        pending = sorted((j for j in self.jobs.values() if j.state == J.QUEUED), key=lambda j: (-j.priority, j.order))
+        if not self.pending:
+            return
+        pending = sorted((j for j in self.pending.values() if j.state == J.QUEUED), key=lambda j: (-j.priority, j.order))
         for job in pending:
             if not self._try_dispatch(job):
                 # Later jobs of the same priority would find the same full workers; stop
@@ -333,7 +347,7 @@ class Dispatcher:
         return dataclasses.replace(job.sampling, max_tokens=max(1, job.remaining_tokens))
 
     def _dispatched(self, job: Job, entry: Worker, target: Worker | None) -> None:
-        job.state = J.RUNNING
+        self._set_state(job, J.RUNNING)
         job.prefill_worker = entry.identity
         job.decode_worker = target.identity if target else entry.identity
         entry.dispatched += 1
@@ -390,7 +404,7 @@ class Dispatcher:
         log.info("request %s moves to another worker (%s)", job.request_id.hex(), why)
         # Anything already streamed must not be produced again: continue from it.
         job.resume = job.next_seq > 0
-        job.state = J.QUEUED
+        self._set_state(job, J.QUEUED)
         job.deadline = self.clock() + self.s.queue_timeout_s
         self._try_dispatch(job)
 
@@ -418,7 +432,7 @@ class Dispatcher:
                 # the request arrived went unanswered.
                 self.counters["refused_no_worker"] += 1
                 self._refuse_job(job, "no_worker", "no worker is available")
-        if not usable and any(j.state == J.QUEUED for j in self.jobs.values()):
+        if not usable and any(j.state == J.QUEUED for j in self.pending.values()):
             self._reprobe(now)
         for job in [j for j in self.jobs.values() if j.worker_done_at is not None and j.state != J.FINISHED]:
             if job.worker_done_at + FINAL_GRACE_S < now:

@@ -100,6 +100,7 @@ class Outgoing:
     deadline: float
     sent: bool = False
     nbytes: int = 0
+    started: float = 0.0
 
 
 class KVPeer:

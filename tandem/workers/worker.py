@@ -97,7 +97,8 @@ class Worker:
         self._last_steps = -1
         self._last_progress = time.monotonic()
         self.stalled = False
-        self.counters = {"handoffs": 0, "handoff_failures": 0, "refused": 0}
+        self.counters = {"handoffs": 0, "handoff_failures": 0, "refused": 0, "handoff_bytes": 0, "handoff_ms": 0.0}
+        self._handoffs_started: dict[bytes, tuple[float, int]] = {}
 
     # ---- engine side: runs on the engine thread ------------------------------------------
     def _callback(self, attempt: int):
@@ -252,6 +253,7 @@ class Worker:
 
     def _abort(self, rid: bytes) -> None:
         self.tombstones[rid] = time.monotonic() + TOMBSTONE_S
+        self._handoffs_started.pop(rid, None)
         local = self.local.pop(rid, None)
         if local is not None:
             self.engine.abort(rid)
@@ -302,8 +304,10 @@ class Worker:
     def _hand_off(self, local: Local, snap) -> None:
         local.handing_off = True
         msgs = snapshot_messages(snap, stream_seq=local.seq, priority=local.priority)
+        now = time.monotonic()
         out = Outgoing(local.request_id, local.attempt, local.decode_node or "", msgs,
-                       time.monotonic() + self.s.transfer_timeout_s, nbytes=snap.nbytes)
+                       now + self.s.transfer_timeout_s, nbytes=snap.nbytes, started=now)
+        self._handoffs_started[local.request_id] = (now, snap.nbytes)
         self._peer(local.decode_address).queue(out)
 
     def _on_kv_peer(self, peer: KVPeer, frames) -> None:
@@ -315,11 +319,18 @@ class Worker:
                 if verdict.complete:
                     del self.local[rid]
                     self.counters["handoffs"] += 1
+                    started, nbytes = self._handoffs_started.pop(rid, (None, 0))
+                    if started is not None:
+                        ms = (time.monotonic() - started) * 1000
+                        self.counters["handoff_bytes"] += nbytes
+                        self.counters["handoff_ms"] += ms
+                        log.debug("handoff %s: %d KV bytes to %s in %.2f ms", rid.hex(), nbytes, local.decode_node, ms)
                     self._send(M.Done(rid, None, None, handed_to=local.decode_node or peer.peer_id or "decode"))
             else:
                 self._handoff_failed(local, f"decode worker {local.decode_node} refused the KV: {verdict.message or verdict.reason}")
 
     def _handoff_failed(self, local: Local, why: str) -> None:
+        self._handoffs_started.pop(local.request_id, None)
         log.info("handoff of %s failed: %s", local.request_id.hex(), why)
         self.counters["handoff_failures"] += 1
         self.local.pop(local.request_id, None)
