@@ -66,8 +66,9 @@ def from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
         n += (a >> 13) & np.uint32(1)
         n >>= 13
         small = a < np.uint32(0x38800000)
-        if small.any():
-            n[small] = (a[small].view(np.float32) + np.float32(0.5)).view(np.uint32) - np.uint32(0x3F000000)
+        if small.any():  # a select, not fancy indexing: quantized KV has many exact zeros
+            sub = (a.view(np.float32) + np.float32(0.5)).view(np.uint32) - np.uint32(0x3F000000)
+            n = np.where(small, sub, n)
         n |= sign
         return n.astype(np.uint16).view(np.float16)
     return x.astype(dtype)
@@ -82,11 +83,35 @@ def _check(x: np.ndarray, bits: int) -> None:
         raise ValueError(f"int4 packs pairs along head_dim; head_dim {x.shape[-1]} is odd")
 
 
+# Work on groups of blocks whose float32 temporaries stay around 1 MiB: they are reused
+# from the heap and stay in cache, where whole-layer temporaries (tens of MB) cost a
+# page fault per 4 KiB on every call.
+_GROUP_BYTES = 1 << 20
+_NIBBLE_PAIRS = (
+    np.stack(((np.arange(256) & 0x0F) - 8, (np.arange(256) >> 4) - 8), axis=-1).astype(np.int8).view(np.int16).reshape(256)
+)
+
+
+def _groups(x: np.ndarray):
+    per_block = max(1, int(np.prod(x.shape[1:])) * 4)
+    step = max(1, _GROUP_BYTES // per_block)
+    return [(b, min(b + step, x.shape[0])) for b in range(0, x.shape[0], step)]
+
+
 def quantize(x: np.ndarray, bits: int, dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """-> (q, scales). q: int8 of x's shape (8 bits) or uint8 with head_dim/2 (4 bits);
     scales: float32 ``(num_blocks, num_kv_heads)``."""
     _check(x, bits)
     dtype = dtype or str(x.dtype)
+    nb, nh, bs, hd = x.shape
+    q = np.empty((nb, nh, bs, hd if bits == 8 else hd // 2), np.int8 if bits == 8 else np.uint8)
+    scales = np.empty((nb, nh), np.float32)
+    for b0, b1 in _groups(x):
+        q[b0:b1], scales[b0:b1] = _quantize_group(x[b0:b1], bits, dtype)
+    return q, scales
+
+
+def _quantize_group(x: np.ndarray, bits: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     xf = to_float32(x, dtype)
     qmax = QMAX[bits]
     flat = xf.reshape(xf.shape[0], xf.shape[1], -1)
@@ -101,15 +126,23 @@ def quantize(x: np.ndarray, bits: int, dtype: str | None = None) -> tuple[np.nda
     if bits == 4:
         u = (q + 8).astype(np.uint8)
         q = u[..., 0::2] | (u[..., 1::2] << 4)
-    return q, scales.astype(np.float32)
+    return q, scales
 
 
 def dequantize(q: np.ndarray, scales: np.ndarray, bits: int, dtype: str) -> np.ndarray:
     """Inverse of :func:`quantize`, returned in the cache ``dtype`` (bfloat16 as uint16)."""
+    nb, nh, bs, last = q.shape
+    hd = last if bits == 8 else last * 2
+    out = np.empty((nb, nh, bs, hd), np.uint16 if dtype == "bfloat16" else dtype)
+    for b0, b1 in _groups(out):
+        out[b0:b1] = _dequantize_group(q[b0:b1], scales[b0:b1], bits, dtype)
+    return out
+
+
+def _dequantize_group(q: np.ndarray, scales: np.ndarray, bits: int, dtype: str) -> np.ndarray:
     if bits == 4:
-        # Interleave the nibbles with one contiguous stack (strided writes are slow).
-        u = np.stack((q & 0x0F, q >> 4), axis=-1).reshape(q.shape[:-1] + (q.shape[-1] * 2,))
-        q = u.view(np.int8) - np.int8(8)
+        # One table lookup turns each byte into its two signed values, already interleaved.
+        q = np.take(_NIBBLE_PAIRS, q).view(np.int8).reshape(q.shape[:-1] + (q.shape[-1] * 2,))
     vals = np.multiply(q, scales[:, :, None, None], dtype=np.float32)
     return from_float32(vals, dtype)
 
