@@ -136,6 +136,8 @@ def raw_aes_gbps(snap: KVSnapshot, repeats: int) -> float:
 def raw_zmq_gbps(ctx, endpoint: str, snap: KVSnapshot, repeats: int) -> float:
     sock = make_socket(ctx, zmq.DEALER, connect=endpoint, hwm=64)
     frames = [b"bulk", *layer_frames(snap)]
+    sock.send_multipart([b"bulk", b"warm-up"])  # connect outside the timed runs
+    sock.recv()
     best = 0.0
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -207,7 +209,8 @@ def main() -> int:
     try:
         for shape, tokens in cases:
             snap = make_snapshot(tokens, **SHAPES[shape])
-            repeats = 1 if args.quick or snap.nbytes > (256 << 20) else 3
+            # Best of N; the first run also warms up (arena first touch, connections).
+            repeats = 1 if args.quick else (2 if snap.nbytes > (256 << 20) else 3)
             aes = raw_aes_gbps(snap, repeats)
             zq = raw_zmq_gbps(ctx, eps[1], snap, repeats)
             ceiling = min(aes, zq)
@@ -245,8 +248,17 @@ def write_results(prefix: Path, results: list, control: dict) -> None:
         f"{meta['date']}, {meta['cpus']} CPUs ({meta['machine']}), Python {meta['python']}, libzmq {meta['zmq']}. "
         "GB/s = KV bytes of the snapshot / time from encoding start to the decode side's ack. "
         "Ceiling = min(raw AES-256-GCM, raw ZeroMQ) measured in the same run; target: sealed full/raw >= 60% of it. "
-        "Random normal data: LZ4 barely compresses it (wire ratio ~1.0).", "",
+        "Best of 3 runs (2 for caches over 256 MB). Random normal data: LZ4 barely compresses it (wire ratio ~1.0); "
+        "real caches compress somewhat better, mostly in padding and zero blocks. "
+        "The receiver is a separate process (the decode side); quantization and LZ4 run on one CPU core in numpy / python-lz4, "
+        "so they pay off only on links slower than those rates.", "",
+        "| cache | sealed full/raw | ceiling | ratio | target >= 60% |", "|---|---|---|---|---|",
     ]
+    for e in results:
+        ceiling = min(e["raw_aes_gcm_gbps"], e["raw_zmq_gbps"])
+        full = e["sealed"]["full/raw"]["gbps"]
+        lines.append(f"| {e['shape']} {e['tokens']} tokens | {full:.2f} GB/s | {ceiling:.2f} GB/s | {full / ceiling:.0%} | {'met' if full >= 0.6 * ceiling else 'NOT met'} |")
+    lines.append("")
     for e in results:
         ceiling = min(e["raw_aes_gcm_gbps"], e["raw_zmq_gbps"])
         lines += [f"## {e['shape']}, {e['tokens']} tokens ({e['kv_bytes'] / 1e6:.0f} MB {e['dtype']})", "",

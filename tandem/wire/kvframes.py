@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterator
 
 import lz4.frame
 import numpy as np
@@ -99,16 +100,25 @@ def snapshot_messages(
 ) -> list[list]:
     """Per connection: [KVHeader, KVChunk, ...]. Every connection repeats the header so
     each one can be validated on its own, whichever arrives first."""
+    return [list(m) for m in iter_snapshot_messages(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt)]
+
+
+def iter_snapshot_messages(
+    snap: KVSnapshot, options: KVOptions, *, stream_seq: int = 0, priority: int = 0, attempt: int = 0
+) -> list[Iterator]:
+    """Like :func:`snapshot_messages`, but each connection's messages are produced lazily,
+    so a chunk is quantized/compressed while the previous one is on the wire and only
+    one chunk per connection exists in encoded form at a time."""
     header = make_header(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt)
-    out = []
-    index = 0
-    for ranges in plan(snap.num_layers, header.num_blocks, options):
-        msgs = [header]
+    plans = plan(snap.num_layers, header.num_blocks, options)
+    starts = [sum(len(p) for p in plans[:i]) for i in range(len(plans))]
+
+    def messages(ranges, first_index):
+        yield header
         for i, (layers, blocks) in enumerate(ranges):
-            msgs.append(encode_chunk(snap, layers, blocks, options, index, i == len(ranges) - 1))
-            index += 1
-        out.append(msgs)
-    return out
+            yield encode_chunk(snap, layers, blocks, options, first_index + i, i == len(ranges) - 1)
+
+    return [messages(ranges, start) for ranges, start in zip(plans, starts)]
 
 
 class KVAssembler:

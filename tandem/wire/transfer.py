@@ -21,7 +21,7 @@ from tandem.kvtypes import KVSnapshot
 from tandem.wire import codec
 from tandem.wire.errors import WireError
 from tandem.wire.kvchannel import KVReceiver, KVSender
-from tandem.wire.kvframes import KVAssembler, KVOptions, snapshot_messages
+from tandem.wire.kvframes import KVAssembler, KVOptions, iter_snapshot_messages
 from tandem.wire.messages import KVAck, KVChunk, KVHeader, KVRefuse
 
 log = logging.getLogger(__name__)
@@ -62,30 +62,31 @@ def send_snapshot(
     if options.strategy == "layer_parallel":
         options = KVOptions(**{**options.__dict__, "connections": min(options.connections, len(senders))})
     t0 = time.perf_counter()
-    per_conn = snapshot_messages(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt)
-    wire_bytes = sum(len(codec.as_buffer(f)) for msgs in per_conn for m in msgs if isinstance(m, KVChunk) for f in m.frames)
+    per_conn = iter_snapshot_messages(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt)
+    wire_bytes = [0] * len(per_conn)
+    errors: list[BaseException] = []
+
+    def push(i: int, sender: KVSender, msgs) -> None:
+        try:
+            for msg in msgs:
+                if isinstance(msg, KVChunk):
+                    wire_bytes[i] += sum(len(codec.as_buffer(f)) for f in msg.frames)
+                sender.send(msg)
+        except BaseException as exc:  # re-raised below in the caller's thread
+            errors.append(exc)
+
     if len(per_conn) == 1:
-        for msg in per_conn[0]:
-            senders[0].send(msg)
+        push(0, senders[0], per_conn[0])
     else:
-        errors: list[BaseException] = []
-
-        def push(sender: KVSender, msgs: list) -> None:
-            try:
-                for msg in msgs:
-                    sender.send(msg)
-            except BaseException as exc:  # re-raised below in the caller's thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=push, args=(s, m)) for s, m in zip(senders, per_conn)]
+        threads = [threading.Thread(target=push, args=(i, s, m)) for i, (s, m) in enumerate(zip(senders, per_conn))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        if errors:
-            raise errors[0]
+    if errors:
+        raise errors[0]
     _await_ack(senders[: len(per_conn)], snap.request_id, timeout_s)
-    return TransferResult(options.strategy, snap.nbytes, wire_bytes, time.perf_counter() - t0)
+    return TransferResult(options.strategy, snap.nbytes, sum(wire_bytes), time.perf_counter() - t0)
 
 
 def _await_ack(senders: list[KVSender], request_id: bytes, timeout_s: float) -> None:
