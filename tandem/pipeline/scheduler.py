@@ -194,7 +194,8 @@ class Scheduler:
         return self.pool.ref_count[b] == 1 and self.pool.block_hash[b] is None
 
     def _victim(self, exclude: list[Sequence], below: int | None) -> Sequence | None:
-        candidates = [s for s in self.running if s not in exclude and (below is None or s.priority < below)]
+        # A prefill-role sequence whose first token is out must export the KV it has: never a victim.
+        candidates = [s for s in self.running if s not in exclude and not s.hold and (below is None or s.priority < below)]
         if not candidates:
             return None
         return min(candidates, key=lambda s: (s.priority, -s.arrival))

@@ -1,0 +1,266 @@
+"""Engine vs mlx-lm's BatchGenerator, side by side in one run, same weights and BLAS.
+
+Measures aggregate decode tok/s at several batch sizes, prefill tok/s for 512-token
+prompts, and time to first token of a request whose 1,024-token system prompt is cached
+vs cold. Prints a table and writes docs/benchmarks/engine.md and engine.json.
+
+    .venv/bin/python bench/engine.py                 # the default model (fetched on demand)
+    .venv/bin/python bench/engine.py --model DIR --batches 1,4 --repeats 1
+
+Each cell is the best of ``--repeats`` alternating runs (engine, baseline, engine, ...):
+the machine is shared, and the best run is the one least disturbed by other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import queue
+import random
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import tandem  # noqa: E402  (BLAS choice before mlx)
+import mlx.core as mx  # noqa: E402
+
+from tandem.kvtypes import SamplingParams  # noqa: E402
+from tandem.pipeline.api import EngineRequest  # noqa: E402
+from tandem.pipeline.engine import Engine  # noqa: E402
+from tandem.pipeline.settings import EngineSettings  # noqa: E402
+
+
+def load(path: str | None):
+    from tandem.pipeline import model_store
+    from tandem.pipeline.loader import load_model
+
+    if path is None:
+        path = model_store.resolve_model(None)
+    lm = load_model(path)
+    return lm.model, lm.model_id, str(path)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+# ---- the engine ---------------------------------------------------------------------
+def engine_run(eng: Engine, batch: list[list[int]], max_tokens: int) -> dict:
+    """Submit everything at once; returns prefill/decode timings from the token events."""
+    events: queue.Queue = queue.Queue()
+    ids = [uuid.uuid4().bytes for _ in batch]
+    t0 = time.perf_counter()
+    for rid, p in zip(ids, batch):
+        eng.submit(EngineRequest(rid, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), events.put))
+    first: dict[bytes, float] = {}
+    stamps: list[float] = []
+    done = 0
+    while done < len(ids):
+        ev = events.get(timeout=600)
+        now = time.perf_counter()
+        if ev.request_id not in first:
+            first[ev.request_id] = now
+        else:
+            stamps.extend([now] * len(ev.tokens))
+        done += ev.finish_reason is not None
+    return summarize(t0, first, stamps, time.perf_counter(), batch)
+
+
+def summarize(t0, first, stamps, t_end, batch) -> dict:
+    all_first = max(first.values())
+    decode_tokens = sum(1 for s in stamps if s > all_first)
+    decode_s = t_end - all_first
+    return {
+        "ttft_s": min(first.values()) - t0,
+        "prefill_done_s": all_first - t0,
+        "prefill_tok_s": sum(len(p) for p in batch) / (all_first - t0),
+        "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
+        "total_s": t_end - t0,
+    }
+
+
+# ---- mlx-lm's BatchGenerator ---------------------------------------------------------
+def batchgen_run(model, batch: list[list[int]], max_tokens: int, prefill_step: int = 2048) -> dict:
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[], completion_batch_size=len(batch),
+                         prefill_batch_size=len(batch), prefill_step_size=prefill_step)
+    t0 = time.perf_counter()
+    uids = gen.insert(batch, max_tokens=[max_tokens] * len(batch))
+    first: dict[int, float] = {}
+    stamps: list[float] = []
+    finished = set()
+    while len(finished) < len(uids):
+        _, responses = gen.next()
+        now = time.perf_counter()
+        for r in responses:
+            if r.uid not in first:
+                first[r.uid] = now
+            else:
+                stamps.append(now)
+            if r.finish_reason is not None:
+                finished.add(r.uid)
+    gen.close()
+    return summarize(t0, first, stamps, time.perf_counter(), batch)
+
+
+def best(runs: list[dict], key: str, lower: bool = False) -> float:
+    vals = [r[key] for r in runs]
+    return min(vals) if lower else max(vals)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batches", default="1,4,8,16,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    args = ap.parse_args()
+
+    model, model_id, path = load(args.model)
+    vocab = int(model(mx.array([[0]])).shape[-1])
+    results: dict = {"model": model_id, "path": path, "blas": tandem.BLAS, "machine": platform.machine(),
+                     "prompt_len": args.prompt_len, "gen_tokens": args.gen, "repeats": args.repeats,
+                     "decode": [], "prefill": [], "ttft": {}}
+
+    def engine_for(batch_size: int, **kw) -> Engine:
+        s = EngineSettings(parallel=max(batch_size, 1), max_batch_prefill=max(batch_size, 1),
+                           max_batch_prefill_tokens=0, kv_cache_budget="4GiB", **kw)
+        return Engine(model, s, model_id=model_id)
+
+    # warm-up: compile kernels and touch the weights for both paths
+    warm = _started(engine_for(2))
+    engine_run(warm, prompts(2, 32, vocab, 0), 8)
+    warm.stop()
+    batchgen_run(model, prompts(2, 32, vocab, 0), 8)
+
+    print(f"model {model_id}  BLAS {tandem.BLAS}  prompt {args.prompt_len}  gen {args.gen}  best of {args.repeats}")
+    print(f"{'batch':>5} {'engine tok/s':>13} {'BatchGen tok/s':>15} {'ratio':>6}")
+    for b in [int(x) for x in args.batches.split(",")]:
+        batch = prompts(b, args.prompt_len, vocab, seed=b)
+        eng = _started(engine_for(b))
+        e_runs, g_runs = [], []
+        for _ in range(args.repeats):
+            e_runs.append(engine_run(eng, batch, args.gen))
+            g_runs.append(batchgen_run(model, batch, args.gen))
+        eng.stop()
+        e, g = best(e_runs, "decode_tok_s"), best(g_runs, "decode_tok_s")
+        row = {"batch": b, "engine_tok_s": e, "batchgen_tok_s": g, "ratio": e / g,
+               "engine_runs": [r["decode_tok_s"] for r in e_runs], "batchgen_runs": [r["decode_tok_s"] for r in g_runs]}
+        results["decode"].append(row)
+        print(f"{b:>5} {e:>13.1f} {g:>15.1f} {e / g:>5.2f}x")
+
+    print(f"\nprefill, 512-token prompts")
+    print(f"{'prompts':>7} {'engine tok/s':>13} {'BatchGen tok/s':>15} {'ratio':>6}")
+    for n in (1, 4):
+        batch = prompts(n, 512, vocab, seed=100 + n)
+        e_runs, g_runs = [], []
+        for rep in range(args.repeats):
+            eng = _started(engine_for(n, prefill_chunk_size=512, enable_prefix_caching=False))
+            e_runs.append(engine_run(eng, batch, 1))
+            eng.stop()
+            g_runs.append(batchgen_run(model, batch, 1))
+        e, g = best(e_runs, "prefill_tok_s"), best(g_runs, "prefill_tok_s")
+        results["prefill"].append({"prompts": n, "engine_tok_s": e, "batchgen_tok_s": g, "ratio": e / g})
+        print(f"{n:>7} {e:>13.1f} {g:>15.1f} {e / g:>5.2f}x")
+
+    system = prompts(1, 1024, vocab, seed=7)[0]
+    users = prompts(2 * args.repeats + 2, 24, vocab, seed=8)
+    cold, warm, bg_cold = [], [], []
+    for rep in range(args.repeats):
+        eng = _started(engine_for(1, prefill_chunk_size=2048))
+        cold.append(engine_run(eng, [system + users[2 * rep]], 1)["ttft_s"])  # nothing cached yet
+        warm.append(engine_run(eng, [system + users[2 * rep + 1]], 1)["ttft_s"])  # the system prompt is
+        eng.stop()
+        bg_cold.append(batchgen_run(model, [system + users[2 * rep + 1]], 1)["ttft_s"])
+    c, w, g = min(cold), min(warm), min(bg_cold)
+    results["ttft"] = {"system_tokens": 1024, "user_tokens": 24, "engine_cold_s": c, "engine_cached_s": w,
+                       "reduction": c / w, "batchgen_cold_s": g, "cold_runs": cold, "cached_runs": warm}
+    print(f"\nTTFT, 1,024-token system prompt + 24 tokens: cold {c * 1e3:.1f} ms, cached {w * 1e3:.1f} ms "
+          f"({c / w:.1f}x less); BatchGenerator cold {g * 1e3:.1f} ms")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine.json").write_text(json.dumps(results, indent=1))
+    (out / "engine.md").write_text(render(results))
+    (out / "engine.svg").write_text(plot(results))
+    print(f"\nwrote {out / 'engine.md'}, engine.json and engine.svg")
+    return 0
+
+
+def _started(eng: Engine) -> Engine:
+    eng.start()
+    return eng
+
+
+def plot(r: dict) -> str:
+    """Grouped bars of decode tok/s per batch size, as a dependency-free SVG."""
+    rows = r["decode"]
+    W, H, left, bottom, top = 640, 320, 60, 40, 30
+    peak = max(max(d["engine_tok_s"], d["batchgen_tok_s"]) for d in rows) * 1.15
+    slot = (W - left - 20) / len(rows)
+    bar = slot * 0.35
+    y = lambda v: H - bottom - (H - bottom - top) * v / peak  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+           f'<text x="{W / 2}" y="18" text-anchor="middle">aggregate decode tok/s ({r["model"]})</text>',
+           f'<line x1="{left}" y1="{H - bottom}" x2="{W - 10}" y2="{H - bottom}" stroke="black"/>']
+    for i in range(5):
+        v = peak * i / 5
+        out.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.0f}</text>')
+        out.append(f'<line x1="{left}" y1="{y(v):.1f}" x2="{W - 10}" y2="{y(v):.1f}" stroke="#ddd"/>')
+    for i, d in enumerate(rows):
+        x0 = left + i * slot + slot * 0.15
+        for j, (key, color) in enumerate((("engine_tok_s", "#1f77b4"), ("batchgen_tok_s", "#ff7f0e"))):
+            v = d[key]
+            out.append(f'<rect x="{x0 + j * bar:.1f}" y="{y(v):.1f}" width="{bar:.1f}" height="{H - bottom - y(v):.1f}" fill="{color}"/>')
+        out.append(f'<text x="{x0 + bar:.1f}" y="{H - bottom + 16}" text-anchor="middle">batch {d["batch"]}</text>')
+        out.append(f'<text x="{x0 + bar:.1f}" y="{y(max(d["engine_tok_s"], d["batchgen_tok_s"])) - 4:.1f}" text-anchor="middle">{d["ratio"]:.2f}x</text>')
+    out += [f'<rect x="{W - 190}" y="30" width="12" height="12" fill="#1f77b4"/><text x="{W - 172}" y="40">tandem engine</text>',
+            f'<rect x="{W - 190}" y="48" width="12" height="12" fill="#ff7f0e"/><text x="{W - 172}" y="58">mlx-lm BatchGenerator</text>',
+            "</svg>"]
+    return "\n".join(out) + "\n"
+
+
+def render(r: dict) -> str:
+    lines = [
+        "# Engine vs mlx-lm BatchGenerator",
+        "",
+        f"Produced by `bench/engine.py` on {time.strftime('%Y-%m-%d')}: model `{r['model']}` (dense weights as the loader",
+        f"gives them on this backend, the same model object for both), BLAS `{r['blas']}`, {r['machine']}.",
+        f"Each number is the best of {r['repeats']} alternating runs on a shared 2-core machine; the per-run",
+        "values are in engine.json and show the noise.",
+        "",
+        "![decode throughput](engine.svg)",
+        "",
+        f"## Aggregate decode throughput ({r['prompt_len']}-token prompts, {r['gen_tokens']} generated tokens each)",
+        "",
+        "| batch | engine tok/s | BatchGenerator tok/s | ratio |",
+        "|---:|---:|---:|---:|",
+    ]
+    for d in r["decode"]:
+        lines.append(f"| {d['batch']} | {d['engine_tok_s']:.1f} | {d['batchgen_tok_s']:.1f} | {d['ratio']:.2f}x |")
+    lines += ["", "## Prefill throughput (512-token prompts, prefilled together)", "",
+              "| prompts | engine tok/s | BatchGenerator tok/s | ratio |", "|---:|---:|---:|---:|"]
+    for p in r["prefill"]:
+        lines.append(f"| {p['prompts']} | {p['engine_tok_s']:.1f} | {p['batchgen_tok_s']:.1f} | {p['ratio']:.2f}x |")
+    t = r["ttft"]
+    lines += ["", "## Time to first token with a cached 1,024-token system prompt", "",
+              "| | TTFT ms |", "|---|---:|",
+              f"| engine, cold | {t['engine_cold_s'] * 1e3:.1f} |",
+              f"| engine, system prompt cached | {t['engine_cached_s'] * 1e3:.1f} |",
+              f"| BatchGenerator (no prefix cache) | {t['batchgen_cold_s'] * 1e3:.1f} |",
+              "", f"Reduction from the prefix cache: {t['reduction']:.1f}x.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
