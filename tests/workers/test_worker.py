@@ -1,0 +1,206 @@
+"""A worker process's IO loop against a hand-driven broker (real sockets, in threads)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import zmq
+
+from tandem.broker.jobs import STREAM_PING_TOPIC
+from tandem.kvtypes import SamplingParams
+from tandem.pipeline.api import EngineStats
+from tandem.wire import codec
+from tandem.wire import messages as M
+from tandem.workers.settings import WorkerSettings
+from tandem.workers.stub import StubEngine, reference_tokens
+from tandem.workers.worker import Worker
+
+
+class FakeBroker:
+    def __init__(self, ctx):
+        self.backend = ctx.socket(zmq.ROUTER)
+        self.backend_addr = f"tcp://127.0.0.1:{self.backend.bind_to_random_port('tcp://127.0.0.1')}"
+        self.xsub = ctx.socket(zmq.XSUB)
+        self.xsub_addr = f"tcp://127.0.0.1:{self.xsub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.xsub.send(b"\x01")
+        self.identity = None
+
+    def recv(self, timeout=2.0, want=None):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.backend.poll(50):
+                ident, *frames = self.backend.recv_multipart()
+                self.identity = ident
+                msg = codec.decode(frames)
+                if want is None or isinstance(msg, want):
+                    return msg
+        return None
+
+    def wait_stream(self, timeout=5.0):
+        """Like the real broker: dispatch only once a stream ping proved the PUB is connected."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.xsub.poll(50) and self.xsub.recv_multipart()[0] == STREAM_PING_TOPIC:
+                return
+        raise AssertionError("no stream ping from the worker")
+
+    def send(self, msg):
+        self.backend.send_multipart([self.identity, *codec.encode(msg)])
+
+    def tokens(self, timeout=2.0):
+        out = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.xsub.poll(50):
+                topic, body = self.xsub.recv_multipart()
+                if topic == STREAM_PING_TOPIC:
+                    continue
+                msg = codec.decode_tokens([topic[:16], body])
+                out.append((topic[16], msg))
+                if msg.finish_reason or msg.error:
+                    return out
+        return out
+
+
+@pytest.fixture
+def env():
+    ctx = zmq.Context()
+    broker = FakeBroker(ctx)
+    workers = []
+
+    def start(engine, **kw):
+        settings = WorkerSettings(role=kw.pop("role", "hybrid"), name="w-test", **kw)
+        w = Worker(engine, settings=settings, backend=broker.backend_addr, stream_in=broker.xsub_addr,
+                   secret=None, model_id="stub", heartbeat_s=0.05, capacity=4, ctx=ctx)
+        t = threading.Thread(target=w.run, daemon=True)
+        t.start()
+        workers.append((w, t))
+        return w
+
+    yield broker, start
+    for w, t in workers:
+        w.stop()
+        t.join(5)
+    ctx.destroy(0)
+
+
+def test_registers_runs_and_publishes_under_its_attempt(env):
+    broker, start = env
+    start(StubEngine())
+    ready = broker.recv(want=M.Ready)
+    assert ready.role == "hybrid" and ready.capacity == 4
+    assert broker.recv(want=M.Heartbeat) is not None
+    broker.wait_stream()
+    rid = os.urandom(16)
+    broker.send(M.Dispatch(rid, "hybrid", [1, 2, 3], SamplingParams(max_tokens=5), attempt=7))
+    msgs = broker.tokens()
+    assert [a for a, _ in msgs] == [7] * len(msgs)
+    assert [m.seq for _, m in msgs] == list(range(len(msgs)))
+    assert sum((m.tokens for _, m in msgs), []) == reference_tokens([1, 2, 3], 5)
+    done = broker.recv(want=M.Done)
+    assert done.request_id == rid and done.finish_reason == "length"
+
+
+def test_resume_continues_sequence_numbers_and_tokens(env):
+    broker, start = env
+    start(StubEngine())
+    broker.recv(want=M.Ready)
+    broker.wait_stream()
+    rid = os.urandom(16)
+    full = reference_tokens([4, 5], 6)
+    broker.send(M.Resume(rid, [4, 5], full[:2], 3, SamplingParams(max_tokens=4), attempt=2))
+    msgs = broker.tokens()
+    assert msgs[0][1].seq == 3
+    assert full[:2] + sum((m.tokens for _, m in msgs), []) == full
+
+
+class StalledEngine(StubEngine):
+    """Takes requests, never steps: what a wedged MLX call looks like from outside."""
+
+    def start(self):
+        pass
+
+    def stats(self):
+        return EngineStats(running=1, waiting=0, total_blocks=10, free_blocks=10, steps=0)
+
+
+def test_heartbeats_stop_when_the_engine_stalls(env):
+    broker, start = env
+    w = start(StalledEngine(), stall_timeout_s=0.3)
+    broker.recv(want=M.Ready)
+    broker.send(M.Dispatch(os.urandom(16), "hybrid", [1], SamplingParams(max_tokens=5), attempt=1))
+    time.sleep(0.6)
+    while broker.backend.poll(0):
+        broker.backend.recv_multipart()
+    assert broker.recv(timeout=0.5, want=M.Heartbeat) is None
+    assert w.stalled
+
+
+def test_engine_refusal_is_reported(env):
+    broker, start = env
+    start(StubEngine(max_queue=0))
+    broker.recv(want=M.Ready)
+    rid = os.urandom(16)
+    broker.send(M.Dispatch(rid, "hybrid", [1], SamplingParams(max_tokens=5), attempt=1))
+    refused = broker.recv(want=M.Refused)
+    assert refused.request_id == rid and refused.reason == "at_capacity"
+
+
+def test_drain_finishes_in_flight_then_disconnects(env):
+    broker, start = env
+    w = start(StubEngine(step_s=0.01), drain_grace_s=10)
+    broker.recv(want=M.Ready)
+    broker.wait_stream()
+    rid = os.urandom(16)
+    broker.send(M.Dispatch(rid, "hybrid", [1, 2], SamplingParams(max_tokens=30), attempt=1))
+    time.sleep(0.05)
+    w.drain()
+    seen = []
+    deadline = time.monotonic() + 5
+    sent_second = False
+    while time.monotonic() < deadline:
+        msg = broker.recv(timeout=0.5)
+        if msg is None:
+            continue
+        seen.append(msg)
+        if isinstance(msg, M.Heartbeat) and msg.draining and not sent_second:
+            broker.send(M.Dispatch(os.urandom(16), "hybrid", [1], SamplingParams(max_tokens=3), attempt=1))
+            sent_second = True
+        if isinstance(msg, M.Disconnect):
+            break
+    kinds = [type(m).__name__ for m in seen]
+    assert sent_second and "Disconnect" == kinds[-1]
+    assert any(isinstance(m, M.Refused) and m.reason == "draining" for m in seen)
+    assert any(isinstance(m, M.Done) and m.request_id == rid and m.finish_reason == "length" for m in seen)
+
+
+def test_drain_grace_expiry_hands_requests_back(env):
+    broker, start = env
+    w = start(StubEngine(step_s=0.05), drain_grace_s=0.2)
+    broker.recv(want=M.Ready)
+    rid = os.urandom(16)
+    broker.send(M.Dispatch(rid, "hybrid", [1, 2], SamplingParams(max_tokens=1000), attempt=1))
+    time.sleep(0.1)
+    w.drain()
+    failed = broker.recv(want=M.Failed)
+    assert failed.request_id == rid and failed.retryable
+    assert broker.recv(want=M.Disconnect) is not None
+
+
+def test_abort_frees_engine_slot(env):
+    broker, start = env
+    eng = StubEngine(step_s=0.01)
+    start(eng)
+    broker.recv(want=M.Ready)
+    rid = os.urandom(16)
+    broker.send(M.Dispatch(rid, "hybrid", [1], SamplingParams(max_tokens=10_000), attempt=1))
+    time.sleep(0.1)
+    assert eng.stats().running == 1
+    broker.send(M.Abort(rid))
+    deadline = time.monotonic() + 2
+    while eng.stats().running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert eng.stats().running == 0
