@@ -35,7 +35,9 @@ class SendArena:
 
     Each record's ciphertext is written into the next free region and sent zero-copy
     with a tracker; a region is reused only after libzmq has released it. The arena is
-    touched once at creation, so steady-state sealing never page-faults."""
+    touched once, on first use, so steady-state sealing never page-faults. (Over inproc
+    the receiver shares the bytes, so a region frees only when the receiver drops them:
+    KV connections use tcp.)"""
 
     def __init__(self, size: int):
         self._view: memoryview | None = None  # allocated on first use
