@@ -55,7 +55,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, bs)
         if sh.pageable:
             self.store = KVStore(sh.num_layers, sh.n_kv_heads, sh.head_dim, sh.dtype, bs, num_blocks, sh.v_head_dim)
-            self.runner = PagedRunner(model, self.store)
+            self.runner = PagedRunner(model, self.store, mirror=settings.decode_mirror)
         else:
             self.store = None
             self.runner = DenseRunner(model)

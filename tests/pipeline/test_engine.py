@@ -39,6 +39,7 @@ CONFIGS = {
     "small-blocks-small-batch": dict(block_size=4, max_batch_size=3, parallel=8),
     "prefill-token-cap": dict(max_batch_prefill=8, max_batch_prefill_tokens=96),
     "no-prefix-cache": dict(enable_prefix_caching=False),
+    "no-decode-mirror": dict(decode_mirror=False, max_batch_size=5),
 }
 
 
