@@ -213,7 +213,6 @@ def main() -> int:
             repeats = 1 if args.quick else (2 if snap.nbytes > (256 << 20) else 3)
             aes = raw_aes_gbps(snap, repeats)
             zq = raw_zmq_gbps(ctx, eps[1], snap, repeats)
-            ceiling = min(aes, zq)
             entry = {"shape": shape, "tokens": tokens, "kv_bytes": snap.nbytes, "dtype": snap.dtype,
                      "raw_aes_gcm_gbps": aes, "raw_zmq_gbps": zq, "sealed": {}}
             print(f"\n{shape} {tokens} tokens: {snap.nbytes / 1e6:.0f} MB of {snap.dtype} KV; "
@@ -221,8 +220,18 @@ def main() -> int:
             for strategy in STRATEGIES:
                 for option in OPTIONS:
                     gbps, ratio = sealed_gbps(ctx, eps[0], snap, strategy, option, repeats)
-                    entry["sealed"][f"{strategy}/{option}"] = {"gbps": gbps, "wire_ratio": ratio, "vs_ceiling": gbps / ceiling}
-                    print(f"  {strategy:15s} {option:5s} {gbps:6.2f} GB/s  ({gbps / ceiling:5.0%} of ceiling, wire {ratio:.2f}x)", flush=True)
+                    entry["sealed"][f"{strategy}/{option}"] = {"gbps": gbps, "wire_ratio": ratio}
+                    print(f"  {strategy:15s} {option:5s} {gbps:6.2f} GB/s  (wire {ratio:.2f}x)", flush=True)
+            # The machine is shared: measure the ceilings again after the sealed runs and
+            # keep the best of both, as the sealed numbers are best-of too.
+            aes = entry["raw_aes_gcm_gbps"] = max(aes, raw_aes_gbps(snap, repeats))
+            zq = entry["raw_zmq_gbps"] = max(zq, raw_zmq_gbps(ctx, eps[1], snap, repeats))
+            ceiling = min(aes, zq)
+            for cell in entry["sealed"].values():
+                cell["vs_ceiling"] = cell["gbps"] / ceiling
+            full = entry["sealed"]["full/raw"]["gbps"]
+            print(f"  ceilings (best of before/after): raw AES-GCM {aes:.2f}, raw ZeroMQ {zq:.2f} GB/s; "
+                  f"sealed full/raw = {full / ceiling:.0%} of min", flush=True)
             results.append(entry)
             del snap
         control = control_rates(ctx, eps, 2000 if args.quick else 20000)
