@@ -30,6 +30,9 @@ def add_arguments(p) -> None:
     p.add_argument("--engine", choices=("mlx", "stub"), help="stub: model-free deterministic tokens for benchmarks and tests")
     p.add_argument("--stub-step-ms", type=float, help="stub engine: time per step")
     p.add_argument("--drain-grace", type=float, help="seconds SIGTERM waits for in-flight requests")
+    p.add_argument("--kv-strategy", choices=("adaptive", "full", "streamed", "layer_parallel"), help="prefill: how KV travels to the decode worker")
+    p.add_argument("--kv-compression", choices=("none", "lz4"), help="prefill: compress KV frames")
+    p.add_argument("--kv-quantization", choices=("none", "int8", "int4"), help="prefill: quantize K/V for transfer (lossy)")
     p.add_argument("--cluster-secret-file", metavar="PATH", help="cluster secret (>= 16 bytes)")
 
 
@@ -66,7 +69,8 @@ def run(args) -> int:
         "worker.kv_bind": args.kv_bind, "worker.name": args.name, "engine.parallel": args.parallel,
         "broker.heartbeat_interval_ms": args.heartbeat_ms, "worker.engine": args.engine,
         "worker.stub_step_ms": args.stub_step_ms, "worker.drain_grace_s": args.drain_grace,
-        "security.cluster_secret_file": args.cluster_secret_file,
+        "security.cluster_secret_file": args.cluster_secret_file, "transfer.strategy": args.kv_strategy,
+        "transfer.compression": args.kv_compression, "transfer.quantization": args.kv_quantization,
     })
     role = cfg.worker.role
     loopback = all(is_loopback(a) for a in (cfg.broker.backend, cfg.broker.stream_in))
@@ -76,7 +80,8 @@ def run(args) -> int:
     worker = Worker(engine, settings=cfg.worker, backend=cfg.broker.backend, stream_in=cfg.broker.stream_in,
                     secret=secret, model_id=model_id, heartbeat_s=cfg.broker.heartbeat_interval_ms / 1000,
                     decode_allowlist=cfg.security.decode_allowlist, block_size=st.block_size or 16,
-                    total_blocks=st.total_blocks, capacity=cfg.engine.parallel + cfg.engine.max_queue_depth)
+                    total_blocks=st.total_blocks, capacity=cfg.engine.parallel + cfg.engine.max_queue_depth,
+                    transfer=cfg.transfer)
     worker.install_signals()
     print(json.dumps({"event": "ready", "role": role, "node": worker.node_id, "model": model_id,
                       "kv_address": worker.kv_address}), flush=True)

@@ -30,7 +30,10 @@ from tandem.wire import messages as M
 from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
 from tandem.wire.sockets import bound_endpoint, make_socket
-from tandem.workers.handoff import KVIngest, KVPeer, Outgoing, seal, snapshot_messages
+from tandem.wire.kvframes import KVOptions
+from tandem.wire.settings import TransferSettings
+from tandem.wire.transfer import AdaptiveSelector
+from tandem.workers.handoff import KVIngest, KVPeer, Outgoing, snapshot_messages
 from tandem.workers.settings import WorkerSettings
 
 log = logging.getLogger("tandem.worker")
@@ -58,7 +61,8 @@ def default_name(role: str) -> str:
 class Worker:
     def __init__(self, engine, *, settings: WorkerSettings, backend: str, stream_in: str, secret: bytes | None,
                  model_id: str, heartbeat_s: float = 1.0, decode_allowlist=(), block_size: int = 16,
-                 total_blocks: int = 0, capacity: int = 64, ctx: zmq.Context | None = None):
+                 total_blocks: int = 0, capacity: int = 64, ctx: zmq.Context | None = None,
+                 transfer: TransferSettings | None = None):
         self.engine = engine
         self.s = settings
         self.role = settings.role
@@ -83,7 +87,9 @@ class Worker:
                 bind = bind[:-2] + ":*"
             self.kv_in = KVIngest(self.ctx, bind, secret=secret, node_id=self.node_id, timeout_s=settings.transfer_timeout_s)
             self.kv_address = bound_endpoint(self.kv_in.sock)
-        self.peers: dict[str, KVPeer] = {}
+        self.transfer = transfer or TransferSettings()
+        self.selector = AdaptiveSelector()
+        self.peers: dict[tuple[str, int], KVPeer] = {}
         self.local: dict[bytes, Local] = {}
         self.tombstones: OrderedDict[bytes, float] = OrderedDict()
         self.recent_prefixes: OrderedDict[int, None] = OrderedDict()
@@ -289,26 +295,40 @@ class Worker:
                     self._send(M.Done(ev.request_id, finish, ev.usage, None))
 
     # ---- KV handoff: prefill side -------------------------------------------------------------
-    def _peer(self, address: str) -> KVPeer:
-        peer = self.peers.get(address)
+    def _peer(self, address: str, index: int = 0) -> KVPeer:
+        key = (address, index)
+        peer = self.peers.get(key)
         if peer is not None and peer.failed and not peer.pending:
             # A broken or refused connection: start over with a fresh handshake.
             self._poller.unregister(peer.sock)
             peer.close()
             peer = None
         if peer is None:
-            peer = self.peers[address] = KVPeer(self.ctx, address, secret=self.secret, node_id=self.node_id)
+            peer = self.peers[key] = KVPeer(self.ctx, address, secret=self.secret, node_id=self.node_id)
             self._poller.register(peer.sock, zmq.POLLIN)
         return peer
 
+    def _options(self, address: str, nbytes: int) -> KVOptions:
+        t = self.transfer
+        strategy = t.strategy
+        if strategy == "adaptive":
+            strategy = self.selector.choose(address, nbytes)
+        return KVOptions(compression=t.compression, quantization=t.quantization, strategy=strategy)
+
     def _hand_off(self, local: Local, snap) -> None:
         local.handing_off = True
-        msgs = snapshot_messages(snap, stream_seq=local.seq, priority=local.priority)
+        options = self._options(local.decode_address, snap.nbytes)
+        per_conn = snapshot_messages(snap, options, stream_seq=local.seq, priority=local.priority, attempt=local.attempt)
         now = time.monotonic()
-        out = Outgoing(local.request_id, local.attempt, local.decode_node or "", msgs,
-                       now + self.s.transfer_timeout_s, nbytes=snap.nbytes, started=now)
-        self._handoffs_started[local.request_id] = (now, snap.nbytes)
-        self._peer(local.decode_address).queue(out)
+        self._handoffs_started[local.request_id] = (now, snap.nbytes, options.strategy, local.decode_address)
+        for i, msgs in enumerate(per_conn):
+            out = Outgoing(local.request_id, local.attempt, local.decode_node or "", msgs,
+                           now + self.s.transfer_timeout_s, nbytes=snap.nbytes, started=now)
+            self._peer(local.decode_address, i).queue(out)
+
+    def _forget_outgoing(self, rid: bytes) -> None:
+        for peer in self.peers.values():
+            peer.pending.pop(rid, None)
 
     def _on_kv_peer(self, peer: KVPeer, frames) -> None:
         for rid, verdict in peer.on_message(list(frames)):
@@ -318,19 +338,22 @@ class Worker:
             if isinstance(verdict, M.KVAck):
                 if verdict.complete:
                     del self.local[rid]
+                    self._forget_outgoing(rid)
                     self.counters["handoffs"] += 1
-                    started, nbytes = self._handoffs_started.pop(rid, (None, 0))
+                    started, nbytes, strategy, address = self._handoffs_started.pop(rid, (None, 0, "", ""))
                     if started is not None:
-                        ms = (time.monotonic() - started) * 1000
+                        secs = time.monotonic() - started
+                        self.selector.record(address, strategy, nbytes, secs)
                         self.counters["handoff_bytes"] += nbytes
-                        self.counters["handoff_ms"] += ms
-                        log.debug("handoff %s: %d KV bytes to %s in %.2f ms", rid.hex(), nbytes, local.decode_node, ms)
+                        self.counters["handoff_ms"] += secs * 1000
+                        log.debug("handoff %s: %d KV bytes to %s in %.2f ms (%s)", rid.hex(), nbytes, local.decode_node, secs * 1000, strategy)
                     self._send(M.Done(rid, None, None, handed_to=local.decode_node or peer.peer_id or "decode"))
             else:
                 self._handoff_failed(local, f"decode worker {local.decode_node} refused the KV: {verdict.message or verdict.reason}")
 
     def _handoff_failed(self, local: Local, why: str) -> None:
         self._handoffs_started.pop(local.request_id, None)
+        self._forget_outgoing(local.request_id)
         log.info("handoff of %s failed: %s", local.request_id.hex(), why)
         self.counters["handoff_failures"] += 1
         self.local.pop(local.request_id, None)
@@ -356,24 +379,24 @@ class Worker:
                 elif len(self.local) >= self.capacity or not self.engine.can_accept(len(header.tokens)):
                     refuse = ("at_capacity", "decode worker is full")
                 if refuse:
-                    self.kv_in.discard(rid)
-                    self.kv_in.reply(peer, attempt, M.KVRefuse(rid, refuse[0], refuse[1], 0.5))
+                    self.kv_in.refuse(peer, rid, refuse[0], refuse[1], 0.5)
                     continue
-                self.kv_in.reply(peer, attempt, M.KVAck(rid, complete=False))
+                self.kv_in.reply(peer, M.KVAck(rid, complete=False))
                 # Hold the place now so capacity counts the transfer in flight.
                 self.local[rid] = Local(rid, attempt, header.stream_seq, "run", header.prompt_len, header.priority)
                 continue
             local = self.local.get(rid)
             if local is None or local.attempt != attempt:
-                self.kv_in.reply(peer, attempt, M.KVRefuse(rid, "invalid", "request was aborted"))
+                self.kv_in.refuse(peer, rid, "invalid", "request was aborted")
                 continue
             try:
                 self.engine.import_kv(snap, self._callback(attempt), priority=header.priority)
-            except EngineRefused as exc:
+            except (EngineRefused, ValueError) as exc:
                 del self.local[rid]
-                self.kv_in.reply(peer, attempt, M.KVRefuse(rid, "at_capacity", str(exc)[:500], exc.retry_after_s))
+                self.kv_in.refuse(peer, rid, "at_capacity" if isinstance(exc, EngineRefused) else "invalid",
+                                  str(exc)[:500], getattr(exc, "retry_after_s", 0.0))
                 continue
-            self.kv_in.reply(peer, attempt, M.KVAck(rid, complete=True))
+            self.kv_in.reply(peer, M.KVAck(rid, complete=True))
 
     # ---- timers ----------------------------------------------------------------------------------
     def _timers(self, poller) -> None:
