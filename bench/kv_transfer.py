@@ -222,19 +222,29 @@ def main() -> int:
                     gbps, ratio = sealed_gbps(ctx, eps[0], snap, strategy, option, repeats)
                     entry["sealed"][f"{strategy}/{option}"] = {"gbps": gbps, "wire_ratio": ratio}
                     print(f"  {strategy:15s} {option:5s} {gbps:6.2f} GB/s  (wire {ratio:.2f}x)", flush=True)
-            # The machine is shared: measure the ceilings again after the sealed runs and
-            # keep the best of both, as the sealed numbers are best-of too.
-            aes = entry["raw_aes_gcm_gbps"] = max(aes, raw_aes_gbps(snap, repeats))
-            zq = entry["raw_zmq_gbps"] = max(zq, raw_zmq_gbps(ctx, eps[1], snap, repeats))
+            # The headline comparison, robust to a shared machine: alternate raw ZeroMQ,
+            # raw AES-GCM and sealed full/raw runs and keep the best of each.
+            rounds = 1 if args.quick else (3 if snap.nbytes > (256 << 20) else 5)
+            senders = [KVSender(ctx, eps[0], SECRET, "prefill-bench")]
+            for _ in range(rounds):
+                zq = max(zq, raw_zmq_gbps(ctx, eps[1], snap, 1))
+                aes = max(aes, raw_aes_gbps(snap, 1))
+                cell = entry["sealed"]["full/raw"]
+                cell["gbps"] = max(cell["gbps"], send_snapshot(senders, snap, KVOptions(), timeout_s=300).gbps)
+            senders[0].close()
+            entry["raw_aes_gcm_gbps"], entry["raw_zmq_gbps"] = aes, zq
             ceiling = min(aes, zq)
             for cell in entry["sealed"].values():
                 cell["vs_ceiling"] = cell["gbps"] / ceiling
             full = entry["sealed"]["full/raw"]["gbps"]
-            print(f"  ceilings (best of before/after): raw AES-GCM {aes:.2f}, raw ZeroMQ {zq:.2f} GB/s; "
+            print(f"  interleaved best of {rounds}: raw AES-GCM {aes:.2f}, raw ZeroMQ {zq:.2f} GB/s; "
                   f"sealed full/raw = {full / ceiling:.0%} of min", flush=True)
             results.append(entry)
             del snap
-        control = control_rates(ctx, eps, 2000 if args.quick else 20000)
+        control: dict[str, float] = {}
+        for _ in range(1 if args.quick else 3):  # alternating rounds, best of each
+            for name, rate in control_rates(ctx, eps, 2000 if args.quick else 20000).items():
+                control[name] = max(control.get(name, 0.0), rate)
         print("\ncontrol messages/s: " + ", ".join(f"{k} {v:,.0f}" for k, v in control.items()))
     finally:
         stop = make_socket(ctx, zmq.DEALER, connect=eps[1])
@@ -257,7 +267,9 @@ def write_results(prefix: Path, results: list, control: dict) -> None:
         f"{meta['date']}, {meta['cpus']} CPUs ({meta['machine']}), Python {meta['python']}, libzmq {meta['zmq']}. "
         "GB/s = KV bytes of the snapshot / time from encoding start to the decode side's ack. "
         "Ceiling = min(raw AES-256-GCM, raw ZeroMQ) measured in the same run; target: sealed full/raw >= 60% of it. "
-        "Best of 3 runs (2 for caches over 256 MB). Random normal data: LZ4 barely compresses it (wire ratio ~1.0); "
+        "Each cell is the best of 3 runs (2 for caches over 256 MB); the headline full/raw and both ceilings are "
+        "additionally re-measured in alternating rounds (5, or 3 over 256 MB) and the best kept, so they see the same "
+        "machine load (the development box has 2 cores shared with other work; single runs vary by 2x). Random normal data: LZ4 barely compresses it (wire ratio ~1.0); "
         "real caches compress somewhat better, mostly in padding and zero blocks. "
         "The receiver is a separate process (the decode side); quantization and LZ4 run on one CPU core in numpy / python-lz4, "
         "so they pay off only on links slower than those rates.", "",
