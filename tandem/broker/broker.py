@@ -23,6 +23,7 @@ from tandem.broker.stats import snapshot
 from tandem.wire import codec
 from tandem.wire import messages as M
 from tandem.wire.errors import WireError
+from tandem.wire.protocol import REQUEST_ID_BYTES
 from tandem.wire.sockets import bound_endpoint, make_socket
 
 log = logging.getLogger("tandem.broker")
@@ -149,7 +150,7 @@ class Broker:
     def _on_stream_out(self, frames) -> None:
         # XPUB_VERBOSE: b"\x01" + topic on every subscribe, b"\x00" + topic on the last unsubscribe.
         event = frames[0]
-        if len(event) != 1 + J.ATTEMPT_TOPIC_BYTES - 1:
+        if len(event) != 1 + REQUEST_ID_BYTES:
             return
         if event[0] == 1:
             self.dispatcher.subscribe(bytes(event[1:]))

@@ -251,3 +251,29 @@ def test_sigterm_drains_in_flight_requests(cluster):
     assert w.p.returncode == 0
     st = c.stats()
     assert st["workers"] == []  # it deregistered
+
+
+def test_client_and_stats_commands(cluster):
+    import json
+    import subprocess
+    import sys
+
+    cluster.start_broker()
+    cluster.start_worker("hybrid")
+    c = cluster.client()
+    cluster.wait_workers(c, hybrid=1)
+    e, sf = cluster.endpoints, str(cluster.secret_file)
+    base = [sys.executable, "-m", "tandem.cli"]
+    out = subprocess.run(base + ["client", "--token-ids", "1,2,3", "--max-tokens", "6", "--broker", e["frontend"],
+                                 "--stream", e["stream_out"], "--cluster-secret-file", sf],
+                         capture_output=True, text=True, timeout=60, env=cluster.env)
+    assert out.returncode == 0, out.stderr
+    assert [int(t) for t in out.stdout.split()] == reference_tokens([1, 2, 3], 6)
+    st = subprocess.run(base + ["stats", "--json", "--stats", e["stats"], "--cluster-secret-file", sf],
+                        capture_output=True, text=True, timeout=60, env=cluster.env)
+    stats = json.loads(st.stdout)
+    assert stats["workers"][0]["node"] == "hybrid-0" and "name" not in stats["workers"][0]  # redacted
+    assert stats["counters"]["completed"] == 1
+    table = subprocess.run(base + ["stats", "--stats", e["stats"], "--cluster-secret-file", sf],
+                           capture_output=True, text=True, timeout=60, env=cluster.env)
+    assert "hybrid-0" in table.stdout and "dispatched" in table.stdout
