@@ -45,7 +45,7 @@ from tandem.wire.kvchannel import KVReceiver, KVSender  # noqa: E402
 from tandem.wire.kvframes import KVOptions  # noqa: E402
 from tandem.wire.messages import Abort, Dispatch  # noqa: E402
 from tandem.wire.sockets import make_socket  # noqa: E402
-from tandem.wire.transfer import KVIngest, send_snapshot  # noqa: E402
+from tandem.wire.transfer import KVIngest, retain_freed_memory, send_snapshot  # noqa: E402
 
 SECRET = b"bench-cluster-secret-0123456789ab"  # the receiver is a spawned process: must be a constant
 SHAPES = {
@@ -79,6 +79,7 @@ def make_snapshot(tokens: int, layers: int, heads: int, head_dim: int, dtype: st
 
 
 def receiver_main(conn) -> None:
+    retain_freed_memory()  # as a decode worker should: no page faults per transfer
     ctx = zmq.Context()
     ingest = KVIngest(ctx, "tcp://127.0.0.1:*", SECRET, "decode-bench")
     raw = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", hwm=64)
