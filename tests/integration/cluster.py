@@ -76,7 +76,9 @@ class Cluster:
     def __init__(self, tmp: Path, *, heartbeat_ms: int = 200, secret: bytes | None = None):
         self.tmp = tmp
         self.heartbeat_ms = heartbeat_ms
-        self.secret = secret if secret is not None else os.urandom(32)
+        # Hex, not raw bytes: the secret loader drops a trailing newline from the file, so
+        # a random binary secret ending in \n or \r would differ from what processes load.
+        self.secret = secret if secret is not None else os.urandom(32).hex().encode()
         self.secret_file = tmp / "cluster.secret"
         self.secret_file.write_bytes(self.secret)
         self.secret_file.chmod(0o600)

@@ -200,7 +200,7 @@ def test_broker_restart_workers_and_clients_reconnect(cluster):
 def test_wrong_secret_worker_is_refused(cluster, tmp_path):
     cluster.start_broker()
     bad = tmp_path / "other.secret"
-    bad.write_bytes(os.urandom(32))
+    bad.write_bytes(os.urandom(32).hex().encode())
     bad.chmod(0o600)
     cluster.start_worker("hybrid", secret_file=bad, name="intruder")
     c = cluster.client()
