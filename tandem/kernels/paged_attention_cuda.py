@@ -90,12 +90,22 @@ _ATT_SOURCE = r"""
     for (int i = 0; i < DL; ++i) acc[g][i] = 0.f;
   }
 
-  for (int t = t0 + slot; t < t1; t += 16) {
-    const int blk = table[(size_t)b * NB + t / BS];
-    const size_t base = (((size_t)blk * BS + (t % BS)) * KVH + h) * D + sub * DL;
+  // Every lane runs the same number of iterations: the full-mask shuffles below would
+  // deadlock if the token groups of a warp left the loop at different times (they did,
+  // for partitions whose length is not a multiple of 16).
+  for (int tb = t0; tb < t1; tb += 16) {
+    const int t = tb + slot;
+    const bool valid = t < t1;
     float kf[DL], vf[DL];
-    pa_load<T, DL>(k_pool + base, kf);
-    pa_load<T, DL>(v_pool + base, vf);
+    if (valid) {
+      const int blk = table[(size_t)b * NB + t / BS];
+      const size_t base = (((size_t)blk * BS + (t % BS)) * KVH + h) * D + sub * DL;
+      pa_load<T, DL>(k_pool + base, kf);
+      pa_load<T, DL>(v_pool + base, vf);
+    } else {
+#pragma unroll
+      for (int i = 0; i < DL; ++i) { kf[i] = 0.f; vf[i] = 0.f; }
+    }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       float s = 0.f;
@@ -104,6 +114,7 @@ _ATT_SOURCE = r"""
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       s += __shfl_xor_sync(0xffffffffu, s, 2);
       s += __shfl_xor_sync(0xffffffffu, s, 4);
+      if (!valid) continue;
       const float mn = fmaxf(mx_[g], s);
       const float c = __expf(mx_[g] - mn);
       const float p = __expf(s - mn);
