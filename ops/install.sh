@@ -49,7 +49,7 @@ if [ ! -e "$root/etc/tandem/tandem.toml" ]; then
   say "wrote $root/etc/tandem/tandem.toml (edit addresses before starting multi-host roles)"
 fi
 if [ ! -e "$root/etc/tandem/cluster-secret" ]; then
-  (umask 077 && head -c 32 /dev/urandom > "$root/etc/tandem/cluster-secret")
+  (umask 077 && head -c 32 /dev/urandom | od -An -v -tx1 | tr -d ' \n' > "$root/etc/tandem/cluster-secret")
   say "generated $root/etc/tandem/cluster-secret: copy the same file to every host of the cluster"
 fi
 chmod 0600 "$root/etc/tandem/cluster-secret"

@@ -51,13 +51,13 @@ def state_dir(arg: str | None) -> Path:
 
 
 def ensure_secret(directory: Path) -> Path:
-    """A 32-byte cluster secret, mode 0600, created once and reused."""
+    """A cluster secret (32 random bytes, hex-encoded so no line-ending rules apply), mode 0600, created once."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = directory / "cluster-secret"
     if not path.exists():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(32))
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
     os.chmod(path, 0o600)
     return path
 

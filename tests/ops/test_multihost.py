@@ -58,7 +58,7 @@ def cluster():
 
 def test_multihost_serving_survives_a_cut_decode_link(cluster, tiny_model_dir, tmp_path):
     secret = tmp_path / "cluster-secret"
-    secret.write_bytes(os.urandom(32))
+    secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
     tandem = [sys.executable, "-m", "tandem.cli"]
     common = ["--cluster-secret-file", str(secret)]

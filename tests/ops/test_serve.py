@@ -133,7 +133,7 @@ def test_serve_comes_up_serves_restarts_and_leaves_nothing(serve, tmp_path):
     s = serve()
     s.wait_for("ready: http://")
     secret = tmp_path / "state" / "cluster-secret"
-    assert oct(secret.stat().st_mode & 0o777) == "0o600" and len(secret.read_bytes()) == 32
+    assert oct(secret.stat().st_mode & 0o777) == "0o600" and len(bytes.fromhex(secret.read_text())) == 32
     client = OpenAI(base_url=s.url + "/v1", api_key="unused")
     model = client.models.list().data[0].id
     reply = client.chat.completions.create(model=model, temperature=0, max_tokens=8,

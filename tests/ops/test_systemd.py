@@ -73,7 +73,7 @@ def test_install_script_stages_files(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     secret = tmp_path / "etc" / "tandem" / "cluster-secret"
-    assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_bytes()) == 32
+    assert secret.stat().st_mode & 0o777 == 0o600 and len(bytes.fromhex(secret.read_text())) == 32
     for unit in UNITS:
         assert (tmp_path / "etc" / "systemd" / "system" / unit.name).read_text() == unit.read_text()
     assert config.load(tmp_path / "etc" / "tandem" / "tandem.toml", env={}) == config.Config()
