@@ -109,7 +109,7 @@ def start_tandem(model: Path, weights: str, parallel: int, edge_workers: int, tm
                  engine: str = "mlx", stub_step_ms: float = 5.0, topology: str = "hybrid") -> tuple[list[Server], int]:
     py = [sys.executable, "-m", "tandem.cli"]
     secret = tmp / "cluster.secret"
-    secret.write_bytes(os.urandom(32))
+    secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
     procs = []
     broker = Server("broker", py + ["broker", *sum((["--" + k, f"tcp://{HOST}:*"] for k in ("frontend", "backend", "stream-in", "stream-out", "stats")), []),

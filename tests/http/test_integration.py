@@ -69,7 +69,7 @@ def _free_port() -> int:
 def stack(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("edge-stack")
     secret = tmp / "cluster.secret"
-    secret.write_bytes(os.urandom(32))
+    secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_ENGINE_MAX_QUEUE_DEPTH="512")
     for name in ("TANDEM_CLUSTER_SECRET", "TANDEM_CLUSTER_SECRET_FILE", "PROMETHEUS_MULTIPROC_DIR"):
