@@ -2,10 +2,10 @@
 
 Other threads only put commands on the inbox (submit, abort, import) and read
 :meth:`Engine.stats`; results go back through each request's ``on_event``. Device work
-is pipelined one step deep: step N+1 is built and queued with ``mx.async_eval`` (its
-decode inputs are step N's sampled tokens, still on the device) before step N's tokens
-are read back and emitted. A sequence that stopped at step N therefore computes one
-extra token in step N+1, which is dropped.
+is pipelined one step deep: step N+1's graph is built (its decode inputs are step N's
+sampled tokens, still on the device) while step N computes, then step N's tokens are read
+back and emitted, then step N+1 is queued with ``mx.async_eval``. A sequence that stopped
+at step N therefore computes one extra token in step N+1, which is dropped.
 """
 
 from __future__ import annotations
@@ -229,7 +229,13 @@ class Engine:
                         self._finish(r.seq, "error", error=f"engine error: {exc}")
         produced = 0
         if self._inflight is not None:
-            produced = self._complete(*self._inflight)
+            produced = self._complete(*self._inflight[:3])
+        if launched is not None:
+            # Queue step N+1 only now that step N has been read back: while step N's graph
+            # is alive its views pin the KV arrays, so N+1's in-place writes would copy
+            # every array they touch (measured: 2 s instead of 5 ms per step on a
+            # 768 MB pool). Building N+1's graph still overlapped with N's compute.
+            mx.async_eval(*launched[3])
         self._inflight = launched
         return produced
 
@@ -266,13 +272,13 @@ class Engine:
                 logits = logits[mx.array(samplers)]
             seqs = [rows[i].seq for i in samplers]
             sampled = sample(logits, [s.sampling for s in seqs], [s.num_generated + s.pending for s in seqs])
-            mx.async_eval(*sampled.arrays())
+            pending = sampled.arrays()
         else:
-            mx.async_eval(logits)
+            pending = [logits]
         self.scheduler.advance(plan)
         for j, i in enumerate(samplers):
             rows[i].seq.pending_index = j
-        return (plan, sampled, samplers)
+        return (plan, sampled, samplers, pending)
 
     def _complete(self, plan: Plan, sampled, samplers: list[int]) -> int:
         produced = 0

@@ -101,7 +101,7 @@ class PagedLayerCache:
         store.write(layer, keys, values, batch.slots)
         if batch.mirror is None:
             k, v = store.gather(layer, batch.table)
-            n = batch.exact_len if batch.exact_len is not None else k.shape[2]
+            n = batch.exact_len if batch.exact_len is not None else batch.kv_len
             return mx.contiguous(k[:, :, :n]), mx.contiguous(v[:, :, :n])
         m = runner.mirror
         B, H, _, D = keys.shape
@@ -199,6 +199,7 @@ class PagedRunner:
             b.mask = None if (ctx == kv_len).all() else (mx.arange(kv_len)[None, :] < mx.array(ctx)[:, None])[:, None, None, :]
         else:
             b.exact_len = None
+            b.kv_len = nb * bs
             b.mask = pa.causal_mask(b.offsets, L, nb * bs)
         if L == 1 or self._norm_owner is None:
             logits = self.model(inputs, cache=self.caches)

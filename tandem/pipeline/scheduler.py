@@ -182,9 +182,10 @@ class Scheduler:
         if cow:
             fresh, copied = self.pool.writable(seq.block_ids[first_write])
             if copied:
+                # The copy holds the same tokens, so the hash chain (num_hashed, last_hash)
+                # stays as it is; the original remains the cached one.
                 plan.copies.append((seq.block_ids[first_write], fresh))
                 seq.block_ids[first_write] = fresh
-                seq.num_hashed = min(seq.num_hashed, first_write)
         for _ in range(max(need, 0)):
             seq.block_ids.append(self.pool.allocate())
         return True

@@ -261,3 +261,16 @@ def test_abort_refusals_and_validation(tiny):
             assert e.finish_reason == "abort"
             break
     assert all(c == 0 for c in eng.pool.ref_count)
+
+
+def test_repeated_blocks_never_alias_after_copy_on_write(tiny):
+    """A full-prompt hit copies its last block; the copy must not be registered under the
+    next position's hash, or a prompt repeating that block would reuse the wrong KV."""
+    x = random_prompts(1, 16, 16, seed=31)[0]
+    eng = make(tiny)
+    eng.generate_many([(x + x, greedy(4))])
+    eng.generate_many([(x + x, greedy(4))])  # full hit: recompute the last token after a copy
+    assert eng.pool.counters.cow_copies == 1
+    longer = x + x + x + [5, 6, 7]
+    assert eng.generate_many([(longer, greedy())]) == [oracle(tiny, longer, MAX_TOKENS)]
+    assert eng.stats().prefix_tokens_saved == 31 + 32  # two blocks, not three
