@@ -18,7 +18,7 @@ from tandem.broker.registry import DOWN, DRAINING, UP, Load, Registry, Worker
 from tandem.broker.settings import BrokerSettings
 from tandem.broker.strategies import Selector, prefix_hashes
 from tandem.wire import messages as M
-from tandem.wire.protocol import MAX_ATTEMPTS
+from tandem.wire.protocol import MAX_ATTEMPTS, MAX_HELD_REQUESTS
 
 log = logging.getLogger("tandem.broker")
 
@@ -141,6 +141,7 @@ class Dispatcher:
             w.remember_prefixes(reversed(msg.prefix_hashes))
             if msg.draining and w.state == UP:
                 w.state = DRAINING
+            self._reconcile(w, msg.requests)
             self.dispatch_pending()
         elif isinstance(msg, M.Done):
             self._done(w, msg)
@@ -156,6 +157,24 @@ class Dispatcher:
         else:
             self.counters["unexpected_worker_messages"] += 1
 
+    def _reconcile(self, w: Worker, held: list[bytes]) -> None:
+        """A request the broker believes this worker alone holds, which the worker's
+        heartbeats stop listing, was lost on the way (a dispatch dropped across a
+        reconnect, say): move it on instead of letting its client wait forever."""
+        if len(held) >= MAX_HELD_REQUESTS:
+            return  # the list is truncated: absence proves nothing
+        listed = set(held)
+        grace = 2 * self.registry.heartbeat_s
+        now = self.clock()
+        for rid in list(w.inflight):
+            job = self.jobs.get(rid)
+            if (job is None or job.state != J.RUNNING or rid in listed or job.holders != {w.identity}
+                    or now - job.dispatched_at < grace):
+                continue
+            self.counters["lost_requests"] += 1
+            job.excluded.add(w.identity)
+            self._reschedule(job, f"{w.node_id} no longer holds it", count=True)
+
     def stream_ping(self, identity: bytes) -> None:
         w = self.registry.get(identity)
         if w is not None and not w.stream_ok and w.state != DOWN:
@@ -170,6 +189,7 @@ class Dispatcher:
             return  # a late DONE from an attempt we gave up on
         self._unhold(job, w)
         if msg.handed_to is not None:
+            job.dispatched_at = self.clock()  # the decode worker's heartbeats get their grace too
             self.counters["handoffs"] += 1
             self.handoff_ms.append((self.clock() - job.arrived) * 1000)
             del self.handoff_ms[:-1000]
@@ -348,6 +368,7 @@ class Dispatcher:
 
     def _dispatched(self, job: Job, entry: Worker, target: Worker | None) -> None:
         self._set_state(job, J.RUNNING)
+        job.dispatched_at = self.clock()
         job.prefill_worker = entry.identity
         job.decode_worker = target.identity if target else entry.identity
         entry.dispatched += 1

@@ -288,3 +288,19 @@ def test_worker_refusal_does_not_spin():
     assert len(h.dispatches()) == 1 and h.d.jobs[rid].state == J.QUEUED
     h.d.worker_message(w, M.Heartbeat("h0"))
     assert len(h.dispatches()) == 2
+
+
+def test_request_missing_from_heartbeats_is_moved_on():
+    h = Harness(heartbeat_interval_ms=100)
+    a = h.worker("a", "hybrid")
+    b = h.worker("b", "hybrid")
+    (rid,) = h.submit()
+    (first, _), = h.dispatches()
+    h.d.worker_message(first, M.Heartbeat(first.decode(), requests=[]))  # within the grace: fine
+    assert len(h.dispatches()) == 1
+    h.clock.t += 0.25
+    h.d.worker_message(first, M.Heartbeat(first.decode(), requests=[rid]))  # listed: fine
+    assert len(h.dispatches()) == 1
+    h.d.worker_message(first, M.Heartbeat(first.decode(), requests=[]))  # lost it
+    (second, msg) = h.dispatches()[-1]
+    assert second != first and msg.request_id == rid and h.d.counters["lost_requests"] == 1
