@@ -581,6 +581,9 @@ def main() -> int:
     ap.add_argument("--stock-formats", default="4bit,fp16",
                     help="4bit costs minutes of NVRTC compiles of MLX's CUTLASS GEMM per tile shape")
     ap.add_argument("--loop-formats", default="dual,dense")
+    ap.add_argument("--section-timeout", type=int, default=0,
+                    help="run each section in its own process, killed after this many seconds "
+                         "(a hung kernel then costs one section, not the run); 0 = in process")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
     args = ap.parse_args()
     if not qm.cuda_available():
@@ -610,6 +613,11 @@ def main() -> int:
         log(f"-- {name} took {time.perf_counter() - t:.1f} s")
         write_docs(out_dir, meta)
 
+    if args.section_timeout > 0:
+        run_isolated(args, secs, out_dir, meta)
+        summary(RESULTS)
+        return 0
+
     fp16 = q4 = None
     for sec in secs:  # in the order given: the first sections survive a time limit
         if sec == "kernels":
@@ -634,6 +642,36 @@ def main() -> int:
     write_docs(out_dir, meta)
     summary(RESULTS)
     return 0
+
+
+def run_isolated(args, secs: list[str], out_dir: Path, meta: dict) -> None:
+    """Each section in a child process with a deadline; the children's rows are merged."""
+    import subprocess
+    skip = {"--sections", "--out", "--section-timeout"}
+    rest, argv = [], sys.argv[1:]
+    i = 0
+    while i < len(argv):
+        key = argv[i].split("=")[0]
+        if key in skip:
+            i += 1 if "=" in argv[i] else 2
+            continue
+        rest.append(argv[i])
+        i += 1
+    for sec in secs:
+        child_out = out_dir / f"part-{sec}"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--sections", sec,
+               "--out", str(child_out), *rest]
+        t = time.perf_counter()
+        try:
+            subprocess.run(cmd, timeout=args.section_timeout, check=False)
+        except subprocess.TimeoutExpired:
+            record(sec, error=f"section killed after {args.section_timeout} s (hung kernel or "
+                              "NVRTC compile); rows before that are kept")
+        log(f"-- {sec} (child) took {time.perf_counter() - t:.1f} s")
+        part = child_out / "gpu_decode.json"
+        if part.exists():
+            RESULTS["runs"].extend(json.loads(part.read_text()).get("runs", []))
+        write_docs(out_dir, meta)
 
 
 def summary(res: dict) -> None:

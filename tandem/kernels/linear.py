@@ -10,10 +10,11 @@ Weight formats (:func:`choose_weight_format`):
 
 * ``quantized``: the stored 4/8-bit weights only (least memory).
 * ``dense``: float16 (GPU) / float32 (CPU) weights only.
-* ``dual``: both. Products of at most ``small_rows`` rows (decode) use the quantized
-  weights through the multirow CUDA kernel, which reads ~4x fewer bytes; larger ones
-  (prefill, big decode batches) use the dense GEMM, which on the H200 is 15-25x faster
-  than MLX's quantized GEMM for hundreds of rows. Costs dense + quantized memory.
+* ``dual``: both. Products of at most ``small_rows`` rows (default 4, the measured
+  crossover: ``quantized_matmul.PREFERRED_MAX_ROWS``) use the quantized weights through
+  the multirow CUDA kernel, which reads ~4x fewer bytes; larger ones (prefill, big decode
+  batches) use the dense GEMM, which on the H200 is 15-25x faster than MLX's quantized
+  GEMM for hundreds of rows. Costs dense + quantized memory.
 
 Chunking: MLX's CUDA quantized GEMM fails to launch (``cudaGraphAddKernelNode ...
 invalid argument``) for 64 x 512 rows in one product; :data:`QUANTIZED_MAX_ROWS` is the
@@ -71,7 +72,7 @@ class FlatLinear(nn.Module):
 
     def __init__(self, weight=None, qweight=None, scales=None, biases=None, bias=None,
                  group_size: int = 64, bits: int = 4, mode: str = "affine",
-                 small_rows: int = qmm.MAX_KERNEL_ROWS):
+                 small_rows: int = qmm.PREFERRED_MAX_ROWS):
         super().__init__()
         if weight is None and qweight is None:
             raise ValueError("FlatLinear needs dense or quantized weights")
@@ -170,7 +171,7 @@ def _from_module(m: nn.Module, fmt: str, dense_dtype, small_rows: int) -> FlatLi
 
 
 def flatten_linears(model: nn.Module, fmt: str = "keep", dense_dtype=mx.float16,
-                    small_rows: int = qmm.MAX_KERNEL_ROWS) -> int:
+                    small_rows: int = qmm.PREFERRED_MAX_ROWS) -> int:
     """Replace every Linear / QuantizedLinear of ``model`` by a :class:`FlatLinear`, in place.
 
     fmt: ``keep`` (each layer keeps its own weights), or one of :data:`FORMATS` for
@@ -185,6 +186,9 @@ def flatten_linears(model: nn.Module, fmt: str = "keep", dense_dtype=mx.float16,
             replaced.append((path, _from_module(m, fmt_q, dense_dtype, small_rows)))
     if replaced:
         model.update_modules(tree_unflatten(replaced))
+        # Materialize dequantized copies here: lazy arrays built on this thread's stream
+        # cannot be evaluated by the engine thread.
+        mx.eval(model.parameters())
     return len(replaced)
 
 
@@ -234,7 +238,7 @@ def choose_weight_format(quantized: bool, dense_bytes: int, quantized_bytes: int
         if budget is None or dense_bytes + quantized_bytes <= budget:
             return "dual", (f"cuda: dense {dense_bytes / 2**30:.1f} GiB + quantized "
                             f"{quantized_bytes / 2**30:.1f} GiB fit; multirow kernel for "
-                            f"<= {qmm.MAX_KERNEL_ROWS} rows, dense GEMM above")
+                            f"<= {qmm.PREFERRED_MAX_ROWS} rows, dense GEMM above")
         return "quantized", (f"cuda: dense copy ({dense_bytes / 2**30:.1f} GiB) does not fit "
                              f"in {budget / 2**30:.1f} GiB; quantized only")
     if backend == "cpu":

@@ -275,7 +275,9 @@ def _write_kernel():
 
 @functools.cache
 def _params(scale: float, part: int) -> mx.array:
-    return mx.array([scale, float(part)], dtype=mx.float32)
+    a = mx.array([scale, float(part)], dtype=mx.float32)
+    mx.eval(a)  # usable from any thread (see quantized_matmul._dummy)
+    return a
 
 
 def choose_partition(batch: int, n_kv_heads: int, max_len: int, sms: int = 132) -> int:

@@ -26,6 +26,13 @@ import mlx.core as mx
 MAX_KERNEL_ROWS = 16
 """Largest row count the multirow kernel takes; larger products go to GEMM paths."""
 
+PREFERRED_MAX_ROWS = 4
+"""Rows up to which the multirow kernel beats the alternatives on the H200 (2026-11-30,
+lm_head 128256x4096, per-op times in a queue of 50): 1 row 108-116 us vs fp16 GEMM
+244-261 us and MLX 4-bit 300 us; 4 rows 235-265 us vs 263-266 / 1,142 us; 8 rows 487 us
+vs 300 / 246 us; 16 rows 980-1,400 us vs 271 / 234 us. From 8 rows on the CUDA-core FMAs
+are the limit and tensor-core GEMMs win."""
+
 _ROW_BUCKETS = (1, 2, 4, 8, 16)
 _THREADS = 128
 
@@ -317,14 +324,20 @@ def rows_per_warp(n: int) -> int:
     return 4 if n % 4 == 0 else 2
 
 
+# Cached constants are evaluated at once: a lazy array made on one thread's stream
+# cannot be evaluated from another (the engine runs MLX on its own thread).
 @functools.cache
 def _dummy(dtype) -> mx.array:
-    return mx.zeros((1,), dtype=dtype)
+    a = mx.zeros((1,), dtype=dtype)
+    mx.eval(a)
+    return a
 
 
 @functools.cache
 def _fparams(eps: float) -> mx.array:
-    return mx.array([eps], dtype=mx.float32)
+    a = mx.array([eps], dtype=mx.float32)
+    mx.eval(a)
+    return a
 
 
 def quantized_matmul_cuda(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
