@@ -14,8 +14,11 @@ Builds a random-weight Llama-3.1-8B-shape model (32 layers, hidden 4096, FFN 143
   gate/up products, fused RoPE + in-place KV write, split-K paged attention) over the
   engine's pool layout: what the engine reaches once its attention dispatches to them.
 
-Prints a table and writes ``docs/benchmarks/gpu_decode.{md,json}`` (or ``--out``).
-Needs only mlx, mlx-lm and numpy (the GPU machine has no pyzmq etc.).
+Prints a table and writes ``gpu_decode.json`` and ``gpu_decode_run.md`` under
+``docs/benchmarks/`` (or ``--out``); ``docs/benchmarks/gpu_decode.md`` is the hand-kept
+history of runs. Needs only mlx, mlx-lm and numpy (the GPU machine has no pyzmq etc.).
+Each new kernel variant costs seconds of NVRTC on first use, so the kernel loop warms
+up before it times anything; ``--section-timeout`` isolates sections from hangs.
 """
 
 from __future__ import annotations
@@ -259,7 +262,10 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
     model = llama.Model(model_args(layers))
     nn.quantize(model, group_size=64, bits=4)  # lazy: replaced by the shared arrays below
     model.update(base_q4.parameters())  # shares the arrays; prepare_model adds the dense copy
-    mem = mx.device_info().get("memory_size") if hasattr(mx, "device_info") else None
+    try:
+        mem = mx.device_info().get("memory_size")
+    except Exception:  # noqa: BLE001 - older MLX: no device_info on CUDA
+        mem = None
     fmt = linear.prepare_model(model, "auto", memory_bytes=mem)
     mx.eval(model.parameters())
     # Llama-3 RoPE keeps its frequencies in a private (non-parameter) array built lazily
