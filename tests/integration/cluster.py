@@ -21,12 +21,23 @@ from tandem.wire.client import Client
 READY_TIMEOUT_S = 60.0
 
 
+def _own_group_die_with_parent() -> None:
+    """In the child: its own process group (teardown kills the group), and SIGKILL when the
+    test process dies, so even a killed pytest leaves no worker or broker behind."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class Proc:
     def __init__(self, args: list[str], env: dict, log: Path):
         self.args = args
         self.log = log
         self._errf = open(log, "ab")
-        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._errf, env=env, start_new_session=True)
+        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._errf, env=env, preexec_fn=_own_group_die_with_parent)
         self.info: dict = {}
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> dict:
