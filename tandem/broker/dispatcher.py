@@ -8,6 +8,7 @@ monotonic clock.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -363,7 +364,6 @@ class Dispatcher:
         return True
 
     def _remaining(self, job: Job):
-        import dataclasses
         return dataclasses.replace(job.sampling, max_tokens=max(1, job.remaining_tokens))
 
     def _dispatched(self, job: Job, entry: Worker, target: Worker | None) -> None:
@@ -387,7 +387,7 @@ class Dispatcher:
             if job.prefill_worker == w.identity:
                 w.inflight_tokens = max(0, w.inflight_tokens - len(job.prompt))
 
-    def _release(self, job: Job, *, notify: bool, keep: Worker | None = None) -> None:
+    def _release(self, job: Job, *, notify: bool) -> None:
         """Drop every holder's claim; tell the live ones to abort and free the KV."""
         for identity in list(job.holders):
             w = self.registry.get(identity)

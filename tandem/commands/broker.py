@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 
 HELP = "run the broker (request routing, health, token streams, stats)"
 DESCRIPTION = (

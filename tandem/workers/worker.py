@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from tandem.broker.jobs import ATTEMPT_TOPIC_BYTES, STREAM_PING_TOPIC
+from tandem.broker.jobs import STREAM_PING_TOPIC
 from tandem.broker.strategies import prefix_hashes
 from tandem.pipeline.api import EngineRefused, EngineRequest, TokenEvent
 from tandem.wire import codec
