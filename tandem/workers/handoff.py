@@ -78,11 +78,18 @@ class KVPeer:
             return
         for out in self.pending.values():
             if not out.sent:
-                for msg in out.messages:
-                    frames = codec.encode(msg)
-                    if isinstance(msg, M.KVChunk):
-                        out.wire_bytes += sum(len(codec.as_buffer(f)) for f in msg.frames)
-                    codec.send(self.sock, self.channel.seal(frames))
+                try:
+                    for msg in out.messages:
+                        frames = codec.encode(msg)
+                        if isinstance(msg, M.KVChunk):
+                            out.wire_bytes += sum(len(codec.as_buffer(f)) for f in msg.frames)
+                        codec.send(self.sock, self.channel.seal(frames), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    # The decode worker is not draining its socket: give up on this transfer
+                    # now (the next timer pass reports it) rather than block the IO thread. The
+                    # sealed counter has moved past what was sent, so this connection is spent.
+                    out.deadline = 0.0
+                    self.failed = "KV connection congested"
                 out.sent = True
                 out.messages = iter(())  # the snapshot can go as soon as libzmq has the frames
 
