@@ -77,7 +77,10 @@ class KVPeer:
         if self.channel is None:
             return
         for out in self.pending.values():
-            if not out.sent:
+            if not out.sent and self.failed:
+                out.deadline = 0.0
+                out.sent = True
+            elif not out.sent:
                 try:
                     for msg in out.messages:
                         frames = codec.encode(msg)
