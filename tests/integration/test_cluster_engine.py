@@ -120,3 +120,32 @@ def test_decode_sigkill_mid_stream_real_engine_exact(cluster, tiny_model_dir):
     finally:
         engine.stop()
     assert toks == single
+
+
+def test_layer_parallel_lz4_handoff_is_exact(cluster, tiny_model_dir):
+    """Two connections per handoff (one per layer half), LZ4 frames: still bit-exact KV."""
+    cluster.heartbeat_ms = 1000
+    cluster.start_broker()
+    procs = [cluster.start_worker("prefill", "--kv-strategy", "layer_parallel", "--kv-compression", "lz4",
+                                  engine="mlx", model=tiny_model_dir, wait=False),
+             cluster.start_worker("decode", engine="mlx", model=tiny_model_dir, wait=False)]
+    for p in procs:
+        p.wait_ready(120)
+    c = cluster.client(timeout_s=60)
+    cluster.wait_workers(c, prefill=1, decode=1, timeout=120)
+    prompts = _prompts()[:4]
+    got = _run_all(cluster, prompts)
+    st = wait_clean(c, timeout=20)
+    assert st["counters"]["handoffs"] == 4 and st["counters"].get("migrations", 0) == 0
+
+    from tandem.pipeline.engine import Engine
+    from tandem.pipeline.loader import load_model
+    from tandem.pipeline.settings import EngineSettings
+
+    loaded = load_model(tiny_model_dir)
+    engine = Engine(loaded.model, EngineSettings(), model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids)
+    try:
+        single = [engine.generate_many([(p, _sampling())])[0] for p in prompts]
+    finally:
+        engine.stop()
+    assert got == single
