@@ -39,6 +39,7 @@ class Broker:
         self.ctx = ctx or zmq.Context.instance()
         self._stop = threading.Event()
         self._outbox: list = []
+        self.last_loop = time.monotonic()  # the loop's liveness (systemd watchdog)
         self.dispatcher = Dispatcher(settings, to_worker=self._to_worker, to_client=self._to_client, publish=self._publish)
         sec = secret
         self.frontend = make_socket(self.ctx, zmq.ROUTER, bind=settings.frontend, security=sec)
@@ -83,6 +84,9 @@ class Broker:
     def stop(self) -> None:
         self._stop.set()
 
+    def alive(self) -> bool:
+        return time.monotonic() - self.last_loop < 5.0
+
     def run(self) -> None:
         poller = zmq.Poller()
         handlers = {
@@ -98,7 +102,8 @@ class Broker:
         next_tick = time.monotonic() + TICK_S
         try:
             while not self._stop.is_set():
-                timeout = max(0.0, next_tick - time.monotonic())
+                self.last_loop = time.monotonic()
+                timeout = max(0.0, next_tick - self.last_loop)
                 for sock, _ in poller.poll(timeout * 1000):
                     handler = handlers[sock]
                     for _ in range(BATCH):

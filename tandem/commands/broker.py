@@ -34,6 +34,7 @@ def run(args) -> int:
     from tandem import config as config_mod
     from tandem.broker.broker import Broker
     from tandem.cli import UserError
+    from tandem.sdnotify import Notifier, Watchdog
     from tandem.wire.secret import require_cluster_secret
     from tandem.wire.sockets import is_loopback
 
@@ -52,10 +53,21 @@ def run(args) -> int:
         broker = Broker(b, secret=secret)
     except Exception as exc:  # zmq.ZMQError: address in use, bad endpoint
         raise UserError(f"cannot bind the broker's sockets: {exc}") from None
-    signal.signal(signal.SIGTERM, lambda *_: broker.stop())
+    notifier = Notifier()
+
+    def _term(*_):
+        notifier.stopping()
+        broker.stop()
+
+    signal.signal(signal.SIGTERM, _term)
+    watchdog = Watchdog(notifier, broker.alive)
+    watchdog.start()
     print(json.dumps({"event": "ready", "role": "broker", **broker.endpoints}), flush=True)
+    notifier.ready(f"broker: clients {broker.endpoints['frontend']}, workers {broker.endpoints['backend']}")
     try:
         broker.run()
     except KeyboardInterrupt:
         pass
+    finally:
+        watchdog.stop()
     return 0

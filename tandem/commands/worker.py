@@ -59,6 +59,7 @@ def build_engine(cfg, args, log):
 
 def run(args) -> int:
     from tandem import config as config_mod
+    from tandem.sdnotify import Notifier, Watchdog
     from tandem.wire.secret import require_cluster_secret
     from tandem.wire.sockets import is_loopback
     from tandem.workers.worker import Worker
@@ -83,7 +84,15 @@ def run(args) -> int:
                     total_blocks=st.total_blocks, capacity=cfg.engine.parallel + cfg.engine.max_queue_depth,
                     transfer=cfg.transfer)
     worker.install_signals()
+    notifier = Notifier()
+    worker.on_drain = lambda: notifier.stopping("draining")
+    watchdog = Watchdog(notifier, worker.alive)
+    watchdog.start()
     print(json.dumps({"event": "ready", "role": role, "node": worker.node_id, "model": model_id,
                       "kv_address": worker.kv_address}), flush=True)
-    worker.run()
+    notifier.ready(f"{role} worker {worker.node_id} serving {model_id}")
+    try:
+        worker.run()
+    finally:
+        watchdog.stop()
     return 0

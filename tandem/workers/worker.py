@@ -103,6 +103,8 @@ class Worker:
         self._last_steps = -1
         self._last_progress = time.monotonic()
         self.stalled = False
+        self.last_loop = time.monotonic()  # the IO loop's own liveness (systemd watchdog)
+        self.on_drain = None  # called once when draining starts (systemd STOPPING=1)
         self.counters = {"handoffs": 0, "handoff_failures": 0, "refused": 0, "handoff_bytes": 0, "handoff_ms": 0.0}
         self._handoffs_started: dict[bytes, tuple[float, int]] = {}
 
@@ -124,6 +126,8 @@ class Worker:
             self._draining = True
             self._drain_deadline = time.monotonic() + self.s.drain_grace_s
             self._next_heartbeat = 0.0
+            if self.on_drain is not None:
+                self.on_drain()
 
     def stop(self):
         self._stop = True
@@ -148,7 +152,7 @@ class Worker:
         log.info("worker %s (%s) up%s", self.node_id, self.role, f", KV ingest at {self.kv_address}" if self.kv_address else "")
         try:
             while not self._stop:
-                now = time.monotonic()
+                now = self.last_loop = time.monotonic()
                 timeout = max(0.0, min(self._next_heartbeat - now, 0.1))
                 for sock, _ in poller.poll(timeout * 1000):
                     if sock == self._wake_r:
@@ -418,6 +422,10 @@ class Worker:
             self._heartbeat(now)
         if self._draining and (not self.local or now >= self._drain_deadline):
             self._finish_drain()
+
+    def alive(self) -> bool:
+        """For a watchdog: the IO loop turns and the engine is not stalled."""
+        return not self.stalled and time.monotonic() - self.last_loop < max(5.0, 5 * self.heartbeat_s)
 
     def _engine_progressing(self, now: float, stats) -> bool:
         if stats.steps != self._last_steps:
