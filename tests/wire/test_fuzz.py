@@ -76,12 +76,40 @@ def kv_any(rng, frames_source):
         pass
 
 
+_INGEST = None
+
+
+def ingest_any(rng):
+    """Mutated KV headers/chunks straight into KVIngest's message handler: it must absorb
+    every bad message (refuse and forget the transfer), never raise."""
+    global _INGEST
+    if _INGEST is None:
+        import zmq
+
+        from tandem.wire.transfer import KVIngest
+
+        _INGEST = KVIngest(zmq.Context.instance(), "tcp://127.0.0.1:*", SECRET, "fuzz")
+    msgs = _KV[rng.choice(list(_KV))]
+    for msg in msgs[: rng.randrange(1, len(msgs) + 1)]:
+        frames = codec.encode(msg)
+        if rng.random() < 0.5:
+            frames = F.mutated(rng, frames)
+        try:
+            decoded = codec.decode(frames)
+        except WireError:
+            continue
+        _INGEST._on_message(b"peer", decoded)
+    _INGEST._pending.clear()
+    _INGEST._refused.clear()
+
+
 def _one_round(rng):
     frames = rng.choice([F.structured, F.mutated, F.garbage])(rng)
     decode_any(frames)
     handshake_any(frames)
     sealed_any(F.mutated(rng, SealedChannel(K1, K2).seal([b"x" * rng.randrange(40)])) if rng.random() < 0.5 else frames)
     kv_any(rng, None)
+    ingest_any(rng)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
