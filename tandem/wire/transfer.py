@@ -119,7 +119,8 @@ class KVIngest:
     """The decode side of KV transfers. Call :meth:`handle` with each message from
     ``.socket`` (or :meth:`poll`); it returns the transfers that just completed as
     ``(header, snapshot, peer_node_id)``. ``can_accept(header)`` may return a refusal
-    reason string (``"at_capacity"``) to refuse a transfer, or None to take it."""
+    reason string (``"at_capacity"``) to refuse a transfer, or None to take it. Call
+    :meth:`expire` periodically (every heartbeat) to drop transfers whose sender died."""
 
     def __init__(self, ctx: zmq.Context, bind: str, secret: bytes, node_id: str, *, can_accept=None, at_capacity=None, timeout_s: float = 30.0):
         self.receiver = KVReceiver(ctx, bind, secret, node_id, at_capacity=at_capacity)
