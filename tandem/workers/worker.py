@@ -30,10 +30,9 @@ from tandem.wire import messages as M
 from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
 from tandem.wire.sockets import bound_endpoint, make_socket
-from tandem.wire.kvframes import KVOptions
 from tandem.wire.settings import TransferSettings
-from tandem.wire.transfer import AdaptiveSelector
-from tandem.workers.handoff import KVIngest, KVPeer, Outgoing, snapshot_messages
+from tandem.workers.handoff import KVIngest
+from tandem.workers.sender import HandoffSender
 from tandem.workers.settings import WorkerSettings
 
 log = logging.getLogger("tandem.worker")
@@ -88,8 +87,7 @@ class Worker:
             self.kv_in = KVIngest(self.ctx, bind, secret=secret, node_id=self.node_id, timeout_s=settings.transfer_timeout_s)
             self.kv_address = bound_endpoint(self.kv_in.sock)
         self.transfer = transfer or TransferSettings()
-        self.selector = AdaptiveSelector()
-        self.peers: dict[tuple[str, int], KVPeer] = {}
+        self.sender: HandoffSender | None = None
         self.local: dict[bytes, Local] = {}
         self.tombstones: OrderedDict[bytes, float] = OrderedDict()
         self.recent_prefixes: OrderedDict[int, None] = OrderedDict()
@@ -105,8 +103,7 @@ class Worker:
         self.stalled = False
         self.last_loop = time.monotonic()  # the IO loop's own liveness (systemd watchdog)
         self.on_drain = None  # called once when draining starts (systemd STOPPING=1)
-        self.counters = {"handoffs": 0, "handoff_failures": 0, "refused": 0, "handoff_bytes": 0, "handoff_ms": 0.0}
-        self._handoffs_started: dict[bytes, tuple[float, int]] = {}
+        self.counters = {"refused": 0}
 
     # ---- engine side: runs on the engine thread ------------------------------------------
     def _callback(self, attempt: int):
@@ -142,7 +139,9 @@ class Worker:
 
     def run(self) -> None:
         self.engine.start()
-        poller = self._poller = zmq.Poller()
+        poller = zmq.Poller()
+        self.sender = HandoffSender(self.ctx, secret=self.secret, node_id=self.node_id, transfer=self.transfer,
+                                    timeout_s=self.s.transfer_timeout_s, poller=poller)
         poller.register(self.backend, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         if self.kv_in:
@@ -166,9 +165,9 @@ class Worker:
                     elif self.kv_in is not None and sock is self.kv_in.sock:
                         self._recv_all(self.kv_in.sock, self._on_kv_in)
                     else:
-                        for peer in list(self.peers.values()):
-                            if sock is peer.sock:
-                                self._recv_all(peer.sock, lambda f, p=peer: self._on_kv_peer(p, f))
+                        peer = self.sender.peer_for(sock)
+                        if peer is not None:
+                            self._recv_all(sock, lambda f, p=peer: self._handoff_outcomes(self.sender.on_message(p, f)))
                 self._drain_events()
                 self._timers(poller)
         finally:
@@ -263,14 +262,13 @@ class Worker:
 
     def _abort(self, rid: bytes) -> None:
         self.tombstones[rid] = time.monotonic() + TOMBSTONE_S
-        self._handoffs_started.pop(rid, None)
         local = self.local.pop(rid, None)
         if local is not None:
             self.engine.abort(rid)
         if self.kv_in is not None:
             self.kv_in.discard(rid)
-        for peer in self.peers.values():
-            peer.pending.pop(rid, None)
+        if self.sender is not None:
+            self.sender.forget(rid)
 
     # ---- engine events ------------------------------------------------------------------------
     def _drain_events(self) -> None:
@@ -299,71 +297,24 @@ class Worker:
                     self._send(M.Done(ev.request_id, finish, ev.usage, None))
 
     # ---- KV handoff: prefill side -------------------------------------------------------------
-    def _peer(self, address: str, index: int = 0) -> KVPeer:
-        key = (address, index)
-        peer = self.peers.get(key)
-        if peer is not None and peer.failed and not peer.pending:
-            # A broken or refused connection: start over with a fresh handshake.
-            self._poller.unregister(peer.sock)
-            peer.close()
-            peer = None
-        if peer is None:
-            peer = self.peers[key] = KVPeer(self.ctx, address, secret=self.secret, node_id=self.node_id)
-            self._poller.register(peer.sock, zmq.POLLIN)
-        return peer
-
-    def _options(self, address: str, nbytes: int) -> KVOptions:
-        t = self.transfer
-        strategy = t.strategy
-        if strategy == "adaptive":
-            strategy = self.selector.choose(address, nbytes)
-        return KVOptions(compression=t.compression, quantization=t.quantization, strategy=strategy)
-
     def _hand_off(self, local: Local, snap) -> None:
         local.handing_off = True
-        options = self._options(local.decode_address, snap.nbytes)
-        per_conn = snapshot_messages(snap, options, stream_seq=local.seq, priority=local.priority, attempt=local.attempt)
-        now = time.monotonic()
-        self._handoffs_started[local.request_id] = (now, snap.nbytes, options.strategy, local.decode_address)
-        for i, msgs in enumerate(per_conn):
-            out = Outgoing(local.request_id, local.attempt, local.decode_node or "", msgs,
-                           now + self.s.transfer_timeout_s, nbytes=snap.nbytes, started=now)
-            self._peer(local.decode_address, i).queue(out)
+        self.sender.start(snap, attempt=local.attempt, decode_node=local.decode_node or "",
+                          address=local.decode_address, stream_seq=local.seq, priority=local.priority)
 
-    def _forget_outgoing(self, rid: bytes) -> None:
-        for peer in self.peers.values():
-            peer.pending.pop(rid, None)
-
-    def _on_kv_peer(self, peer: KVPeer, frames) -> None:
-        for rid, verdict in peer.on_message(list(frames)):
+    def _handoff_outcomes(self, outcomes) -> None:
+        for rid, failure in outcomes:
             local = self.local.get(rid)
             if local is None or not local.handing_off:
                 continue
-            if isinstance(verdict, M.KVAck):
-                if verdict.complete:
-                    del self.local[rid]
-                    self._forget_outgoing(rid)
-                    self.counters["handoffs"] += 1
-                    started, nbytes, strategy, address = self._handoffs_started.pop(rid, (None, 0, "", ""))
-                    if started is not None:
-                        secs = time.monotonic() - started
-                        self.selector.record(address, strategy, nbytes, secs)
-                        self.counters["handoff_bytes"] += nbytes
-                        self.counters["handoff_ms"] += secs * 1000
-                        log.debug("handoff %s: %d KV bytes to %s in %.2f ms (%s)", rid.hex(), nbytes, local.decode_node, secs * 1000, strategy)
-                    self._send(M.Done(rid, None, None, handed_to=local.decode_node or peer.peer_id or "decode"))
+            del self.local[rid]
+            if failure is None:
+                self._send(M.Done(rid, None, None, handed_to=local.decode_node or "decode"))
             else:
-                self._handoff_failed(local, f"decode worker {local.decode_node} refused the KV: {verdict.message or verdict.reason}")
-
-    def _handoff_failed(self, local: Local, why: str) -> None:
-        self._handoffs_started.pop(local.request_id, None)
-        self._forget_outgoing(local.request_id)
-        log.info("handoff of %s failed: %s", local.request_id.hex(), why)
-        self.counters["handoff_failures"] += 1
-        self.local.pop(local.request_id, None)
-        # The broker moves the request on (excluding that decode worker); the first token
-        # is already out, so it continues from it.
-        self._send(M.Refused(local.request_id, "at_capacity", why[:1000], 0.0))
+                log.info("handoff of %s failed: %s", rid.hex(), failure)
+                # The broker moves the request on (excluding that decode worker); the first
+                # token is already out, so it continues from it.
+                self._send(M.Refused(rid, "at_capacity", failure[:1000], 0.0))
 
     # ---- KV handoff: decode side --------------------------------------------------------------
     def _at_capacity(self) -> bool:
@@ -405,11 +356,7 @@ class Worker:
     # ---- timers ----------------------------------------------------------------------------------
     def _timers(self, poller) -> None:
         now = time.monotonic()
-        for peer in list(self.peers.values()):
-            for out in peer.expired(now):
-                local = self.local.get(out.request_id)
-                if local is not None and local.handing_off:
-                    self._handoff_failed(local, f"KV handoff to {out.decode_node} not acknowledged in {self.s.transfer_timeout_s:.1f}s")
+        self._handoff_outcomes(self.sender.expired(now))
         if self.kv_in is not None:
             for inc in self.kv_in.expire(now):
                 # Header arrived, data never completed: give the place back.
@@ -466,8 +413,8 @@ class Worker:
             log.exception("engine stop failed")
         # Let the last DONE / DISCONNECT leave before the sockets close.
         self.backend.setsockopt(zmq.LINGER, 1000)
-        for peer in self.peers.values():
-            peer.close()
+        if self.sender is not None:
+            self.sender.close()
         if self.kv_in:
             self.kv_in.close()
         self.backend.close()

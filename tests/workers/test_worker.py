@@ -20,15 +20,17 @@ from tandem.workers.worker import Worker
 
 
 class FakeBroker:
-    def __init__(self, ctx):
-        self.backend = ctx.socket(zmq.ROUTER)
-        self.backend_addr = f"tcp://127.0.0.1:{self.backend.bind_to_random_port('tcp://127.0.0.1')}"
-        self.xsub = ctx.socket(zmq.XSUB)
-        self.xsub_addr = f"tcp://127.0.0.1:{self.xsub.bind_to_random_port('tcp://127.0.0.1')}"
+    def __init__(self, ctx, secret):
+        from tandem.wire.sockets import bound_endpoint, make_socket
+
+        self.backend = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", security=secret)
+        self.backend_addr = bound_endpoint(self.backend)
+        self.xsub = make_socket(ctx, zmq.XSUB, bind="tcp://127.0.0.1:*", security=secret)
+        self.xsub_addr = bound_endpoint(self.xsub)
         self.xsub.send(b"\x01")
         self.identity = None
 
-    def recv(self, timeout=2.0, want=None):
+    def recv(self, timeout=3.0, want=None):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.backend.poll(50):
@@ -68,13 +70,14 @@ class FakeBroker:
 @pytest.fixture
 def env():
     ctx = zmq.Context()
-    broker = FakeBroker(ctx)
+    secret = os.urandom(32)
+    broker = FakeBroker(ctx, secret)
     workers = []
 
     def start(engine, **kw):
         settings = WorkerSettings(role=kw.pop("role", "hybrid"), name="w-test", **kw)
         w = Worker(engine, settings=settings, backend=broker.backend_addr, stream_in=broker.xsub_addr,
-                   secret=None, model_id="stub", heartbeat_s=0.05, capacity=4, ctx=ctx)
+                   secret=secret, model_id="stub", heartbeat_s=0.05, capacity=4, ctx=ctx)
         t = threading.Thread(target=w.run, daemon=True)
         t.start()
         workers.append((w, t))
@@ -204,3 +207,23 @@ def test_abort_frees_engine_slot(env):
     while eng.stats().running and time.monotonic() < deadline:
         time.sleep(0.02)
     assert eng.stats().running == 0
+
+
+def test_prefill_handoff_to_a_silent_decode_worker_times_out_and_is_reported(env):
+    broker, start = env
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # accepts the TCP connection, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        w = start(StubEngine(), role="prefill", transfer_timeout_s=0.3)
+        broker.recv(want=M.Ready)
+        broker.wait_stream()
+        rid = os.urandom(16)
+        broker.send(M.Dispatch(rid, "prefill", [1, 2, 3], SamplingParams(max_tokens=5), decode_node="d",
+                               decode_address=f"tcp://127.0.0.1:{port}", attempt=1))
+        first = broker.tokens(timeout=1.0)
+        assert [m.tokens for _, m in first] == [reference_tokens([1, 2, 3], 1)]  # the first token went out
+        refused = broker.recv(want=M.Refused, timeout=3)
+        assert refused.request_id == rid and "not acknowledged" in refused.message
+        assert not w.local and w.sender.counters["handoff_failures"] == 1  # nothing held any more
+    finally:
+        silent.close(0)

@@ -1,0 +1,128 @@
+"""The prefill side of KV handoffs: connections per decode peer, strategy choice, acks,
+timeouts. Owned by the worker's IO thread; nothing here blocks.
+
+:meth:`HandoffSender.start` queues one snapshot (over one connection, or several for
+LayerParallel); the worker feeds every message from a peer socket to :meth:`on_message`
+and calls :meth:`expired` from its timers. Each returns outcomes: ``(request_id, None)``
+for a transfer the decode worker fully ingested, ``(request_id, reason)`` for one that
+failed (refused, broken channel, no acknowledgement in time).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from tandem.kvtypes import KVSnapshot
+from tandem.wire import messages as M
+from tandem.wire.kvframes import KVOptions
+from tandem.wire.settings import TransferSettings
+from tandem.wire.transfer import AdaptiveSelector
+from tandem.workers.handoff import KVPeer, Outgoing, snapshot_messages
+
+log = logging.getLogger("tandem.workers.sender")
+
+
+@dataclass
+class _Transfer:
+    started: float
+    nbytes: int
+    strategy: str
+    address: str
+    decode_node: str
+
+
+class HandoffSender:
+    def __init__(self, ctx: zmq.Context, *, secret: bytes | None, node_id: str, transfer: TransferSettings,
+                 timeout_s: float, poller: zmq.Poller):
+        self.ctx, self.secret, self.node_id = ctx, secret, node_id
+        self.transfer, self.timeout_s, self.poller = transfer, timeout_s, poller
+        self.selector = AdaptiveSelector()
+        self.peers: dict[tuple[str, int], KVPeer] = {}
+        self._by_sock: dict[zmq.Socket, KVPeer] = {}
+        self._transfers: dict[bytes, _Transfer] = {}
+        self.counters = {"handoffs": 0, "handoff_failures": 0, "handoff_bytes": 0, "handoff_ms": 0.0}
+
+    def peer_for(self, sock) -> KVPeer | None:
+        return self._by_sock.get(sock)
+
+    def _peer(self, address: str, index: int) -> KVPeer:
+        key = (address, index)
+        peer = self.peers.get(key)
+        if peer is not None and peer.failed and not peer.pending:
+            # A broken or refused connection: start over with a fresh handshake.
+            self.poller.unregister(peer.sock)
+            del self._by_sock[peer.sock]
+            peer.close()
+            peer = None
+        if peer is None:
+            if self.secret is None:
+                raise ValueError("KV handoff needs the cluster secret")
+            peer = self.peers[key] = KVPeer(self.ctx, address, secret=self.secret, node_id=self.node_id)
+            self._by_sock[peer.sock] = peer
+            self.poller.register(peer.sock, zmq.POLLIN)
+        return peer
+
+    def _options(self, address: str, nbytes: int) -> KVOptions:
+        t = self.transfer
+        strategy = self.selector.choose(address, nbytes) if t.strategy == "adaptive" else t.strategy
+        return KVOptions(compression=t.compression, quantization=t.quantization, strategy=strategy)
+
+    def start(self, snap: KVSnapshot, *, attempt: int, decode_node: str, address: str, stream_seq: int, priority: int) -> None:
+        options = self._options(address, snap.nbytes)
+        per_conn = snapshot_messages(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt)
+        now = time.monotonic()
+        self._transfers[snap.request_id] = _Transfer(now, snap.nbytes, options.strategy, address, decode_node)
+        for i, msgs in enumerate(per_conn):
+            out = Outgoing(snap.request_id, attempt, decode_node, msgs, now + self.timeout_s, nbytes=snap.nbytes, started=now)
+            self._peer(address, i).queue(out)
+
+    def forget(self, rid: bytes) -> None:
+        self._transfers.pop(rid, None)
+        for peer in self.peers.values():
+            peer.pending.pop(rid, None)
+
+    def on_message(self, peer: KVPeer, frames) -> list[tuple[bytes, str | None]]:
+        out = []
+        for rid, verdict in peer.on_message(list(frames)):
+            if rid not in self._transfers:
+                continue
+            if isinstance(verdict, M.KVAck):
+                if verdict.complete:
+                    self._completed(rid)
+                    out.append((rid, None))
+            else:
+                t = self._transfers[rid]
+                out.append((rid, self._failed(rid, f"decode worker {t.decode_node} refused the KV: {verdict.message or verdict.reason}")))
+        return out
+
+    def expired(self, now: float) -> list[tuple[bytes, str]]:
+        out = []
+        for peer in list(self.peers.values()):
+            for o in peer.expired(now):
+                if o.request_id in self._transfers:
+                    out.append((o.request_id, self._failed(
+                        o.request_id, f"KV handoff to {o.decode_node} not acknowledged in {self.timeout_s:.1f}s")))
+        return out
+
+    def _completed(self, rid: bytes) -> None:
+        t = self._transfers.pop(rid)
+        self.forget(rid)
+        secs = time.monotonic() - t.started
+        self.selector.record(t.address, t.strategy, t.nbytes, secs)
+        self.counters["handoffs"] += 1
+        self.counters["handoff_bytes"] += t.nbytes
+        self.counters["handoff_ms"] += secs * 1000
+        log.debug("handoff %s: %d KV bytes to %s in %.2f ms (%s)", rid.hex(), t.nbytes, t.decode_node, secs * 1000, t.strategy)
+
+    def _failed(self, rid: bytes, why: str) -> str:
+        self.forget(rid)
+        self.counters["handoff_failures"] += 1
+        return why
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.close()
