@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import queue
 import random
@@ -130,7 +131,7 @@ def main() -> int:
     vocab = int(model(mx.array([[0]])).shape[-1])
     results: dict = {"model": model_id, "path": path, "blas": tandem.BLAS, "machine": platform.machine(),
                      "prompt_len": args.prompt_len, "gen_tokens": args.gen, "repeats": args.repeats,
-                     "decode": [], "prefill": [], "ttft": {}}
+                     "decode": [], "prefill": [], "ttft": {}, "loadavg_start": os.getloadavg()}
 
     def engine_for(batch_size: int, **kw) -> Engine:
         s = EngineSettings(parallel=max(batch_size, 1), max_batch_prefill=max(batch_size, 1),
@@ -188,6 +189,7 @@ def main() -> int:
     print(f"\nTTFT, 1,024-token system prompt + 24 tokens: cold {c * 1e3:.1f} ms, cached {w * 1e3:.1f} ms "
           f"({c / w:.1f}x less); BatchGenerator cold {g * 1e3:.1f} ms")
 
+    results["loadavg_end"] = os.getloadavg()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine.json").write_text(json.dumps(results, indent=1))
@@ -237,7 +239,8 @@ def render(r: dict) -> str:
         f"Produced by `bench/engine.py` on {time.strftime('%Y-%m-%d')}: model `{r['model']}` (dense weights as the loader",
         f"gives them on this backend, the same model object for both), BLAS `{r['blas']}`, {r['machine']}.",
         f"Each number is the best of {r['repeats']} alternating runs on a shared 2-core machine; the per-run",
-        "values are in engine.json and show the noise.",
+        "values are in engine.json and show the noise"
+        + (f" (load average {r['loadavg_start'][0]:.1f} at the start, {r['loadavg_end'][0]:.1f} at the end)." if "loadavg_end" in r else "."),
         "",
         "![decode throughput](engine.svg)",
         "",

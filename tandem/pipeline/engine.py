@@ -184,7 +184,7 @@ class Engine:
                     break
                 t0 = time.perf_counter()
                 produced = self._tick()
-                self._update_stats(time.perf_counter() - t0, produced)
+                self._update_stats(time.perf_counter() - t0, produced, ran=self._inflight is not None)
         except Exception:  # pragma: no cover - a bug in the loop itself
             log.exception("engine loop crashed")
         finally:
@@ -229,7 +229,12 @@ class Engine:
                         self._finish(r.seq, "error", error=f"engine error: {exc}")
         produced = 0
         if self._inflight is not None:
-            produced = self._complete(*self._inflight[:3])
+            try:
+                produced = self._complete(*self._inflight[:3])
+            except Exception as exc:  # the device work of that step failed
+                log.exception("step failed")
+                for r in self._inflight[0].rows:
+                    self._finish(r.seq, "error", error=f"engine error: {exc}")
         if launched is not None:
             # Queue step N+1 only now that step N has been read back: while step N's graph
             # is alive its views pin the KV arrays, so N+1's in-place writes would copy
@@ -355,7 +360,7 @@ class Engine:
         except Exception:
             log.exception("could not settle the KV store at shutdown")
 
-    def _update_stats(self, dt: float, produced: int) -> None:
+    def _update_stats(self, dt: float, produced: int, ran: bool) -> None:
         with self._lock:
             self._queued = len(self.scheduler.waiting) + self._inbox.qsize()
         if produced:
@@ -366,7 +371,7 @@ class Engine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             free_blocks=self.pool.num_free, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
             prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits, prefix_tokens_saved=c.prefix_tokens_saved,
-            tokens_per_s=self._tok_rate, step_time_ms=self._step_ms, steps=self._stats.steps + 1,
+            tokens_per_s=self._tok_rate, step_time_ms=self._step_ms, steps=self._stats.steps + int(ran),
         )
 
     # ---- helpers ------------------------------------------------------------------

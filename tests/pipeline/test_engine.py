@@ -69,6 +69,8 @@ def test_prefix_hits_reuse_blocks_and_match(tiny):
     assert eng.generate_many([(p, greedy()) for p in prompts]) == expected
     after = eng.stats()
     assert after.prefix_hits - before.prefix_hits == len(prompts)
+    assert after.running == after.waiting == 0 and after.free_blocks == after.total_blocks
+    assert after.steps > before.steps > 0 and after.tokens_per_s > 0 and after.block_size == 16
     assert after.prefix_tokens_saved - before.prefix_tokens_saved >= 48 * len(prompts) - 1
     assert eng.pool.counters.cow_copies >= 1
     eng.pool.check()
