@@ -77,3 +77,7 @@ class EngineStats:
     tokens_per_s: float = 0.0
     step_time_ms: float = 0.0
     steps: int = 0
+    # Added by the engine; zero from anything that does not fill them.
+    cached_blocks: int = 0  # free blocks still holding reusable prefix KV (part of free_blocks)
+    preemptions: int = 0
+    prefix_hit_ratio: float = 0.0  # prefix_hits / prefix_queries

@@ -372,6 +372,8 @@ class Engine:
             free_blocks=self.pool.num_free, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
             prefix_queries=c.prefix_queries, prefix_hits=c.prefix_hits, prefix_tokens_saved=c.prefix_tokens_saved,
             tokens_per_s=self._tok_rate, step_time_ms=self._step_ms, steps=self._stats.steps + int(ran),
+            cached_blocks=self.pool.num_cached, preemptions=self.scheduler.preemptions,
+            prefix_hit_ratio=c.prefix_hits / c.prefix_queries if c.prefix_queries else 0.0,
         )
 
     # ---- helpers ------------------------------------------------------------------

@@ -71,6 +71,7 @@ def test_prefix_hits_reuse_blocks_and_match(tiny):
     assert after.prefix_hits - before.prefix_hits == len(prompts)
     assert after.running == after.waiting == 0 and after.free_blocks == after.total_blocks
     assert after.steps > before.steps > 0 and after.tokens_per_s > 0 and after.block_size == 16
+    assert after.cached_blocks > 0 and 0 < after.prefix_hit_ratio <= 1
     assert after.prefix_tokens_saved - before.prefix_tokens_saved >= 48 * len(prompts) - 1
     assert eng.pool.counters.cow_copies >= 1
     eng.pool.check()
@@ -97,7 +98,7 @@ def test_kv_pressure_preempts_or_queues_and_still_matches(tiny, mixed, preempt):
     got = eng.generate_many([(p, greedy()) for p in prompts])
     assert got == expected
     if preempt:
-        assert eng.scheduler.preemptions > 0
+        assert eng.scheduler.preemptions > 0 and eng.stats().preemptions == eng.scheduler.preemptions
     else:
         assert eng.scheduler.preemptions == 0
     eng.pool.check()
