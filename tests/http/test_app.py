@@ -96,7 +96,7 @@ def test_stop_string_across_tokens_is_cut_and_request_aborted(make_app, fake, ed
         assert r.json()["usage"]["completion_tokens"] == k
 
 
-def test_n_fans_out_with_distinct_seeds(make_app, fake):
+def test_n_fans_out_with_distinct_seeds(make_app, fake, edge_tokenizer):
     app = make_app(fake)
     r = post(app, "/v1/chat/completions", {**CHAT, "n": 2, "seed": 7, "temperature": 0.8})
     body = r.json()
@@ -105,7 +105,8 @@ def test_n_fans_out_with_distinct_seeds(make_app, fake):
     assert sorted(s.seed for _, _, s, _ in fake.submitted) == [7, 8]
     per_choice = len(fake.submitted[0][1])
     assert body["usage"]["prompt_tokens"] == per_choice  # a prompt counts once, as OpenAI does
-    assert body["usage"]["completion_tokens"] == 2 * (body["usage"]["completion_tokens"] // 2)
+    assert body["usage"]["completion_tokens"] == 2 * (len(edge_tokenizer.encode(TEXT)) + 1)  # each up to its EOS
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
 
 
 def test_n_stream_interleaves_both_choices(make_app, fake):
