@@ -75,24 +75,31 @@ def plan(num_layers: int, num_blocks: int, options: KVOptions) -> list[list[tupl
 
 
 def encode_chunk(snap: KVSnapshot, layers: range, blocks: range, options: KVOptions, index: int, last: bool) -> KVChunk:
+    """Blocks ``blocks`` of layers ``layers`` of a snapshot."""
+    keys = [snap.keys[layer][blocks.start : blocks.stop] for layer in layers]
+    values = [snap.values[layer][blocks.start : blocks.stop] for layer in layers]
+    return encode_blocks(snap.request_id, snap.dtype, keys, values, layers.start, blocks.start, options, index, last)
+
+
+def encode_blocks(
+    request_id: bytes, dtype: str, keys: list[np.ndarray], values: list[np.ndarray],
+    layer_start: int, block_start: int, options: KVOptions, index: int, last: bool,
+) -> KVChunk:
+    """A chunk from per-layer arrays ``(n_blocks, heads, block_size, head_dim)`` that hold
+    blocks ``[block_start, block_start + n_blocks)`` of layers ``layer_start, ...`` (what an
+    engine exporting KV progressively hands over)."""
     frames = []
     bits = _BITS.get(options.quantization)
-    scales = []
-    for layer in layers:
-        for arr in (snap.keys[layer], snap.values[layer]):
-            part = arr[blocks.start : blocks.stop]
-            if bits:
-                q, s = kv_quant.quantize(part, bits, snap.dtype)
-                frames.append(memoryview(q).cast("B"))
-                scales.append(s)
-            else:
-                frames.append(memoryview(np.ascontiguousarray(part)).cast("B"))
+    for k, v in zip(keys, values):
         if bits:
-            frames.extend(memoryview(s).cast("B") for s in scales)
-            scales.clear()
+            (qk, sk), (qv, sv) = kv_quant.quantize(k, bits, dtype), kv_quant.quantize(v, bits, dtype)
+            frames += [memoryview(a).cast("B") for a in (qk, qv, sk, sv)]
+        else:
+            frames += [memoryview(np.ascontiguousarray(a)).cast("B") for a in (k, v)]
     if options.compression == "lz4":
         frames = [lz4.frame.compress(f, compression_level=0, store_size=True) for f in frames]
-    return KVChunk(snap.request_id, index, layers.start, layers.stop, blocks.start, blocks.stop, last, frames)
+    n_blocks = keys[0].shape[0] if keys else 0
+    return KVChunk(request_id, index, layer_start, layer_start + len(keys), block_start, block_start + n_blocks, last, frames)
 
 
 def snapshot_messages(
@@ -126,12 +133,7 @@ class KVAssembler:
 
     def __init__(self, header: KVHeader):
         h = header
-        if h.num_computed > len(h.tokens) or h.prompt_len > len(h.tokens):
-            raise WireError("KV header: num_computed/prompt_len exceed the token count")
-        if h.num_blocks != math.ceil(h.num_computed / h.block_size):
-            raise WireError(f"KV header: {h.num_blocks} blocks do not hold {h.num_computed} tokens of block size {h.block_size}")
-        if h.quantization == "int4" and h.head_dim % 2:
-            raise WireError("KV header: int4 needs an even head_dim")
+        _check_header(h)
         self.header = h
         self._itemsize = np.dtype(_NP_DTYPE[h.dtype]).itemsize
         self._block_elems = h.num_kv_heads * h.block_size * h.head_dim
@@ -148,9 +150,19 @@ class KVAssembler:
         fields = ("model", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "num_blocks", "compression", "quantization")
         return all(getattr(self.header, f) == getattr(other, f) for f in fields)
 
+    def update(self, header: KVHeader) -> None:
+        """A repeated header (another connection's copy, or a progressive transfer's
+        later one): same request and geometry; the newest token state wins."""
+        if header.request_id != self.header.request_id or not self.same_geometry(header):
+            raise WireError("KV header repeated with a different request or geometry")
+        _check_header(header)
+        if self.header.final and not header.final:
+            return  # a late copy of an earlier header never undoes the final one
+        self.header = header
+
     @property
     def complete(self) -> bool:
-        return bool(self._seen.all())
+        return self.header.final and bool(self._seen.all())
 
     def add(self, chunk: KVChunk) -> None:
         h = self.header
@@ -227,6 +239,15 @@ class KVAssembler:
             values=[v if v is not None else empty for v in self._values],
             sampling=h.sampling, num_generated=h.num_generated, num_cached_prompt_tokens=h.num_cached_prompt_tokens,
         )
+
+
+def _check_header(h: KVHeader) -> None:
+    if h.num_computed > len(h.tokens) or h.prompt_len > len(h.tokens):
+        raise WireError("KV header: num_computed/prompt_len exceed the token count")
+    if h.num_blocks != math.ceil(h.num_computed / h.block_size):
+        raise WireError(f"KV header: {h.num_blocks} blocks do not hold {h.num_computed} tokens of block size {h.block_size}")
+    if h.quantization == "int4" and h.head_dim % 2:
+        raise WireError("KV header: int4 needs an even head_dim")
 
 
 def _lz4_decompress(frame, expected: int) -> bytes:

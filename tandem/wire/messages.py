@@ -216,6 +216,9 @@ class KVHeader:
     stream_seq: int = w(S.SEQ, 0)  # the next token-stream sequence number the decode side publishes
     priority: int = w(S.PRIORITY, 0)
     attempt: int = w(S.Int(0, P.MAX_ATTEMPTS), 0)  # the dispatch attempt the decode side publishes under
+    # False: more headers follow (progressive streaming during prefill); the transfer
+    # completes only once a final header has arrived and every block with it.
+    final: bool = w(S.Bool(), True)
 
 
 @message(MsgType.KV_CHUNK)

@@ -10,6 +10,7 @@ and forgets partial ones after ``timeout_s`` so no KV stays pinned by a dead pee
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -21,7 +22,7 @@ from tandem.kvtypes import KVSnapshot
 from tandem.wire import codec
 from tandem.wire.errors import WireError
 from tandem.wire.kvchannel import KVReceiver, KVSender
-from tandem.wire.kvframes import KVAssembler, KVOptions, iter_snapshot_messages
+from tandem.wire.kvframes import KVAssembler, KVOptions, encode_blocks, iter_snapshot_messages
 from tandem.wire.messages import KVAck, KVChunk, KVHeader, KVRefuse
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,40 @@ def send_snapshot(
         raise errors[0]
     _await_ack(senders[: len(per_conn)], snap.request_id, timeout_s)
     return TransferResult(options.strategy, snap.nbytes, sum(wire_bytes), time.perf_counter() - t0)
+
+
+class KVStream:
+    """Streams one request's KV while it is being computed (Streamed strategy, overlapping
+    prefill): send a non-final header with the final geometry as soon as the prompt
+    length is known, blocks as the engine finishes them, then the final header (with
+    the sampled token) and wait for the ack.
+
+    ``KVStream(sender, header, options)`` sends ``header`` (``final`` forced False);
+    ``send_blocks(keys, values, block_start)`` takes per-layer arrays ``(n, heads,
+    block_size, head_dim)`` for blocks ``[block_start, block_start + n)`` of every layer;
+    ``finish(final_header)`` sends it and returns the TransferResult."""
+
+    def __init__(self, sender: KVSender, header: KVHeader, options: KVOptions):
+        self._sender, self._options = sender, options
+        self._encoding = dict(strategy="streamed", compression=options.compression, quantization=options.quantization)
+        self._header = dataclasses.replace(header, final=False, **self._encoding)
+        self._index = 0
+        self._nbytes = self._wire_bytes = 0
+        self._t0 = time.perf_counter()
+        sender.send(self._header)
+
+    def send_blocks(self, keys: list, values: list, block_start: int) -> None:
+        chunk = encode_blocks(self._header.request_id, self._header.dtype, keys, values, 0, block_start,
+                              self._options, self._index, last=False)
+        self._index += 1
+        self._nbytes += sum(a.nbytes for a in keys) + sum(a.nbytes for a in values)
+        self._wire_bytes += sum(len(codec.as_buffer(f)) for f in chunk.frames)
+        self._sender.send(chunk)
+
+    def finish(self, final_header: KVHeader, *, timeout_s: float = 30.0) -> TransferResult:
+        self._sender.send(dataclasses.replace(final_header, final=True, **self._encoding))
+        _await_ack([self._sender], self._header.request_id, timeout_s)
+        return TransferResult("streamed", self._nbytes, self._wire_bytes, time.perf_counter() - self._t0)
 
 
 def _await_ack(senders: list[KVSender], request_id: bytes, timeout_s: float) -> None:
@@ -169,9 +204,9 @@ class KVIngest:
     def _on_header(self, peer: bytes, header: KVHeader) -> list:
         pending = self._pending.get(header.request_id)
         if pending is not None:
-            if not pending.assembler.same_geometry(header):
-                raise WireError("KV header repeated with a different geometry")
-            return []
+            pending.assembler.update(header)
+            pending.peer = peer
+            return self._maybe_complete(header.request_id)
         reason = self._can_accept(header)
         if reason:
             self._refuse(peer, KVRefuse(header.request_id, reason, "", 0.05))

@@ -34,7 +34,7 @@ def all_messages() -> list:
         M.Done(RID, None, None, "decode-1"),
         M.Failed(RID, "out of memory", True),
         M.KVHeader(RID, "m", 16, 30, 3, 64, "float16", [1, 2, 3, 4], 3, 3, SAMPLING, 1, 0, 1,
-                   "lz4", "int8", "streamed", 1, 5, 2),
+                   "lz4", "int8", "streamed", 1, 5, 2, False),
         M.KVChunk(RID, 0, 0, 2, 0, 1, True, [b"k0", b"v0", b"k1", b"v1"]),
         M.KVAck(RID, True),
         M.KVRefuse(RID, "at_capacity", "no free blocks", 0.1),

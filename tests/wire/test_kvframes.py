@@ -145,3 +145,19 @@ def test_inconsistent_headers_refused():
     ]:
         with pytest.raises(WireError):
             KVAssembler(bad)
+
+
+def test_non_final_header_holds_completion_until_the_final_one():
+    snap = make_snapshot()
+    header, *chunks = snapshot_messages(snap, KVOptions(strategy="streamed", blocks_per_chunk=2))[0]
+    early = dataclasses.replace(header, final=False, tokens=header.tokens[:-1])
+    asm = KVAssembler(early)
+    for c in chunks:
+        asm.add(c)
+    assert not asm.complete  # every block is here, but the token state is not final
+    asm.update(header)
+    assert asm.complete and asm.snapshot().tokens == snap.tokens
+    asm.update(early)  # a late copy of the early header changes nothing
+    assert asm.complete and asm.header.final
+    with pytest.raises(WireError):
+        asm.update(dataclasses.replace(header, num_layers=header.num_layers + 1))

@@ -190,3 +190,49 @@ def test_retain_freed_memory_avoids_refaulting():
     burst()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 3000, f"{faults} page faults for 128 MiB of re-allocated buffers"
+
+
+def test_progressive_stream_completes_only_with_the_final_header(ctx):
+    # An engine exporting during prefill: geometry known up front, blocks as computed,
+    # the sampled token last. All blocks arriving must not complete the transfer early.
+    from tandem.wire.kvframes import make_header
+    from tandem.wire.transfer import KVStream
+
+    ingest = KVIngest(ctx, "tcp://127.0.0.1:*", SECRET, "decode-1")
+    final = make_snapshot(num_computed=96, layers=3, heads=2, block_size=8, head_dim=16)  # 12 blocks
+    prompt_only = make_header(final, KVOptions())
+    prompt_only.tokens = final.tokens[:-1]
+    progress, out, done = threading.Event(), {}, []
+
+    def sender():
+        tx = KVSender(ctx, ingest.endpoint, SECRET, "prefill-1")
+        try:
+            stream = KVStream(tx, prompt_only, KVOptions(compression="lz4"))
+            for b in range(0, 12, 5):
+                stream.send_blocks([k[b : b + 5] for k in final.keys], [v[b : b + 5] for v in final.values], b)
+            progress.wait(10)  # every block is out; the receiver checks it is not done yet
+            out["result"] = stream.finish(make_header(final, KVOptions(), stream_seq=1), timeout_s=10)
+        except Exception as exc:  # noqa: BLE001
+            out["error"] = exc
+        finally:
+            tx.close()
+
+    t = threading.Thread(target=sender)
+    t.start()
+    import time
+
+    deadline = time.monotonic() + 10
+    while len(ingest._pending) == 0 or not ingest._pending[final.request_id].assembler._seen.all():
+        assert not ingest.poll(0.2), "completed before the final header"
+        assert time.monotonic() < deadline and "error" not in out, out.get("error", "blocks did not arrive")
+    progress.set()
+    while not done and t.is_alive():
+        done += ingest.poll(0.5)
+    t.join(10)
+    assert "error" not in out, out.get("error")
+    header, got, _ = done[0]
+    assert header.final and got.tokens == final.tokens and header.stream_seq == 1
+    for a, b in zip(got.keys + got.values, final.keys + final.values):
+        np.testing.assert_array_equal(a, b)
+    assert out["result"].nbytes == final.nbytes
+    ingest.close()
