@@ -23,8 +23,9 @@ from tandem.wire.protocol import MAX_ATTEMPTS, MAX_HELD_REQUESTS
 
 log = logging.getLogger("tandem.broker")
 
-FINISHED_LINGER_S = 10.0
-FINAL_GRACE_S = 2.0  # after a worker's DONE, wait this long for its final stream message  # keep a finished job this long for late DONEs, then forget it
+FINISHED_LINGER_S = 10.0  # keep a finished job this long for late DONEs, then forget it
+FINAL_GRACE_S = 2.0  # after a worker's DONE, wait this long for its final stream message
+LINGER_SCAN_S = 1.0  # how often tick() looks for finished jobs past their linger time
 
 
 class Dispatcher:
@@ -44,6 +45,10 @@ class Dispatcher:
         self._order = 0
         self._probe_deadline = 0.0
         self._last_probe = -1e9
+        self._next_linger_scan = 0.0
+        # Jobs whose worker sent DONE before the final stream message (tick() ends their
+        # stream after a grace period): a dict, so tick() never scans every job in flight.
+        self.awaiting_final: dict[bytes, Job] = {}
         self.counters = Counter()
         self.handoff_ms: list[float] = []  # recent dispatch -> handoff-complete times
 
@@ -204,6 +209,7 @@ class Dispatcher:
             # stream ourselves (tick()).
             job.worker_done = msg
             job.worker_done_at = self.clock()
+            self.awaiting_final[job.request_id] = job
         self._maybe_forget(job)
 
     def _worker_refused(self, w: Worker, msg: M.Refused) -> None:
@@ -266,7 +272,12 @@ class Dispatcher:
             # client's view instead.
             cached = msg.usage.cached_prompt_tokens if msg.usage else 0
             msg.usage = M.Usage(len(job.prompt), len(job.generated), min(cached, len(job.prompt)))
+            self._maybe_forget(job)
             return "patched"
+        # Forget it now if its worker's DONE came first; otherwise that DONE forgets it.
+        # (Left to the linger purge, finished jobs pile up by the tens of thousands at
+        # high rates and every tick and garbage collection walks them.)
+        self._maybe_forget(job)
         return "forward"
 
     def _end_stream(self, job: Job, *, finish_reason: str | None = None, error: str | None = None) -> None:
@@ -455,8 +466,11 @@ class Dispatcher:
                 self._refuse_job(job, "no_worker", "no worker is available")
         if not usable and any(j.state == J.QUEUED for j in self.pending.values()):
             self._reprobe(now)
-        for job in [j for j in self.jobs.values() if j.worker_done_at is not None and j.state != J.FINISHED]:
-            if job.worker_done_at + FINAL_GRACE_S < now:
+        for rid, job in list(self.awaiting_final.items()):
+            if job.state == J.FINISHED or self.jobs.get(rid) is not job:
+                del self.awaiting_final[rid]
+            elif job.worker_done_at + FINAL_GRACE_S < now:
+                del self.awaiting_final[rid]
                 self.counters["lost_finals"] += 1
                 done = job.worker_done
                 expected = done.usage.completion_tokens if done.usage else None
@@ -465,6 +479,9 @@ class Dispatcher:
                 else:
                     self._end_stream(job, error="the worker finished but some of its tokens were lost in transit")
         self.dispatch_pending()
+        if now < self._next_linger_scan:
+            return
+        self._next_linger_scan = now + LINGER_SCAN_S
         for job in [j for j in self.jobs.values() if j.state == J.FINISHED and j.finished_at + FINISHED_LINGER_S < now]:
             self._release(job, notify=False)
             self.jobs.pop(job.request_id, None)
