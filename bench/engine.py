@@ -112,6 +112,40 @@ def batchgen_run(model, batch: list[list[int]], max_tokens: int, prefill_step: i
     return summarize(t0, first, stamps, time.perf_counter(), batch)
 
 
+def grant_run(eng: Engine, decoders: list[list[int]], long_prompt: list[int], gen: int) -> dict:
+    """Decoders stream while a long prompt is admitted: the long prompt's time to first
+    token against the decoders' inter-token gaps during its prefill."""
+    events: queue.Queue = queue.Queue()
+    ids = [uuid.uuid4().bytes for _ in decoders]
+    for rid, p in zip(ids, decoders):
+        eng.submit(EngineRequest(rid, p, SamplingParams(max_tokens=gen, ignore_eos=True), events.put))
+    seen: dict[bytes, list[float]] = {rid: [] for rid in ids}
+    while min(len(v) for v in seen.values()) < 2:  # everyone decoding
+        ev = events.get(timeout=600)
+        seen[ev.request_id].append(time.perf_counter())
+    long_id = uuid.uuid4().bytes
+    steps0 = eng.stats().steps
+    t0 = time.perf_counter()
+    eng.submit(EngineRequest(long_id, long_prompt, SamplingParams(max_tokens=1, ignore_eos=True), events.put))
+    ttft = None
+    gaps: list[float] = []
+    last = {rid: v[-1] for rid, v in seen.items()}
+    while ttft is None:
+        ev = events.get(timeout=600)
+        now = time.perf_counter()
+        if ev.request_id == long_id:
+            ttft = now - t0
+            ticks = eng.stats().steps - steps0  # approximate by one: stats lag a tick
+        elif ev.tokens:
+            gaps.append(now - last[ev.request_id])
+            last[ev.request_id] = now
+    for rid in ids:
+        eng.abort(rid)
+    gaps.sort()
+    return {"ttft_s": ttft, "ttft_ticks": ticks, "itl_mean_ms": 1e3 * statistics.fmean(gaps) if gaps else 0.0,
+            "itl_p95_ms": 1e3 * gaps[int(0.95 * (len(gaps) - 1))] if gaps else 0.0, "decode_tokens": len(gaps)}
+
+
 def best(runs: list[dict], key: str, lower: bool = False) -> float:
     vals = [r[key] for r in runs]
     return min(vals) if lower else max(vals)
@@ -173,6 +207,19 @@ def main() -> int:
         e, g = best(e_runs, "prefill_tok_s"), best(g_runs, "prefill_tok_s")
         results["prefill"].append({"prompts": n, "engine_tok_s": e, "batchgen_tok_s": g, "ratio": e / g})
         print(f"{n:>7} {e:>13.1f} {g:>15.1f} {e / g:>5.2f}x")
+
+    print("\ngrant interval: 4 streams decoding up to 96 tokens, then a 2,048-token prompt in 512-token chunks")
+    print(f"{'N':>3} {'long TTFT ms':>13} {'ticks':>6} {'decode ITL mean ms':>19} {'p95 ms':>8}")
+    results["grant"] = []
+    decoders = prompts(4, 64, vocab, seed=300)
+    long_prompt = prompts(1, 2048, vocab, seed=301)[0]
+    for n in (0, 4, 16):
+        eng = _started(engine_for(8, prefill_chunk_size=512, prefill_grant_interval=n, enable_prefix_caching=False))
+        g = grant_run(eng, decoders, long_prompt, gen=96)
+        eng.stop()
+        g["interval"] = n
+        results["grant"].append(g)
+        print(f"{n:>3} {g['ttft_s'] * 1e3:>13.0f} {g['ttft_ticks']:>6} {g['itl_mean_ms']:>19.1f} {g['itl_p95_ms']:>8.1f}")
 
     system = prompts(1, 1024, vocab, seed=7)[0]
     users = prompts(2 * args.repeats + 2, 24, vocab, seed=8)
@@ -255,6 +302,12 @@ def render(r: dict) -> str:
               "| prompts | engine tok/s | BatchGenerator tok/s | ratio |", "|---:|---:|---:|---:|"]
     for p in r["prefill"]:
         lines.append(f"| {p['prompts']} | {p['engine_tok_s']:.1f} | {p['batchgen_tok_s']:.1f} | {p['ratio']:.2f}x |")
+    if r.get("grant"):
+        lines += ["", "## Grant interval: a 2,048-token prompt (4 chunks of 512) admitted while 4 streams decode (up to 96 tokens)", "",
+                  "| prefill_grant_interval | long prompt TTFT ms | engine ticks | decoders' inter-token gap mean ms | p95 ms |",
+                  "|---:|---:|---:|---:|---:|"]
+        for g in r["grant"]:
+            lines.append(f"| {g['interval']} | {g['ttft_s'] * 1e3:.0f} | {g['ttft_ticks']} | {g['itl_mean_ms']:.1f} | {g['itl_p95_ms']:.1f} |")
     t = r["ttft"]
     lines += ["", "## Time to first token with a cached 1,024-token system prompt", "",
               "| | TTFT ms |", "|---|---:|",

@@ -230,6 +230,9 @@ class Engine:
         produced = 0
         if self._inflight is not None:
             try:
+                # Wait for all of step N (a chunk that samples nothing has no tokens to
+                # read), so that its graph lets go of the KV arrays before N+1 runs.
+                mx.eval(*self._inflight[3])
                 produced = self._complete(*self._inflight[:3])
             except Exception as exc:  # the device work of that step failed
                 log.exception("step failed")
