@@ -24,7 +24,7 @@ from tandem.broker.stats import snapshot
 from tandem.wire import codec
 from tandem.wire import messages as M
 from tandem.wire.errors import WireError
-from tandem.wire.protocol import REQUEST_ID_BYTES
+from tandem.wire.protocol import MAX_FRAMES, REQUEST_ID_BYTES
 from tandem.wire.sockets import bound_endpoint, make_socket
 
 log = logging.getLogger("tandem.broker")
@@ -34,10 +34,25 @@ TICK_S = 0.05
 # Plain ints: pyzmq's flag enums cost an Enum.__or__/__call__ per use on the hot path.
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
 # Generation-0 collections every 700 allocations walk every young Job, message and
 # frame; a long-running broker allocates a few objects per message and frees them at
 # once (reference counting), so collect far less often.
 GC_THRESHOLD0 = 50_000
+
+
+def _recv(sock: zmq.Socket) -> list:
+    """:func:`codec.recv_frames` without the per-call enum conversions: one multipart
+    message (zmq.Again if none), refusing one with more frames than any message has."""
+    recv, get = sock.recv, sock.get
+    frames = [recv(_NOBLOCK)]
+    while get(_RCVMORE):
+        if len(frames) > MAX_FRAMES:
+            while get(_RCVMORE):
+                recv(copy=False)
+            raise WireError(f"message with more than {MAX_FRAMES + 1} frames", "frames")
+        frames.append(recv())
+    return frames
 
 
 class Broker:
@@ -128,7 +143,7 @@ class Broker:
                     handler = handlers[sock]
                     for _ in range(BATCH):
                         try:
-                            frames = codec.recv_frames(sock, flags=zmq.NOBLOCK)
+                            frames = _recv(sock)
                         except zmq.Again:
                             break
                         except WireError as exc:
