@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections import deque
 import threading
 import time
 
@@ -63,6 +64,9 @@ class Broker:
         self._stop = threading.Event()
         self._outbox: list = []
         self.last_loop = time.monotonic()  # the loop's liveness (systemd watchdog)
+        # How long each poll round that had work took, from poll's return to the last send:
+        # the latency the broker itself adds to any message in that round.
+        self.round_s: deque[float] = deque(maxlen=10_000)
         self.dispatcher = Dispatcher(settings, to_worker=self._to_worker, to_client=self._to_client, publish=self._publish)
         sec = secret
         self.frontend = make_socket(self.ctx, zmq.ROUTER, bind=settings.frontend, security=sec)
@@ -134,12 +138,14 @@ class Broker:
         gc.collect()
         gc.freeze()
         gc.set_threshold(GC_THRESHOLD0, *gc.get_threshold()[1:])
-        next_tick = time.monotonic() + TICK_S
+        self.last_loop = time.monotonic()
+        next_tick = self.last_loop + TICK_S
         try:
             while not self._stop.is_set():
-                self.last_loop = time.monotonic()
                 timeout = max(0.0, next_tick - self.last_loop)
-                for sock, _ in poller.poll(timeout * 1000):
+                events = poller.poll(timeout * 1000)
+                started = time.monotonic()
+                for sock, _ in events:
                     handler = handlers[sock]
                     for _ in range(BATCH):
                         try:
@@ -156,6 +162,9 @@ class Broker:
                     self.dispatcher.tick()
                     next_tick = now + TICK_S
                 self._flush()
+                self.last_loop = time.monotonic()
+                if events:
+                    self.round_s.append(self.last_loop - started)
         finally:
             self.close()
 
@@ -182,9 +191,12 @@ class Broker:
         elif isinstance(msg, M.Abort):
             self.dispatcher.abort(msg.request_id)
         elif isinstance(msg, M.StatsRequest):
-            self._to_client(identity, M.StatsReply(snapshot(self.dispatcher, verbose=self.s.stats_verbose and msg.verbose)))
+            self._to_client(identity, M.StatsReply(self._snapshot(msg)))
         else:
             self.dispatcher.counters["unexpected_client_messages"] += 1
+
+    def _snapshot(self, msg: M.StatsRequest) -> dict:
+        return snapshot(self.dispatcher, verbose=self.s.stats_verbose and msg.verbose, rounds_s=list(self.round_s))
 
     def _on_backend(self, frames) -> None:
         identity, msg = self._decode_routed(frames)
@@ -194,7 +206,7 @@ class Broker:
     def _on_stats(self, frames) -> None:
         identity, msg = self._decode_routed(frames)
         if isinstance(msg, M.StatsRequest):
-            reply = M.StatsReply(snapshot(self.dispatcher, verbose=self.s.stats_verbose and msg.verbose))
+            reply = M.StatsReply(self._snapshot(msg))
             self._send(self.stats_sock, identity, reply)
 
     def _on_stream_out(self, frames) -> None:

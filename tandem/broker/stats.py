@@ -12,7 +12,16 @@ import statistics
 from tandem.broker import jobs as J
 
 
-def snapshot(dispatcher, *, verbose: bool = False) -> dict:
+def _ms_percentiles(seconds: list[float]) -> dict:
+    xs = sorted(seconds)
+    if not xs:
+        return {"rounds": 0}
+    at = lambda q: round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 3)  # noqa: E731
+    return {"rounds": len(xs), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": round(xs[-1] * 1000, 3)}
+
+
+def snapshot(dispatcher, *, verbose: bool = False, rounds_s: list[float] | None = None) -> dict:
+    """``rounds_s``: durations of the broker loop's recent busy rounds (seconds)."""
     d = dispatcher
     workers = []
     for w in d.registry.workers.values():
@@ -52,4 +61,5 @@ def snapshot(dispatcher, *, verbose: bool = False) -> dict:
         "handoff_ms_p50": statistics.median(handoff) if handoff else None,
         "workers": workers,
         "ready": d.registry.counts(),
+        "loop_rounds": _ms_percentiles(rounds_s or []),
     }
