@@ -304,3 +304,51 @@ def test_request_missing_from_heartbeats_is_moved_on():
     h.d.worker_message(first, M.Heartbeat(first.decode(), requests=[]))  # lost it
     (second, msg) = h.dispatches()[-1]
     assert second != first and msg.request_id == rid and h.d.counters["lost_requests"] == 1
+
+
+@pytest.mark.parametrize("done_first", [True, False])
+def test_finished_job_is_forgotten_whichever_of_done_and_final_arrives_last(done_first):
+    # Left behind, finished jobs piled up for FINISHED_LINGER_S and every tick walked them.
+    h = Harness()
+    w = h.worker("h0", "hybrid")
+    (rid,) = h.submit()
+    job = h.d.jobs[rid]
+    final = M.TokenMessage(rid, 0, [5], None, "length", M.Usage(3, 1))
+    done = M.Done(rid, "length", M.Usage(3, 1))
+    if done_first:
+        h.d.worker_message(w, done)
+        assert rid in h.d.jobs and rid in h.d.awaiting_final
+        assert h.d.stream(job, 1, final) == "forward"
+    else:
+        assert h.d.stream(job, 1, final) == "forward"
+        assert rid in h.d.jobs  # its worker still holds it until DONE
+        h.d.worker_message(w, done)
+    assert rid not in h.d.jobs
+    assert not h.d.registry.get(w).inflight
+    h.clock.t += 60
+    h.d.tick()
+    assert h.d.counters["lost_finals"] == 0 and not h.d.awaiting_final and not h.pub
+
+
+def test_lost_final_is_written_by_the_broker_after_the_grace_period():
+    h = Harness()
+    w = h.worker("h0", "hybrid")
+    (rid,) = h.submit()
+    h.d.stream(h.d.jobs[rid], 1, M.TokenMessage(rid, 0, [5]))
+    h.d.worker_message(w, M.Done(rid, "length", M.Usage(3, 1)))
+    h.d.tick()
+    assert not h.pub  # still within the grace period
+    h.clock.t += 10
+    h.d.tick()
+    (last,) = h.pub
+    assert last.seq == 1 and last.finish_reason == "length" and last.error is None
+    assert h.d.counters["lost_finals"] == 1 and rid not in h.d.jobs and not h.d.awaiting_final
+
+
+def test_stats_report_loop_rounds():
+    from tandem.broker.stats import snapshot
+
+    h = Harness()
+    assert snapshot(h.d)["loop_rounds"] == {"rounds": 0}
+    rounds = snapshot(h.d, rounds_s=[0.001] * 99 + [0.5])["loop_rounds"]
+    assert rounds == {"rounds": 100, "p50_ms": 1.0, "p99_ms": 500.0, "max_ms": 500.0}
