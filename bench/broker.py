@@ -234,9 +234,20 @@ def _lean_client(frontend: str, stream_out: str, secret: bytes, *, seconds: floa
             "completed": done, "issued": issued}
 
 
-def bench_lean(args) -> dict:
+def baseline_tree(ref: str) -> Path:
+    """``tandem/`` as of git ``ref``, unpacked in a temp dir, to run that broker side by side."""
+    import subprocess
+
+    dest = Path(tempfile.mkdtemp(prefix="tandem-bench-baseline-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "tandem"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def bench_lean(args, src: Path | None = None) -> dict:
     """Broker process between a raw-socket client and protocol-speaking workers in other
-    processes: what the broker itself costs, without the Python client and engine thread."""
+    processes: what the broker itself costs, without the Python client and engine thread.
+    ``src``: run the broker from that copy of ``tandem/`` (a baseline) instead of this tree."""
     import multiprocessing as mp
 
     from tests.integration.cluster import Cluster
@@ -246,7 +257,18 @@ def bench_lean(args) -> dict:
     stop = mp.Event()
     procs = []
     try:
-        c.start_broker("--max-queue", "100000")
+        if src is None:
+            c.start_broker("--max-queue", "100000")
+        else:
+            # ``python -m`` puts the working directory first on sys.path: start it from src.
+            c.env["PYTHONPATH"] = str(src)
+            here = os.getcwd()
+            os.chdir(src)
+            try:
+                c.start_broker("--max-queue", "100000")
+            finally:
+                os.chdir(here)
+                c.env.pop("PYTHONPATH")
         e = c.endpoints
         for i in range(args.workers):
             p = mp.Process(target=_lean_worker, args=(e["backend"], e["stream_in"], c.secret, f"lean-{i}", stop), daemon=True)
@@ -255,8 +277,19 @@ def bench_lean(args) -> dict:
         cl = c.client()
         c.wait_workers(cl, hybrid=args.workers)
         _lean_client(e["frontend"], e["stream_out"], c.secret, seconds=1.0, rate=None, window=64)  # warm-up
+        pid = c.broker.p.pid
+        cpu0 = _cpu_s(pid)
         cap = _lean_client(e["frontend"], e["stream_out"], c.secret, seconds=args.seconds, rate=None, window=args.concurrency)
+        # The broker's own CPU per request (Python thread + libzmq I/O thread with CURVE):
+        # what it would sustain on one idle core, independent of how loaded this box is.
+        cap["broker_cpu_us"] = (_cpu_s(pid) - cpu0) / max(1, cap["completed"]) * 1e6
+        cap["per_core_per_s"] = 1e6 / cap["broker_cpu_us"] if cap["broker_cpu_us"] else float("nan")
         lat = _lean_client(e["frontend"], e["stream_out"], c.secret, seconds=args.seconds, rate=args.rate, window=0)
+        # The broker's own view (this tree only): how long its busy poll rounds took, i.e.
+        # what it added to the messages in them, separate from scheduling delays outside.
+        rounds = cl.stats().get("loop_rounds", {})
+        if rounds.get("rounds"):
+            lat["round_p50_ms"], lat["round_p99_ms"], lat["round_max_ms"] = rounds["p50_ms"], rounds["p99_ms"], rounds["max_ms"]
         return {"capacity": cap, "latency": lat}
     finally:
         stop.set()
@@ -265,6 +298,12 @@ def bench_lean(args) -> dict:
             if p.is_alive():
                 p.kill()
         c.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_sockets(args) -> dict:
@@ -355,6 +394,12 @@ def bench_raw(args) -> dict:
     return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3, "requests": n}
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """Per-metric medians over runs of :func:`bench_lean` (machine load moves single runs)."""
+    return {part: {k: statistics.median(r[part][k] for r in runs if k in r[part]) for k in runs[0][part]}
+            for part in ("capacity", "latency")}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=2)
@@ -362,11 +407,21 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=1000.0)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--decisions", type=int, default=50_000)
+    p.add_argument("--baseline", metavar="GIT_REF", help="also run the broker of this commit, alternating with this tree's")
+    p.add_argument("--rounds", type=int, default=1, help="broker-process runs per tree (medians are reported)")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = p.parse_args()
 
     decisions = bench_decisions(args.decisions)
-    lean = bench_lean(args)
+    base_src = baseline_tree(args.baseline) if args.baseline else None
+    # Broker-process runs alternate baseline/this tree so both see the same machine load.
+    runs: dict[str, list] = {"this": [], "baseline": []}
+    for _ in range(args.rounds):
+        if base_src is not None:
+            runs["baseline"].append(bench_lean(args, base_src))
+        runs["this"].append(bench_lean(args, None))
+    lean = _median_run(runs["this"])
+    base = _median_run(runs["baseline"]) if base_src is not None else None
     sockets = bench_sockets(args)
     raw = bench_raw(args)
     lat = sockets["latency"]
@@ -374,35 +429,57 @@ def main() -> int:
     result = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0], "python": platform.python_version(), "args": vars(args),
-        "decisions": decisions, "broker_only": lean, "full_stack": {"capacity_per_s": sockets["capacity_per_s"], "latency": lat},
+        "decisions": decisions, "broker_only": lean, "broker_only_runs": runs["this"],
+        "baseline": base, "baseline_runs": runs["baseline"],
+        "full_stack": {"capacity_per_s": sockets["capacity_per_s"], "latency": lat},
         "raw_hops": raw,
         "added_p50_ms": ll["p50_ms"] - raw["p50_ms"], "added_p99_ms": ll["p99_ms"] - raw["p99_ms"],
     }
-    rows = [
-        ("routing core in-process: subscribe+submit+dispatch+stream+done per request", f"{decisions['per_s']:,.0f}/s",
-         f"{decisions['p50_us']:.1f} µs", f"{decisions['p99_us']:.1f} µs"),
-        (f"broker process, raw-socket client and workers, closed loop ({args.concurrency} in flight)",
-         f"{lean['capacity']['per_s']:,.0f}/s", "", ""),
-        (f"broker process, raw-socket client and workers, open loop {args.rate:.0f}/s (achieved {ll['per_s']:.0f})", "",
-         f"{ll['p50_ms']:.2f} ms", f"{ll['p99_ms']:.2f} ms"),
+    rows = [("routing core in-process: subscribe+submit+dispatch+stream+done per request", f"{decisions['per_s']:,.0f}/s",
+             f"{decisions['p50_us']:.1f} µs", f"{decisions['p99_us']:.1f} µs")]
+    for label, r in ([("baseline " + args.baseline, base)] if base else []) + [("this tree", lean)]:
+        cap, lt = r["capacity"], r["latency"]
+        rows += [
+            (f"{label}: broker process, raw-socket client and workers, closed loop ({args.concurrency} in flight)",
+             f"{cap['per_s']:,.0f}/s", "", ""),
+            (f"{label}: broker CPU per request (all its threads) → requests/s per idle core",
+             f"{cap['per_core_per_s']:,.0f}/s", f"{cap['broker_cpu_us']:.0f} µs", ""),
+            (f"{label}: open loop {args.rate:.0f}/s (achieved {lt['per_s']:.0f})", "",
+             f"{lt['p50_ms']:.2f} ms", f"{lt['p99_ms']:.2f} ms"),
+        ]
+        if "round_p99_ms" in lt:
+            rows.append((f"{label}: inside the broker, poll return → last send of a busy round at {args.rate:.0f}/s "
+                         f"(max {lt['round_max_ms']:.2f} ms)", "", f"{lt['round_p50_ms']:.3f} ms", f"{lt['round_p99_ms']:.3f} ms"))
+    rows += [
         (f"same hops through a pass-through forwarder, {args.rate:.0f}/s", "", f"{raw['p50_ms']:.2f} ms", f"{raw['p99_ms']:.2f} ms"),
-        ("**added by the broker** (broker row − forwarder row)", "", f"{result['added_p50_ms']:.2f} ms", f"{result['added_p99_ms']:.2f} ms"),
+        ("**added by the broker** (this tree's open-loop row − forwarder row)", "", f"{result['added_p50_ms']:.2f} ms", f"{result['added_p99_ms']:.2f} ms"),
         (f"full stack: AsyncClient + `tandem worker --engine stub`, closed loop ({args.concurrency} in flight)",
          f"{sockets['capacity_per_s']:,.0f}/s", "", ""),
         (f"full stack, open loop {args.rate:.0f}/s (achieved {lat['achieved_per_s']:.0f})", "", f"{lat['p50_ms']:.2f} ms", f"{lat['p99_ms']:.2f} ms"),
     ]
+    cmd = f"python bench/broker.py --workers {args.workers} --seconds {args.seconds:g} --rate {args.rate:g} --rounds {args.rounds}"
+    if args.baseline:
+        cmd += f" --baseline {args.baseline}"
     md = [f"# Broker dispatch capacity and added latency\n",
           f"{result['when']}, {result['cpus']} cores shared with other work (1-minute load average "
           f"{result['load_avg_1m']:.1f} at the end), {args.workers} workers that answer every dispatch at once "
           f"with one token, CURVE on every broker socket.\n",
-          f"Command: `python bench/broker.py --workers {args.workers} --seconds {args.seconds:g} --rate {args.rate:g}`\n",
+          f"Command: `{cmd}`\n",
           "| measurement | rate | p50 | p99 |", "|---|---:|---:|---:|"]
     md += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    if base:
+        def ratio(key, sub):
+            return lean[key][sub] / base[key][sub] if base[key][sub] else float("nan")
+        md.append(f"\nThis tree vs baseline `{args.baseline}` (medians of {args.rounds} alternating rounds): "
+                  f"closed-loop rate ×{ratio('capacity', 'per_s'):.2f}, broker CPU per request "
+                  f"×{ratio('capacity', 'broker_cpu_us'):.2f}, open-loop p50 ×{ratio('latency', 'p50_ms'):.2f}, "
+                  f"p99 ×{ratio('latency', 'p99_ms'):.2f}.")
     md.append("\nLatency is submit → final token at the client. The forwarder row is the same socket hops "
               "(client → ROUTER → worker, worker PUB → XSUB → XPUB → client SUB) through a forwarder that decodes "
               "and decides nothing, so the difference is what the broker adds: message validation, routing, "
               "progress tracking, the subscription confirmation and its CURVE sockets. The full-stack rows add "
-              "the asyncio client and the worker's engine thread (per-request Python on both ends).")
+              "the asyncio client and the worker's engine thread (per-request Python on both ends). "
+              "Broker CPU is read from /proc for the broker process during the closed-loop run.")
     text = "\n".join(md) + "\n"
     print(text)
     out = Path(args.out)
