@@ -479,7 +479,8 @@ def main() -> int:
               "and decides nothing, so the difference is what the broker adds: message validation, routing, "
               "progress tracking, the subscription confirmation and its CURVE sockets. The full-stack rows add "
               "the asyncio client and the worker's engine thread (per-request Python on both ends). "
-              "Broker CPU is read from /proc for the broker process during the closed-loop run.")
+              "Broker CPU is read from /proc for the broker process during the closed-loop run. "
+              "What moved these numbers, and what did not: broker-notes.md.")
     text = "\n".join(md) + "\n"
     print(text)
     out = Path(args.out)
