@@ -80,3 +80,12 @@ def test_bad_toml_is_reported_with_the_file(tmp_path, text, message):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         config.load(tmp_path / "nope.toml", env={})
+
+
+def test_broker_prompt_limit_is_reachable_on_the_wire():
+    """A broker limit above the protocol's bound would refuse long prompts as malformed instead."""
+    from tandem.wire.protocol import MAX_PROMPT_TOKENS
+
+    assert config.load(env={}).broker.max_prompt_tokens == MAX_PROMPT_TOKENS
+    with pytest.raises(ConfigError, match="the maximum is 131072"):
+        config.load(env={"TANDEM_BROKER_MAX_PROMPT_TOKENS": str(MAX_PROMPT_TOKENS + 1)})

@@ -29,4 +29,4 @@ class BrokerSettings:
     reprobe_interval_ms: int = field(default=250, metadata={"min": 1, "help": "at most one re-probe of unreachable workers per this many ms"})
     reprobe_timeout_ms: int = field(default=500, metadata={"min": 1, "help": "how long a re-probe waits for an answer"})
     stats_verbose: bool = field(default=False, metadata={"help": "show worker addresses in stats instead of redacted node ids"})
-    max_prompt_tokens: int = field(default=1 << 20, metadata={"min": 1, "help": "longest prompt the broker admits"})
+    max_prompt_tokens: int = field(default=131_072, metadata={"min": 1, "max": 131_072, "help": "longest prompt the broker admits (the protocol's own bound is 131072)"})
