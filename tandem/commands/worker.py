@@ -57,6 +57,20 @@ def build_engine(cfg, args, log):
     return eng, loaded.model_id
 
 
+def warm_up(engine) -> float:
+    """Run one tiny request through the engine so the first real one pays no compile or
+    allocation cost; systemd hears READY=1 only after this. Returns milliseconds."""
+    import time
+
+    from tandem.kvtypes import SamplingParams
+
+    if not hasattr(engine, "generate_many"):  # the stub engine has nothing to warm
+        return 0.0
+    t = time.perf_counter()
+    engine.generate_many([([0, 1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))])
+    return (time.perf_counter() - t) * 1000
+
+
 def run(args) -> int:
     from tandem import config as config_mod
     from tandem.sdnotify import Notifier, Watchdog
@@ -76,7 +90,10 @@ def run(args) -> int:
     role = cfg.worker.role
     loopback = all(is_loopback(a) for a in (cfg.broker.backend, cfg.broker.stream_in))
     secret = require_cluster_secret(role, cfg.security.cluster_secret_file, loopback_only=loopback)
+    notifier = Notifier()
+    notifier.status(f"loading {cfg.model.path or 'the default model'}")
     engine, model_id = build_engine(cfg, args, lambda m: print(m, file=sys.stderr))
+    warm_ms = warm_up(engine)
     st = engine.stats()
     worker = Worker(engine, settings=cfg.worker, backend=cfg.broker.backend, stream_in=cfg.broker.stream_in,
                     secret=secret, model_id=model_id, heartbeat_s=cfg.broker.heartbeat_interval_ms / 1000,
@@ -84,13 +101,12 @@ def run(args) -> int:
                     total_blocks=st.total_blocks, capacity=cfg.engine.parallel + cfg.engine.max_queue_depth,
                     transfer=cfg.transfer)
     worker.install_signals()
-    notifier = Notifier()
     worker.on_drain = lambda: notifier.stopping("draining")
     watchdog = Watchdog(notifier, worker.alive)
     watchdog.start()
     print(json.dumps({"event": "ready", "role": role, "node": worker.node_id, "model": model_id,
                       "kv_address": worker.kv_address}), flush=True)
-    notifier.ready(f"{role} worker {worker.node_id} serving {model_id}")
+    notifier.ready(f"{role} worker {worker.node_id} serving {model_id} (warmed up in {warm_ms:.0f} ms)")
     try:
         worker.run()
     finally:

@@ -1,0 +1,61 @@
+"""A real `tandem worker` speaking the notify protocol to a real datagram socket:
+STATUS while loading, READY only after the warm-up request, WATCHDOG while its loops
+run, STOPPING on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+@pytest.mark.timeout(120)
+def test_worker_notifies_ready_after_warm_up_then_watchdog_then_stopping(tiny_model_dir, tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex())
+    env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "worker", "--role", "hybrid", "--model", str(tiny_model_dir),
+         "--broker-backend", "tcp://127.0.0.1:1", "--broker-stream", "tcp://127.0.0.1:2",
+         "--cluster-secret-file", str(secret)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    messages: list[str] = []
+    try:
+        sock.settimeout(60)
+        while not any("READY=1" in m for m in messages):
+            messages.append(sock.recv(4096).decode())
+        ready_at = len(messages) - 1
+        assert messages[0].startswith("STATUS=loading"), messages
+        ready = messages[ready_at].split("\n")
+        assert ready[0] == "READY=1"
+        assert any(f.startswith("STATUS=hybrid worker") and "warmed up in" in f for f in ready), ready
+        assert f"MAINPID={proc.pid}" in ready
+
+        sock.settimeout(0.5)
+        pings, deadline = 0, time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                pings += sock.recv(4096) == b"WATCHDOG=1"
+            except socket.timeout:
+                pass
+        assert pings >= 5, "the watchdog should ping every 0.2 s while the loops run"
+
+        proc.send_signal(signal.SIGTERM)
+        sock.settimeout(10)
+        rest = []
+        while not any("STOPPING=1" in m for m in rest):
+            rest.append(sock.recv(4096).decode())
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sock.close()
