@@ -15,12 +15,13 @@ from pathlib import Path
 
 HELP = "run the OpenAI-compatible HTTP edge (gunicorn, Falcon ASGI, SSE)"
 DESCRIPTION = (
-    "Run the HTTP edge: gunicorn (-k asgi) with ops/gunicorn.conf.py serving /v1/chat/completions, "
+    "Run the HTTP edge: gunicorn (-k asgi) with its packaged config (tandem/http/gunicorn_conf.py) serving /v1/chat/completions, "
     "/v1/completions, /v1/models, /v1/stats, /health, /ready and /metrics. It loads only the "
     "model's tokenizer and talks to the broker's frontend and token stream. Once it answers "
     "/health it prints one JSON line {\"event\": \"ready\", \"url\": ...} on stdout."
 )
-CONF = Path(__file__).resolve().parents[2] / "ops" / "gunicorn.conf.py"
+# Loaded from the package so an installed tandem (no source checkout) finds it.
+CONF = "python:tandem.http.gunicorn_conf"
 
 
 def add_arguments(p) -> None:
@@ -47,13 +48,12 @@ def run(args) -> int:
     from tandem import config as config_mod
     from tandem.cli import UserError
     from tandem.pipeline.model_store import resolve_model
+    from tandem.sdnotify import Notifier
     from tandem.wire.secret import require_cluster_secret
     from tandem.wire.sockets import is_loopback
 
     if args.api_key and args.api_key_file:
         raise UserError("give --api-key or --api-key-file, not both")
-    if not CONF.exists():
-        raise UserError(f"the gunicorn config {CONF} is missing; run from a source checkout of tandem")
     private = Path(tempfile.mkdtemp(prefix="tandem-edge-"))
     try:
         key_file = args.api_key_file
@@ -89,16 +89,26 @@ def run(args) -> int:
         metrics_dir.mkdir()
         env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         env["TOKENIZERS_PARALLELISM"] = "false"
+        # gunicorn would say READY=1 as soon as its arbiter boots; only this process,
+        # after /health answers, may tell systemd the edge is ready.
+        env.pop("NOTIFY_SOCKET", None)
         if args.access_log:
             env["TANDEM_EDGE_ACCESS_LOG"] = "1"
-        cmd = [sys.executable, "-m", "gunicorn", "-c", str(CONF)]
+        cmd = [sys.executable, "-m", "gunicorn", "-c", CONF]
         proc = subprocess.Popen(cmd, env=env)
-        forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731
+        notifier = Notifier()
+
+        def forward(signum, _frame):
+            if signum in (signal.SIGTERM, signal.SIGINT):
+                notifier.stopping("draining open streams")
+            proc.send_signal(signum)
+
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, forward)
         url = f"http://{cfg.edge.bind}"
         if _wait_healthy(proc, url + "/health"):
             print(json.dumps({"event": "ready", "role": "edge", "url": url, "model": cfg.edge.model_name or model.name}), flush=True)
+            notifier.ready(f"edge serving {url}")
         return proc.wait()
     finally:
         shutil.rmtree(private, ignore_errors=True)

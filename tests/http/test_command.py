@@ -29,7 +29,8 @@ def test_gunicorn_conf_reads_tandem_config(monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_EDGE_BIND", "127.0.0.1:9123")
     monkeypatch.setenv("TANDEM_EDGE_WORKERS", "3")
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    conf = runpy.run_path(str(edge_cmd.CONF))
+    assert edge_cmd.CONF == "python:tandem.http.gunicorn_conf"  # packaged: works without a source checkout
+    conf = runpy.run_module("tandem.http.gunicorn_conf")
     assert conf["bind"] == ["127.0.0.1:9123"] and conf["workers"] == 3
     assert conf["worker_class"] == "asgi" and conf["preload_app"] is True
     assert conf["wsgi_app"] == "tandem.http.app:gunicorn_app()"
@@ -39,3 +40,14 @@ def test_gunicorn_conf_reads_tandem_config(monkeypatch, tmp_path):
 def test_bad_config_value_is_refused(monkeypatch):
     monkeypatch.setenv("TANDEM_EDGE_WORKERS", "0")
     assert main(["edge", "--dev"]) == 2
+
+
+def test_ops_gunicorn_conf_is_the_packaged_config():
+    from pathlib import Path
+
+    import tandem.http.gunicorn_conf as packaged
+
+    shim = runpy.run_path(str(Path(__file__).resolve().parents[2] / "ops" / "gunicorn.conf.py"))
+    for key in ("bind", "workers", "worker_class", "wsgi_app", "asgi_lifespan", "preload_app", "timeout"):
+        assert shim[key] == getattr(packaged, key)
+    assert shim["child_exit"] is packaged.child_exit and shim["on_exit"] is packaged.on_exit

@@ -59,3 +59,30 @@ def test_worker_notifies_ready_after_warm_up_then_watchdog_then_stopping(tiny_mo
         if proc.poll() is None:
             proc.kill()
         sock.close()
+
+
+@pytest.mark.timeout(120)
+def test_edge_notifies_ready_once_it_answers_and_stopping_on_sigterm(tiny_model_dir, tmp_path):
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "edge", "--dev", "--model", str(tiny_model_dir),
+         "--bind", f"127.0.0.1:{port}", "--broker", "tcp://127.0.0.1:1", "--broker-stream", "tcp://127.0.0.1:2"],
+        env={**os.environ, "NOTIFY_SOCKET": path}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        sock.settimeout(60)
+        ready = sock.recv(4096).decode().split("\n")
+        assert ready[0] == "READY=1" and f"STATUS=edge serving http://127.0.0.1:{port}" in ready
+        assert '"event": "ready"' in proc.stdout.readline()  # READY came after the edge answered /health
+        proc.send_signal(signal.SIGTERM)
+        assert sock.recv(4096).decode().startswith("STOPPING=1")
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sock.close()
