@@ -32,7 +32,8 @@ class ChildFailed(Exception):
     """A child that could not be started or kept running; the message names it and why."""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when its parent dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -54,7 +55,7 @@ class Child:
         self.proc = subprocess.Popen(
             self.spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env={**os.environ, **self.spec.env, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None, text=True, bufsize=1,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None, text=True, bufsize=1,
         )
         threading.Thread(target=self._pump, args=(self.proc,), name=f"log-{self.spec.name}", daemon=True).start()
 

@@ -49,6 +49,7 @@ def run(args) -> int:
     from tandem.cli import UserError
     from tandem.pipeline.model_store import resolve_model
     from tandem.sdnotify import Notifier
+    from tandem.supervisor import die_with_parent
     from tandem.wire.secret import require_cluster_secret
     from tandem.wire.sockets import is_loopback
 
@@ -95,7 +96,8 @@ def run(args) -> int:
         if args.access_log:
             env["TANDEM_EDGE_ACCESS_LOG"] = "1"
         cmd = [sys.executable, "-m", "gunicorn", "-c", CONF]
-        proc = subprocess.Popen(cmd, env=env)
+        # gunicorn must not outlive this process, even when it is killed with SIGKILL.
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
         notifier = Notifier()
 
         def forward(signum, _frame):

@@ -86,3 +86,34 @@ def test_edge_notifies_ready_once_it_answers_and_stopping_on_sigterm(tiny_model_
         if proc.poll() is None:
             proc.kill()
         sock.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_edge_takes_gunicorn_with_it(tiny_model_dir, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "edge", "--dev", "--model", str(tiny_model_dir),
+         "--bind", f"127.0.0.1:{port}", "--broker", "tcp://127.0.0.1:1", "--broker-stream", "tcp://127.0.0.1:2"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+    )
+    try:
+        assert '"event": "ready"' in proc.stdout.readline()
+        children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        assert children, "gunicorn should be running under tandem edge"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{c}") and
+                                                  open(f"/proc/{c}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+                                                  for c in children):
+            time.sleep(0.2)
+        alive = [c for c in children if os.path.exists(f"/proc/{c}")
+                 and open(f"/proc/{c}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert alive == [], "gunicorn outlived a SIGKILLed tandem edge"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
