@@ -15,6 +15,8 @@ import urllib.request
 
 import pytest
 
+from tests.ops.procs import is_live
+
 
 def free_port_block(n: int) -> int:
     """A base port with n free consecutive ports (best effort)."""
@@ -164,7 +166,7 @@ def test_serve_comes_up_serves_restarts_and_leaves_nothing(serve, tmp_path):
     s.proc.send_signal(signal.SIGINT)
     assert s.proc.wait(timeout=120) == 0
     time.sleep(0.5)
-    alive = [p for p in all_pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    alive = [p for p in all_pids if is_live(p)]
     assert alive == [], f"left behind: {alive}"
     assert s.lines[-1].endswith("stopped")
 

@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from tests.ops.procs import is_live
+
 
 @pytest.mark.timeout(120)
 def test_worker_notifies_ready_after_warm_up_then_watchdog_then_stopping(tiny_model_dir, tmp_path):
@@ -61,19 +63,25 @@ def test_worker_notifies_ready_after_warm_up_then_watchdog_then_stopping(tiny_mo
         sock.close()
 
 
+def start_edge(model_dir, **popen_kwargs) -> tuple[subprocess.Popen, int]:
+    """`tandem edge` on a free loopback port, pointed at a broker that is not there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "edge", "--dev", "--model", str(model_dir),
+         "--bind", f"127.0.0.1:{port}", "--broker", "tcp://127.0.0.1:1", "--broker-stream", "tcp://127.0.0.1:2"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **popen_kwargs,
+    )
+    return proc, port
+
+
 @pytest.mark.timeout(120)
 def test_edge_notifies_ready_once_it_answers_and_stopping_on_sigterm(tiny_model_dir, tmp_path):
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "edge", "--dev", "--model", str(tiny_model_dir),
-         "--bind", f"127.0.0.1:{port}", "--broker", "tcp://127.0.0.1:1", "--broker-stream", "tcp://127.0.0.1:2"],
-        env={**os.environ, "NOTIFY_SOCKET": path}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
+    proc, port = start_edge(tiny_model_dir, env={**os.environ, "NOTIFY_SOCKET": path})
     try:
         sock.settimeout(60)
         ready = sock.recv(4096).decode().split("\n")
@@ -90,14 +98,7 @@ def test_edge_notifies_ready_once_it_answers_and_stopping_on_sigterm(tiny_model_
 
 @pytest.mark.timeout(120)
 def test_a_killed_edge_takes_gunicorn_with_it(tiny_model_dir, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "edge", "--dev", "--model", str(tiny_model_dir),
-         "--bind", f"127.0.0.1:{port}", "--broker", "tcp://127.0.0.1:1", "--broker-stream", "tcp://127.0.0.1:2"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-    )
+    proc, port = start_edge(tiny_model_dir, start_new_session=True)
     try:
         assert '"event": "ready"' in proc.stdout.readline()
         children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
@@ -105,13 +106,9 @@ def test_a_killed_edge_takes_gunicorn_with_it(tiny_model_dir, tmp_path):
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{c}") and
-                                                  open(f"/proc/{c}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-                                                  for c in children):
+        while time.monotonic() < deadline and any(map(is_live, children)):
             time.sleep(0.2)
-        alive = [c for c in children if os.path.exists(f"/proc/{c}")
-                 and open(f"/proc/{c}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
-        assert alive == [], "gunicorn outlived a SIGKILLed tandem edge"
+        assert [c for c in children if is_live(c)] == [], "gunicorn outlived a SIGKILLed tandem edge"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
