@@ -26,7 +26,8 @@ from tandem.pipeline import budget
 from tandem.pipeline.api import EngineRefused, EngineRequest, EngineStats, TokenEvent, TokenLogprob, Usage
 from tandem.pipeline.block_pool import BlockPool
 from tandem.pipeline.kv_store import KVStore, dtype_name
-from tandem.pipeline.model_runner import DenseRunner, PagedRunner, probe
+from tandem.pipeline.cuda_runner import paged_runner
+from tandem.pipeline.model_runner import DenseRunner, probe
 from tandem.pipeline.sampler import sample
 from tandem.pipeline.scheduler import Plan, Scheduler
 from tandem.pipeline.sequence import Sequence, Status
@@ -55,7 +56,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, bs)
         if sh.pageable:
             self.store = KVStore(sh.num_layers, sh.n_kv_heads, sh.head_dim, sh.dtype, bs, num_blocks, sh.v_head_dim)
-            self.runner = PagedRunner(model, self.store, mirror=settings.decode_mirror)
+            self.runner = paged_runner(model, self.store, mirror=settings.decode_mirror)
         else:
             self.store = None
             self.runner = DenseRunner(model)
