@@ -29,6 +29,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # None = no logprobs; N >= 0 = chosen token's logprob plus top N
     ignore_eos: bool = False
+    # Where this request's first token sits in its seeded stream: a request migrated after
+    # k streamed tokens resubmits prompt + those tokens with seed_offset k, and draws
+    # exactly what the worker that died would have drawn next.
+    seed_offset: int = 0
 
 
 @dataclass

@@ -101,6 +101,6 @@ def _draw(logits: mx.array, params: list[SamplingParams], indices: list[int]) ->
     if (min_p > 0).any():
         keep = keep & (probs >= mx.array(min_p)[:, None] * probs[:, :1])
     keep = keep | (rank == 0)  # the most likely token always stays eligible
-    noise = mx.stack([mx.random.gumbel((V,), key=step_key(p.seed, i)) for p, i in zip(params, indices)])
+    noise = mx.stack([mx.random.gumbel((V,), key=step_key(p.seed, p.seed_offset + i)) for p, i in zip(params, indices)])
     choice = mx.argmax(mx.where(keep, sorted_logits + noise, -mx.inf), axis=-1)
     return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(mx.int32)

@@ -277,3 +277,17 @@ def test_repeated_blocks_never_alias_after_copy_on_write(tiny):
     longer = x + x + x + [5, 6, 7]
     assert eng.generate_many([(longer, greedy())]) == [oracle(tiny, longer, MAX_TOKENS)]
     assert eng.stats().prefix_tokens_saved == 31 + 32  # two blocks, not three
+
+
+def test_seed_offset_continues_a_sampled_stream_after_migration(tiny):
+    """A request resubmitted as prompt + its first k tokens with seed_offset k draws the
+    same remaining tokens the uninterrupted run drew (what broker migration relies on)."""
+    prompt = random_prompts(1, 18, 18, seed=15)[0]
+    sp = SamplingParams(temperature=0.9, top_k=40, seed=4242, max_tokens=20, ignore_eos=True)
+    whole = make(tiny).generate_many([(prompt, sp)])[0]
+    k = 7
+    rest = SamplingParams(**{**sp.__dict__, "max_tokens": 20 - k, "seed_offset": k})
+    resumed = make(tiny).generate_many([(prompt + whole[:k], rest)])[0]
+    assert resumed == whole[k:]
+    restarted = make(tiny).generate_many([(prompt + whole[:k], SamplingParams(**{**rest.__dict__, "seed_offset": 0}))])[0]
+    assert restarted != whole[k:]  # without the offset the stream would not continue
