@@ -117,9 +117,9 @@ class Choice:
             self._metrics.waiting.dec()
         if self._counted_running:
             self._metrics.running.dec()
-        # A stop string ends the choice here while the worker is still generating.
-        # (The worker sends nothing after an abort, so the cached-prompt count of such
-        # a choice is whatever the stream reported before: usually 0.)
+        # A stop string ends the choice here while the worker is still generating. (The
+        # worker sends nothing after an abort; the cached-prompt count came with the
+        # stream's first message.)
         aborted_on_stop = self.finish_reason == "stop" and self._stops.stopped
         if self._events is not None and (self.finish_reason is None or aborted_on_stop):
             try:
@@ -173,7 +173,9 @@ class Choice:
         return delta
 
     def _take_usage(self, usage, final: bool) -> None:
-        self.usage.cached_tokens = int(getattr(usage, "cached_prompt_tokens", 0) or 0)
+        # A mid-stream usage of a migrated request counts its resubmitted prompt; the
+        # client's prompt bounds what can have been cached.
+        self.usage.cached_tokens = min(int(getattr(usage, "cached_prompt_tokens", 0) or 0), self.usage.prompt_tokens)
         if final:
             self.usage.prompt_tokens = int(getattr(usage, "prompt_tokens", self.usage.prompt_tokens))
             self.usage.completion_tokens = int(getattr(usage, "completion_tokens", self.usage.completion_tokens))

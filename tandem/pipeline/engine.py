@@ -320,7 +320,10 @@ class Engine:
             elif seq.hold:
                 self._export(seq, tok, logprobs)
             else:
-                self._emit(seq, TokenEvent(seq.request_id, [tok], logprobs))
+                # The first event already says how much of the prompt came from the prefix
+                # cache: a consumer that stops reading early (a stop string) still knows.
+                usage = Usage(seq.prompt_len, seq.num_generated, seq.num_cached_prompt) if seq.num_generated == 1 else None
+                self._emit(seq, TokenEvent(seq.request_id, [tok], logprobs, usage=usage))
         return produced
 
     def _export(self, seq: Sequence, tok: int, logprobs) -> None:

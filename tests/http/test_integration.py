@@ -215,7 +215,24 @@ def test_include_usage_chunk(stack, oracle):
     # The same prompt again: the worker's prefix cache serves whole blocks of it.
     again = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
                                                 stream=True, stream_options={"include_usage": True}))[-1]
-    assert again.usage.prompt_tokens_details.cached_tokens <= again.usage.prompt_tokens
+    assert last.usage.prompt_tokens > 16, "the prompt must span a full KV block for this check"
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+
+
+def test_cached_tokens_reported_when_a_stop_string_ends_the_choice(stack, oracle, edge_tok):
+    """A stop string makes the edge abort the request before the worker's final
+    message, so the cached count has to come from the stream's first message."""
+    prompt = "Once upon a time " * 12  # longer than one 16-token block
+    want = oracle(oracle.encode(prompt), 24)
+    full = edge_tok.decode(want)
+    stop = next((full[i:i + 3] for i in range(4, len(full) - 3) if "\ufffd" not in full[i:i + 3]), None)
+    if stop is None:
+        pytest.skip(f"greedy text of the random model has no usable stop string: {full!r}")
+    client = _client(stack)
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)  # warm the prefix cache
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert 0 < r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
 
 
 def test_stop_string_cuts_greedy_text(stack, oracle, edge_tok):
