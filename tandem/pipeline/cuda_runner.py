@@ -1,16 +1,261 @@
-"""Picks the paged runner for the backend MLX runs on.
+"""Picks the paged runner for the backend MLX runs on, and holds the CUDA one.
 
 The portable :class:`~tandem.pipeline.model_runner.PagedRunner` gathers each row's blocks
-and lets mlx-lm's attention run SDPA over them. On a CUDA device the kernels in
-``tandem/kernels/`` can read the blocks in place instead (docs/gpu.md); this module is
-where that runner is chosen, so the engine never branches on the backend itself.
+and lets mlx-lm's attention run SDPA over them. On a CUDA device :class:`KernelRunner`
+reads the blocks in place instead (docs/gpu.md):
+
+* every linear layer is flattened (``kernels.linear.prepare_model``: rows ``(B*L, K)``,
+  weight format chosen per backend and logged);
+* each decoder layer is replaced by a :class:`FusedBlock` holding one fused QKV and one
+  fused gate/up product. A decode step (all rows ``L == 1``) bypasses mlx-lm's model
+  code: per layer ``rms_norm x QKV`` -> ``write_kv_rope`` (RoPE + in-place KV write into
+  the store's pools) -> split-K ``paged_decode_attention`` over the batch's block table
+  -> ``o + residual`` -> ``rms_norm x gate/up`` -> ``swiglu x down + residual``: seven
+  launches per layer where the multirow kernel serves (at most 4 rows), because at one
+  row the per-op cost of MLX, not bandwidth, bounds the step. Prefill chunks and mixed
+  batches run the portable path through the same fused weights.
+
+On the CPU (or with ``TANDEM_PAGED_KERNELS=off``) :func:`paged_runner` returns the plain
+``PagedRunner``: nothing of the CPU path changes. ``TANDEM_PAGED_KERNELS=reference``
+runs ``KernelRunner`` with the kernels' pure-mx references, which is how the wiring is
+tested on machines without a GPU.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from tandem.kernels import linear
+from tandem.kernels import paged_attention as pa
+from tandem.kernels import paged_attention_cuda as pac
+from tandem.kernels.quantized_matmul import cuda_available
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.model_runner import PagedRunner
+from tandem.pipeline.sequence import Row
+
+log = logging.getLogger("tandem.engine")
+
+MODES = ("auto", "off", "cuda", "reference")
+# Model modules whose decoder layers have the plain pre-norm llama shape the fused block
+# reproduces (no q/k norms, no logit scaling, SwiGLU MLP).
+# (mlx-lm loads mistral checkpoints with its llama module.)
+_SUPPORTED = {"mlx_lm.models.llama", "mlx_lm.models.qwen2"}
 
 
-def paged_runner(model, store: KVStore, *, mirror: bool) -> PagedRunner:
-    return PagedRunner(model, store, mirror=mirror)
+def paged_runner(model, store: KVStore, *, mirror: bool, kernels: str | None = None) -> PagedRunner:
+    """The runner for this backend. ``kernels``: see :data:`MODES` (default: the
+    ``TANDEM_PAGED_KERNELS`` environment variable, else ``auto`` = CUDA kernels on CUDA)."""
+    mode = (kernels or os.environ.get("TANDEM_PAGED_KERNELS", "auto")).strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"TANDEM_PAGED_KERNELS={mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "auto":
+        mode = "cuda" if cuda_available() else "off"
+    if mode == "off":
+        return PagedRunner(model, store, mirror=mirror)
+    why = unsupported(model, store)
+    if why:
+        log.warning("paged kernels off for this model (%s): portable paged runner", why)
+        if mode == "cuda":
+            _prepare_linears(model)  # flattened rows still matter on CUDA
+        return PagedRunner(model, store, mirror=mirror)
+    return KernelRunner(model, store, ops=mode)
+
+
+def unsupported(model, store: KVStore) -> str:
+    """Why the fused decode path cannot serve ``model`` ("" when it can)."""
+    if type(model).__module__ not in _SUPPORTED:
+        return f"model module {type(model).__module__} is not llama-shaped"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers or not hasattr(inner, "embed_tokens") or not isinstance(getattr(inner, "norm", None), nn.RMSNorm):
+        return "no model.layers / embed_tokens / RMSNorm norm"
+    attn = layers[0].self_attn
+    if any(getattr(l, "use_sliding", False) for l in layers):
+        return "sliding-window layers"
+    if store.head_dim != store.v_head_dim or store.head_dim % 8 or store.head_dim > 256:
+        return f"head dims {store.head_dim}/{store.v_head_dim}"
+    try:
+        pac.rope_inv_freq(attn.rope, store.head_dim)
+    except (ValueError, AttributeError) as exc:
+        return str(exc)
+    if store.dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        return f"KV dtype {store.dtype}"
+    return ""
+
+
+def _prepare_linears(model) -> None:
+    if any(isinstance(m, linear.FlatLinear) for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)):
+        return  # already prepared by the caller (a bench, or a second engine on one model)
+    try:
+        mem = mx.device_info().get("memory_size")
+    except Exception:  # noqa: BLE001 - no device info: choose without a memory bound
+        mem = None
+    linear.prepare_model(model, "auto", memory_bytes=mem)
+
+
+class _Step:
+    """Per decode step, read by every layer: positions, slots, block table, lengths."""
+
+    pos: mx.array
+    slots: mx.array
+    table: mx.array
+    lens: mx.array
+    max_len: int
+    partition: int
+
+
+class _CudaOps:
+    """The kernels: RoPE + in-place KV write, split-K paged decode attention."""
+
+    def write(self, store: KVStore, layer: int, y, step: _Step, inv_freq, H: int, KVH: int, trad: bool):
+        q, _ = pac.write_kv_rope(y, step.pos, step.slots, inv_freq, store.keys[layer],
+                                 store.values[layer], H, KVH, traditional=trad)
+        return q
+
+    def attend(self, store: KVStore, layer: int, q, step: _Step, scale: float):
+        return pac.paged_decode_attention(q, store.keys[layer], store.values[layer], step.table,
+                                          step.lens, scale, store.block_size, step.max_len,
+                                          step.partition)
+
+
+class _ReferenceOps:
+    """The same contract through the pure-mx references (tests on machines without CUDA)."""
+
+    def write(self, store: KVStore, layer: int, y, step: _Step, inv_freq, H: int, KVH: int, trad: bool):
+        q, _, kp, vp = pac.write_kv_rope_reference(y, step.pos, step.slots, inv_freq, store.keys[layer],
+                                                   store.values[layer], H, KVH, traditional=trad)
+        store.keys[layer], store.values[layer] = kp, vp
+        return q
+
+    def attend(self, store: KVStore, layer: int, q, step: _Step, scale: float):
+        out = pa.paged_attention(q[:, :, None], store.keys[layer], store.values[layer], step.table,
+                                 step.lens - 1, store.block_size, scale)
+        return out[:, :, 0]
+
+
+class FusedBlock(nn.Module):
+    """A llama-shaped decoder layer with fused QKV and gate/up weights (FlatLinear)."""
+
+    use_sliding = False  # read by mlx-lm's llama model loop
+
+    def __init__(self, block, head_dim: int):
+        super().__init__()
+        attn, mlp = block.self_attn, block.mlp
+        self.qkv = linear.fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up = linear.fuse_linears([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        self.ln1 = block.input_layernorm.weight
+        self.ln2 = block.post_attention_layernorm.weight
+        self.eps1 = block.input_layernorm.eps
+        self.eps2 = block.post_attention_layernorm.eps
+        self.rope = attn.rope
+        self.H, self.KVH, self.D = attn.n_heads, attn.n_kv_heads, head_dim
+        self.scale = float(attn.scale)
+        self.ffn = mlp.gate_proj.output_dims
+        self.traditional = bool(getattr(attn.rope, "traditional", False))
+        self.inv_freq = pac.rope_inv_freq(attn.rope, head_dim)
+        self.freeze()
+
+    def __call__(self, x, mask=None, cache=None):
+        """The portable path (prefill chunks, mixed batches): what mlx-lm's block computes."""
+        from mlx_lm.models.base import scaled_dot_product_attention
+
+        B, L, W = x.shape
+        H, KVH, D = self.H, self.KVH, self.D
+        y = self.qkv.fused(x.reshape(B * L, W), norm_weight=self.ln1, eps=self.eps1).reshape(B, L, -1)
+        q = y[..., : H * D].reshape(B, L, H, D).transpose(0, 2, 1, 3)
+        k = y[..., H * D : (H + KVH) * D].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
+        v = y[..., (H + KVH) * D :].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        h = x + self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, H * D))
+        g = self.gate_up.fused(h.reshape(B * L, W), norm_weight=self.ln2, eps=self.eps2)
+        return self.down_proj.fused(g, swiglu=True, residual=h.reshape(B * L, W)).reshape(B, L, W)
+
+    def decode(self, h, runner: "KernelRunner", layer: int):
+        """h: (B, W) one token per row -> (B, W); KV written and read in the store's pools."""
+        step, ops, store = runner.step, runner.ops, runner.store
+        B = h.shape[0]
+        y = self.qkv.fused(h, norm_weight=self.ln1, eps=self.eps1)
+        q = ops.write(store, layer, y, step, self.inv_freq, self.H, self.KVH, self.traditional)
+        a = ops.attend(store, layer, q, step, self.scale)
+        h = self.o_proj.fused(a.reshape(B, self.H * self.D), residual=h)
+        g = self.gate_up.fused(h, norm_weight=self.ln2, eps=self.eps2)
+        return self.down_proj.fused(g, swiglu=True, residual=h)
+
+
+class KernelRunner(PagedRunner):
+    """PagedRunner whose decode steps run the CUDA kernels over the store's pools.
+
+    ``ops``: ``cuda`` (the kernels) or ``reference`` (their pure-mx references). The decode
+    mirror is off: the attention kernel reads the pools in place, which is what the
+    mirror stood in for on the CPU.
+    """
+
+    def __init__(self, model, store: KVStore, ops: str = "cuda"):
+        if ops == "cuda":
+            _prepare_linears(model)
+        else:
+            # The reference ops need FlatLinear (fuse_linears) but keep each layer's weights.
+            if not any(isinstance(m, linear.FlatLinear) for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)):
+                linear.flatten_linears(model, "keep")
+        super().__init__(model, store, mirror=False)
+        self.ops = _CudaOps() if ops == "cuda" else _ReferenceOps()
+        inner = model.model
+        # In place, one layer at a time: the fused copies of QKV and gate/up exist next to
+        # the originals only for the layer being converted.
+        for i, b in enumerate(inner.layers):
+            inner.layers[i] = FusedBlock(b, store.head_dim)
+            mx.eval(inner.layers[i].parameters())
+        self.blocks = inner.layers
+        self.embed = inner.embed_tokens
+        self.final_norm = inner.norm
+        head = getattr(model, "lm_head", None)
+        self.head = head if isinstance(head, linear.FlatLinear) else None
+        self.step = _Step()
+        # Everything built here must be evaluated on this thread: the engine thread
+        # cannot evaluate arrays left lazy on another thread's stream (docs/gpu.md).
+        mx.eval(model.parameters(), [b.inv_freq for b in self.blocks])
+        mx.eval([b.rope._freqs for b in self.blocks if isinstance(getattr(b.rope, "_freqs", None), mx.array)])
+        fmt = sorted({("dense" if b.qkv.has_dense else "") + ("+q%d" % b.qkv.bits if b.qkv.has_quantized else "")
+                      for b in self.blocks})
+        log.info("paged runner: %s kernels for decode (fused QKV, RoPE + in-place KV write, split-K "
+                 "paged attention), weights %s, %d layers", ops, ",".join(fmt), len(self.blocks))
+
+    def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
+        B, L = inputs.shape
+        if L != 1:
+            return super().forward(rows, inputs)
+        bs = self.store.block_size
+        pos = np.fromiter((r.start for r in rows), np.int32, B)
+        lens = pos + 1
+        nb = int((lens.max() + bs - 1) // bs)
+        table = np.zeros((B, nb), np.int32)  # 0 = the store's scratch block (never read)
+        for i, r in enumerate(rows):
+            ids = r.seq.block_ids[: (lens[i] + bs - 1) // bs]
+            table[i, : len(ids)] = ids
+            table[i, : len(ids)] += 1
+        slots = table[np.arange(B), pos // bs] * bs + pos % bs
+        s = self.step
+        s.pos = mx.array(pos)
+        s.slots = mx.array(slots.astype(np.int32))
+        s.table = mx.array(table)
+        s.lens = mx.array(lens)
+        s.max_len = int(lens.max())
+        s.partition = pac.choose_partition(B, self.store.n_kv_heads, s.max_len)
+        h = self.embed(inputs).reshape(B, -1)
+        for i, blk in enumerate(self.blocks):
+            h = blk.decode(h, self, i)
+        norm = self.final_norm
+        if self.head is not None:
+            return self.head.fused(h, norm_weight=norm.weight, eps=norm.eps)
+        return self.embed.as_linear(norm(h))
