@@ -121,11 +121,14 @@ def timeit_async(fn, iters=50):
 
 
 # ---------------------------------------------------------------------------------------
-def section_kernels(quick: bool) -> None:
+def section_kernels(quick: bool, parts: str = "qmv,attention") -> None:
     # Few template variants: each is an NVRTC compile (~5 s) on the GPU machine.
-    log("== kernels: multirow quantized matmul (4-bit g64, fp16 activations)")
     shapes = [("qkv", 6144, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
               ("lm_head", 128256, 4096)]
+    if "qmv" not in parts.split(","):
+        shapes = []
+    else:
+        log("== kernels: multirow quantized matmul (4-bit g64, fp16 activations)")
     for name, n, k in shapes if not quick else shapes[1:3]:
         mx.random.seed(n + k)
         w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
@@ -165,8 +168,10 @@ def section_kernels(quick: bool) -> None:
         del w, wq, s, b
         gc.collect()
 
+    if "attention" not in parts.split(","):
+        return
     log("== kernels: paged decode attention (32 q heads, 8 KV heads, D 128, block 16)")
-    for B, ctx in ([(1, 576), (1, 32768), (16, 576), (64, 576), (128, 576)]
+    for B, ctx in ([(1, 576), (1, 32768), (16, 576), (64, 576), (128, 576), (64, 4096)]
                    if not quick else [(1, 4096), (64, 576)]):
         H, KVH, D, bs = 32, 8, 128, 16
         nb = -(-ctx // bs)
@@ -252,13 +257,22 @@ def section_stock(models: dict, batches: list[int], prompt_len: int, steps: int,
 
 # ---------------------------------------------------------------------------------------
 def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_len: int,
-                   steps: int) -> None:
+                   steps: int, kernels: str = "cuda") -> None:
+    """tandem's Engine on the 8B-shape model. ``kernels``: ``cuda`` = the CUDA runner
+    (``pipeline/cuda_runner.py``), ``off`` = the portable PagedRunner (same flattened
+    weights): the pair shows what the decode kernels move."""
+    import threading
+
     from mlx_lm.models import llama
     from tandem.kvtypes import SamplingParams
     from tandem.pipeline.api import EngineRequest
     from tandem.pipeline.engine import Engine
     from tandem.pipeline.settings import EngineSettings
 
+    name = "engine" if kernels == "cuda" else "engine-" + kernels
+    if kernels == "cuda" and not qm.cuda_available():
+        kernels = "reference"  # --tiny smoke test on a machine without CUDA
+    os.environ["TANDEM_PAGED_KERNELS"] = kernels
     model = llama.Model(model_args(layers))
     nn.quantize(model, group_size=64, bits=4)  # lazy: replaced by the shared arrays below
     model.update(base_q4.parameters())  # shares the arrays; prepare_model adds the dense copy
@@ -272,29 +286,39 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
     # on this thread's stream; the engine thread could not evaluate it.
     mx.eval([l.self_attn.rope._freqs for l in model.model.layers
              if hasattr(l.self_attn.rope, "_freqs")])
-    log(f"== tandem engine (weights {fmt}, {nbytes(model) / 2**30:.1f} GiB)")
     top = max(batches)
     st = EngineSettings(parallel=top, max_batch_size=top, max_batch_prefill=8,
                         max_batch_prefill_tokens=linear.QUANTIZED_MAX_ROWS,
-                        prefill_chunk_size=prompt_len, kv_cache_budget="24GiB",
+                        prefill_chunk_size=prompt_len,
+                        kv_cache_budget="256MiB" if TINY else "24GiB",
                         enable_prefix_caching=False, max_queue_depth=4 * top)
     eng = Engine(model, st, model_id="bench-8b")
+    runner = type(eng.runner).__name__
+    log(f"== tandem engine ({name}: {runner}, weights {fmt}, {nbytes(model) / 2**30:.1f} GiB)")
     eng.start()
     try:
+        # Warm-up: every kernel variant (row buckets 1/2/4, fusions, dense GEMMs) compiles
+        # once per process (NVRTC, seconds each); none of that belongs in the numbers.
+        t = time.perf_counter()
+        for n in (1, 2, 4, 16):
+            eng.generate_many([(np.random.randint(0, _vocab(), 40).tolist(),
+                                SamplingParams(max_tokens=20, ignore_eos=True))] * n, timeout=300)
+        record(name, what="warm-up (compiles)", seconds=time.perf_counter() - t, runner=runner)
         for B in batches:
-            gen_tokens = steps + 2
+            gen_tokens = (steps if B > 4 else 3 * steps) + 2
             marks: dict[bytes, list] = {}
             done = []
-            import threading
             lock = threading.Lock()
             all_done = threading.Event()
 
-            def on_event(ev, marks=marks, done=done):
+            def on_event(ev, marks=marks, done=done, B=B):
                 now = time.perf_counter()
                 with lock:
                     marks.setdefault(ev.request_id, []).append((now, len(ev.tokens)))
                     if ev.finish_reason is not None:
                         done.append(ev.request_id)
+                        if ev.finish_reason == "error":
+                            log(f"  engine error: {ev.error}")
                         if len(done) == B:
                             all_done.set()
 
@@ -303,16 +327,19 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                 prompt = np.random.randint(0, _vocab(), prompt_len).tolist()
                 sp = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
                 eng.submit(EngineRequest(os.urandom(16), prompt, sp, on_event))
-            if not all_done.wait(600):
+            if not all_done.wait(300):
                 raise RuntimeError("engine bench timed out")
             first = max(ev[0][0] for ev in marks.values())
             last = max(ev[-1][0] for ev in marks.values())
             after = sum(n for evs in marks.values() for (t, n) in evs if t > first)
-            record("engine", fmt=fmt, batch=B, prefill_tps=B * prompt_len / (first - t0),
-                   decode_tps=after / (last - first) if last > first else None,
+            dec = after / (last - first) if last > first else None
+            record(name, fmt=fmt, batch=B, runner=runner, prefill_tps=B * prompt_len / (first - t0),
+                   decode_tps=dec, step_ms=(1e3 * B / dec) if dec else None,
+                   tokens=sum(n for evs in marks.values() for (_, n) in evs),
                    paths=linear.paths_used())
     finally:
         eng.stop()
+        os.environ.pop("TANDEM_PAGED_KERNELS", None)
         del eng, model
         gc.collect()
         mx.clear_cache()
@@ -560,7 +587,7 @@ def write_docs(out_dir: Path, meta: dict) -> None:
              f"device: {meta.get('device')}", ""]
     lines += ["| section | fmt | batch | prefill tok/s | decode tok/s | note |", "|---|---|---|---|---|---|"]
     for r in RESULTS["runs"]:
-        if r["section"] in ("stock", "engine", "loop"):
+        if r["section"] in ("stock", "engine", "engine-off", "loop") and "batch" in r:
             pf = r.get("prefill_tps")
             dec = r.get("decode_tps")
             note = r.get("mode", "") or r.get("skipped", "") or r.get("error", "")
@@ -578,6 +605,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="kernels,stock,engine,loop")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and steps")
+    ap.add_argument("--kernel-parts", default="qmv,attention",
+                    help="which kernel rows: qmv (NVRTC-heavy: row buckets 1/4/16) and/or attention")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--batches", default="1,4,16,64,128")
     ap.add_argument("--prompt", type=int, default=512)
@@ -591,8 +620,13 @@ def main() -> int:
                     help="run each section in its own process, killed after this many seconds "
                          "(a hung kernel then costs one section, not the run); 0 = in process")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
+    ap.add_argument("--tiny", action="store_true",
+                    help="smoke test: a small model; without CUDA only engine/stock run, the "
+                         "engine on the kernels' pure-mx references")
     args = ap.parse_args()
-    if not qm.cuda_available():
+    global TINY
+    TINY = args.tiny
+    if not qm.cuda_available() and not TINY:
         log("no CUDA device: this benchmark measures the CUDA kernels; nothing to do")
         return 2
     import logging
@@ -627,7 +661,7 @@ def main() -> int:
     fp16 = q4 = None
     for sec in secs:  # in the order given: the first sections survive a time limit
         if sec == "kernels":
-            guarded("kernels", section_kernels, args.quick)
+            guarded("kernels", section_kernels, args.quick, args.kernel_parts)
             continue
         if fp16 is None:
             t = time.perf_counter()
@@ -641,9 +675,9 @@ def main() -> int:
         elif sec == "loop":
             guarded("loop", section_loop, fp16, q4, batches, args.prompt, args.steps,
                     args.loop_formats.split(","))
-        elif sec == "engine":
-            guarded("engine", section_engine, fp16, q4, args.layers, batches, args.prompt,
-                    args.steps)
+        elif sec in ("engine", "engine-off"):
+            guarded(sec, section_engine, fp16, q4, args.layers, batches, args.prompt,
+                    args.steps, "cuda" if sec == "engine" else "off")
     log(f"total {time.perf_counter() - t_all:.1f} s")
     write_docs(out_dir, meta)
     summary(RESULTS)
@@ -683,7 +717,7 @@ def run_isolated(args, secs: list[str], out_dir: Path, meta: dict) -> None:
 def summary(res: dict) -> None:
     log("\n=== summary (tok/s) ===")
     for r in res["runs"]:
-        if r["section"] in ("stock", "engine", "loop") and "batch" in r:
+        if r["section"] in ("stock", "engine", "engine-off", "loop") and "batch" in r:
             log(f"{r['section']:7s} {str(r.get('fmt')):6s} B={str(r.get('batch')):4s} "
                 f"prefill={r.get('prefill_tps') or 0:10.0f} decode={r.get('decode_tps') or 0:9.0f} "
                 f"{r.get('mode', '')}{r.get('error', '')}")

@@ -273,6 +273,11 @@ def _write_kernel():
     )
 
 
+def _i32(a: mx.array) -> mx.array:
+    # No astype node when it is already int32: every op costs ~10 us of MLX dispatch.
+    return a if a.dtype == mx.int32 else a.astype(mx.int32)
+
+
 @functools.cache
 def _params(scale: float, part: int) -> mx.array:
     a = mx.array([scale, float(part)], dtype=mx.float32)
@@ -306,8 +311,7 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     part = partition or choose_partition(B, kvh, max_len)
     npart = max(1, -(-max_len // part))
     (partials,) = _attention_kernel()(
-        inputs=[q, k_pool, v_pool, table.astype(mx.int32), lens.astype(mx.int32),
-                _params(float(scale), part)],
+        inputs=[q, k_pool, v_pool, _i32(table), _i32(lens), _params(float(scale), part)],
         template=[("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size)],
         grid=(npart * _ATT_THREADS, kvh, B),
         threadgroup=(_ATT_THREADS, 1, 1),
@@ -385,7 +389,8 @@ def write_kv_rope(qkv: mx.array, positions: mx.array, slots: mx.array, inv_freq:
                   rope: bool = True, traditional: bool = False) -> tuple[mx.array, mx.array]:
     """Split a fused QKV row per token, rotate q and k, write k and v into ``slots`` in place.
 
-    qkv: (N, (H + 2*KVH) * D) contiguous; positions, slots: (N,) int32 (slot < 0 skips
+    qkv: (N, (H + 2*KVH) * D) row-contiguous (the caller's product output; not checked,
+    since this kernel skips MLX's contiguity copies for the pools' sake); positions, slots: (N,) int32 (slot < 0 skips
     the write). Returns (q (N, H, D), k (N, KVH, D)) rotated. The pools are modified
     in place when the returned arrays are evaluated.
     """
@@ -396,8 +401,7 @@ def write_kv_rope(qkv: mx.array, positions: mx.array, slots: mx.array, inv_freq:
         raise ValueError(f"qkv width {qkv.shape[1]} != ({n_heads} + 2*{n_kv_heads}) * {D}")
     total = N * heads * (D // 2)
     q, k = _write_kernel()(
-        inputs=[mx.contiguous(qkv), positions.astype(mx.int32), slots.astype(mx.int32),
-                inv_freq, k_pool, v_pool],
+        inputs=[qkv, _i32(positions), _i32(slots), inv_freq, k_pool, v_pool],
         template=[("T", qkv.dtype), ("H", n_heads), ("KVH", n_kv_heads), ("D", D),
                   ("ROPE", bool(rope)), ("TRAD", bool(traditional))],
         grid=(total, 1, 1),

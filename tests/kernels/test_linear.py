@@ -109,3 +109,31 @@ def test_fused_call_falls_back_to_the_separate_ops():
     got = flat.fused(gu, swiglu=True)
     want = flat(nn.silu(gu[:, :128]) * gu[:, 128:])
     assert mx.allclose(got, want, atol=1e-5).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not linear.qmm.cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(120, method="thread")
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])
+def test_cuda_dual_layer_matches_dequantized_product(rows):
+    """dual: the multirow kernel (<= 4 rows) and the dense GEMM (more) give the same product."""
+    mx.random.seed(rows)
+    w = (mx.random.normal((512, 1024)) / 32).astype(mx.float16)
+    q = nn.QuantizedLinear.from_linear(_linear_with(w), group_size=64, bits=4)
+    flat = linear._from_module(q, "dual", mx.float16, 4)
+    x = mx.random.normal((rows, 1, 1024)).astype(mx.float16)
+    want = (x.astype(mx.float32) @ mx.dequantize(q.weight, q.scales, q.biases, group_size=64,
+                                                  bits=4).T).astype(mx.float16)
+    got = flat(x)
+    assert got.shape == (rows, 1, 512)
+    err = (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
+           / mx.abs(want.astype(mx.float32)).max()).item()
+    assert err < 5e-3
+    used = linear.paths_used()
+    assert ("cuda-multirow-4bit" if rows <= 4 else "dense-float16") in used
+
+
+def _linear_with(w):
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight = w
+    return lin

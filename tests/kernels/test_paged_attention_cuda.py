@@ -11,6 +11,9 @@ from tandem.kernels import paged_attention_cuda as pac
 from tandem.kernels.quantized_matmul import cuda_available
 
 gpu = pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+# A deadlocked kernel blocks inside mx.eval, where the signal method cannot interrupt
+# it: the thread method ends the whole run instead of hanging the device call.
+hang_guard = pytest.mark.timeout(120, method="thread")
 
 LLAMA31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -78,12 +81,21 @@ def test_partition_choice_grows_with_batch():
     assert pac.choose_partition(64, 8, 600) > pac.choose_partition(4, 8, 600)
 
 
+RAGGED = [64, 65, 1, 127, 128, 129, 1000, 16, 17, 15, 2, 63]  # around partition and 16-token edges
+
+
 @gpu
 @pytest.mark.gpu
+@hang_guard
 @pytest.mark.parametrize("dtype,lens,bs,part", [
     (mx.float16, [1, 600, 33, 129], 16, None), (mx.float16, [2000], 16, 64),
     (mx.float16, [17, 31], 32, 128), (mx.float16, [700] * 8, 16, None),
     (mx.bfloat16, [5, 300], 16, 64),
+    (mx.float16, RAGGED, 16, 64),  # B x KVH x partitions grid, many empty partitions
+    (mx.float16, RAGGED, 16, None),
+    (mx.float16, [576 - i % 7 for i in range(16)], 16, None),  # the shape that hung in run 1
+    (mx.float16, [65, 66, 67], 16, 64),  # partitions of 64 + 1..3 (the loop's hang in run 3)
+    (mx.float16, [1 + (37 * i) % 300 for i in range(64)], 16, None),  # batch 64, ragged
 ])
 def test_cuda_decode_matches_reference(dtype, lens, bs, part):
     B, H, KVH, D = len(lens), 32, 8, 128
@@ -96,6 +108,7 @@ def test_cuda_decode_matches_reference(dtype, lens, bs, part):
 
 @gpu
 @pytest.mark.gpu
+@hang_guard
 @pytest.mark.parametrize("traditional", [False, True])
 def test_cuda_write_kv_rope_matches_reference(traditional):
     H, KVH, D, N = 32, 8, 128, 5

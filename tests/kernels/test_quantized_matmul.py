@@ -8,6 +8,7 @@ import pytest
 from tandem.kernels import quantized_matmul as qm
 
 gpu = pytest.mark.skipif(not qm.cuda_available(), reason="needs MLX's CUDA backend")
+hang_guard = pytest.mark.timeout(120, method="thread")  # a hung kernel ends the run, not the call
 
 
 def _case(m, n, k, bits, gs, dtype, seed):
@@ -66,6 +67,7 @@ def test_reference_fusions_equal_the_separate_ops_on_cpu():
 # on the GPU machine, so the cases below cover every path with few variants.
 @gpu
 @pytest.mark.gpu
+@hang_guard
 @pytest.mark.parametrize("bits,gs,dtype,m", [
     (4, 64, mx.float16, 1), (4, 32, mx.float16, 5), (4, 128, mx.float16, 16),
     (4, 64, mx.bfloat16, 3), (8, 64, mx.float16, 1), (8, 32, mx.bfloat16, 16),
@@ -80,6 +82,7 @@ def test_cuda_kernel_matches_reference(bits, gs, dtype, m):
 
 @gpu
 @pytest.mark.gpu
+@hang_guard
 @pytest.mark.parametrize("m", [1, 4])
 def test_cuda_kernel_fusions_match_reference(m):
     x, wq, s, b = _case(m, 1024, 2048, 4, 64, mx.float16, seed=11 + m)
@@ -96,6 +99,7 @@ def test_cuda_kernel_fusions_match_reference(m):
 
 @gpu
 @pytest.mark.gpu
+@hang_guard
 @pytest.mark.parametrize("n,k,half_math", [(4096, 14336, True), (6144, 4096, False), (130, 512, True)])
 def test_cuda_kernel_matches_reference_at_model_shapes(n, k, half_math):
     x, wq, s, b = _case(4, n, k, 4, 64, mx.float16, seed=n + k)
