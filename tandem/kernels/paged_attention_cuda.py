@@ -297,12 +297,13 @@ def choose_partition(batch: int, n_kv_heads: int, max_len: int, sms: int = 132) 
 
 def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array,
                            lens: mx.array, scale: float, block_size: int, max_len: int,
-                           partition: int | None = None) -> mx.array:
+                           partition: int | None = None, flat: bool = False) -> mx.array:
     """One query token per row over its paged context, on CUDA.
 
     q: (B, H, D); pools: (S, KVH, D); table: (B, nb) int32 store block ids covering
     ``lens[b]`` tokens; lens: (B,) int32 (>= 1); max_len: host-side max of lens (sets
-    the partition grid). Returns (B, H, D) in q's dtype.
+    the partition grid). Returns (B, H, D) in q's dtype, or (B, H * D) with ``flat`` (the
+    o-projection's input, without a reshape op).
     """
     B, H, D = q.shape
     kvh = k_pool.shape[1]
@@ -323,7 +324,7 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
         template=[("T", q.dtype), ("D", D)],
         grid=(B * H * min(D, 128), 1, 1),
         threadgroup=(min(D, 128), 1, 1),
-        output_shapes=[(B, H, D)],
+        output_shapes=[(B, H * D) if flat else (B, H, D)],
         output_dtypes=[q.dtype],
     )
     return o

@@ -333,6 +333,11 @@ def _dummy(dtype) -> mx.array:
     return a
 
 
+def _as(a: mx.array, dtype) -> mx.array:
+    # No cast node when the dtype already matches (each op costs MLX dispatch time).
+    return a if a.dtype == dtype else a.astype(dtype)
+
+
 @functools.cache
 def _fparams(eps: float) -> mx.array:
     a = mx.array([eps], dtype=mx.float32)
@@ -363,8 +368,8 @@ def quantized_matmul_cuda(x: mx.array, w: mx.array, scales: mx.array, biases: mx
         half_math = bits == 4 and x.dtype == mx.float16
     (y,) = _kernel()(
         inputs=[x, w, scales, biases,
-                norm_weight.astype(x.dtype) if norm_weight is not None else _dummy(x.dtype),
-                residual.astype(x.dtype) if residual is not None else _dummy(x.dtype),
+                _as(norm_weight, x.dtype) if norm_weight is not None else _dummy(x.dtype),
+                _as(residual, x.dtype) if residual is not None else _dummy(x.dtype),
                 _fparams(float(eps))],
         template=[("T", x.dtype), ("BITS", bits), ("MMAX", bucket), ("R", r),
                   ("HALF", bool(half_math)), ("NORM", norm_weight is not None),

@@ -111,7 +111,9 @@ class _Step:
 
 
 class _CudaOps:
-    """The kernels: RoPE + in-place KV write, split-K paged decode attention."""
+    """The kernels: RoPE + in-place KV write, split-K paged decode attention.
+
+    ``attend`` returns (B, H * D): the o-projection's input, with no reshape op between."""
 
     def write(self, store: KVStore, layer: int, y, step: _Step, inv_freq, H: int, KVH: int, trad: bool):
         q, _ = pac.write_kv_rope(y, step.pos, step.slots, inv_freq, store.keys[layer],
@@ -121,7 +123,7 @@ class _CudaOps:
     def attend(self, store: KVStore, layer: int, q, step: _Step, scale: float):
         return pac.paged_decode_attention(q, store.keys[layer], store.values[layer], step.table,
                                           step.lens, scale, store.block_size, step.max_len,
-                                          step.partition)
+                                          step.partition, flat=True)
 
 
 class _ReferenceOps:
@@ -136,7 +138,7 @@ class _ReferenceOps:
     def attend(self, store: KVStore, layer: int, q, step: _Step, scale: float):
         out = pa.paged_attention(q[:, :, None], store.keys[layer], store.values[layer], step.table,
                                  step.lens - 1, store.block_size, scale)
-        return out[:, :, 0]
+        return out[:, :, 0].reshape(q.shape[0], -1)
 
 
 class FusedBlock(nn.Module):
@@ -184,11 +186,10 @@ class FusedBlock(nn.Module):
     def decode(self, h, runner: "KernelRunner", layer: int):
         """h: (B, W) one token per row -> (B, W); KV written and read in the store's pools."""
         step, ops, store = runner.step, runner.ops, runner.store
-        B = h.shape[0]
         y = self.qkv.fused(h, norm_weight=self.ln1, eps=self.eps1)
         q = ops.write(store, layer, y, step, self.inv_freq, self.H, self.KVH, self.traditional)
-        a = ops.attend(store, layer, q, step, self.scale)
-        h = self.o_proj.fused(a.reshape(B, self.H * self.D), residual=h)
+        a = ops.attend(store, layer, q, step, self.scale)  # (B, H * D)
+        h = self.o_proj.fused(a, residual=h)
         g = self.gate_up.fused(h, norm_weight=self.ln2, eps=self.eps2)
         return self.down_proj.fused(g, swiglu=True, residual=h)
 

@@ -104,6 +104,8 @@ def test_cuda_decode_matches_reference(dtype, lens, bs, part):
     want = pac.paged_decode_attention_reference(q, kp, vp, table, la, D**-0.5, bs)
     err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
     assert err < (3e-2 if dtype == mx.bfloat16 else 5e-3)
+    flat = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, bs, max(lens), part, flat=True)
+    assert flat.shape == (B, H * D) and mx.array_equal(flat, got.reshape(B, H * D)).item()
 
 
 @gpu
