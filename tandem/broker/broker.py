@@ -18,11 +18,11 @@ import time
 
 import zmq
 
+from tandem.broker import frames as F
 from tandem.broker import jobs as J
 from tandem.broker.dispatcher import Dispatcher
 from tandem.broker.settings import BrokerSettings
 from tandem.broker.stats import snapshot
-from tandem.wire import codec
 from tandem.wire import messages as M
 from tandem.wire.errors import WireError
 from tandem.wire.protocol import MAX_FRAMES, REQUEST_ID_BYTES
@@ -35,24 +35,28 @@ TICK_S = 0.05
 # Plain ints: pyzmq's flag enums cost an Enum.__or__/__call__ per use on the hot path.
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
+# The Cython socket methods: the sugar layer's send/recv add Python-level argument
+# handling to every frame, and its get() builds a SocketOption enum per RCVMORE check.
+_send_frame = zmq.backend.Socket.send
+_recv_frame = zmq.backend.Socket.recv
 # Generation-0 collections every 700 allocations walk every young Job, message and
 # frame; a long-running broker allocates a few objects per message and frees them at
 # once (reference counting), so collect far less often.
 GC_THRESHOLD0 = 50_000
 
 
-def _recv(sock: zmq.Socket) -> list:
-    """:func:`codec.recv_frames` without the per-call enum conversions: one multipart
-    message (zmq.Again if none), refusing one with more frames than any message has."""
-    recv, get = sock.recv, sock.get
-    frames = [recv(_NOBLOCK)]
-    while get(_RCVMORE):
+def _recv(sock: zmq.Socket) -> list[bytes]:
+    """One multipart message as bytes (zmq.Again if none), refusing one with more frames
+    than any message has (:func:`tandem.wire.codec.recv_frames`'s bound)."""
+    frame = _recv_frame(sock, _NOBLOCK, False)
+    frames = [frame.bytes]
+    while frame.more:
         if len(frames) > MAX_FRAMES:
-            while get(_RCVMORE):
-                recv(copy=False)
+            while frame.more:
+                frame = _recv_frame(sock, 0, False)
             raise WireError(f"message with more than {MAX_FRAMES + 1} frames", "frames")
-        frames.append(recv())
+        frame = _recv_frame(sock, 0, False)
+        frames.append(frame.bytes)
     return frames
 
 
@@ -85,7 +89,7 @@ class Broker:
     # pipe wakes libzmq's I/O thread (a syscall and, on a busy machine, a context switch),
     # a burst pays that once.
     def _send(self, sock, identity: bytes, msg) -> None:
-        self._outbox.append((sock, codec.route(identity, codec.encode(msg))))
+        self._outbox.append((sock, (identity, F.encode(msg))))
 
     def _to_worker(self, identity: bytes, msg) -> None:
         self._send(self.backend, identity, msg)
@@ -94,7 +98,7 @@ class Broker:
         self._send(self.frontend, identity, msg)
 
     def _publish(self, msg: M.TokenMessage) -> None:
-        self._outbox.append((self.stream_out, codec.encode_tokens(msg)))
+        self._outbox.append((self.stream_out, (msg.request_id, F.encode(msg))))
 
     def _flush(self) -> None:
         out, self._outbox = self._outbox, []
@@ -103,11 +107,9 @@ class Broker:
             # only pays above ~64 KB). A ROUTER fails (ROUTER_MANDATORY) or blocks on
             # the first frame or not at all, so a failure never leaves half a message.
             try:
-                send = sock.send
-                last = len(frames) - 1
-                for i in range(last):
-                    send(frames[i], _MORE_NOBLOCK)
-                send(frames[last], _NOBLOCK)
+                # Every message the broker sends is two frames: identity or topic, header.
+                _send_frame(sock, frames[0], _MORE_NOBLOCK)
+                _send_frame(sock, frames[1], _NOBLOCK)
             except zmq.ZMQError as exc:
                 # ROUTER_MANDATORY: the peer is gone (or its pipe is full). The heartbeat
                 # deadline deals with dead workers; a vanished client just loses its reply.
@@ -175,8 +177,9 @@ class Broker:
     # ---- handlers ---------------------------------------------------------------------------
     def _decode_routed(self, frames):
         try:
-            identity, rest = codec.split_route(frames)
-            return identity, codec.decode(rest)
+            if len(frames) != 2:
+                raise WireError(f"expected [identity, header] from a DEALER peer, got {len(frames)} frames", "frames")
+            return frames[0], F.decode(frames[1])
         except WireError as exc:
             self.dispatcher.counters["bad_messages"] += 1
             log.debug("dropped a malformed message: %s", exc)
@@ -215,22 +218,22 @@ class Broker:
         if len(event) != 1 + REQUEST_ID_BYTES:
             return
         if event[0] == 1:
-            self.dispatcher.subscribe(bytes(event[1:]))
+            self.dispatcher.subscribe(event[1:])
         elif event[0] == 0:
-            self.dispatcher.unsubscribe(bytes(event[1:]))
+            self.dispatcher.unsubscribe(event[1:])
 
     def _on_stream_in(self, frames) -> None:
         d = self.dispatcher
         if len(frames) != 2 or len(frames[0]) != J.ATTEMPT_TOPIC_BYTES:
             d.counters["bad_stream_messages"] += 1
             return
-        topic = bytes(frames[0])
+        topic = frames[0]
         if topic == J.STREAM_PING_TOPIC:
-            d.stream_ping(bytes(frames[1]))
+            d.stream_ping(frames[1])
             return
         rid, attempt = topic[:16], topic[16]
         try:
-            msg = codec.decode_tokens([rid, frames[1]])
+            msg = F.decode_tokens(rid, frames[1])
         except WireError:
             d.counters["bad_stream_messages"] += 1
             return

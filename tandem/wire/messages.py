@@ -30,7 +30,13 @@ def message(msg_type: MsgType):
     def register(cls):
         cls = dataclass(cls)
         cls.TYPE = msg_type
-        cls.SPECS = tuple((f.name, f.metadata["wire"]) for f in dataclasses.fields(cls) if "wire" in f.metadata)
+        fields = dataclasses.fields(cls)
+        cls.SPECS = tuple((f.name, f.metadata["wire"]) for f in fields if "wire" in f.metadata)
+        # Compiled forms of the SPECS checks and packing (see schema.compile_unpacker):
+        # ``unpack_fields(array) -> message`` and ``pack_fields(message) -> array``.
+        positional = [f.name for f in fields[: len(cls.SPECS)]] == [name for name, _ in cls.SPECS]
+        cls.unpack_fields = staticmethod(S.compile_unpacker(cls.__name__, cls.SPECS, cls, keywords=not positional))
+        cls.pack_fields = staticmethod(S.compile_packer(cls.SPECS))
         assert msg_type not in REGISTRY, msg_type
         REGISTRY[msg_type] = cls
         return cls

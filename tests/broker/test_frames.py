@@ -1,0 +1,109 @@
+"""The broker's compiled codec (tandem/broker/frames.py) against the generic one
+(tandem/wire/codec.py): the same bytes out, the same verdict on any input."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from tandem.broker import frames as F
+from tandem.wire import codec
+from tandem.wire import protocol as P
+from tandem.wire.errors import WireError
+from tandem.wire.messages import KVChunk, REGISTRY
+from tests.wire import fuzz_inputs as FI
+from tests.wire.samples import all_messages, token_messages
+
+
+def _verdict(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except WireError:
+        return ("error", None)
+
+
+def _same_verdict(head: bytes) -> None:
+    generic = _verdict(codec.decode, [head])
+    compiled = _verdict(F.decode, head)
+    assert compiled == generic, (head[:80], generic, compiled)
+
+
+def _same_token_verdict(rid: bytes, head: bytes) -> None:
+    generic = _verdict(codec.decode_tokens, [rid, head])
+    compiled = _verdict(F.decode_tokens, rid, head)
+    assert compiled == generic, (head[:80], generic, compiled)
+
+
+@pytest.mark.parametrize("msg", [m for m in all_messages() if not isinstance(m, KVChunk)], ids=lambda m: type(m).__name__)
+def test_encode_is_byte_identical_and_decodes_to_the_same_message(msg):
+    head = codec.encode(msg)[0]
+    assert F.encode(msg) == head
+    assert F.decode(head) == codec.decode([head]) == msg
+
+
+@pytest.mark.parametrize("msg", token_messages(), ids=lambda m: f"seq{m.seq}")
+def test_token_messages_match(msg):
+    rid, head = codec.encode_tokens(msg)
+    assert F.encode(msg) == head
+    assert F.decode_tokens(rid, head) == codec.decode_tokens([rid, head]) == msg
+
+
+def test_each_bound_is_enforced_by_both():
+    """Every field of every message set to a value just outside its bound (or of the
+    wrong type) is refused by both decoders."""
+    for msg in all_messages() + token_messages():
+        head = codec.encode(msg)[0] if not hasattr(msg, "seq") else codec.encode_tokens(msg)[1]
+        body = msgpack.unpackb(head[P.PREFIX_LEN:])
+        # Top-level fields, and one level down (the sampling and usage arrays).
+        paths = [(i,) for i in range(len(body))]
+        paths += [(i, j) for i, v in enumerate(body) if type(v) is list for j in range(len(v))]
+        for path in paths:
+            for bad in (-1, (1 << 64) - 1, -(1 << 63), "x" * 2000, 1.5, float("nan"), None, True, [], b"\0" * 17, [[]], {"k": 1}):
+                copy = [list(v) if type(v) is list else v for v in body]
+                target = copy if len(path) == 1 else copy[path[0]]
+                target[path[-1]] = bad
+                forged = head[: P.PREFIX_LEN] + msgpack.packb(copy, use_bin_type=True)
+                if hasattr(msg, "seq"):
+                    _same_token_verdict(msg.request_id, forged)
+                else:
+                    _same_verdict(forged)
+
+
+def test_framing_errors():
+    with pytest.raises(WireError):
+        F.decode(b"XX\x02\x01" + msgpack.packb([]))
+    with pytest.raises(WireError, match="protocol v1"):
+        F.decode(b"TD\x01\x01" + msgpack.packb([]))
+    with pytest.raises(WireError, match="unknown message type"):
+        F.decode(P.MAGIC + bytes((P.PROTOCOL_VERSION, 250)) + msgpack.packb([]))
+    with pytest.raises(WireError, match="TOKENS"):
+        F.decode(P.header_prefix(P.MsgType.TOKENS) + msgpack.packb([0, [], None, None, None, None]))
+    with pytest.raises(WireError, match="exceeds"):
+        F.decode(P.header_prefix(P.MsgType.ABORT) + b"\0" * P.MAX_HEADER_BYTES)
+
+
+def test_every_plain_message_type_has_a_compiled_decoder():
+    assert set(F._PLAIN) == {int(t) for t, cls in REGISTRY.items() if cls.__name__ != "TokenMessage"}
+
+
+def _fuzz(n: int, seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(n):
+        frames = rng.choice([FI.structured, FI.mutated, FI.garbage])(rng)
+        if not frames:
+            continue
+        head = bytes(frames[-1] if len(frames) == 2 and len(frames[0]) == 16 else frames[0])
+        _same_verdict(head)
+        _same_token_verdict(b"r" * 16, head)
+
+
+def test_fuzzed_input_gets_the_same_verdict():
+    _fuzz(3000, 5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_fuzzed_input_gets_the_same_verdict_100k():
+    _fuzz(100_000, 20261130)
