@@ -84,7 +84,7 @@ class Dispatcher:
             return
         now = self.clock()
         self._order += 1
-        job = Job(rid, client, list(msg.prompt), msg.sampling, msg.priority, msg.model, now,
+        job = Job(rid, client, msg.prompt, msg.sampling, msg.priority, msg.model, now,
                   now + self.s.subscribe_timeout_s, self._order)
         self.jobs[rid] = job
         self._set_state(job, J.WAITING_SUB)
@@ -312,12 +312,19 @@ class Dispatcher:
                 break
 
     def _candidates(self, ws: list[Worker], job: Job) -> list[Worker]:
-        room = [w for w in ws if w.has_room() and (not job.model or job.model == w.model_id)]
+        # Worker.has_room() and the model check, inlined: this runs for every dispatch.
+        model = job.model
+        room = [w for w in ws if w.state == UP and w.stream_ok and not w.saturated and len(w.inflight) < w.capacity
+                and (not model or model == w.model_id)]
+        if not job.excluded:
+            return room
         preferred = [w for w in room if w.identity not in job.excluded]
         return preferred or room
 
     def _decode_targets(self, job: Job) -> list[Worker]:
-        ws = [w for w in self.registry.workers.values() if w.role == "decode" and w.kv_addr]
+        ws = self.registry.decode_pool
+        if not ws:
+            return ws
         if self.s.decode_allowlist:
             allowed = set(self.s.decode_allowlist)
             ws = [w for w in ws if w.name in allowed or w.kv_addr in allowed]
@@ -330,24 +337,12 @@ class Dispatcher:
             self.counters["attempts_exhausted"] += 1
             self._refuse_job(job, "busy", f"no worker took the request in {MAX_ATTEMPTS} attempts")
             return True
-        workers = list(self.registry.workers.values())
         if job.resume:
-            # Continue where the stream stopped on whichever worker can run it to the end,
-            # preferring those built for decoding.
-            dec = self._candidates([w for w in workers if w.decodes], job)
-            w = self.decode.choose(dec) or self.decode.choose(self._candidates(workers, job))
-            if w is None:
-                return False
-            job.attempt += 1
-            self._hold(job, w, prefill=True)
-            self.to_worker(w.identity, M.Resume(job.request_id, job.prompt, list(job.generated), job.next_seq,
-                                                self._remaining(job), job.priority, job.model, job.attempt))
-            self._dispatched(job, w, None)
-            return True
+            return self._try_resume(job)
         hashes = prefix_hashes(job.prompt) if self.s.strategy == "prefix_aware" else []
-        entries = self._candidates([w for w in workers if w.prefills], job)
+        entries = self._candidates(self.registry.entry_pool, job)
         targets = self._decode_targets(job)
-        if not targets and any(w.role == "decode" and w.usable for w in workers):
+        if not targets and any(w.usable for w in self.registry.decode_pool):
             # Decode workers exist but are full: wait for one rather than decode on a
             # prefill worker; hybrids can still take the whole request.
             entries = [w for w in entries if w.role == "hybrid"]
@@ -367,15 +362,35 @@ class Dispatcher:
         if target is not None:
             self._hold(job, target, prefill=False)
             target.decode_targeted += 1
-        entry.remember_prefixes(hashes)
+        if hashes:
+            entry.remember_prefixes(hashes)
         self.to_worker(entry.identity, M.Dispatch(
             job.request_id, mode, job.prompt, job.sampling, job.priority, job.model,
             target.name if target else None, target.kv_addr if target else None, job.attempt))
         self._dispatched(job, entry, target)
         return True
 
+    def _try_resume(self, job: Job) -> bool:
+        """Continue where the stream stopped on whichever worker can run it to the end,
+        preferring those built for decoding."""
+        workers = list(self.registry.workers.values())
+        dec = self._candidates([w for w in workers if w.decodes], job)
+        w = self.decode.choose(dec) or self.decode.choose(self._candidates(workers, job))
+        if w is None:
+            return False
+        job.attempt += 1
+        self._hold(job, w, prefill=True)
+        self.to_worker(w.identity, M.Resume(job.request_id, job.prompt, list(job.generated), job.next_seq,
+                                            self._remaining(job), job.priority, job.model, job.attempt))
+        self._dispatched(job, w, None)
+        return True
+
     def _remaining(self, job: Job):
-        return dataclasses.replace(job.sampling, max_tokens=max(1, job.remaining_tokens))
+        """The sampling of a resumed request: what is left of its token budget, and its
+        place in the seeded random stream (token i of the resumed run is token
+        len(generated) + i of the request, so a sampled stream continues exactly)."""
+        return dataclasses.replace(job.sampling, max_tokens=max(1, job.remaining_tokens),
+                                   seed_offset=job.sampling.seed_offset + len(job.generated))
 
     def _dispatched(self, job: Job, entry: Worker, target: Worker | None) -> None:
         self._set_state(job, J.RUNNING)

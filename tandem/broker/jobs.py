@@ -20,7 +20,7 @@ ATTEMPT_TOPIC_BYTES = 17
 STREAM_PING_TOPIC = b"\x00" * 16 + b"\xff"  # worker -> broker: "my PUB reaches you", payload = node id
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one is built per request, and its fields are read on every message
 class Job:
     request_id: bytes
     client: bytes  # frontend routing identity

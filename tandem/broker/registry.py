@@ -79,8 +79,17 @@ class Registry:
         self.liveness = liveness
         self.clock = clock
         self.workers: dict[bytes, Worker] = {}
+        # The pools dispatch scans on every request, rebuilt only when membership or a
+        # role changes: prefill-capable workers, and decode workers that take KV.
+        self.entry_pool: list[Worker] = []
+        self.decode_pool: list[Worker] = []
         self._counters = {role: 0 for role in ROLES}
         self._node_ids: dict[str, str] = {}
+
+    def _repool(self) -> None:
+        ws = list(self.workers.values())
+        self.entry_pool = [w for w in ws if w.prefills]
+        self.decode_pool = [w for w in ws if w.role == "decode" and w.kv_addr]
 
     def register(self, identity: bytes, *, name: str, role: str, model_id: str, capacity: int, kv_addr: str) -> Worker:
         old = self.workers.get(identity)
@@ -91,6 +100,7 @@ class Registry:
             old.state = UP
             old.stream_ok = False
             self.touch(old)
+            self._repool()
             return old
         key = f"{role}:{name}:{kv_addr}"
         node_id = self._node_ids.get(key)
@@ -101,6 +111,7 @@ class Registry:
         w = Worker(identity=identity, name=name, role=role, model_id=model_id, capacity=capacity, kv_addr=kv_addr, node_id=node_id)
         self.workers[identity] = w
         self.touch(w)
+        self._repool()
         return w
 
     def get(self, identity: bytes) -> Worker | None:
@@ -120,7 +131,9 @@ class Registry:
         return dead
 
     def forget(self, identity: bytes) -> Worker | None:
-        return self.workers.pop(identity, None)
+        w = self.workers.pop(identity, None)
+        self._repool()
+        return w
 
     def by_role(self, *, prefill: bool) -> list[Worker]:
         """Workers in stable registration order that can do the given half of a request."""

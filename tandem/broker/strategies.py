@@ -46,12 +46,12 @@ class Selector:
         self.load_guard = load_guard
         self._rr = 0
         self.prefix_hits = 0
+        self._pick = getattr(self, "_" + strategy)
 
     def choose(self, candidates: list[Worker], *, prompt_len: int = 0, prefixes: list[int] | None = None) -> Worker | None:
         if not candidates:
             return None
-        pick = getattr(self, "_" + self.strategy)
-        return pick(candidates, prompt_len, prefixes or [])
+        return self._pick(candidates, prompt_len, prefixes or [])
 
     def _round_robin(self, ws, prompt_len, prefixes):
         # The cursor counts dispatches, so the order is stable as workers come and go.
@@ -62,12 +62,18 @@ class Selector:
     def _min(self, ws, key):
         # Ties go round-robin so equal workers share the load instead of the first one
         # taking everything between two heartbeats.
-        best = min(key(w) for w in ws)
-        tied = [w for w in ws if key(w) == best]
+        keys = [key(w) for w in ws]
+        best = min(keys)
+        tied = [w for w, k in zip(ws, keys) if k == best]
         return self._round_robin(tied, 0, None)
 
     def _least_loaded(self, ws, prompt_len, prefixes):
-        return self._min(ws, load_of)
+        keys = [len(w.inflight) + w.load.waiting for w in ws]  # load_of, inlined: once per dispatch
+        best = min(keys)
+        tied = [w for w, k in zip(ws, keys) if k == best]
+        w = tied[self._rr % len(tied)]
+        self._rr += 1
+        return w
 
     def _memory_aware(self, ws, prompt_len, prefixes):
         def free(w: Worker) -> float:
