@@ -24,23 +24,14 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import tandem  # noqa: E402,F401
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
+from _common import ROOT, baseline_tree, cpu_s, machine, pct, write_results
 
 def bench_decisions(n: int) -> dict:
     from tandem.broker.dispatcher import Dispatcher
@@ -124,9 +115,10 @@ async def _open_loop(fe, so, secret, seconds, rate):
                 "p99_ms": pct(lat, 0.99) * 1e3, "requests": n}
 
 
-def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str, stop) -> None:
+def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str) -> None:
     """A protocol-speaking worker with no engine and no threads: every DISPATCH is answered
-    at once with a final one-token stream message and DONE. Runs in its own process."""
+    at once with a final one-token stream message and DONE. Runs in its own process until
+    killed."""
     import zmq
 
     from tandem.broker.jobs import STREAM_PING_TOPIC
@@ -140,7 +132,7 @@ def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str, stop) -
     pub = make_socket(ctx, zmq.PUB, connect=stream_in, security=secret, hwm=1_000_000)
     d.send_multipart(codec.encode(M.Ready(name, "hybrid", "stub", 1 << 30, None, 16, 1000)))
     next_hb = 0.0
-    while not stop.is_set():
+    while True:
         now = time.monotonic()
         if now >= next_hb:
             d.send_multipart(codec.encode(M.Heartbeat(name, 0, 0, 1000, 1000)))
@@ -161,9 +153,6 @@ def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str, stop) -
                 d.send_multipart(codec.encode(M.Done(msg.request_id, "length", usage)))
             elif isinstance(msg, M.Disconnect):
                 d.send_multipart(codec.encode(M.Ready(name, "hybrid", "stub", 1 << 30, None, 16, 1000)))
-    d.close(0)
-    pub.close(0)
-    ctx.term()
 
 
 def _lean_client(frontend: str, stream_out: str, secret: bytes, *, seconds: float, rate: float | None, window: int) -> dict:
@@ -234,76 +223,119 @@ def _lean_client(frontend: str, stream_out: str, secret: bytes, *, seconds: floa
             "completed": done, "issued": issued}
 
 
-def baseline_tree(ref: str) -> Path:
-    """``tandem/`` as of git ``ref``, unpacked in a temp dir, to run that broker side by side."""
-    import subprocess
+def _lean_client_run(spec: dict) -> None:
+    """The client process of :func:`bench_lean`: waits for the workers, warms up, then
+    reports on stdout (one JSON line each) when the closed-loop run starts, its result,
+    and the open-loop result with the broker's own loop-round stats."""
+    from tandem.wire.client import Client
 
-    dest = Path(tempfile.mkdtemp(prefix="tandem-bench-baseline-"))
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "tandem"], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest
+    secret = spec["secret"].encode()
+    fe, so = spec["frontend"], spec["stream_out"]
+    cl = Client(fe, so, secret=secret, timeout_s=20)
+    deadline = time.monotonic() + 60
+    while (cl.ready().get("workers") or {}).get("hybrid", 0) < spec["workers"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError("lean workers did not register")
+        time.sleep(0.1)
+
+    def say(event, **kw):
+        print(json.dumps({"event": event, **kw}), flush=True)
+
+    _lean_client(fe, so, secret, seconds=1.0, rate=None, window=64)  # warm-up
+    say("cap_start")
+    say("cap", **_lean_client(fe, so, secret, seconds=spec["seconds"], rate=None, window=spec["concurrency"]))
+    lat = _lean_client(fe, so, secret, seconds=spec["seconds"], rate=spec["rate"], window=0)
+    # The broker's own view (where it has it): how long its busy poll rounds took, i.e.
+    # what it added to the messages in them, apart from scheduling delays outside it.
+    rounds = cl.stats().get("loop_rounds", {})
+    if rounds.get("rounds"):
+        lat["round_p50_ms"], lat["round_p99_ms"], lat["round_max_ms"] = rounds["p50_ms"], rounds["p99_ms"], rounds["max_ms"]
+    say("lat", **lat)
+    cl.close()
+
+
+# Runs a role of this script against the tandem tree on argv[1] (this one or a baseline):
+# client, workers and broker of one measurement all speak that tree's protocol.
+_CHILD = """
+import json, os, runpy, sys
+src, script, role, spec = sys.argv[1:5]
+sys.path.insert(0, src)
+sys.path.insert(1, os.path.dirname(script))
+import tandem  # this tree's package, before the script's own path setup
+ns = runpy.run_path(script, run_name="bench_child")
+spec = json.loads(spec)
+if role == "worker":
+    ns["_lean_worker"](spec["backend"], spec["stream_in"], spec["secret"].encode(), spec["name"])
+else:
+    ns["_lean_client_run"](spec)
+"""
+
+
+def _child(src: Path, role: str, spec: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(Path(__file__).resolve()), role, json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=open(log, "ab"), cwd=str(src))
+
+
+def _event(proc: subprocess.Popen, want: str, log: Path) -> dict:
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench client exited before '{want}': {log.read_text()[-2000:]}")
+        if line.startswith(b"{"):
+            msg = json.loads(line)
+            if msg.get("event") == want:
+                return msg
 
 
 def bench_lean(args, src: Path | None = None) -> dict:
     """Broker process between a raw-socket client and protocol-speaking workers in other
     processes: what the broker itself costs, without the Python client and engine thread.
-    ``src``: run the broker from that copy of ``tandem/`` (a baseline) instead of this tree."""
-    import multiprocessing as mp
-
+    ``src``: run broker, client and workers from that copy of ``tandem/`` (a baseline)."""
     from tests.integration.cluster import Cluster
 
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-broker-"))
     c = Cluster(tmp, heartbeat_ms=1000)
-    stop = mp.Event()
+    tree = src or ROOT
     procs = []
     try:
-        if src is None:
+        # ``python -m`` puts the working directory first on sys.path: start it from the tree.
+        c.env["PYTHONPATH"] = str(tree)
+        here = os.getcwd()
+        os.chdir(tree)
+        try:
             c.start_broker("--max-queue", "100000")
-        else:
-            # ``python -m`` puts the working directory first on sys.path: start it from src.
-            c.env["PYTHONPATH"] = str(src)
-            here = os.getcwd()
-            os.chdir(src)
-            try:
-                c.start_broker("--max-queue", "100000")
-            finally:
-                os.chdir(here)
-                c.env.pop("PYTHONPATH")
+        finally:
+            os.chdir(here)
+            c.env.pop("PYTHONPATH")
         e = c.endpoints
+        secret = c.secret.decode()
         for i in range(args.workers):
-            p = mp.Process(target=_lean_worker, args=(e["backend"], e["stream_in"], c.secret, f"lean-{i}", stop), daemon=True)
-            p.start()
-            procs.append(p)
-        cl = c.client()
-        c.wait_workers(cl, hybrid=args.workers)
-        _lean_client(e["frontend"], e["stream_out"], c.secret, seconds=1.0, rate=None, window=64)  # warm-up
+            procs.append(_child(tree, "worker", {"backend": e["backend"], "stream_in": e["stream_in"], "secret": secret,
+                                                 "name": f"lean-{i}"}, tmp / f"lean-worker-{i}.log"))
+        log = tmp / "lean-client.log"
+        client = _child(tree, "client", {"frontend": e["frontend"], "stream_out": e["stream_out"], "secret": secret,
+                                         "workers": args.workers, "seconds": args.seconds, "rate": args.rate,
+                                         "concurrency": args.concurrency}, log)
+        procs.append(client)
         pid = c.broker.p.pid
-        cpu0 = _cpu_s(pid)
-        cap = _lean_client(e["frontend"], e["stream_out"], c.secret, seconds=args.seconds, rate=None, window=args.concurrency)
+        _event(client, "cap_start", log)
+        cpu0 = cpu_s(pid)
+        cap = _event(client, "cap", log)
         # The broker's own CPU per request (Python thread + libzmq I/O thread with CURVE):
         # what it would sustain on one idle core, independent of how loaded this box is.
-        cap["broker_cpu_us"] = (_cpu_s(pid) - cpu0) / max(1, cap["completed"]) * 1e6
+        cap["broker_cpu_us"] = (cpu_s(pid) - cpu0) / max(1, cap["completed"]) * 1e6
         cap["per_core_per_s"] = 1e6 / cap["broker_cpu_us"] if cap["broker_cpu_us"] else float("nan")
-        lat = _lean_client(e["frontend"], e["stream_out"], c.secret, seconds=args.seconds, rate=args.rate, window=0)
-        # The broker's own view (this tree only): how long its busy poll rounds took, i.e.
-        # what it added to the messages in them, separate from scheduling delays outside.
-        rounds = cl.stats().get("loop_rounds", {})
-        if rounds.get("rounds"):
-            lat["round_p50_ms"], lat["round_p99_ms"], lat["round_max_ms"] = rounds["p50_ms"], rounds["p99_ms"], rounds["max_ms"]
+        lat = _event(client, "lat", log)
+        for r in (cap, lat):
+            r.pop("event")
         return {"capacity": cap, "latency": lat}
     finally:
-        stop.set()
         for p in procs:
-            p.join(3)
-            if p.is_alive():
-                p.kill()
+            p.kill()
+            p.wait(10)
+            if p.stdout:
+                p.stdout.close()
         c.close()
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_sockets(args) -> dict:
@@ -427,8 +459,7 @@ def main() -> int:
     lat = sockets["latency"]
     ll = lean["latency"]
     result = {
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-        "load_avg_1m": os.getloadavg()[0], "python": platform.python_version(), "args": vars(args),
+        **machine(), "args": vars(args),
         "decisions": decisions, "broker_only": lean, "broker_only_runs": runs["this"],
         "baseline": base, "baseline_runs": runs["baseline"],
         "full_stack": {"capacity_per_s": sockets["capacity_per_s"], "latency": lat},
@@ -481,12 +512,7 @@ def main() -> int:
               "the asyncio client and the worker's engine thread (per-request Python on both ends). "
               "Broker CPU is read from /proc for the broker process during the closed-loop run. "
               "What moved these numbers, and what did not: broker-notes.md.")
-    text = "\n".join(md) + "\n"
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "broker.md").write_text(text)
-    (out / "broker.json").write_text(json.dumps(result, indent=2))
+    write_results(args.out, "broker", "\n".join(md) + "\n", result)
     return 0
 
 
