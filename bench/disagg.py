@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
 import re
 import statistics
@@ -26,15 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import tandem  # noqa: E402,F401
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+from _common import ROOT, machine, pct, write_results
 
 
 def prompts(n, length, seed=0):
@@ -113,7 +103,7 @@ def main() -> int:
     disagg = run_layout(args, ["prefill", "decode"], ps, warm)
     ratio = disagg["tok_s"] / hybrid["tok_s"]
     overhead = disagg["ttft_p50_ms"] - hybrid["ttft_p50_ms"]
-    result = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(), "args": vars(args),
+    result = {**machine(), "args": vars(args),
               "hybrid": hybrid, "disaggregated": disagg, "throughput_ratio": ratio, "ttft_overhead_p50_ms": overhead}
     md = [
         "# Hybrid vs disaggregated serving on one machine\n",
@@ -134,12 +124,7 @@ def main() -> int:
     md.append("\nOn one machine both layouts share the same cores, so the disaggregated layout cannot win on "
               "compute: it pays for the handoff and gains only the isolation of decode from prefill. "
               "Separate prefill and decode hardware is where the split pays.")
-    text = "\n".join(md) + "\n"
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "disagg.md").write_text(text)
-    (out / "disagg.json").write_text(json.dumps(result, indent=2))
+    write_results(args.out, "disagg", "\n".join(md) + "\n", result)
     return 0
 
 
