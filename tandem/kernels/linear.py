@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,6 +41,13 @@ except ImportError:  # pragma: no cover
         return nn.silu(gate) * up
 
 log = logging.getLogger("tandem.kernels")
+
+FUSE_MAX_ROWS = int(os.environ.get("TANDEM_FUSE_MAX_ROWS", "1"))
+"""Most rows for which :meth:`FlatLinear.fused` folds rms_norm / swiglu / residual into
+the multirow kernel. The fused kernel re-reads every input row per warp (the norm's sum
+of squares, the swiglu's exponentials), which at 4 rows made a decode step slower, not
+faster (H200 run 4: 16.0 ms fused vs 12.1 ms unfused at batch 4); from 2 rows the
+separate ops are used."""
 
 QUANTIZED_MAX_ROWS = 4096
 """Most rows handed to one quantized matmul (4,096 = 8 x 512 ran in the H200 measurements;
@@ -124,7 +132,7 @@ class FlatLinear(nn.Module):
         separate ops otherwise. With ``swiglu`` x2 is (M, 2K) = [gate, up].
         """
         rows = x2.shape[0]
-        if (self.has_quantized and rows <= self.small_rows and "bias" not in self
+        if (self.has_quantized and rows <= min(self.small_rows, FUSE_MAX_ROWS) and "bias" not in self
                 and "biases" in self and qmm.cuda_available()
                 and qmm.kernel_supports(rows, self["qweight"], self["scales"], x2.dtype,
                                         self.group_size, self.bits, self.mode)):
@@ -137,6 +145,13 @@ class FlatLinear(nn.Module):
             x2 = _swiglu(x2[:, :k], x2[:, k:])
         if norm_weight is not None:
             x2 = mx.fast.rms_norm(x2, norm_weight, eps)
+        if (residual is not None and "bias" not in self and self.has_dense
+                and not (self.has_quantized and rows <= self.small_rows)):
+            # One GEMM with the residual as its C operand: one op less per call (MLX's
+            # per-op cost, ~30 us on the H200, bounds the decode step at every batch).
+            w = self["weight"]
+            _note_path(f"dense-{str(w.dtype).split('.')[-1]}")
+            return mx.addmm(residual, x2, w.T)
         y = self(x2)
         return y if residual is None else residual + y
 

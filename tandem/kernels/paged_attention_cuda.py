@@ -52,11 +52,13 @@ __device__ __forceinline__ void pa_load(const T* p, float* f) {
 }
 """
 
-# Template: T, D (head dim), KVH, G (query heads per KV head), BS (block size); shapes
-# and the partition length stay runtime (each template variant is an NVRTC compile).
+# Template: T, D (head dim), KVH, G (query heads per KV head), BS (block size), SINGLE
+# (one partition: write the final output); shapes and the partition length stay runtime
+# (each template variant is an NVRTC compile).
 # Inputs: q (B, KVH*G, D), k_pool/v_pool (S, KVH, D), table (B, nb) int32,
 # lens (B,) int32, params (2,) float32 = [scale, partition tokens].
-# Output: out (B, KVH*G, NPART, D + 2) float32 = per partition [acc, max, sum].
+# Output: out (B, KVH*G, NPART, D + 2) float32 = per partition [acc, max, sum], or with
+# SINGLE the attention output (B, KVH*G * D) in T.
 _ATT_SOURCE = r"""
   constexpr int DL = D / 8;                 // dims per lane
   const int part = blockIdx.x;
@@ -168,9 +170,14 @@ _ATT_SOURCE = r"""
       lsum += sm_l[w][g] * c;
       a += sm_acc[w][g][d] * c;
     }
-    float* o = out + (((size_t)b * KVH * G + h * G + g) * npart + part) * (D + 2);
-    o[d] = a;
-    if (d == 0) { o[D] = mn; o[D + 1] = lsum; }
+    if constexpr (SINGLE) {
+      // One partition covers every row: write the normalized result, no merge kernel.
+      pa_st(out + ((size_t)b * KVH * G + h * G + g) * D + d, lsum > 0.f ? a / lsum : 0.f);
+    } else {
+      auto* o = out + (((size_t)b * KVH * G + h * G + g) * npart + part) * (D + 2);
+      pa_st(o + d, a);
+      if (d == 0) { pa_st(o + D, mn); pa_st(o + D + 1, lsum); }
+    }
   }
 """
 
@@ -287,7 +294,8 @@ def _params(scale: float, part: int) -> mx.array:
 
 def choose_partition(batch: int, n_kv_heads: int, max_len: int, sms: int = 132) -> int:
     """Context tokens per partition: small enough that B x KVH x partitions covers the
-    card about four times over, at least 64 so each partition amortizes its merge."""
+    card about four times over, at least 64 so each partition amortizes its merge.
+    When one partition covers every row the merge kernel is skipped (one launch less)."""
     target = 4 * sms
     part = 64
     while part < 2048 and batch * n_kv_heads * -(-max_len // part) > target:
@@ -311,14 +319,19 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
         raise ValueError(f"paged_decode_attention: unsupported heads {H}/{kvh} or head_dim {D}")
     part = partition or choose_partition(B, kvh, max_len)
     npart = max(1, -(-max_len // part))
+    single = npart == 1
+    out_shape = ((B, H * D) if flat else (B, H, D)) if single else (B, H, npart, D + 2)
     (partials,) = _attention_kernel()(
         inputs=[q, k_pool, v_pool, _i32(table), _i32(lens), _params(float(scale), part)],
-        template=[("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size)],
+        template=[("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
+                  ("SINGLE", single)],
         grid=(npart * _ATT_THREADS, kvh, B),
         threadgroup=(_ATT_THREADS, 1, 1),
-        output_shapes=[(B, H, npart, D + 2)],
-        output_dtypes=[mx.float32],
+        output_shapes=[out_shape],
+        output_dtypes=[q.dtype if single else mx.float32],
     )
+    if single:
+        return partials
     (o,) = _reduce_kernel()(
         inputs=[partials],
         template=[("T", q.dtype), ("D", D)],

@@ -179,9 +179,9 @@ class FusedBlock(nn.Module):
         k = self.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
         o = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
-        h = x + self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, H * D))
-        g = self.gate_up.fused(h.reshape(B * L, W), norm_weight=self.ln2, eps=self.eps2)
-        return self.down_proj.fused(g, swiglu=True, residual=h.reshape(B * L, W)).reshape(B, L, W)
+        h = self.o_proj.fused(o.transpose(0, 2, 1, 3).reshape(B * L, H * D), residual=x.reshape(B * L, W))
+        g = self.gate_up.fused(h, norm_weight=self.ln2, eps=self.eps2)
+        return self.down_proj.fused(g, swiglu=True, residual=h).reshape(B, L, W)
 
     def decode(self, h, runner: "KernelRunner", layer: int):
         """h: (B, W) one token per row -> (B, W); KV written and read in the store's pools."""

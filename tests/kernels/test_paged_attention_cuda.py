@@ -93,6 +93,7 @@ RAGGED = [64, 65, 1, 127, 128, 129, 1000, 16, 17, 15, 2, 63]  # around partition
     (mx.bfloat16, [5, 300], 16, 64),
     (mx.float16, RAGGED, 16, 64),  # B x KVH x partitions grid, many empty partitions
     (mx.float16, RAGGED, 16, None),
+    (mx.float16, RAGGED, 16, 2048),  # one partition: the merge-free variant
     (mx.float16, [576 - i % 7 for i in range(16)], 16, None),  # the shape that hung in run 1
     (mx.float16, [65, 66, 67], 16, 64),  # partitions of 64 + 1..3 (the loop's hang in run 3)
     (mx.float16, [1 + (37 * i) % 300 for i in range(64)], 16, None),  # batch 64, ragged
