@@ -22,19 +22,55 @@ outputs (the attention kernel takes its rotated queries, which orders the two).
 from __future__ import annotations
 
 import functools
+import os
 
 import mlx.core as mx
 
 _ATT_THREADS = 128  # 4 warps x 4 token slots x 8 lanes
 _SLOTS = 16
+MAX_PARTITION = 2048  # tokens per partition; the kernel holds its table slice in shared memory
+# Smallest partition: splitting a short context buys parallelism at the price of one more
+# launch (the merge); tunable for measurements.
+MIN_PARTITION = int(os.environ.get("TANDEM_ATT_MIN_PART", "64"))
 
 _HEADER = r"""
+#define PA_MAX_PART 2048
 __device__ __forceinline__ float pa_f(__half v) { return __half2float(v); }
 __device__ __forceinline__ float pa_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float pa_f(float v) { return v; }
 __device__ __forceinline__ void pa_st(__half* p, float v) { *p = __float2half(v); }
 __device__ __forceinline__ void pa_st(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 __device__ __forceinline__ void pa_st(float* p, float v) { *p = v; }
+// NV consecutive values of T held raw (16-byte words when T is 2 bytes wide), so a
+// load can be issued one iteration before its values are needed.
+template <typename T, int NV>
+struct PaRaw {
+  static constexpr bool VEC = sizeof(T) == 2 && NV % 8 == 0;
+  uint4 u[VEC ? NV / 8 : 1];
+  T s[VEC ? 1 : NV];
+  __device__ __forceinline__ void load(const T* p) {
+    if constexpr (VEC) {
+#pragma unroll
+      for (int c = 0; c < NV / 8; ++c) u[c] = reinterpret_cast<const uint4*>(p)[c];
+    } else {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) s[i] = p[i];
+    }
+  }
+  __device__ __forceinline__ void get(float* f) const {
+    if constexpr (VEC) {
+#pragma unroll
+      for (int c = 0; c < NV / 8; ++c) {
+        const T* h = reinterpret_cast<const T*>(&u[c]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[c * 8 + i] = pa_f(h[i]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) f[i] = pa_f(s[i]);
+    }
+  }
+};
 template <typename T, int NV>
 __device__ __forceinline__ void pa_load(const T* p, float* f) {
   if constexpr (sizeof(T) == 2 && NV % 8 == 0) {
@@ -76,13 +112,11 @@ _ATT_SOURCE = r"""
   const int t1 = min(len, t0 + PART);
   const float sc = params[0];
 
-  float qf[G][DL];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    pa_load<T, DL>(q + ((size_t)b * KVH * G + h * G + g) * D + sub * DL, qf[g]);
-#pragma unroll
-    for (int i = 0; i < DL; ++i) qf[g][i] *= sc;
-  }
+  // The scaled queries of the group live in shared memory, not registers: registers
+  // bound how many blocks an SM holds, and that bounds the K/V loads in flight.
+  __shared__ __align__(16) float sm_q[G][D];
+  for (int e = tid; e < G * D; e += blockDim.x)
+    sm_q[e / D][e % D] = pa_f(q[((size_t)b * KVH * G + h * G) * D + e]) * sc;
   float mx_[G], l_[G], acc[G][DL];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -90,6 +124,25 @@ _ATT_SOURCE = r"""
     l_[g] = 0.f;
 #pragma unroll
     for (int i = 0; i < DL; ++i) acc[g][i] = 0.f;
+  }
+
+  // The partition's slice of the block table, read once: a table load per token would
+  // put a second dependent global load in front of every K/V load.
+  constexpr int MAXB = PA_MAX_PART / BS + 2;
+  __shared__ int sm_tbl[MAXB];
+  const int fb = t0 / BS;
+  const int nblk = t1 > t0 ? (t1 - 1) / BS - fb + 1 : 0;
+  for (int i = tid; i < nblk; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + fb + i];
+  __syncthreads();
+
+  // K/V of this lane's next token are loaded one iteration ahead (raw), so the loads of
+  // one iteration overlap the arithmetic of the previous one.
+  PaRaw<T, DL> nk, nv;
+  if (t0 + slot < t1) {
+    const int t = t0 + slot;
+    const size_t base = (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D + sub * DL;
+    nk.load(k_pool + base);
+    nv.load(v_pool + base);
   }
 
   // Every lane runs the same number of iterations: the full-mask shuffles below would
@@ -100,19 +153,35 @@ _ATT_SOURCE = r"""
     const bool valid = t < t1;
     float kf[DL], vf[DL];
     if (valid) {
-      const int blk = table[(size_t)b * NB + t / BS];
-      const size_t base = (((size_t)blk * BS + (t % BS)) * KVH + h) * D + sub * DL;
-      pa_load<T, DL>(k_pool + base, kf);
-      pa_load<T, DL>(v_pool + base, vf);
+      nk.get(kf);
+      nv.get(vf);
     } else {
 #pragma unroll
       for (int i = 0; i < DL; ++i) { kf[i] = 0.f; vf[i] = 0.f; }
     }
+    if (t + 16 < t1) {
+      const int tn = t + 16;
+      const size_t base = (((size_t)sm_tbl[tn / BS - fb] * BS + (tn % BS)) * KVH + h) * D + sub * DL;
+      nk.load(k_pool + base);
+      nv.load(v_pool + base);
+    }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       float s = 0.f;
+      if constexpr (DL % 4 == 0) {
+        const float4* qv = reinterpret_cast<const float4*>(&sm_q[g][sub * DL]);
 #pragma unroll
-      for (int i = 0; i < DL; ++i) s = fmaf(qf[g][i], kf[i], s);
+        for (int i = 0; i < DL / 4; ++i) {
+          const float4 qq = qv[i];
+          s = fmaf(qq.x, kf[4 * i], s);
+          s = fmaf(qq.y, kf[4 * i + 1], s);
+          s = fmaf(qq.z, kf[4 * i + 2], s);
+          s = fmaf(qq.w, kf[4 * i + 3], s);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < DL; ++i) s = fmaf(sm_q[g][sub * DL + i], kf[i], s);
+      }
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       s += __shfl_xor_sync(0xffffffffu, s, 2);
       s += __shfl_xor_sync(0xffffffffu, s, 4);
@@ -297,8 +366,8 @@ def choose_partition(batch: int, n_kv_heads: int, max_len: int, sms: int = 132) 
     card about four times over, at least 64 so each partition amortizes its merge.
     When one partition covers every row the merge kernel is skipped (one launch less)."""
     target = 4 * sms
-    part = 64
-    while part < 2048 and batch * n_kv_heads * -(-max_len // part) > target:
+    part = min(MAX_PARTITION, max(64, MIN_PARTITION))
+    while part < MAX_PARTITION and batch * n_kv_heads * -(-max_len // part) > target:
         part *= 2
     return part
 
@@ -318,6 +387,8 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     if H % kvh or D % 8 or D > 256:
         raise ValueError(f"paged_decode_attention: unsupported heads {H}/{kvh} or head_dim {D}")
     part = partition or choose_partition(B, kvh, max_len)
+    if not 1 <= part <= MAX_PARTITION:
+        raise ValueError(f"paged_decode_attention: partition {part} outside 1..{MAX_PARTITION}")
     npart = max(1, -(-max_len // part))
     single = npart == 1
     out_shape = ((B, H * D) if flat else (B, H, D)) if single else (B, H, npart, D + 2)
