@@ -132,11 +132,21 @@ class FlatLinear(nn.Module):
         separate ops otherwise. With ``swiglu`` x2 is (M, 2K) = [gate, up].
         """
         rows = x2.shape[0]
-        if (self.has_quantized and rows <= min(self.small_rows, FUSE_MAX_ROWS) and "bias" not in self
-                and "biases" in self and qmm.cuda_available()
-                and qmm.kernel_supports(rows, self["qweight"], self["scales"], x2.dtype,
-                                        self.group_size, self.bits, self.mode)):
-            _note_path(f"cuda-multirow-{self.bits}bit-fused")
+        multirow = (self.has_quantized and rows <= self.small_rows and "bias" not in self
+                    and "biases" in self and qmm.cuda_available()
+                    and qmm.kernel_supports(rows, self["qweight"], self["scales"], x2.dtype,
+                                            self.group_size, self.bits, self.mode))
+        if multirow and rows > FUSE_MAX_ROWS:
+            # The residual costs the kernel nothing; the norm and swiglu do (see
+            # FUSE_MAX_ROWS): run those as their own ops first.
+            if swiglu:
+                k = x2.shape[-1] // 2
+                x2, swiglu = _swiglu(x2[:, :k], x2[:, k:]), False
+            if norm_weight is not None:
+                x2, norm_weight = mx.fast.rms_norm(x2, norm_weight, eps), None
+        if multirow:
+            fused = swiglu or norm_weight is not None or residual is not None
+            _note_path(f"cuda-multirow-{self.bits}bit" + ("-fused" if fused else ""))
             return qmm.quantized_matmul_cuda(x2, self["qweight"], self["scales"], self["biases"],
                                              self.group_size, self.bits, norm_weight=norm_weight,
                                              eps=eps, residual=residual, swiglu=swiglu)

@@ -137,3 +137,33 @@ def _linear_with(w):
     lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight = w
     return lin
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not linear.qmm.cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(120, method="thread")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_cuda_fused_layer_matches_separate_ops(rows):
+    """fused(): norm / swiglu / residual folded into the multirow kernel (or run beside it)
+    give what the separate ops give."""
+    mx.random.seed(10 + rows)
+    K, N = 1024, 512
+    w = (mx.random.normal((N, K)) / 32).astype(mx.float16)
+    q = nn.QuantizedLinear.from_linear(_linear_with(w), group_size=64, bits=4)
+    flat = linear._from_module(q, "dual", mx.float16, 4)
+    wd = mx.dequantize(q.weight, q.scales, q.biases, group_size=64, bits=4).astype(mx.float32)
+    x = (4 * mx.random.normal((rows, K))).astype(mx.float16)
+    gu = mx.random.normal((rows, 2 * K)).astype(mx.float16)
+    g = (1 + 0.1 * mx.random.normal((K,))).astype(mx.float16)
+    res = mx.random.normal((rows, N)).astype(mx.float16)
+
+    def rel(got, want):
+        got = got.astype(mx.float32)
+        return (mx.abs(got - want).max() / mx.abs(want).max()).item()
+
+    xf = x.astype(mx.float32)
+    normed = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + 1e-5) * g.astype(mx.float32)
+    assert rel(flat.fused(x, norm_weight=g, eps=1e-5), normed @ wd.T) < 5e-3
+    gf = gu.astype(mx.float32)
+    act = gf[:, :K] * mx.sigmoid(gf[:, :K]) * gf[:, K:]
+    assert rel(flat.fused(gu, swiglu=True, residual=res), act @ wd.T + res.astype(mx.float32)) < 5e-3
