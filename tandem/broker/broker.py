@@ -25,7 +25,7 @@ from tandem.broker.settings import BrokerSettings
 from tandem.broker.stats import snapshot
 from tandem.wire import messages as M
 from tandem.wire.errors import WireError
-from tandem.wire.protocol import MAX_FRAMES, REQUEST_ID_BYTES
+from tandem.wire.protocol import REQUEST_ID_BYTES
 from tandem.wire.sockets import bound_endpoint, make_socket
 
 log = logging.getLogger("tandem.broker")
@@ -45,19 +45,11 @@ _recv_frame = zmq.backend.Socket.recv
 GC_THRESHOLD0 = 50_000
 
 
-def _recv(sock: zmq.Socket) -> list[bytes]:
-    """One multipart message as bytes (zmq.Again if none), refusing one with more frames
-    than any message has (:func:`tandem.wire.codec.recv_frames`'s bound)."""
-    frame = _recv_frame(sock, _NOBLOCK, False)
-    frames = [frame.bytes]
+def _discard_rest(sock: zmq.Socket, frame) -> None:
+    """Throw away the remaining frames of a message of the wrong shape (one at a time:
+    nothing accumulates however many frames a peer sends)."""
     while frame.more:
-        if len(frames) > MAX_FRAMES:
-            while frame.more:
-                frame = _recv_frame(sock, 0, False)
-            raise WireError(f"message with more than {MAX_FRAMES + 1} frames", "frames")
         frame = _recv_frame(sock, 0, False)
-        frames.append(frame.bytes)
-    return frames
 
 
 class Broker:
@@ -71,6 +63,7 @@ class Broker:
         # How long each poll round that had work took, from poll's return to the last send:
         # the latency the broker itself adds to any message in that round.
         self.round_s: deque[float] = deque(maxlen=10_000)
+        self.busy_rounds = 0  # poll rounds that had work: requests per round is the batching achieved
         self.dispatcher = Dispatcher(settings, to_worker=self._to_worker, to_client=self._to_client, publish=self._publish)
         sec = secret
         self.frontend = make_socket(self.ctx, zmq.ROUTER, bind=settings.frontend, security=sec)
@@ -92,10 +85,10 @@ class Broker:
         self._outbox.append((sock, (identity, F.encode(msg))))
 
     def _to_worker(self, identity: bytes, msg) -> None:
-        self._send(self.backend, identity, msg)
+        self._outbox.append((self.backend, (identity, F.encode(msg))))
 
     def _to_client(self, identity: bytes, msg) -> None:
-        self._send(self.frontend, identity, msg)
+        self._outbox.append((self.frontend, (identity, F.encode(msg))))
 
     def _publish(self, msg: M.TokenMessage) -> None:
         self._outbox.append((self.stream_out, (msg.request_id, F.encode(msg))))
@@ -142,23 +135,24 @@ class Broker:
         gc.set_threshold(GC_THRESHOLD0, *gc.get_threshold()[1:])
         self.last_loop = time.monotonic()
         next_tick = self.last_loop + TICK_S
+        # Every message the broker takes has a fixed shape, so each socket is drained by a
+        # reader of that shape: [identity, header] on the ROUTERs, [topic, header] on the
+        # XSUB, one subscription frame on the XPUB. Anything else is counted and dropped.
+        readers = {
+            self.frontend: (self._read_routed, self._on_frontend),
+            self.backend: (self._read_routed, self._on_backend),
+            self.stats_sock: (self._read_routed, self._on_stats),
+            self.stream_in: (self._read_pair, self._on_stream_in),
+            self.stream_out: (self._read_single, self._on_stream_out),
+        }
         try:
             while not self._stop.is_set():
                 timeout = max(0.0, next_tick - self.last_loop)
                 events = poller.poll(timeout * 1000)
                 started = time.monotonic()
                 for sock, _ in events:
-                    handler = handlers[sock]
-                    for _ in range(BATCH):
-                        try:
-                            frames = _recv(sock)
-                        except zmq.Again:
-                            break
-                        except WireError as exc:
-                            self.dispatcher.counters["bad_messages"] += 1
-                            log.debug("dropped a message: %s", exc)
-                            continue
-                        handler(frames)
+                    read, handler = readers[sock]
+                    read(sock, handler)
                 now = time.monotonic()
                 if now >= next_tick:
                     self.dispatcher.tick()
@@ -167,54 +161,97 @@ class Broker:
                 self.last_loop = time.monotonic()
                 if events:
                     self.round_s.append(self.last_loop - started)
+                    self.busy_rounds += 1
         finally:
             self.close()
+
+    # Each reader takes up to BATCH messages from one socket (fairness), without blocking.
+    def _bad_shape(self, sock, frame) -> None:
+        _discard_rest(sock, frame)
+        self.dispatcher.counters["bad_messages"] += 1
+
+    def _read_routed(self, sock, handler) -> None:
+        for _ in range(BATCH):
+            try:
+                # A ROUTER always delivers the routing identity and at least one more frame.
+                identity = _recv_frame(sock, _NOBLOCK)
+            except zmq.Again:
+                return
+            frame = _recv_frame(sock, 0, False)
+            if frame.more:
+                self._bad_shape(sock, frame)
+                continue
+            handler(identity, frame.bytes)
+
+    def _read_pair(self, sock, handler) -> None:
+        for _ in range(BATCH):
+            try:
+                first = _recv_frame(sock, _NOBLOCK, False)
+            except zmq.Again:
+                return
+            if not first.more:
+                self.dispatcher.counters["bad_stream_messages"] += 1
+                continue
+            frame = _recv_frame(sock, 0, False)
+            if frame.more:
+                self._bad_shape(sock, frame)
+                continue
+            handler(first.bytes, frame.bytes)
+
+    def _read_single(self, sock, handler) -> None:
+        for _ in range(BATCH):
+            try:
+                frame = _recv_frame(sock, _NOBLOCK, False)
+            except zmq.Again:
+                return
+            if frame.more:
+                self._bad_shape(sock, frame)
+                continue
+            handler(frame.bytes)
 
     def close(self) -> None:
         for sock in (self.frontend, self.backend, self.stream_in, self.stream_out, self.stats_sock):
             sock.close(0)
 
     # ---- handlers ---------------------------------------------------------------------------
-    def _decode_routed(self, frames):
+    def _decode(self, head: bytes):
         try:
-            if len(frames) != 2:
-                raise WireError(f"expected [identity, header] from a DEALER peer, got {len(frames)} frames", "frames")
-            return frames[0], F.decode(frames[1])
+            return F.decode(head)
         except WireError as exc:
             self.dispatcher.counters["bad_messages"] += 1
             log.debug("dropped a malformed message: %s", exc)
-            return None, None
+            return None
 
-    def _on_frontend(self, frames) -> None:
-        identity, msg = self._decode_routed(frames)
+    def _on_frontend(self, identity: bytes, head: bytes) -> None:
+        msg = self._decode(head)
         if msg is None:
             return
-        if isinstance(msg, M.Submit):
+        cls = type(msg)
+        if cls is M.Submit:
             self.dispatcher.submit(identity, msg)
-        elif isinstance(msg, M.Abort):
+        elif cls is M.Abort:
             self.dispatcher.abort(msg.request_id)
-        elif isinstance(msg, M.StatsRequest):
+        elif cls is M.StatsRequest:
             self._to_client(identity, M.StatsReply(self._snapshot(msg)))
         else:
             self.dispatcher.counters["unexpected_client_messages"] += 1
 
     def _snapshot(self, msg: M.StatsRequest) -> dict:
-        return snapshot(self.dispatcher, verbose=self.s.stats_verbose and msg.verbose, rounds_s=list(self.round_s))
+        return snapshot(self.dispatcher, verbose=self.s.stats_verbose and msg.verbose, rounds_s=list(self.round_s),
+                        busy_rounds=self.busy_rounds)
 
-    def _on_backend(self, frames) -> None:
-        identity, msg = self._decode_routed(frames)
+    def _on_backend(self, identity: bytes, head: bytes) -> None:
+        msg = self._decode(head)
         if msg is not None:
             self.dispatcher.worker_message(identity, msg)
 
-    def _on_stats(self, frames) -> None:
-        identity, msg = self._decode_routed(frames)
-        if isinstance(msg, M.StatsRequest):
-            reply = M.StatsReply(self._snapshot(msg))
-            self._send(self.stats_sock, identity, reply)
+    def _on_stats(self, identity: bytes, head: bytes) -> None:
+        msg = self._decode(head)
+        if type(msg) is M.StatsRequest:
+            self._send(self.stats_sock, identity, M.StatsReply(self._snapshot(msg)))
 
-    def _on_stream_out(self, frames) -> None:
+    def _on_stream_out(self, event: bytes) -> None:
         # XPUB_VERBOSE: b"\x01" + topic on every subscribe, b"\x00" + topic on the last unsubscribe.
-        event = frames[0]
         if len(event) != 1 + REQUEST_ID_BYTES:
             return
         if event[0] == 1:
@@ -222,23 +259,23 @@ class Broker:
         elif event[0] == 0:
             self.dispatcher.unsubscribe(event[1:])
 
-    def _on_stream_in(self, frames) -> None:
+    def _on_stream_in(self, topic: bytes, head: bytes) -> None:
         d = self.dispatcher
-        if len(frames) != 2 or len(frames[0]) != J.ATTEMPT_TOPIC_BYTES:
+        if len(topic) != J.ATTEMPT_TOPIC_BYTES:
             d.counters["bad_stream_messages"] += 1
             return
-        topic = frames[0]
         if topic == J.STREAM_PING_TOPIC:
-            d.stream_ping(frames[1])
+            d.stream_ping(head)
             return
-        rid, attempt = topic[:16], topic[16]
+        rid = topic[:16]
         try:
-            msg = F.decode_tokens(rid, frames[1])
+            msg = F.decode_tokens(rid, head)
         except WireError:
             d.counters["bad_stream_messages"] += 1
             return
-        verdict = d.stream(d.jobs.get(rid), attempt, msg)
+        verdict = d.stream(d.jobs.get(rid), topic[16], msg)
         if verdict == "forward":
-            self._outbox.append((self.stream_out, [rid, frames[1]]))
+            # The worker's header goes out as it came: validated, not re-encoded.
+            self._outbox.append((self.stream_out, (rid, head)))
         elif verdict == "patched":
             self._publish(msg)

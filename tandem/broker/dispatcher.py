@@ -121,7 +121,12 @@ class Dispatcher:
 
     # ---- workers -------------------------------------------------------------------------
     def worker_message(self, identity: bytes, msg) -> None:
-        w = self.registry.get(identity)
+        w = self.registry.workers.get(identity)
+        if type(msg) is M.Done and w is not None and w.state == UP:
+            # The common case, once per request: skip the general checks below.
+            self.registry.touch(w)
+            self._done(w, msg)
+            return
         if isinstance(msg, M.Ready):
             if w is not None and w.inflight:
                 # The same identity announcing itself again lost whatever it held.

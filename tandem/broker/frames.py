@@ -21,6 +21,7 @@ from tandem.wire.errors import WireError
 from tandem.wire.messages import REGISTRY, KVChunk, TokenMessage
 
 _VERSION = P.PROTOCOL_VERSION
+_MAGIC = P.MAGIC
 _MAX_HEADER = P.MAX_HEADER_BYTES
 _TOKENS = int(P.MsgType.TOKENS)
 # Type code -> (class, compiled unpacker) for what travels as a plain message.
@@ -59,14 +60,22 @@ def _check_prefix(head: bytes) -> int:
 
 def decode(head: bytes):
     """One header frame (bytes) -> a message dataclass, or :class:`WireError`."""
-    code = _check_prefix(head)
-    entry = _PLAIN.get(code)
+    # _check_prefix and _body inlined: this runs for three messages of every request.
+    if head[:2] != _MAGIC or len(head) < P.PREFIX_LEN or head[2] != _VERSION:
+        _check_prefix(head)  # raises the precise error
+    entry = _PLAIN.get(head[3])
     if entry is None:
-        if code == _TOKENS:
+        if head[3] == _TOKENS:
             raise WireError("message type TOKENS does not travel as a plain message", "type")
-        raise WireError(f"unknown message type {code}", "type")
+        raise WireError(f"unknown message type {head[3]}", "type")
     cls, unpack = entry
-    msg = unpack(_body(head, cls.__name__))
+    if len(head) > _MAX_HEADER:
+        raise WireError(f"header of {len(head)} bytes exceeds {_MAX_HEADER}", "size")
+    try:
+        body = _unpackb(memoryview(head)[P.PREFIX_LEN:], **_UNPACK)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"{cls.__name__}: undecodable msgpack ({type(exc).__name__})") from None
+    msg = unpack(body)
     if cls is KVChunk:
         msg.frames = []
     return msg

@@ -20,8 +20,9 @@ def _ms_percentiles(seconds: list[float]) -> dict:
     return {"rounds": len(xs), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": round(xs[-1] * 1000, 3)}
 
 
-def snapshot(dispatcher, *, verbose: bool = False, rounds_s: list[float] | None = None) -> dict:
-    """``rounds_s``: durations of the broker loop's recent busy rounds (seconds)."""
+def snapshot(dispatcher, *, verbose: bool = False, rounds_s: list[float] | None = None, busy_rounds: int = 0) -> dict:
+    """``rounds_s``: durations of the broker loop's recent busy rounds (seconds);
+    ``busy_rounds``: how many rounds had work since start."""
     d = dispatcher
     workers = []
     for w in d.registry.workers.values():
@@ -61,5 +62,5 @@ def snapshot(dispatcher, *, verbose: bool = False, rounds_s: list[float] | None 
         "handoff_ms_p50": statistics.median(handoff) if handoff else None,
         "workers": workers,
         "ready": d.registry.counts(),
-        "loop_rounds": _ms_percentiles(rounds_s or []),
+        "loop_rounds": {**_ms_percentiles(rounds_s or []), "busy_total": busy_rounds},
     }

@@ -349,6 +349,6 @@ def test_stats_report_loop_rounds():
     from tandem.broker.stats import snapshot
 
     h = Harness()
-    assert snapshot(h.d)["loop_rounds"] == {"rounds": 0}
-    rounds = snapshot(h.d, rounds_s=[0.001] * 99 + [0.5])["loop_rounds"]
-    assert rounds == {"rounds": 100, "p50_ms": 1.0, "p99_ms": 500.0, "max_ms": 500.0}
+    assert snapshot(h.d)["loop_rounds"] == {"rounds": 0, "busy_total": 0}
+    rounds = snapshot(h.d, rounds_s=[0.001] * 99 + [0.5], busy_rounds=250)["loop_rounds"]
+    assert rounds == {"rounds": 100, "p50_ms": 1.0, "p99_ms": 500.0, "max_ms": 500.0, "busy_total": 250}
