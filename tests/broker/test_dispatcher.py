@@ -197,6 +197,8 @@ def test_decode_death_migrates_with_streamed_tokens():
     (ident, res), = [(i, m) for i, m in h.dispatches() if isinstance(m, M.Resume)]
     assert ident != target and res.generated == [11, 12, 13] and res.next_seq == 2 and res.attempt == 2
     assert res.sampling.max_tokens == 7 and res.prompt == [1, 2, 3]
+    # Seeded sampling resumes at token 3 of its random stream.
+    assert res.sampling.seed_offset == 3 and job.sampling.seed_offset == 0
     assert job.migrations == 1 and h.d.registry.get(target).state == "down"
     # The new worker's final message gets the client's usage, not its own.
     verdict = h.d.stream(job, 2, M.TokenMessage(rid, 2, [14], finish_reason="length", usage=M.Usage(6, 1)))

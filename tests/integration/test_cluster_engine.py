@@ -8,6 +8,8 @@ import asyncio
 import random
 import signal
 
+import pytest
+
 from tandem.kvtypes import SamplingParams
 from tandem.wire.client import AsyncClient
 from tests.integration.test_cluster_stub import wait_clean
@@ -87,7 +89,13 @@ def test_disaggregated_equals_hybrid_equals_single_process(cluster, tiny_model_d
     assert hybrid == single
 
 
-def test_decode_sigkill_mid_stream_real_engine_exact(cluster, tiny_model_dir):
+@pytest.mark.parametrize("sp", [
+    SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+    # Sampled and seeded: the resumed worker must draw from the same random stream at
+    # the same place (seed_offset = tokens already streamed), or the tail differs.
+    SamplingParams(temperature=0.9, top_p=0.95, seed=20261130, max_tokens=200, ignore_eos=True),
+], ids=["greedy", "seeded_sampling"])
+def test_decode_sigkill_mid_stream_real_engine_exact(cluster, tiny_model_dir, sp):
     from tests.integration.test_cluster_stub import _kill_holder
 
     cluster.heartbeat_ms = 500
@@ -99,7 +107,6 @@ def test_decode_sigkill_mid_stream_real_engine_exact(cluster, tiny_model_dir):
     c = cluster.client(timeout_s=60)
     cluster.wait_workers(c, prefill=1, decode=2, timeout=120)
     prompt = _prompts()[0]
-    sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     toks, killed = [], None
     for ev in c.generate(prompt, sp):
         toks += ev.tokens
