@@ -150,6 +150,7 @@ class Dispatcher:
             w.load.running, w.load.waiting = msg.running, msg.waiting
             w.load.free_blocks, w.load.total_blocks = msg.free_blocks, msg.total_blocks
             w.remember_prefixes(reversed(msg.prefix_hashes))
+            w.kv.update(msg.kv_handoffs, msg.kv_sent_bytes, msg.kv_sent_s, msg.kv_received_bytes)
             if msg.draining and w.state == UP:
                 w.state = DRAINING
             self._reconcile(w, msg.requests)

@@ -27,6 +27,32 @@ class Load:
 
 
 @dataclass
+class KVTraffic:
+    """KV handoffs a worker reports in its heartbeats (totals since it started)."""
+
+    handoffs: int = 0
+    sent_bytes: int = 0
+    sent_s: float = 0.0
+    received_bytes: int = 0
+    recent_gb_s: float | None = None  # moving average over the heartbeats that saw handoffs
+
+    EWMA = 0.3  # weight of the newest heartbeat interval's bandwidth
+
+    def update(self, handoffs: int, sent_bytes: int, sent_s: float, received_bytes: int) -> None:
+        d_bytes, d_s = sent_bytes - self.sent_bytes, sent_s - self.sent_s
+        if sent_bytes < self.sent_bytes or handoffs < self.handoffs:
+            d_bytes, d_s = sent_bytes, sent_s  # the worker restarted: its totals began again
+        if d_bytes > 0 and d_s > 0:
+            gb_s = d_bytes / d_s / 1e9
+            self.recent_gb_s = gb_s if self.recent_gb_s is None else self.EWMA * gb_s + (1 - self.EWMA) * self.recent_gb_s
+        self.handoffs, self.sent_bytes, self.sent_s, self.received_bytes = handoffs, sent_bytes, sent_s, received_bytes
+
+    @property
+    def gb_s(self) -> float | None:
+        return self.sent_bytes / self.sent_s / 1e9 if self.sent_s > 0 else None
+
+
+@dataclass
 class Worker:
     identity: bytes  # ROUTER routing id
     name: str  # the worker's own name (host:pid or --name)
@@ -47,6 +73,7 @@ class Worker:
     failures: int = 0
     prefixes: OrderedDict = field(default_factory=OrderedDict)
     saturated: bool = False  # it refused work; no more until its next heartbeat says otherwise
+    kv: KVTraffic = field(default_factory=KVTraffic)
 
     @property
     def prefills(self) -> bool:

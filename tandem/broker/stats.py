@@ -42,6 +42,13 @@ def snapshot(dispatcher, *, verbose: bool = False, rounds_s: list[float] | None 
             "free_blocks": w.load.free_blocks,
             "total_blocks": w.load.total_blocks,
             "used_blocks": max(0, w.load.total_blocks - w.load.free_blocks),
+            # KV transfer: handoffs this worker sent, their bytes, bandwidth over all of
+            # them and a moving average of recent heartbeat intervals (GB/s, 1e9 bytes).
+            "kv_handoffs": w.kv.handoffs,
+            "kv_sent_bytes": w.kv.sent_bytes,
+            "kv_gb_s": None if w.kv.gb_s is None else round(w.kv.gb_s, 4),
+            "kv_gb_s_recent": None if w.kv.recent_gb_s is None else round(w.kv.recent_gb_s, 4),
+            "kv_received_bytes": w.kv.received_bytes,
         }
         if verbose:
             row["name"] = w.name

@@ -8,7 +8,23 @@ import time
 
 HELP = "show the broker's stats: workers, load, queue, migrations, refusals"
 COLUMNS = ("node", "role", "state", "inflight", "dispatched", "decode_targeted", "running", "waiting",
-           "used_blocks", "total_blocks", "refusals", "failures")
+           "used_blocks", "total_blocks", "refusals", "failures", "kv_handoffs", "kv_sent", "kv_GB/s")
+
+
+def _mb(n) -> str:
+    return f"{n / 1e6:.1f}MB" if n else "0"
+
+
+def _cell(w: dict, key: str) -> str:
+    """One table cell; the KV columns are derived from the worker's raw fields."""
+    if key == "kv_sent":
+        return _mb(w.get("kv_sent_bytes", 0))
+    if key == "kv_GB/s":
+        # Recent moving average, then the all-time average; '-' until a handoff completed.
+        gb_s = w.get("kv_gb_s_recent") if w.get("kv_gb_s_recent") is not None else w.get("kv_gb_s")
+        return "-" if gb_s is None else f"{gb_s:.3f}"
+    value = w.get(key, "")
+    return "" if value is None else str(value)
 
 
 def add_arguments(p) -> None:
@@ -51,7 +67,7 @@ def render(stats: dict) -> str:
                  f"migrations {c.get('migrations', 0)}  busy {c.get('refused_busy', 0)}  "
                  f"handoffs {c.get('handoffs', 0)}  handoff p50 "
                  + (f"{stats['handoff_ms_p50']:.1f} ms" if stats.get("handoff_ms_p50") is not None else "-"))
-    rows = [COLUMNS] + [tuple(str(w.get(k, "")) for k in COLUMNS) for w in stats.get("workers", [])]
+    rows = [COLUMNS] + [tuple(_cell(w, k) for k in COLUMNS) for w in stats.get("workers", [])]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     for r in rows:
         lines.append("  ".join(v.ljust(widths[i]) for i, v in enumerate(r)))

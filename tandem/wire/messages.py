@@ -140,6 +140,13 @@ class Heartbeat:
     requests: list[bytes] = w(S.List(S.REQUEST_ID, P.MAX_HELD_REQUESTS), default_factory=list)
     tokens_per_s: float = w(S.Float(0.0, 1e12), 0.0)
     draining: bool = w(S.Bool(), False)
+    # KV handoffs since start (protocol v2): completed ones this worker sent, their KV
+    # bytes and the seconds they took (send -> decode worker's "ingested" ack), and the
+    # KV bytes this worker received. The broker turns them into transfer bandwidth.
+    kv_handoffs: int = w(S.TOTAL, 0)
+    kv_sent_bytes: int = w(S.TOTAL, 0)
+    kv_sent_s: float = w(S.Float(0.0, 1e12), 0.0)
+    kv_received_bytes: int = w(S.TOTAL, 0)
 
 
 @message(MsgType.DISPATCH)

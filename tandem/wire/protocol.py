@@ -37,6 +37,7 @@ MAX_ATTEMPTS = 64
 MAX_RETRY_AFTER_S = 3600.0
 MAX_SEQ = (1 << 32) - 1
 MAX_COUNT = (1 << 40)  # block counts, capacities, queue depths: generous but finite
+MAX_TOTAL = (1 << 63) - 1  # running totals in heartbeats (e.g. KV bytes sent since start)
 
 MAX_HEADER_BYTES = 4 << 20  # the msgpack frame; a maximal prompt is ~0.7 MB
 MAX_FRAME_BYTES = 512 << 20  # one payload frame (a layer's K or V of a chunk)

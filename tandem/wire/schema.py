@@ -315,6 +315,7 @@ TEXT = Str(P.TEXT_MAX_CHARS)
 TOKEN_IDS = IntList(0, P.MAX_TOKEN_ID, P.MAX_PROMPT_TOKENS)
 PROMPT = IntList(0, P.MAX_TOKEN_ID, P.MAX_PROMPT_TOKENS, min_len=1)
 COUNT = Int(0, P.MAX_COUNT)
+TOTAL = Int(0, P.MAX_TOTAL)  # running totals (bytes moved since start): must not overflow in a long run
 SEQ = Int(0, P.MAX_SEQ)
 PRIORITY = Int(-P.MAX_PRIORITY, P.MAX_PRIORITY)
 RETRY_AFTER = Float(0.0, P.MAX_RETRY_AFTER_S)

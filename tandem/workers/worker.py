@@ -390,9 +390,13 @@ class Worker:
             self.stalled = True
             return
         self.stalled = False
+        sent = self.sender.counters if self.sender is not None else {}
         self._send(M.Heartbeat(self.node_id, stats.running, stats.waiting, stats.free_blocks, stats.total_blocks,
                                list(reversed(self.recent_prefixes))[: P.MAX_PREFIX_HASHES],
-                               list(self.local)[: P.MAX_HELD_REQUESTS], float(stats.tokens_per_s), self._draining))
+                               list(self.local)[: P.MAX_HELD_REQUESTS], float(stats.tokens_per_s), self._draining,
+                               kv_handoffs=sent.get("handoffs", 0), kv_sent_bytes=sent.get("handoff_bytes", 0),
+                               kv_sent_s=sent.get("handoff_ms", 0.0) / 1000,
+                               kv_received_bytes=self.kv_in.bytes_in if self.kv_in is not None else 0))
         # Proves to the broker that this PUB's connection to its XSUB is up: it only
         # dispatches to workers whose tokens it can actually receive.
         self.pub.send_multipart([STREAM_PING_TOPIC, self.node_id.encode()])

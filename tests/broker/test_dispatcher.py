@@ -354,3 +354,25 @@ def test_stats_report_loop_rounds():
     assert snapshot(h.d)["loop_rounds"] == {"rounds": 0, "busy_total": 0}
     rounds = snapshot(h.d, rounds_s=[0.001] * 99 + [0.5], busy_rounds=250)["loop_rounds"]
     assert rounds == {"rounds": 100, "p50_ms": 1.0, "p99_ms": 500.0, "max_ms": 500.0, "busy_total": 250}
+
+
+def test_heartbeat_kv_totals_become_bandwidth_in_stats():
+    from tandem.broker.stats import snapshot
+
+    h = Harness()
+    p = h.worker("p0", "prefill")
+    row = snapshot(h.d)["workers"][0]
+    assert row["kv_handoffs"] == 0 and row["kv_gb_s"] is None and row["kv_gb_s_recent"] is None
+    h.d.worker_message(p, M.Heartbeat("p0", kv_handoffs=2, kv_sent_bytes=4_000_000, kv_sent_s=0.002))
+    row = snapshot(h.d)["workers"][0]
+    assert row["kv_sent_bytes"] == 4_000_000 and row["kv_gb_s"] == 2.0 and row["kv_gb_s_recent"] == 2.0
+    # The next interval moved 1 GB/s: the moving average leans toward it, the total average follows the sums.
+    h.d.worker_message(p, M.Heartbeat("p0", kv_handoffs=3, kv_sent_bytes=5_000_000, kv_sent_s=0.003))
+    row = snapshot(h.d)["workers"][0]
+    assert row["kv_gb_s_recent"] == pytest.approx(1.7, abs=1e-3) and row["kv_gb_s"] == pytest.approx(5 / 3, abs=1e-3)
+    # No handoff in an interval: the recent figure holds; a restarted worker's totals start over.
+    h.d.worker_message(p, M.Heartbeat("p0", kv_handoffs=3, kv_sent_bytes=5_000_000, kv_sent_s=0.003))
+    assert snapshot(h.d)["workers"][0]["kv_gb_s_recent"] == pytest.approx(1.7, abs=1e-3)
+    h.d.worker_message(p, M.Heartbeat("p0", kv_handoffs=1, kv_sent_bytes=1_000_000, kv_sent_s=0.0002))
+    row = snapshot(h.d)["workers"][0]
+    assert row["kv_handoffs"] == 1 and row["kv_gb_s"] == 5.0 and row["kv_gb_s_recent"] == pytest.approx(0.3 * 5 + 0.7 * 1.7, abs=1e-3)

@@ -51,6 +51,22 @@ def test_disaggregated_stream_equals_reference_and_reports_usage(cluster):
     assert last.finish_reason == "length" and last.usage.prompt_tokens == 3 and last.usage.completion_tokens == 20
     st = wait_clean(c)
     assert st["counters"]["handoffs"] == 1
+    # Transfer bandwidth: the prefill worker's next heartbeat reports the handoff it sent
+    # (KV bytes and seconds), the decode worker's the bytes it ingested.
+    deadline = time.monotonic() + 10
+    while True:
+        workers = {w["role"]: w for w in c.stats()["workers"]}
+        if workers["prefill"]["kv_handoffs"] == 1 and workers["decode"]["kv_received_bytes"] > 0:
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.1)
+    p, d = workers["prefill"], workers["decode"]
+    assert p["kv_sent_bytes"] > 0 and p["kv_gb_s"] > 0 and p["kv_gb_s_recent"] > 0
+    assert d["kv_handoffs"] == 0 and d["kv_gb_s"] is None
+    from tandem.commands.stats import render
+
+    row = next(line for line in render(c.stats()).splitlines() if line.startswith("prefill-0"))
+    assert row.split()[-3:] == ["1", f"{p['kv_sent_bytes'] / 1e6:.1f}MB", f"{p['kv_gb_s_recent']:.3f}"]
 
 
 def test_500_concurrent_short_requests_gapless(cluster):
@@ -276,4 +292,4 @@ def test_client_and_stats_commands(cluster):
     assert stats["counters"]["completed"] == 1
     table = subprocess.run(base + ["stats", "--stats", e["stats"], "--cluster-secret-file", sf],
                            capture_output=True, text=True, timeout=60, env=cluster.env)
-    assert "hybrid-0" in table.stdout and "dispatched" in table.stdout
+    assert "hybrid-0" in table.stdout and "dispatched" in table.stdout and "kv_GB/s" in table.stdout
