@@ -1,9 +1,11 @@
-"""The broker's decisions, free of sockets: admit, queue, choose workers, track, migrate.
+"""The broker's decisions, free of sockets: admit, queue, choose workers, dispatch.
 
 The socket loop (:mod:`tandem.broker.broker`) decodes messages and calls in here; every
 decision goes out through the three callables it passes (``to_worker``, ``to_client``,
 ``publish``), which keeps this class testable with plain lists. All deadlines use the
-monotonic clock.
+monotonic clock. Two concerns live in their own modules as parts of this class: each
+request's token stream (:mod:`tandem.broker.streams`) and what happens when a worker
+fails or refuses (:mod:`tandem.broker.failover`).
 """
 
 from __future__ import annotations
@@ -14,21 +16,18 @@ import time
 from collections import Counter
 
 from tandem.broker import jobs as J
+from tandem.broker.failover import Failover
 from tandem.broker.jobs import Job
 from tandem.broker.registry import DOWN, DRAINING, UP, Load, Registry, Worker
 from tandem.broker.settings import BrokerSettings
 from tandem.broker.strategies import Selector, prefix_hashes
+from tandem.broker.streams import StreamTracking
 from tandem.wire import messages as M
-from tandem.wire.protocol import MAX_ATTEMPTS, MAX_HELD_REQUESTS
+from tandem.wire.protocol import MAX_ATTEMPTS
 
 log = logging.getLogger("tandem.broker")
 
-FINISHED_LINGER_S = 10.0  # keep a finished job this long for late DONEs, then forget it
-FINAL_GRACE_S = 2.0  # after a worker's DONE, wait this long for its final stream message
-LINGER_SCAN_S = 1.0  # how often tick() looks for finished jobs past their linger time
-
-
-class Dispatcher:
+class Dispatcher(StreamTracking, Failover):
     def __init__(self, settings: BrokerSettings, *, to_worker, to_client, publish, clock=time.monotonic):
         self.s = settings
         self.clock = clock
@@ -169,24 +168,6 @@ class Dispatcher:
         else:
             self.counters["unexpected_worker_messages"] += 1
 
-    def _reconcile(self, w: Worker, held: list[bytes]) -> None:
-        """A request the broker believes this worker alone holds, which the worker's
-        heartbeats stop listing, was lost on the way (a dispatch dropped across a
-        reconnect, say): move it on instead of letting its client wait forever."""
-        if len(held) >= MAX_HELD_REQUESTS:
-            return  # the list is truncated: absence proves nothing
-        listed = set(held)
-        grace = 2 * self.registry.heartbeat_s
-        now = self.clock()
-        for rid in list(w.inflight):
-            job = self.jobs.get(rid)
-            if (job is None or job.state != J.RUNNING or rid in listed or job.holders != {w.identity}
-                    or now - job.dispatched_at < grace):
-                continue
-            self.counters["lost_requests"] += 1
-            job.excluded.add(w.identity)
-            self._reschedule(job, f"{w.node_id} no longer holds it", count=True)
-
     def stream_ping(self, identity: bytes) -> None:
         w = self.registry.get(identity)
         if w is not None and not w.stream_ok and w.state != DOWN:
@@ -217,94 +198,6 @@ class Dispatcher:
             job.worker_done_at = self.clock()
             self.awaiting_final[job.request_id] = job
         self._maybe_forget(job)
-
-    def _worker_refused(self, w: Worker, msg: M.Refused) -> None:
-        self.counters["worker_refusals"] += 1
-        job = self.jobs.get(msg.request_id)
-        if job is None or job.state == J.FINISHED or w.identity not in job.holders:
-            return
-        target = self.registry.get(job.decode_worker) if job.decode_worker else None
-        if job.next_seq > 0 and target is not None and target is not w:
-            # A prefill worker whose decode target refused the KV (full, timed out): the
-            # first token is out, so the request continues elsewhere from it.
-            target.refusals += 1
-            target.saturated = True
-            job.excluded.add(target.identity)
-        else:
-            w.refusals += 1
-            w.saturated = True
-            job.excluded.add(w.identity)
-        self._reschedule(job, f"{w.node_id}: {msg.message or msg.reason}", count=False)
-
-    def _failed(self, w: Worker, rid: bytes, error: str, retryable: bool, migration: bool = True) -> None:
-        job = self.jobs.get(rid)
-        if job is None or job.state == J.FINISHED or w.identity not in job.holders:
-            return
-        job.excluded.add(w.identity)
-        if retryable:
-            self._reschedule(job, f"{w.node_id}: {error}", count=migration)
-        else:
-            self._release(job, notify=True)
-            self._end_stream(job, error=f"request failed on {w.node_id}: {error}")
-
-    # ---- token streams -------------------------------------------------------------------
-    def stream(self, job: Job | None, attempt: int, msg: M.TokenMessage) -> str:
-        """Judge one worker token message. Returns 'forward', 'patched', or 'drop'."""
-        if job is None:
-            return "forward"  # not ours (a broker restart lost the record): pass it through
-        if job.state == J.FINISHED or attempt != job.attempt:
-            self.counters["stale_stream_messages"] += 1
-            return "drop"
-        if msg.seq < job.next_seq:
-            self.counters["duplicate_stream_messages"] += 1
-            return "drop"
-        if msg.seq > job.next_seq:
-            self.counters["stream_gaps"] += 1
-            self._release(job, notify=True)
-            self._end_stream(job, error=f"token stream gap: expected message {job.next_seq}, got {msg.seq}")
-            return "drop"
-        job.next_seq += 1
-        if job.first_token_at is None and msg.tokens:
-            job.first_token_at = self.clock()
-        job.generated.extend(msg.tokens)
-        self.counters["tokens"] += len(msg.tokens)
-        if msg.finish_reason is None and msg.error is None:
-            return "forward"
-        self._set_state(job, J.FINISHED)
-        job.finished_at = self.clock()
-        self.counters["completed" if msg.error is None else "errored"] += 1
-        if job.migrations or job.resume or (msg.usage and msg.usage.prompt_tokens != len(job.prompt)):
-            # A resumed worker counted prompt + earlier tokens as its prompt: report the
-            # client's view instead.
-            cached = msg.usage.cached_prompt_tokens if msg.usage else 0
-            msg.usage = M.Usage(len(job.prompt), len(job.generated), min(cached, len(job.prompt)))
-            self._maybe_forget(job)
-            return "patched"
-        # Forget it now if its worker's DONE came first; otherwise that DONE forgets it.
-        # (Left to the linger purge, finished jobs pile up by the tens of thousands at
-        # high rates and every tick and garbage collection walks them.)
-        self._maybe_forget(job)
-        return "forward"
-
-    def _end_stream(self, job: Job, *, finish_reason: str | None = None, error: str | None = None) -> None:
-        """The broker writes the last stream message itself (failure or lost final)."""
-        if job.state == J.FINISHED:
-            return
-        self.publish(M.TokenMessage(job.request_id, job.next_seq, [], None,
-                                    finish_reason or "error", job.usage(), error))
-        job.next_seq += 1
-        if job.state in (J.WAITING_SUB, J.QUEUED) and error:
-            self.counters["errored"] += 1
-        self._finish(job)
-
-    def _finish(self, job: Job) -> None:
-        self._set_state(job, J.FINISHED)
-        job.finished_at = self.clock()
-        self._maybe_forget(job)
-
-    def _maybe_forget(self, job: Job) -> None:
-        if job.state == J.FINISHED and not job.holders:
-            self.jobs.pop(job.request_id, None)
 
     # ---- dispatch ------------------------------------------------------------------------
     def dispatch_pending(self) -> None:
@@ -430,44 +323,11 @@ class Dispatcher:
                 self.to_worker(identity, M.Abort(job.request_id))
             self._unhold(job, w)
 
-    # ---- failure -------------------------------------------------------------------------
-    def _worker_lost(self, w: Worker, why: str) -> None:
-        for rid in list(w.inflight):
-            job = self.jobs.get(rid)
-            if job is None or job.state == J.FINISHED:
-                w.inflight.discard(rid)
-                if job is not None:
-                    self._unhold(job, w)
-                    self._maybe_forget(job)
-                continue
-            job.excluded.add(w.identity)
-            self._reschedule(job, f"{w.node_id}: {why}", count=True)
-        w.inflight.clear()
-        w.inflight_tokens = 0
-
-    def _reschedule(self, job: Job, why: str, *, count: bool) -> None:
-        self._release(job, notify=True)
-        if count:
-            job.migrations += 1
-            self.counters["migrations"] += 1
-            if job.migrations > self.s.max_migrations:
-                self.counters["migrations_exhausted"] += 1
-                self._end_stream(job, error=f"worker failed and no migration is left ({why})")
-                return
-        log.info("request %s moves to another worker (%s)", job.request_id.hex(), why)
-        # Anything already streamed must not be produced again: continue from it.
-        job.resume = job.next_seq > 0
-        self._set_state(job, J.QUEUED)
-        job.deadline = self.clock() + self.s.queue_timeout_s
-        self._try_dispatch(job)
-
     # ---- periodic ------------------------------------------------------------------------
     def tick(self) -> None:
         """Purge expired workers and jobs, re-probe, refuse what cannot be placed."""
         now = self.clock()
-        for w in self.registry.expired():
-            log.warning("worker %s missed its heartbeats; marked down", w.node_id)
-            self._worker_lost(w, "missed heartbeats")
+        self._expire_workers()
         usable = any(w.state == UP for w in self.registry.workers.values())
         queued = self.queued()
         can_probe = bool(self.registry.down())
@@ -487,25 +347,9 @@ class Dispatcher:
                 self._refuse_job(job, "no_worker", "no worker is available")
         if not usable and any(j.state == J.QUEUED for j in self.pending.values()):
             self._reprobe(now)
-        for rid, job in list(self.awaiting_final.items()):
-            if job.state == J.FINISHED or self.jobs.get(rid) is not job:
-                del self.awaiting_final[rid]
-            elif job.worker_done_at + FINAL_GRACE_S < now:
-                del self.awaiting_final[rid]
-                self.counters["lost_finals"] += 1
-                done = job.worker_done
-                expected = done.usage.completion_tokens if done.usage else None
-                if expected is None or job.resume or job.migrations or expected == len(job.generated):
-                    self._end_stream(job, finish_reason=done.finish_reason)
-                else:
-                    self._end_stream(job, error="the worker finished but some of its tokens were lost in transit")
+        self._close_lost_finals(now)
         self.dispatch_pending()
-        if now < self._next_linger_scan:
-            return
-        self._next_linger_scan = now + LINGER_SCAN_S
-        for job in [j for j in self.jobs.values() if j.state == J.FINISHED and j.finished_at + FINISHED_LINGER_S < now]:
-            self._release(job, notify=False)
-            self.jobs.pop(job.request_id, None)
+        self._purge_finished(now)
 
     def _refuse_job(self, job: Job, reason: str, text: str) -> None:
         if job.next_seq == 0 and not job.migrations:
@@ -514,13 +358,3 @@ class Dispatcher:
         else:
             self._end_stream(job, error=text)
 
-    def _reprobe(self, now: float) -> None:
-        down = self.registry.down()
-        if not down or now < self._probe_deadline or now - self._last_probe < self.s.reprobe_interval_ms / 1000:
-            return
-        # Single flight: one probe round at a time, answers within the timeout count.
-        self._last_probe = now
-        self._probe_deadline = now + self.s.reprobe_timeout_ms / 1000
-        self.counters["reprobes"] += 1
-        for w in down:
-            self.to_worker(w.identity, M.Heartbeat("broker"))
