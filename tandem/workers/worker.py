@@ -18,11 +18,9 @@ import signal
 import socket
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import zmq
 
-from tandem.broker.jobs import STREAM_PING_TOPIC
 from tandem.broker.strategies import prefix_hashes
 from tandem.pipeline.api import EngineRefused, EngineRequest, TokenEvent
 from tandem.wire import codec
@@ -32,32 +30,20 @@ from tandem.wire.errors import WireError
 from tandem.wire.sockets import bound_endpoint, make_socket
 from tandem.wire.settings import TransferSettings
 from tandem.workers.handoff import KVIngest
+from tandem.workers.health import Health
+from tandem.workers.local import Local
 from tandem.workers.sender import HandoffSender
 from tandem.workers.settings import WorkerSettings
+from tandem.workers.transfers import KVHandoffs
 
 log = logging.getLogger("tandem.worker")
 
 TOMBSTONE_S = 60.0  # remember aborted request ids this long (a late KV transfer is refused)
 
-
-@dataclass
-class Local:
-    request_id: bytes
-    attempt: int
-    seq: int  # next stream sequence number this worker publishes
-    mode: str  # prefill | run (to the end here)
-    prompt_len: int
-    priority: int = 0
-    decode_node: str | None = None
-    decode_address: str | None = None
-    handing_off: bool = False
-
-
 def default_name(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
-
-class Worker:
+class Worker(KVHandoffs, Health):
     def __init__(self, engine, *, settings: WorkerSettings, backend: str, stream_in: str, secret: bytes | None,
                  model_id: str, heartbeat_s: float = 1.0, decode_allowlist=(), block_size: int = 16,
                  total_blocks: int = 0, capacity: int = 64, ctx: zmq.Context | None = None,
@@ -116,15 +102,6 @@ class Worker:
         return on_event
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def drain(self, *_):
-        """SIGTERM: stop taking work, finish what we hold within the grace period."""
-        if not self._draining:
-            log.info("draining (grace %.0fs)", self.s.drain_grace_s)
-            self._draining = True
-            self._drain_deadline = time.monotonic() + self.s.drain_grace_s
-            self._next_heartbeat = 0.0
-            if self.on_drain is not None:
-                self.on_drain()
 
     def stop(self):
         self._stop = True
@@ -296,119 +273,16 @@ class Worker:
                 else:
                     self._send(M.Done(ev.request_id, finish, ev.usage, None))
 
-    # ---- KV handoff: prefill side -------------------------------------------------------------
-    def _hand_off(self, local: Local, snap) -> None:
-        local.handing_off = True
-        self.sender.start(snap, attempt=local.attempt, decode_node=local.decode_node or "",
-                          address=local.decode_address, stream_seq=local.seq, priority=local.priority)
-
-    def _handoff_outcomes(self, outcomes) -> None:
-        for rid, failure in outcomes:
-            local = self.local.get(rid)
-            if local is None or not local.handing_off:
-                continue
-            del self.local[rid]
-            if failure is None:
-                self._send(M.Done(rid, None, None, handed_to=local.decode_node or "decode"))
-            else:
-                log.info("handoff of %s failed: %s", rid.hex(), failure)
-                # The broker moves the request on (excluding that decode worker); the first
-                # token is already out, so it continues from it.
-                self._send(M.Refused(rid, "at_capacity", failure[:1000], 0.0))
-
-    # ---- KV handoff: decode side --------------------------------------------------------------
-    def _at_capacity(self) -> bool:
-        return self._draining or len(self.local) >= self.capacity
-
-    def _on_kv_in(self, frames) -> None:
-        for peer, attempt, header, snap in self.kv_in.on_message(list(frames), at_capacity=self._at_capacity):
-            rid = header.request_id
-            if snap is None:
-                refuse = None
-                if rid in self.tombstones:
-                    refuse = ("invalid", "request was aborted")
-                elif self._draining:
-                    refuse = ("draining", "decode worker is draining")
-                elif header.model != self.model_id:
-                    refuse = ("invalid", f"decode worker serves {self.model_id!r}, KV is for {header.model!r}")
-                elif len(self.local) >= self.capacity or not self.engine.can_accept(len(header.tokens)):
-                    refuse = ("at_capacity", "decode worker is full")
-                if refuse:
-                    self.kv_in.refuse(peer, rid, refuse[0], refuse[1], 0.5)
-                    continue
-                self.kv_in.reply(peer, M.KVAck(rid, complete=False))
-                # Hold the place now so capacity counts the transfer in flight.
-                self.local[rid] = Local(rid, attempt, header.stream_seq, "run", header.prompt_len, header.priority)
-                continue
-            local = self.local.get(rid)
-            if local is None or local.attempt != attempt:
-                self.kv_in.refuse(peer, rid, "invalid", "request was aborted")
-                continue
-            try:
-                self.engine.import_kv(snap, self._callback(attempt), priority=header.priority)
-            except (EngineRefused, ValueError) as exc:
-                del self.local[rid]
-                self.kv_in.refuse(peer, rid, "at_capacity" if isinstance(exc, EngineRefused) else "invalid",
-                                  str(exc)[:500], getattr(exc, "retry_after_s", 0.0))
-                continue
-            self.kv_in.reply(peer, M.KVAck(rid, complete=True))
-
     # ---- timers ----------------------------------------------------------------------------------
     def _timers(self, poller) -> None:
         now = time.monotonic()
-        self._handoff_outcomes(self.sender.expired(now))
-        if self.kv_in is not None:
-            for inc in self.kv_in.expire(now):
-                # Header arrived, data never completed: give the place back.
-                local = self.local.get(inc.header.request_id)
-                if local is not None and local.attempt == inc.attempt:
-                    del self.local[inc.header.request_id]
+        self._expire_transfers(now)
         while self.tombstones and next(iter(self.tombstones.values())) < now:
             self.tombstones.popitem(last=False)
         if now >= self._next_heartbeat:
             self._heartbeat(now)
         if self._draining and (not self.local or now >= self._drain_deadline):
             self._finish_drain()
-
-    def alive(self) -> bool:
-        """For a watchdog: the IO loop turns and the engine is not stalled."""
-        return not self.stalled and time.monotonic() - self.last_loop < max(5.0, 5 * self.heartbeat_s)
-
-    def _engine_progressing(self, now: float, stats) -> bool:
-        if stats.steps != self._last_steps:
-            self._last_steps = stats.steps
-            self._last_progress = now
-        busy = stats.running + stats.waiting > 0 or bool(self.local)
-        return not busy or now - self._last_progress < self.s.stall_timeout_s
-
-    def _heartbeat(self, now: float) -> None:
-        self._next_heartbeat = now + self.heartbeat_s
-        stats = self.engine.stats()
-        if not self._engine_progressing(now, stats):
-            if not self.stalled:
-                log.error("engine made no progress for %.0fs with work queued: heartbeats stop so the broker moves our requests", self.s.stall_timeout_s)
-            self.stalled = True
-            return
-        self.stalled = False
-        sent = self.sender.counters if self.sender is not None else {}
-        self._send(M.Heartbeat(self.node_id, stats.running, stats.waiting, stats.free_blocks, stats.total_blocks,
-                               list(reversed(self.recent_prefixes))[: P.MAX_PREFIX_HASHES],
-                               list(self.local)[: P.MAX_HELD_REQUESTS], float(stats.tokens_per_s), self._draining,
-                               kv_handoffs=sent.get("handoffs", 0), kv_sent_bytes=sent.get("handoff_bytes", 0),
-                               kv_sent_s=sent.get("handoff_ms", 0.0) / 1000,
-                               kv_received_bytes=self.kv_in.bytes_in if self.kv_in is not None else 0))
-        # Proves to the broker that this PUB's connection to its XSUB is up: it only
-        # dispatches to workers whose tokens it can actually receive.
-        self.pub.send_multipart([STREAM_PING_TOPIC, self.node_id.encode()])
-
-    def _finish_drain(self) -> None:
-        for rid, local in list(self.local.items()):
-            self.engine.abort(rid)
-            self._send(M.Failed(rid, "worker shut down before the request finished", retryable=True))
-        self.local.clear()
-        self._send(M.Disconnect(self.node_id, "drained"))
-        log.info("drained; leaving")
-        self._stop = True
 
     def _shutdown(self) -> None:
         try:

@@ -1,0 +1,19 @@
+"""A request as one worker holds it: which dispatch attempt, where its stream stands,
+and (prefill) where its KV goes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Local:
+    request_id: bytes
+    attempt: int
+    seq: int  # next stream sequence number this worker publishes
+    mode: str  # prefill | run (to the end here)
+    prompt_len: int
+    priority: int = 0
+    decode_node: str | None = None
+    decode_address: str | None = None
+    handing_off: bool = False
