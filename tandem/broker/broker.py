@@ -214,17 +214,22 @@ class Broker:
             sock.close(0)
 
     # ---- handlers ---------------------------------------------------------------------------
+    def _malformed(self, exc: WireError) -> None:
+        self.dispatcher.counters["bad_messages"] += 1
+        log.debug("dropped a malformed message: %s", exc)
+
     def _decode(self, head: bytes):
         try:
             return F.decode(head)
         except WireError as exc:
-            self.dispatcher.counters["bad_messages"] += 1
-            log.debug("dropped a malformed message: %s", exc)
+            self._malformed(exc)
             return None
 
     def _on_frontend(self, identity: bytes, head: bytes) -> None:
-        msg = self._decode(head)
-        if msg is None:
+        try:
+            msg = F.decode(head)
+        except WireError as exc:
+            self._malformed(exc)
             return
         cls = type(msg)
         if cls is M.Submit:
@@ -241,9 +246,12 @@ class Broker:
                         busy_rounds=self.busy_rounds)
 
     def _on_backend(self, identity: bytes, head: bytes) -> None:
-        msg = self._decode(head)
-        if msg is not None:
-            self.dispatcher.worker_message(identity, msg)
+        try:
+            msg = F.decode(head)
+        except WireError as exc:
+            self._malformed(exc)
+            return
+        self.dispatcher.worker_message(identity, msg)
 
     def _on_stats(self, identity: bytes, head: bytes) -> None:
         msg = self._decode(head)

@@ -73,6 +73,8 @@ class StreamTracking:
     def _maybe_forget(self, job: Job) -> None:
         if job.state == J.FINISHED and not job.holders:
             self.jobs.pop(job.request_id, None)
+            # (Left for tick() to find, these piled up by the hundreds between ticks.)
+            self.awaiting_final.pop(job.request_id, None)
 
     def _close_lost_finals(self, now: float) -> None:
         """End the streams whose worker said DONE but whose final message never came."""
