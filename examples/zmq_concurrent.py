@@ -45,7 +45,11 @@ async def main(args) -> int:
         print(f"{total} tokens in {time.perf_counter() - t:.2f}s = {total / (time.perf_counter() - t):.1f} tok/s")
         stats = await client.stats()
         for w in stats["workers"]:
-            print(f"  {w['node']:<12} {w['state']:<6} dispatched {w['dispatched']:>5}  decode-targeted {w['decode_targeted']:>5}")
+            kv = ""
+            if w.get("kv_handoffs"):
+                # KV handoffs this (prefill) worker sent and their bandwidth (bytes / seconds).
+                kv = f"  KV sent {w['kv_handoffs']} x, {w['kv_sent_bytes'] / 1e6:.1f} MB at {w['kv_gb_s']:.2f} GB/s"
+            print(f"  {w['node']:<12} {w['state']:<6} dispatched {w['dispatched']:>5}  decode-targeted {w['decode_targeted']:>5}{kv}")
     return 0
 
 
