@@ -334,8 +334,14 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
             last = max(ev[-1][0] for ev in marks.values())
             after = sum(n for evs in marks.values() for (t, n) in evs if t > first)
             dec = after / (last - first) if last > first else None
+            # Gaps between one request's token events after every request has started: a
+            # stall (a compile, a cache rebuild) shows as a max far above the median.
+            gaps = [1e3 * (b[0] - a[0]) for evs in marks.values() for a, b in zip(evs, evs[1:])
+                    if a[0] >= first]
+            gap = np.percentile(gaps, [50, 90]).tolist() + [max(gaps)] if gaps else None
             record(name, fmt=fmt, batch=B, runner=runner, prefill_tps=B * prompt_len / (first - t0),
                    decode_tps=dec, step_ms=(1e3 * B / dec) if dec else None,
+                   gap_ms_p50_p90_max=gap, compiled=getattr(eng.runner, "compiled", None),
                    tokens=sum(n for evs in marks.values() for (_, n) in evs),
                    paths=linear.paths_used())
     finally:

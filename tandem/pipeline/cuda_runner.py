@@ -100,44 +100,44 @@ def _prepare_linears(model) -> None:
 
 
 class _Step:
-    """Per decode step, read by every layer: positions, slots, block table, lengths."""
+    """Per decode step, read by every layer: positions, slots, block table, lengths.
 
-    pos: mx.array
-    slots: mx.array
-    table: mx.array
-    lens: mx.array
-    max_len: int
-    partition: int
+    ``max_len`` and ``partition`` follow from the table's shape alone (``nb * block_size``
+    bounds every row's length), so a compiled step traced for one table shape stays right
+    for every step of that shape."""
+
+    def __init__(self, pos, slots, table, lens, block_size: int, n_kv_heads: int):
+        self.pos, self.slots, self.table, self.lens = pos, slots, table, lens
+        self.max_len = table.shape[1] * block_size
+        self.partition = pac.choose_partition(table.shape[0], n_kv_heads, self.max_len)
 
 
 class _CudaOps:
     """The kernels: RoPE + in-place KV write, split-K paged decode attention.
 
-    ``attend`` returns (B, H * D): the o-projection's input, with no reshape op between."""
+    ``write`` returns the pools it was given (modified in place); ``attend`` returns
+    (B, H * D): the o-projection's input, with no reshape op between."""
 
-    def write(self, store: KVStore, layer: int, y, step: _Step, inv_freq, H: int, KVH: int, trad: bool):
-        q, _ = pac.write_kv_rope(y, step.pos, step.slots, inv_freq, store.keys[layer],
-                                 store.values[layer], H, KVH, traditional=trad)
-        return q
+    def write(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool):
+        q, _ = pac.write_kv_rope(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH, traditional=trad)
+        return q, kp, vp
 
-    def attend(self, store: KVStore, layer: int, q, step: _Step, scale: float):
-        return pac.paged_decode_attention(q, store.keys[layer], store.values[layer], step.table,
-                                          step.lens, scale, store.block_size, step.max_len,
-                                          step.partition, flat=True)
+    def attend(self, q, step: _Step, kp, vp, scale: float, block_size: int):
+        return pac.paged_decode_attention(q, kp, vp, step.table, step.lens, scale, block_size,
+                                          step.max_len, step.partition, flat=True)
 
 
 class _ReferenceOps:
-    """The same contract through the pure-mx references (tests on machines without CUDA)."""
+    """The same contract through the pure-mx references (tests on machines without CUDA);
+    ``write`` returns new pools instead of modifying its inputs."""
 
-    def write(self, store: KVStore, layer: int, y, step: _Step, inv_freq, H: int, KVH: int, trad: bool):
-        q, _, kp, vp = pac.write_kv_rope_reference(y, step.pos, step.slots, inv_freq, store.keys[layer],
-                                                   store.values[layer], H, KVH, traditional=trad)
-        store.keys[layer], store.values[layer] = kp, vp
-        return q
+    def write(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool):
+        q, _, kp, vp = pac.write_kv_rope_reference(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH,
+                                                   traditional=trad)
+        return q, kp, vp
 
-    def attend(self, store: KVStore, layer: int, q, step: _Step, scale: float):
-        out = pa.paged_attention(q[:, :, None], store.keys[layer], store.values[layer], step.table,
-                                 step.lens - 1, store.block_size, scale)
+    def attend(self, q, step: _Step, kp, vp, scale: float, block_size: int):
+        out = pa.paged_attention(q[:, :, None], kp, vp, step.table, step.lens - 1, block_size, scale)
         return out[:, :, 0].reshape(q.shape[0], -1)
 
 
@@ -183,15 +183,14 @@ class FusedBlock(nn.Module):
         g = self.gate_up.fused(h, norm_weight=self.ln2, eps=self.eps2)
         return self.down_proj.fused(g, swiglu=True, residual=h).reshape(B, L, W)
 
-    def decode(self, h, runner: "KernelRunner", layer: int):
-        """h: (B, W) one token per row -> (B, W); KV written and read in the store's pools."""
-        step, ops, store = runner.step, runner.ops, runner.store
+    def decode(self, h, ops, step: _Step, kp, vp, block_size: int):
+        """h: (B, W) one token per row -> (h, kp, vp); this token's K/V go into the pools."""
         y = self.qkv.fused(h, norm_weight=self.ln1, eps=self.eps1)
-        q = ops.write(store, layer, y, step, self.inv_freq, self.H, self.KVH, self.traditional)
-        a = ops.attend(store, layer, q, step, self.scale)  # (B, H * D)
+        q, kp, vp = ops.write(y, step, kp, vp, self.inv_freq, self.H, self.KVH, self.traditional)
+        a = ops.attend(q, step, kp, vp, self.scale, block_size)  # (B, H * D)
         h = self.o_proj.fused(a, residual=h)
         g = self.gate_up.fused(h, norm_weight=self.ln2, eps=self.eps2)
-        return self.down_proj.fused(g, swiglu=True, residual=h)
+        return self.down_proj.fused(g, swiglu=True, residual=h), kp, vp
 
 
 class KernelRunner(PagedRunner):
@@ -202,7 +201,7 @@ class KernelRunner(PagedRunner):
     mirror stood in for on the CPU.
     """
 
-    def __init__(self, model, store: KVStore, ops: str = "cuda"):
+    def __init__(self, model, store: KVStore, ops: str = "cuda", compile_decode: bool | None = None):
         if ops == "cuda":
             _prepare_linears(model)
         else:
@@ -222,7 +221,13 @@ class KernelRunner(PagedRunner):
         self.final_norm = inner.norm
         head = getattr(model, "lm_head", None)
         self.head = head if isinstance(head, linear.FlatLinear) else None
-        self.step = _Step()
+        if compile_decode is None:
+            compile_decode = os.environ.get("TANDEM_DECODE_COMPILE", "0") == "1"
+        # Compiled: the step's graph is traced once per (batch, table width) and replayed
+        # without Python (~2 ms of graph building per step otherwise). Only with the CUDA
+        # ops: the reference ops return new pools, which a compiled step cannot hand back.
+        self.compiled = bool(compile_decode) and ops == "cuda"
+        self._step_fn = mx.compile(self._decode_graph) if self.compiled else self._decode_graph
         # Everything built here must be evaluated on this thread: the engine thread
         # cannot evaluate arrays left lazy on another thread's stream (docs/gpu.md).
         mx.eval(model.parameters(), [b.inv_freq for b in self.blocks])
@@ -230,7 +235,8 @@ class KernelRunner(PagedRunner):
         fmt = sorted({("dense" if b.qkv.has_dense else "") + ("+q%d" % b.qkv.bits if b.qkv.has_quantized else "")
                       for b in self.blocks})
         log.info("paged runner: %s kernels for decode (fused QKV, RoPE + in-place KV write, split-K "
-                 "paged attention), weights %s, %d layers", ops, ",".join(fmt), len(self.blocks))
+                 "paged attention%s), weights %s, %d layers", ops, ", compiled step" if self.compiled else "",
+                 ",".join(fmt), len(self.blocks))
 
     def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
         B, L = inputs.shape
@@ -246,17 +252,30 @@ class KernelRunner(PagedRunner):
             table[i, : len(ids)] = ids
             table[i, : len(ids)] += 1
         slots = table[np.arange(B), pos // bs] * bs + pos % bs
-        s = self.step
-        s.pos = mx.array(pos)
-        s.slots = mx.array(slots.astype(np.int32))
-        s.table = mx.array(table)
-        s.lens = mx.array(lens)
-        s.max_len = int(lens.max())
-        s.partition = pac.choose_partition(B, self.store.n_kv_heads, s.max_len)
+        L = len(self.blocks)
+        out = self._step_fn(inputs, mx.array(pos), mx.array(slots.astype(np.int32)), mx.array(table),
+                            mx.array(lens), *self.store.keys, *self.store.values)
+        if self.compiled:
+            return out
+        if isinstance(self.ops, _ReferenceOps):  # new pools, not written in place
+            self.store.keys[:], self.store.values[:] = out[1 : 1 + L], out[1 + L :]
+        return out[0]
+
+    def _decode_graph(self, inputs, pos, slots, table, lens, *pools):
+        """One decode step over all layers: (logits, *keys, *values); pure in its inputs
+        (weights are constants), so it can be compiled."""
+        L = len(self.blocks)
+        keys, values = list(pools[:L]), list(pools[L:])
+        step = _Step(pos, slots, table, lens, self.store.block_size, self.store.n_kv_heads)
+        B = inputs.shape[0]
         h = self.embed(inputs).reshape(B, -1)
         for i, blk in enumerate(self.blocks):
-            h = blk.decode(h, self, i)
+            h, keys[i], values[i] = blk.decode(h, self.ops, step, keys[i], values[i], self.store.block_size)
         norm = self.final_norm
         if self.head is not None:
-            return self.head.fused(h, norm_weight=norm.weight, eps=norm.eps)
-        return self.embed.as_linear(norm(h))
+            logits = self.head.fused(h, norm_weight=norm.weight, eps=norm.eps)
+        else:
+            logits = self.embed.as_linear(norm(h))
+        if self.compiled:
+            return logits  # the pools were written in place
+        return (logits, *keys, *values)

@@ -117,15 +117,16 @@ def _rows(lens, bs):
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("quantized", [False, True])
-def test_cuda_kernel_runner_matches_alone(tiny_model_dir, tiny_quantized_model_dir, monkeypatch, quantized):
+@pytest.mark.parametrize("quantized,compiled", [(False, False), (True, False), (False, True), (True, True)])
+def test_cuda_kernel_runner_matches_alone(tiny_model_dir, tiny_quantized_model_dir, monkeypatch, quantized, compiled):
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
+    monkeypatch.setenv("TANDEM_DECODE_COMPILE", "1" if compiled else "0")
     path = tiny_quantized_model_dir if quantized else tiny_model_dir
     ref = _fresh(path)
     prompts = random_prompts(9, 1, 70, seed=11)
     want = [oracle(ref, p, MAX_TOKENS) for p in prompts]
     eng = _engine(_fresh(path))
-    assert isinstance(eng.runner, cuda_runner.KernelRunner)
+    assert isinstance(eng.runner, cuda_runner.KernelRunner) and eng.runner.compiled == compiled
     got = eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts], timeout=180)
     if not quantized:
         assert got == want
