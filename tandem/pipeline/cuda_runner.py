@@ -108,19 +108,20 @@ class _Step:
 
     def __init__(self, pos, slots, table, lens, block_size: int, n_kv_heads: int):
         self.pos, self.slots, self.table, self.lens = pos, slots, table, lens
-        self.max_len = table.shape[1] * block_size
-        self.partition = pac.choose_partition(table.shape[0], n_kv_heads, self.max_len)
+        if table is not None:  # decode (a prefill step only writes)
+            self.max_len = table.shape[1] * block_size
+            self.partition = pac.choose_partition(table.shape[0], n_kv_heads, self.max_len)
 
 
 class _CudaOps:
     """The kernels: RoPE + in-place KV write, split-K paged decode attention.
 
-    ``write`` returns the pools it was given (modified in place); ``attend`` returns
-    (B, H * D): the o-projection's input, with no reshape op between."""
+    ``write`` returns the rotated q and k and the pools it was given (modified in place);
+    ``attend`` returns (B, H * D): the o-projection's input, with no reshape op between."""
 
     def write(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool):
-        q, _ = pac.write_kv_rope(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH, traditional=trad)
-        return q, kp, vp
+        q, k = pac.write_kv_rope(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH, traditional=trad)
+        return q, k, kp, vp
 
     def attend(self, q, step: _Step, kp, vp, scale: float, block_size: int):
         return pac.paged_decode_attention(q, kp, vp, step.table, step.lens, scale, block_size,
@@ -132,9 +133,8 @@ class _ReferenceOps:
     ``write`` returns new pools instead of modifying its inputs."""
 
     def write(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool):
-        q, _, kp, vp = pac.write_kv_rope_reference(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH,
-                                                   traditional=trad)
-        return q, kp, vp
+        return pac.write_kv_rope_reference(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH,
+                                           traditional=trad)
 
     def attend(self, q, step: _Step, kp, vp, scale: float, block_size: int):
         out = pa.paged_attention(q[:, :, None], kp, vp, step.table, step.lens - 1, block_size, scale)
@@ -186,7 +186,7 @@ class FusedBlock(nn.Module):
     def decode(self, h, ops, step: _Step, kp, vp, block_size: int):
         """h: (B, W) one token per row -> (h, kp, vp); this token's K/V go into the pools."""
         y = self.qkv.fused(h, norm_weight=self.ln1, eps=self.eps1)
-        q, kp, vp = ops.write(y, step, kp, vp, self.inv_freq, self.H, self.KVH, self.traditional)
+        q, _, kp, vp = ops.write(y, step, kp, vp, self.inv_freq, self.H, self.KVH, self.traditional)
         a = ops.attend(q, step, kp, vp, self.scale, block_size)  # (B, H * D)
         h = self.o_proj.fused(a, residual=h)
         g = self.gate_up.fused(h, norm_weight=self.ln2, eps=self.eps2)
@@ -228,6 +228,8 @@ class KernelRunner(PagedRunner):
         # ops: the reference ops return new pools, which a compiled step cannot hand back.
         self.compiled = bool(compile_decode) and ops == "cuda"
         self._step_fn = mx.compile(self._decode_graph) if self.compiled else self._decode_graph
+        # Prompts that start at position 0 skip the block gather (TANDEM_FRESH_PREFILL=0: off).
+        self.fresh_prefill = os.environ.get("TANDEM_FRESH_PREFILL", "1") != "0"
         # Everything built here must be evaluated on this thread: the engine thread
         # cannot evaluate arrays left lazy on another thread's stream (docs/gpu.md).
         mx.eval(model.parameters(), [b.inv_freq for b in self.blocks])
@@ -241,6 +243,8 @@ class KernelRunner(PagedRunner):
     def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
         B, L = inputs.shape
         if L != 1:
+            if self.fresh_prefill and all(r.start == 0 for r in rows):
+                return self._fresh_prefill(rows, inputs)
             return super().forward(rows, inputs)
         bs = self.store.block_size
         pos = np.fromiter((r.start for r in rows), np.int32, B)
@@ -260,6 +264,45 @@ class KernelRunner(PagedRunner):
         if isinstance(self.ops, _ReferenceOps):  # new pools, not written in place
             self.store.keys[:], self.store.values[:] = out[1 : 1 + L], out[1 + L :]
         return out[0]
+
+    def _fresh_prefill(self, rows: list[Row], inputs: mx.array) -> mx.array:
+        """Prompts from position 0 (no earlier context): every layer writes its K/V into
+        the pools with the RoPE + write kernel and attends causally over the chunk's own
+        keys, with no gather of blocks. Padded positions (past a row's ``n``) write nowhere
+        and only padded queries see them."""
+        B, L = inputs.shape
+        bs = self.store.block_size
+        ns = np.fromiter((r.n for r in rows), np.int32, B)
+        nb = -(-L // bs)
+        table = np.zeros((B, nb), np.int64)
+        for i, r in enumerate(rows):
+            ids = r.seq.block_ids[: -(-int(ns[i]) // bs)]
+            table[i, : len(ids)] = np.asarray(ids, np.int64) + 1
+        p = np.arange(L, dtype=np.int64)
+        slots = np.where(p[None, :] < ns[:, None], table[:, p // bs] * bs + p % bs, -1)
+        pos = mx.array(np.tile(p, B).astype(np.int32))
+        slots = mx.array(slots.reshape(-1).astype(np.int32))
+        last = mx.array((np.arange(B) * L + ns - 1).astype(np.int32))
+        step = _Step(pos, slots, None, None, bs, 0)
+        h = self.embed(inputs).reshape(B * L, -1)
+        keys, values = self.store.keys, self.store.values
+        for i, blk in enumerate(self.blocks):
+            H, KVH, D = blk.H, blk.KVH, blk.D
+            y = blk.qkv.fused(h, norm_weight=blk.ln1, eps=blk.eps1)
+            q, k, keys[i], values[i] = self.ops.write(y, step, keys[i], values[i], blk.inv_freq, H, KVH,
+                                                      blk.traditional)
+            q = q.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+            k = k.reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
+            v = y[:, (H + KVH) * D :].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=blk.scale, mask="causal")
+            h = blk.o_proj.fused(o.transpose(0, 2, 1, 3).reshape(B * L, H * D), residual=h)
+            g = blk.gate_up.fused(h, norm_weight=blk.ln2, eps=blk.eps2)
+            h = blk.down_proj.fused(g, swiglu=True, residual=h)
+        h = h[last]
+        norm = self.final_norm
+        if self.head is not None:
+            return self.head.fused(h, norm_weight=norm.weight, eps=norm.eps)
+        return self.embed.as_linear(norm(h))
 
     def _decode_graph(self, inputs, pos, slots, table, lens, *pools):
         """One decode step over all layers: (logits, *keys, *values); pure in its inputs
