@@ -510,7 +510,10 @@ def main() -> int:
               "and decides nothing, so the difference is what the broker adds: message validation, routing, "
               "progress tracking, the subscription confirmation and its CURVE sockets. The full-stack rows add "
               "the asyncio client and the worker's engine thread (per-request Python on both ends). "
-              "Broker CPU is read from /proc for the broker process during the closed-loop run. "
+              "Broker CPU is read from /proc for the broker process during the closed-loop run; requests/s per "
+              "idle core is 1 / that CPU time. Each tree's rows run its own broker, raw-socket client and workers "
+              "(a baseline speaks its own protocol version), so the closed-loop rates also include each tree's "
+              "client and worker code; the CPU figure is the broker's alone. "
               "What moved these numbers, and what did not: broker-notes.md.")
     write_results(args.out, "broker", "\n".join(md) + "\n", result)
     return 0
