@@ -19,7 +19,8 @@ from tests.wire.samples import all_messages, token_messages
 
 def _verdict(fn, *args):
     try:
-        return ("ok", fn(*args))
+        # repr: free-form stats may hold NaN, which is never equal to itself.
+        return ("ok", repr(fn(*args)))
     except WireError:
         return ("error", None)
 
@@ -100,7 +101,7 @@ def _fuzz(n: int, seed: int) -> None:
 
 
 def test_fuzzed_input_gets_the_same_verdict():
-    _fuzz(3000, 5)
+    _fuzz(20_000, 5)
 
 
 @pytest.mark.slow
