@@ -64,6 +64,42 @@ def bench_decisions(n: int) -> dict:
     return {"requests": n, "per_s": n / dt, "p50_us": pct(per, 0.5) * 1e6, "p99_us": pct(per, 0.99) * 1e6}
 
 
+def bench_codec(n: int) -> dict:
+    """The broker's per-request codec work (decode SUBMIT, DONE and the final token
+    message; encode ACCEPTED and DISPATCH), through the generic codec
+    (tandem.wire.codec) and through the broker's compiled one (tandem.broker.frames),
+    alternating in one run: microseconds per request, best of 5 passes."""
+    from tandem.broker import frames as F
+    from tandem.kvtypes import SamplingParams
+    from tandem.pipeline.api import Usage
+    from tandem.wire import codec
+    from tandem.wire import messages as M
+
+    rid = os.urandom(16)
+    sp = SamplingParams(temperature=0.7, top_p=0.9, seed=7, max_tokens=64)
+    submit = codec.encode(M.Submit(rid, list(range(1, 65)), sp))[0]
+    done = codec.encode(M.Done(rid, "length", Usage(64, 1)))[0]
+    tokens = codec.encode_tokens(M.TokenMessage(rid, 0, [7], None, "length", Usage(64, 1)))[1]
+    dispatch = M.Dispatch(rid, "hybrid", list(range(1, 65)), sp, 0, "", None, None, 1)
+
+    def generic():
+        codec.decode([submit]), codec.decode([done]), codec.decode_tokens([rid, tokens])
+        codec.encode(M.Accepted(rid, 3)), codec.encode(dispatch)
+
+    def compiled():
+        F.decode(submit), F.decode(done), F.decode_tokens(rid, tokens)
+        F.encode(M.Accepted(rid, 3)), F.encode(dispatch)
+
+    best = {"generic": float("inf"), "compiled": float("inf")}
+    for _ in range(5):
+        for name, fn in (("generic", generic), ("compiled", compiled)):
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t) / n * 1e6)
+    return {"generic_us": best["generic"], "compiled_us": best["compiled"], "ratio": best["compiled"] / best["generic"]}
+
+
 def _holder(d, rid):
     job = d.jobs.get(rid)
     return next(iter(job.holders)) if job and job.holders else b"w0"
@@ -445,6 +481,7 @@ def main() -> int:
     args = p.parse_args()
 
     decisions = bench_decisions(args.decisions)
+    codec_us = bench_codec(5_000)
     base_src = baseline_tree(args.baseline) if args.baseline else None
     # Broker-process runs alternate baseline/this tree so both see the same machine load.
     runs: dict[str, list] = {"this": [], "baseline": []}
@@ -460,7 +497,7 @@ def main() -> int:
     ll = lean["latency"]
     result = {
         **machine(), "args": vars(args),
-        "decisions": decisions, "broker_only": lean, "broker_only_runs": runs["this"],
+        "decisions": decisions, "codec": codec_us, "broker_only": lean, "broker_only_runs": runs["this"],
         "baseline": base, "baseline_runs": runs["baseline"],
         "full_stack": {"capacity_per_s": sockets["capacity_per_s"], "latency": lat},
         "raw_hops": raw,
@@ -468,6 +505,10 @@ def main() -> int:
     }
     rows = [("routing core in-process: subscribe+submit+dispatch+stream+done per request", f"{decisions['per_s']:,.0f}/s",
              f"{decisions['p50_us']:.1f} µs", f"{decisions['p99_us']:.1f} µs")]
+    rows += [("codec per request, generic `tandem.wire.codec` (decode SUBMIT, DONE, final token; encode ACCEPTED, DISPATCH)",
+              "", f"{codec_us['generic_us']:.1f} µs", ""),
+             (f"same, the broker's compiled `tandem.broker.frames` (×{codec_us['ratio']:.2f})", "",
+              f"{codec_us['compiled_us']:.1f} µs", "")]
     for label, r in ([("baseline " + args.baseline, base)] if base else []) + [("this tree", lean)]:
         cap, lt = r["capacity"], r["latency"]
         rows += [
