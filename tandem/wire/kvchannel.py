@@ -26,6 +26,12 @@ from tandem.wire.sockets import make_socket
 log = logging.getLogger(__name__)
 
 STREAM_RECORDS_BYTES = 1 << 20  # above this a message goes one record per ZeroMQ message
+# Frames smaller than this share a record up to about this size: per record there is a
+# fixed cost on both sides (a ZeroMQ message, a zero-copy release through pyzmq's
+# garbage-collector thread, a wake-up of the receiving thread) that at 0.75 MB records
+# was about a quarter of sealing's extra CPU; much larger records would make the first
+# record's sealing and the last one's opening, which do not overlap the network, longer.
+RECORD_GROUP_BYTES = 2 << 20
 KV_HWM = 64  # messages; KV chunks are large, so keep the queue short and let send block
 MAX_PENDING_HANDSHAKES = 256
 
@@ -40,7 +46,8 @@ class SendArena:
     KV connections use tcp.)"""
 
     def __init__(self, size: int):
-        self._view: memoryview | None = None  # allocated on first use
+        self._array: np.ndarray | None = None  # allocated on first use
+        self._view: memoryview | None = None
         self._size = size
         self._pos = 0
         self._inflight: deque = deque()  # [start, end, tracker] of regions libzmq may still read
@@ -49,23 +56,29 @@ class SendArena:
         if nbytes > self._size // 2:
             return None
         if self._view is None:
-            self._view = memoryview(np.ones(self._size, dtype=np.uint8))
+            self._array = np.ones(self._size, dtype=np.uint8)
+            self._view = memoryview(self._array)
         if self._pos + nbytes > self._size:
             self._pos = 0
         start, end = self._pos, self._pos + nbytes
-        keep: deque = deque()
-        for region in self._inflight:
-            tracker = region[2]  # None: its send failed, nothing holds it
-            if tracker is None or tracker.done:
-                continue
-            if region[0] < end and start < region[1]:
+        # Regions are handed out in ring order, so the only ones the new region can
+        # overlap are the oldest still in flight: check from the left and stop at the first
+        # live one clear of it (O(1) per record, not a scan of everything in flight).
+        inflight = self._inflight
+        while inflight:
+            r_start, r_end, tracker = inflight[0]
+            if tracker is not None and not tracker.done:  # None: its send failed, nothing holds it
+                if r_end <= start or end <= r_start:
+                    break
                 tracker.wait()  # libzmq still owns bytes we are about to overwrite
-            else:
-                keep.append(region)
-        keep.append([start, end, None])
-        self._inflight = keep
+            inflight.popleft()
+        inflight.append([start, end, None])
         self._pos = end
         return self._view[start:end]
+
+    def owns(self, buf) -> bool:
+        """Whether ``buf`` is a region this arena handed out (its send must be tracked)."""
+        return isinstance(buf, memoryview) and self._array is not None and buf.obj is self._array
 
     def track(self, tracker) -> None:
         self._inflight[-1][2] = tracker
@@ -106,8 +119,8 @@ class KVSender:
         ZeroMQ message when the payload is large, so sealing overlaps transmission."""
         if len(frames) > 1 and sum(len(codec.as_buffer(f)) for f in frames) >= STREAM_RECORDS_BYTES:
             arena = self._arena
-            for record in self.channel.seal_records(frames, alloc=arena.alloc):
-                if isinstance(record[1], memoryview):  # in the arena: track until libzmq lets go
+            for record in self.channel.seal_records(frames, alloc=arena.alloc, group_bytes=RECORD_GROUP_BYTES):
+                if arena.owns(record[1]):  # in the arena: track until libzmq lets go
                     self.socket.send(record[0], zmq.SNDMORE)
                     arena.track(self.socket.send(record[1], copy=False, track=True))
                 else:

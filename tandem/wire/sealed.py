@@ -1,20 +1,31 @@
 """AES-256-GCM sealed messages for one direction pair of one connection.
 
-A message of frames ``f_0 .. f_{n-1}`` is sealed as ``n`` records ``[head_i, ct_i]``:
-``head_i = b"TD" + version + SEALED + base (u64 BE) + n (u16 BE)
-+ i (u16 BE)`` and ``ct_i = AES-256-GCM(key, nonce = 0^4 || u64(base + i), f_i, aad =
-head_i)``. ``base`` starts at 0 per direction and advances by ``n`` per message, so each
-nonce is used once per key. Records travel either all in one ZeroMQ message
-(:meth:`SealedChannel.seal`, for small messages) or one ZeroMQ message per record
-(:meth:`SealedChannel.seal_records`, for bulk KV): then the sender seals frame ``i + 1``
-while ZeroMQ already transmits frame ``i``, and the receiver opens frame ``i`` while the
-rest is in flight, so a large KV message costs max(cipher, network), not their sum.
+A message of frames ``f_0 .. f_{n-1}`` is sealed as records ``[head, ct]``, each covering
+the consecutive frames ``i .. i + k - 1`` (``k >= 1``):
 
-The receiver insists on exactly the next ``base`` and index (ZeroMQ keeps one
+- one frame (``k = 1``): ``head = b"TD" + version + SEALED + base (u64 BE) + n (u16 BE)
+  + i (u16 BE)``;
+- a group (``k >= 2``, added for bulk KV: see below): ``head = b"TD" + version + SEALED
+  + base (u64) + n (u16) + i (u16) + k (u16) + len(f_i) .. len(f_{i+k-1}) (u32 each)``;
+
+and ``ct = AES-256-GCM(key, nonce = 0^4 || u64(base + i), f_i || .. || f_{i+k-1}, aad =
+head)``. ``base`` starts at 0 per direction and advances by ``n`` per message, and the
+records of a message cover disjoint frame ranges, so each nonce is used once per key.
+Records travel either all in one ZeroMQ message (:meth:`SealedChannel.seal`, for small
+messages) or one ZeroMQ message per record (:meth:`SealedChannel.seal_records`, for bulk
+KV): then the sender seals record ``j + 1`` while ZeroMQ already transmits record ``j``,
+and the receiver opens record ``j`` while the rest is in flight, so a large KV message
+costs max(cipher, network), not their sum. Grouping small frames into records of about
+``group_bytes`` (a KV layer's K or V of a short prompt is under 1 MB) divides the fixed
+costs per record (a ZeroMQ message, a zero-copy release, a wake-up on each side) by the
+group size; the receiver splits a group back into views of one buffer, still zero-copy.
+
+The receiver insists on exactly the next ``base`` and frame index (ZeroMQ keeps one
 connection's messages in order), which rejects replayed, reordered, dropped or
-duplicated records; the GCM tag over ``head_i`` rejects any altered byte. After any
-rejection the channel is *broken*: every later record is refused too, and the owner
-must drop the connection (a fresh handshake gives fresh keys).
+duplicated records; the GCM tag over ``head`` rejects any altered byte, the frame
+lengths of a group included. After any rejection the channel is *broken*: every later
+record is refused too, and the owner must drop the connection (a fresh handshake gives
+fresh keys).
 """
 
 from __future__ import annotations
@@ -39,6 +50,10 @@ IN_PLACE_MIN_BYTES = 64 * 1024  # below these, allocation is cheap and one-shot 
 ARENA_MIN_BYTES = 64 * 1024
 _HEAD = struct.Struct(">QHH")
 _HEAD_LEN = P.PREFIX_LEN + _HEAD.size
+_GROUP_HEAD = struct.Struct(">QHHH")  # base, n, i, k; then k frame lengths (u32)
+_GROUP_HEAD_LEN = P.PREFIX_LEN + _GROUP_HEAD.size
+MAX_GROUP = 256  # frames per record
+_PREFIX = P.header_prefix(P.MsgType.SEALED)
 _MAX_COUNTER = (1 << 64) - 1 - (1 << 16)
 
 # Rejections by reason across every channel of this process (exported by stats).
@@ -47,7 +62,7 @@ REJECTED: Counter = Counter()
 
 class SealedChannel:
     def __init__(self, send_key: bytes, recv_key: bytes):
-        self._send_key, self._recv_key = send_key, recv_key
+        self._send_key = send_key  # grouped records encrypt several buffers in one GCM pass
         self._send = AESGCM(send_key)
         self._recv = AESGCM(recv_key)
         self._send_counter = 0
@@ -58,17 +73,19 @@ class SealedChannel:
         self.bytes_sealed = 0
         self.bytes_opened = 0
 
-    def seal(self, frames: list) -> list:
+    def seal(self, frames: list, group_bytes: int = 0) -> list:
         """All records of one message as one ZeroMQ multipart message."""
-        return [part for record in self.seal_records(frames) for part in record]
+        return [part for record in self.seal_records(frames, group_bytes=group_bytes) for part in record]
 
-    def seal_records(self, frames: list, alloc=None) -> Iterator[list]:
+    def seal_records(self, frames: list, alloc=None, group_bytes: int = 0) -> Iterator[list]:
         """Yield the records of one message, one ZeroMQ message each, sealing each only
         when the previous one has been taken (so sending overlaps sealing).
 
-        ``alloc(nbytes)`` may return a writable buffer to encrypt a large frame into (a
+        ``alloc(nbytes)`` may return a writable buffer to encrypt a large record into (a
         reused arena: fresh multi-MB allocations cost a page fault per 4 KiB, which was
-        most of the sealing time here), or None for a new ``bytes``."""
+        most of the sealing time here), or None for a new buffer. ``group_bytes > 0``
+        puts consecutive frames smaller than it into one record until the record holds at
+        least ``group_bytes`` (so a record stays under twice that)."""
         n = len(frames)
         if not 1 <= n <= P.MAX_FRAMES:
             raise ValueError(f"can seal 1 to {P.MAX_FRAMES} frames, got {n}")
@@ -76,25 +93,43 @@ class SealedChannel:
         if base > _MAX_COUNTER:
             raise WireError("sealed channel exhausted its nonces; reconnect", "exhausted")
         self._send_counter = base + n  # reserved now: a half-consumed generator never reuses nonces
-        prefix = P.header_prefix(P.MsgType.SEALED)
-        return self._records(prefix, base, frames, alloc)
+        return self._records(base, [as_buffer(f) for f in frames], alloc, group_bytes)
 
-    def _records(self, prefix: bytes, base: int, frames: list, alloc) -> Iterator[list]:
-        n = len(frames)
-        for i, frame in enumerate(frames):
-            head = prefix + _HEAD.pack(base, n, i)
-            data = as_buffer(frame)
-            self.bytes_sealed += len(data)
-            out = alloc(len(data) + TAG_BYTES) if alloc is not None and len(data) >= ARENA_MIN_BYTES else None
-            if out is None:
-                yield [head, self._send.encrypt(_nonce(base + i), data, head)]
-                continue
-            enc = Cipher(algorithms.AES(self._send_key), modes.GCM(_nonce(base + i))).encryptor()
-            enc.authenticate_additional_data(head)
-            enc.update_into(data, out)
-            enc.finalize()
-            out[len(data) :] = enc.tag
-            yield [head, out]
+    def _records(self, base: int, views: list, alloc, group_bytes: int) -> Iterator[list]:
+        n = len(views)
+        sizes = [len(v) for v in views]
+        aead = self._send
+        i = 0
+        while i < n:
+            k, total = 1, sizes[i]
+            if group_bytes:
+                while i + k < n and k < MAX_GROUP and total < group_bytes and sizes[i + k] < group_bytes:
+                    total += sizes[i + k]
+                    k += 1
+            self.bytes_sealed += total
+            nonce = _nonce(base + i)
+            out = alloc(total + TAG_BYTES) if alloc is not None and total >= ARENA_MIN_BYTES else None
+            if k == 1:
+                head = _PREFIX + _HEAD.pack(base, n, i)
+                if out is None:
+                    yield [head, aead.encrypt(nonce, views[i], head)]
+                else:
+                    aead.encrypt_into(nonce, views[i], head, out)  # one call: no per-record cipher context
+                    yield [head, out]
+            else:
+                head = _PREFIX + _GROUP_HEAD.pack(base, n, i, k) + struct.pack(f">{k}I", *sizes[i : i + k])
+                buf = out if out is not None else bytearray(total + TAG_BYTES)
+                out = memoryview(buf)
+                enc = Cipher(algorithms.AES(self._send_key), modes.GCM(nonce)).encryptor()
+                enc.authenticate_additional_data(head)
+                pos = 0
+                for view in views[i : i + k]:
+                    enc.update_into(view, out[pos:])  # GCM writes exactly len(view); the slack is for the API
+                    pos += len(view)
+                enc.finalize()
+                out[total:] = enc.tag
+                yield [head, buf]
+            i += k
 
     def open(self, frames) -> list | None:
         """Open the records in one ZeroMQ message. Returns the plaintext frames once a
@@ -119,34 +154,51 @@ class SealedChannel:
             log.warning("rejected sealed record (%s): %s", exc.reason, exc)
             raise
 
-    def _open(self, head, ct) -> list[bytes] | None:
+    def _open(self, head, ct) -> list | None:
         head = bytes(as_buffer(head))
-        if len(head) != _HEAD_LEN or head[: P.PREFIX_LEN] != P.header_prefix(P.MsgType.SEALED):
+        if head[: P.PREFIX_LEN] != _PREFIX:
             raise AuthError("not a sealed record header", "header")
-        base, n, i = _HEAD.unpack_from(head, P.PREFIX_LEN)
+        lengths = None
+        if len(head) == _HEAD_LEN:
+            base, n, i = _HEAD.unpack_from(head, P.PREFIX_LEN)
+            k = 1
+        elif len(head) > _GROUP_HEAD_LEN:
+            base, n, i, k = _GROUP_HEAD.unpack_from(head, P.PREFIX_LEN)
+            if not 2 <= k <= MAX_GROUP or len(head) != _GROUP_HEAD_LEN + 4 * k:
+                raise AuthError(f"sealed group header of {len(head)} bytes for {k} frames", "header")
+            lengths = struct.unpack_from(f">{k}I", head, _GROUP_HEAD_LEN)
+        else:
+            raise AuthError("not a sealed record header", "header")
         if self._partial and i == 0:
             raise AuthError(f"a new message began after record {len(self._partial)} of {self._partial_n}", "truncated")
         if base != self._recv_counter:
             reason = "replay" if base < self._recv_counter else "reorder"
             raise AuthError(f"sealed counter {base}, expected {self._recv_counter}", reason)
-        if i != len(self._partial) or not 1 <= n <= P.MAX_FRAMES or (self._partial and n != self._partial_n):
-            raise AuthError(f"sealed record {i} of {n}, expected record {len(self._partial)}", "reorder")
+        if i != len(self._partial) or not 1 <= n <= P.MAX_FRAMES or i + k > n or (self._partial and n != self._partial_n):
+            raise AuthError(f"sealed record of frames {i}..{i + k - 1} of {n}, expected frame {len(self._partial)}", "reorder")
         ct = as_buffer(ct)
         if len(ct) < TAG_BYTES or len(ct) > P.MAX_FRAME_BYTES + TAG_BYTES:
             raise AuthError(f"sealed frame of {len(ct)} bytes", "size")
+        if lengths is not None and sum(lengths) != len(ct) - TAG_BYTES:
+            raise AuthError(f"sealed group of {len(ct) - TAG_BYTES} bytes, its header says {sum(lengths)}", "size")
         try:
             if len(ct) >= IN_PLACE_MIN_BYTES and not ct.readonly:
-                # Decrypt into the received buffer itself: no second multi-MB allocation.
-                dec = Cipher(algorithms.AES(self._recv_key), modes.GCM(_nonce(base + i), bytes(ct[-TAG_BYTES:]))).decryptor()
-                dec.authenticate_additional_data(head)
-                dec.update_into(ct[:-TAG_BYTES], ct)
-                dec.finalize()
-                frame = ct[:-TAG_BYTES]
+                # Decrypt into the received buffer itself (output starts where the input
+                # does, which OpenSSL supports): no second multi-MB allocation. The tag,
+                # past the output, is never overwritten.
+                plain = ct[:-TAG_BYTES]
+                self._recv.decrypt_into(_nonce(base + i), ct, head, plain)
             else:
-                frame = self._recv.decrypt(_nonce(base + i), ct, head)
+                plain = self._recv.decrypt(_nonce(base + i), ct, head)
         except InvalidTag:
             raise AuthError("sealed frame failed authentication (altered or wrong key)", "altered") from None
-        self._partial.append(frame)
+        if lengths is None:
+            self._partial.append(plain)
+        else:
+            pos = 0
+            for size in lengths:  # views of one buffer (slices of small bytes copy, cheaply)
+                self._partial.append(plain[pos : pos + size])
+                pos += size
         self._partial_n = n
         if len(self._partial) < n:
             return None

@@ -119,7 +119,9 @@ def test_large_transfers_through_a_small_arena_stay_bit_exact(ctx):
     out, done = {}, []
 
     def sender():
-        tx = KVSender(ctx, ingest.endpoint, SECRET, "prefill-1", arena_bytes=2 << 20)
+        # 512 KiB frames travel in records of four (RECORD_GROUP_BYTES): 2 MiB each, so a
+        # 6 MiB arena wraps several times over the three transfers.
+        tx = KVSender(ctx, ingest.endpoint, SECRET, "prefill-1", arena_bytes=6 << 20)
         try:
             for snap, options in zip(snaps, strategies):
                 send_snapshot([tx], snap, options, timeout_s=10)
