@@ -18,6 +18,8 @@ definition they are tested against.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 QMAX = {8: 127, 4: 7}
@@ -122,29 +124,80 @@ def _quantize_group(x: np.ndarray, bits: int, dtype: str) -> tuple[np.ndarray, n
     inv = np.divide(np.float32(1), scales, out=np.zeros_like(scales), where=scales > 0)
     xf *= inv[:, :, None, None]
     np.rint(xf, out=xf)  # |x * inv| <= qmax, so no clip is needed
-    q = xf.astype(np.int8)
-    if bits == 4:
-        u = (q + 8).astype(np.uint8)
-        q = u[..., 0::2] | (u[..., 1::2] << 4)
-    return q, scales
+    if bits == 8:
+        return xf.astype(np.int8), scales
+    # int4: q + 8 is 1..15; read each pair of bytes as one little-endian uint16 (first
+    # value in the low byte) and fold the second value's nibble next to the first.
+    assert sys.byteorder == "little"
+    xf += np.float32(8)
+    pairs = xf.astype(np.uint8).view(np.uint16)
+    pairs |= pairs >> 4
+    return pairs.astype(np.uint8), scales
 
 
 def dequantize(q: np.ndarray, scales: np.ndarray, bits: int, dtype: str) -> np.ndarray:
     """Inverse of :func:`quantize`, returned in the cache ``dtype`` (bfloat16 as uint16)."""
     nb, nh, bs, last = q.shape
     hd = last if bits == 8 else last * 2
-    out = np.empty((nb, nh, bs, hd), np.uint16 if dtype == "bfloat16" else dtype)
-    for b0, b1 in _groups(out):
-        out[b0:b1] = _dequantize_group(q[b0:b1], scales[b0:b1], bits, dtype)
-    return out
+    with np.errstate(over="ignore"):  # a byte no quantizer emits (int8 -128, int4 -8) times the largest scale: +-inf, as in the reference
+        return _dequantize(q, scales, bits, dtype, hd)
 
 
-def _dequantize_group(q: np.ndarray, scales: np.ndarray, bits: int, dtype: str) -> np.ndarray:
-    if bits == 4:
-        # One table lookup turns each byte into its two signed values, already interleaved.
-        q = np.take(_NIBBLE_PAIRS, q).view(np.int8).reshape(q.shape[:-1] + (q.shape[-1] * 2,))
-    vals = np.multiply(q, scales[:, :, None, None], dtype=np.float32)
-    return from_float32(vals, dtype)
+def _dequantize(q: np.ndarray, scales: np.ndarray, bits: int, dtype: str, hd: int) -> np.ndarray:
+    nb, nh, bs, _ = q.shape
+    if dtype == "float32":  # the float32 product is the result: write it in place
+        out = np.empty((nb, nh, bs, hd), np.float32)
+        for b0, b1 in _groups(out):
+            qg = q[b0:b1]
+            if bits == 4:  # one lookup turns each byte into its two signed values, interleaved
+                qg = np.take(_NIBBLE_PAIRS, qg).view(np.int8).reshape(qg.shape[:-1] + (hd,))
+            np.multiply(qg, scales[b0:b1, :, None, None], out=out[b0:b1], dtype=np.float32)
+        return out
+    return _dequantize_by_table(q, scales, bits, dtype).reshape(nb, nh, bs, hd)
+
+
+# A tile shares one scale, so every byte value of its q decodes to one fixed output (two
+# outputs for an int4 byte): build that 256-entry table per tile with the same float32
+# product and rounding as the reference, then decode by a gather. Rounding to a 16-bit
+# float in numpy takes several passes per element; here it runs on 256 entries per tile
+# instead of every element (2-3x faster for float16 int8, ~3.5x for int4).
+_BYTE_VALUE = np.arange(256).astype(np.uint8).view(np.int8).astype(np.float32)  # an int8 q per byte
+_LOW_NIBBLE = ((np.arange(256) & 0x0F) - 8).astype(np.float32)  # int4: first value of a byte
+_HIGH_NIBBLE = ((np.arange(256) >> 4) - 8).astype(np.float32)  # int4: second value
+_GATHER_BYTES = 1 << 18  # q bytes per gather step (the intp index is 8x that)
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _decode_table(scales: np.ndarray, values: np.ndarray, dtype: str) -> np.ndarray:
+    """(tiles, 256) raw bits of ``from_float32(scale * value)`` as unsigned ints."""
+    out = from_float32(scales[:, None] * values[None, :], dtype)
+    return out.view(_UINT[out.dtype.itemsize])
+
+
+def _dequantize_by_table(q: np.ndarray, scales: np.ndarray, bits: int, dtype: str) -> np.ndarray:
+    tiles = q.shape[0] * q.shape[1]
+    per = q.shape[2] * q.shape[3]  # q bytes per tile
+    s = np.ascontiguousarray(scales, dtype=np.float32).reshape(tiles)
+    if bits == 8:
+        table = _decode_table(s, _BYTE_VALUE, dtype)
+    else:
+        assert sys.byteorder == "little"  # a pair's first value sits in the low half
+        lo, hi = _decode_table(s, _LOW_NIBBLE, dtype), _decode_table(s, _HIGH_NIBBLE, dtype)
+        wide = _UINT[2 * lo.dtype.itemsize]
+        table = lo.astype(wide) | (hi.astype(wide) << (8 * lo.dtype.itemsize))
+    flat = table.reshape(-1)
+    out = np.empty((tiles, per), table.dtype)
+    qt = np.ascontiguousarray(q).reshape(tiles, per).view(np.uint8)
+    offsets = (np.arange(tiles, dtype=np.intp) * 256)[:, None]
+    step = max(1, _GATHER_BYTES // max(1, per))
+    for t0 in range(0, tiles, step):
+        t1 = min(t0 + step, tiles)
+        idx = qt[t0:t1].astype(np.intp)
+        idx += offsets[t0:t1]
+        np.take(flat, idx, out=out[t0:t1])
+    element = np.uint16 if dtype in ("float16", "bfloat16") else np.float32
+    result = out.view(element)
+    return result.view(np.float16) if dtype == "float16" else result
 
 
 def quantize_reference(x: np.ndarray, bits: int, dtype: str | None = None) -> tuple[np.ndarray, np.ndarray]:

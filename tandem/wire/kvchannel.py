@@ -167,11 +167,13 @@ class KVReceiver:
         """Receive and handle messages until one decodes or ``timeout_s`` passes."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            wait = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self.socket.poll(wait):
-                return None
-            try:
-                frames = codec.recv_frames(self.socket, copy=False, max_frames=1 + 2 * P.MAX_FRAMES)
+            try:  # poll only when nothing is queued: a KV message is many records back to back
+                frames = codec.recv_frames(self.socket, copy=False, flags=zmq.NOBLOCK, max_frames=1 + 2 * P.MAX_FRAMES)
+            except zmq.Again:
+                wait = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+                if not self.socket.poll(wait):
+                    return None
+                continue
             except WireError as exc:
                 self.stats["rejected_" + exc.reason] += 1
                 continue

@@ -95,3 +95,33 @@ def test_non_finite_kv_refused():
         x[0, 0, 1, 2] = np.nan
         with pytest.raises(ValueError, match="inf or NaN"):
             kq.quantize(x, 4)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", kq.DTYPES)
+def test_dequantize_equals_reference_on_any_bytes_and_scales(bits, dtype):
+    # The table-driven decode must match the reference for every byte value and scale,
+    # over enough tiles to take several gather steps (and several groups for float32).
+    rng = np.random.default_rng(7)
+    shape = (40, 8, 16, 128 if bits == 8 else 64)
+    q = rng.integers(0, 256, shape, dtype=np.uint8)
+    q = q.view(np.int8) if bits == 8 else q
+    limit = {"float16": 65504.0, "bfloat16": 3e38, "float32": 3e38}[dtype] / kq.QMAX[bits]
+    s = (rng.random(shape[:2]) * min(limit, 1e3)).astype(np.float32)
+    s[0, 0], s[1, 1], s[2, 2] = 0.0, np.float32(1e-30), np.float32(limit)  # zero, subnormal results, the largest allowed
+    if bits == 8:
+        q[3, 3] = -128  # outside the quantizer's range but a byte a peer can send
+    got = kq.dequantize(q, s, bits, dtype)
+    with np.errstate(over="ignore"):  # the reference warns where the decode table did not
+        ref = kq.dequantize_reference(q, s, bits, dtype)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))  # bit-exact, signed zeros too
+
+
+def test_quantize_equals_reference_across_groups():
+    x = _cache("float16", shape=(70, 8, 16, 128))
+    for bits in (8, 4):
+        q, s = kq.quantize(x, bits)
+        q_ref, s_ref = kq.quantize_reference(x, bits)
+        np.testing.assert_array_equal(q, q_ref)
+        np.testing.assert_array_equal(s, s_ref)

@@ -107,7 +107,11 @@ def _one_round(rng):
     frames = rng.choice([F.structured, F.mutated, F.garbage])(rng)
     decode_any(frames)
     handshake_any(frames)
-    sealed_any(F.mutated(rng, SealedChannel(K1, K2).seal([b"x" * rng.randrange(40)])) if rng.random() < 0.5 else frames)
+    if rng.random() < 0.5:  # mutated sealed messages: single-frame records, or grouped ones
+        n = rng.randrange(1, 5)
+        sealed = SealedChannel(K1, K2).seal([b"x" * rng.randrange(40) for _ in range(n)], group_bytes=rng.choice([0, 64]))
+        frames = F.mutated(rng, sealed)
+    sealed_any(frames)
     kv_any(rng, None)
     ingest_any(rng)
 
