@@ -57,6 +57,8 @@ class Engine:
         if sh.pageable:
             self.store = KVStore(sh.num_layers, sh.n_kv_heads, sh.head_dim, sh.dtype, bs, num_blocks, sh.v_head_dim)
             self.runner = paged_runner(model, self.store, mirror=settings.decode_mirror)
+            if not settings.fast_forward:
+                self.runner.fast = None
         else:
             self.store = None
             self.runner = DenseRunner(model)

@@ -23,6 +23,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from tandem.kernels import paged_attention as pa
+from tandem.pipeline import cpu_math, fast_llama
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.sequence import Row
 
@@ -152,7 +153,7 @@ class _LastRows(nn.Module):
 class PagedRunner:
     """Batched forward over the paged store."""
 
-    def __init__(self, model, store: KVStore, mirror: bool = True):
+    def __init__(self, model, store: KVStore, mirror: bool = True, fast: bool = True):
         self.model = model
         self.store = store
         self.caches = [PagedLayerCache(self, i) for i in range(store.num_layers)]
@@ -163,6 +164,15 @@ class PagedRunner:
         self.mirror.values = [None] * store.num_layers
         inner = getattr(model, "model", None)
         self._norm_owner = inner if isinstance(getattr(inner, "norm", None), nn.Module) else None
+        # The CPU forward (fast_llama) is measured on the CPU only; other backends keep
+        # mlx-lm's forward (and their own runner, see cuda_runner.py).
+        self.fast = None
+        if fast and mx.default_device() == mx.cpu:
+            why = fast_llama.supports(model)
+            if why is None:
+                self.fast = fast_llama.FastLlama(model)
+            else:
+                log.info("mlx-lm forward for this model (the fast CPU forward does not support %s)", why)
 
     def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
         """inputs: (B, L) token ids, row b's real tokens first -> logits (B, V) at each row's last real token."""
@@ -201,6 +211,8 @@ class PagedRunner:
             b.exact_len = None
             b.kv_len = nb * bs
             b.mask = pa.causal_mask(b.offsets, L, nb * bs)
+        if self.fast is not None:
+            return self._fast_forward(inputs, starts, ns, ctx)
         if L == 1 or self._norm_owner is None:
             logits = self.model(inputs, cache=self.caches)
             return logits[:, -1, :] if L == 1 else logits[mx.arange(B), mx.array(ns - 1)]
@@ -212,6 +224,18 @@ class PagedRunner:
         finally:
             owner.norm = norm
         return logits[:, 0, :]
+
+    def _fast_forward(self, inputs: mx.array, starts: np.ndarray, ns: np.ndarray, ctx: np.ndarray) -> mx.array:
+        b = self.batch
+        B, L = inputs.shape
+        K = b.exact_len if b.exact_len is not None else b.kv_len  # keys update_and_fetch returns
+        if L == 1:
+            mask = None if (ctx == K).all() else cpu_math.additive_mask(ctx - 1, 1, K)
+            last = None
+        else:
+            mask = cpu_math.additive_mask(starts, L, K)
+            last = mx.array(ns - 1)
+        return self.fast(inputs, self.caches, mask, int(starts.max()), last)
 
     def _plan_mirror(self, rows: list[Row], starts: np.ndarray, ctx: np.ndarray) -> None:
         m, b = self.mirror, self.batch

@@ -24,4 +24,5 @@ class EngineSettings:
     block_size: int = field(default=16, metadata={"min": 1, "max": 1024, "help": "tokens per KV block"})
     kv_cache_budget: str = field(default="auto", metadata={"help": "KV pool size: auto (from free memory), none (unbounded), or a size such as 2GiB"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"})
+    fast_forward: bool = field(default=True, metadata={"help": "on the CPU, run llama-family models (llama, qwen2, qwen3) through tandem's own forward (fused projections, cheaper exponentials; docs/cpu-performance.md) instead of mlx-lm's"})
     decode_mirror: bool = field(default=True, metadata={"help": "keep the decode batch's KV contiguous as well as paged (faster attention on the CPU; costs one dense copy of the batch's KV)"})

@@ -1,0 +1,108 @@
+"""The CPU fast path against the plain one: cpu_math against mlx's own ops, FastLlama
+against the mlx-lm forward, and the engine with it against the engine without it."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from tandem.kvtypes import SamplingParams
+from tandem.pipeline import cpu_math, fast_llama
+from tandem.pipeline.engine import Engine
+from tandem.pipeline.settings import EngineSettings
+from tests.pipeline.conftest import EOS, oracle, random_prompts
+from tests.tiny_model import build_tiny_model
+
+
+def test_exp_is_accurate_over_the_float_range():
+    x = mx.concatenate([mx.linspace(-87.0, 88.0, 200_001), mx.array([0.0, -1e-8, 1e-8, 0.5, -0.5])])
+    got = np.array(cpu_math.exp(x), np.float64)
+    want = np.exp(np.array(x, np.float64))
+    # float32 rounding of x * log2(e) alone is ~4e-6 relative at |x| = 88 (mx.exp has the same)
+    assert np.max(np.abs(got - want) / want) < 1e-5
+    small = np.abs(np.array(x)) < 10
+    assert np.max((np.abs(got - want) / want)[small]) < 1e-6
+    tiny = np.array(cpu_math.exp(mx.array([-100.0, -1e4, -math.inf])))
+    assert np.all((tiny >= 0) & (tiny < 1e-37))  # never NaN, never a meaningful weight
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (64, 1024)])  # below and above cpu_math.SMALL
+def test_silu_mul_and_softmax_match_mlx(shape):
+    g = mx.random.normal(shape, key=mx.random.key(1)) * 6
+    u = mx.random.normal(shape, key=mx.random.key(2))
+    assert mx.allclose(cpu_math.silu_mul(g, u), nn.silu(g) * u, rtol=1e-5, atol=1e-6).item()
+    s = mx.where(mx.random.uniform(shape=shape, key=mx.random.key(3)) < 0.3, -mx.inf, g)
+    s[:, 0] = 0.0  # every row keeps a visible entry, as every causal row does
+    assert mx.allclose(cpu_math.softmax(s), mx.softmax(s, axis=-1), rtol=1e-5, atol=1e-7).item()
+
+
+@pytest.mark.parametrize("L,starts", [(1, [9, 4]), (40, [0, 0]), (300, [0, 37]), (300, [130, 5])])
+def test_attention_matches_sdpa_with_causal_offsets(L, starts):
+    """Blocked attention (L > 128 splits) with per-row offsets == SDPA with a boolean mask."""
+    B, Hq, Hkv, D = len(starts), 6, 2, 16
+    K = max(starts) + L
+    q = mx.random.normal((B, Hq, L, D), key=mx.random.key(4))
+    k = mx.random.normal((B, Hkv, K, D), key=mx.random.key(5))
+    v = mx.random.normal((B, Hkv, K, D), key=mx.random.key(6))
+    ctx = [s + L for s in starts]
+    add = cpu_math.additive_mask(starts, L, K, context_lens=ctx)
+    got = cpu_math.attention(q, k, v, 0.25, add, max(starts))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=add == 0)
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-5).item()
+
+
+def _load(tmp_path, model_type):
+    from mlx_lm import load
+
+    model, _ = load(str(build_tiny_model(tmp_path / model_type, model_type=model_type)))
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("left_from", [1, 10**9])  # W @ x.T everywhere / x @ W.T everywhere
+def test_fast_forward_equals_mlx_lm_forward(tmp_path, model_type, left_from):
+    model = _load(tmp_path, model_type)
+    prompts = mx.array(random_prompts(3, 20, 20, seed=5))  # (3, 20)
+    ref_cache = make_prompt_cache(model)
+    want_prefill = model(prompts, cache=ref_cache)[:, -1]
+    want_step = model(prompts[:, :1], cache=ref_cache)[:, -1]
+
+    fast = fast_llama.FastLlama(model)
+    fast.left_from = left_from
+    cache = make_prompt_cache(model)
+    mask = cpu_math.additive_mask([0, 0, 0], 20, 20)
+    got_prefill = fast(prompts, cache, mask, 0, mx.array([19, 19, 19]))
+    got_step = fast(prompts[:, :1], cache, None, 0, None)
+    assert mx.allclose(got_prefill, want_prefill, rtol=1e-4, atol=1e-4).item()
+    assert mx.allclose(got_step, want_step, rtol=1e-4, atol=1e-4).item()
+    # the fused weights are views the model itself still computes with
+    assert mx.array_equal(model(prompts, cache=make_prompt_cache(model))[:, -1], want_prefill).item()
+
+
+def test_unsupported_models_keep_the_mlx_lm_forward(tmp_path, tiny_quantized_model_dir):
+    from mlx_lm import load
+
+    gemma = _load(tmp_path, "gemma")
+    assert fast_llama.supports(gemma) is not None
+    quantized, _ = load(str(tiny_quantized_model_dir))
+    assert fast_llama.supports(quantized) is not None
+    eng = Engine(quantized, EngineSettings(kv_cache_budget="16MiB"), model_id="q")
+    assert eng.runner.fast is None
+
+
+def test_engine_with_and_without_fast_forward_yield_the_same_tokens(tiny):
+    prompts = random_prompts(10, 1, 300, seed=9)
+    reqs = [(p, SamplingParams(max_tokens=10)) for p in prompts]
+    runs = []
+    for fast in (True, False):
+        eng = Engine(tiny, EngineSettings(kv_cache_budget="32MiB", prefill_chunk_size=256, max_batch_prefill=4,
+                                          fast_forward=fast), model_id="t", eos_token_ids=[EOS])
+        assert (eng.runner.fast is not None) is fast
+        runs.append(eng.generate_many(reqs))
+    assert runs[0] == runs[1]
+    assert runs[0][:3] == [oracle(tiny, p, 10) for p in prompts[:3]]
