@@ -166,9 +166,9 @@ class Broker:
             self.close()
 
     # Each reader takes up to BATCH messages from one socket (fairness), without blocking.
-    def _bad_shape(self, sock, frame) -> None:
+    def _bad_shape(self, sock, frame, counter: str = "bad_messages") -> None:
         _discard_rest(sock, frame)
-        self.dispatcher.counters["bad_messages"] += 1
+        self.dispatcher.counters[counter] += 1
 
     def _read_routed(self, sock, handler) -> None:
         for _ in range(BATCH):
@@ -194,7 +194,7 @@ class Broker:
                 continue
             frame = _recv_frame(sock, 0, False)
             if frame.more:
-                self._bad_shape(sock, frame)
+                self._bad_shape(sock, frame, "bad_stream_messages")
                 continue
             handler(first.bytes, frame.bytes)
 

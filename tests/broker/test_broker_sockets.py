@@ -1,0 +1,94 @@
+"""The broker's socket loop in a thread, driven over real loopback sockets: messages of
+the wrong shape or content are counted and dropped, and the loop keeps serving."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from tandem.broker.broker import Broker
+from tandem.broker.jobs import STREAM_PING_TOPIC
+from tandem.broker.settings import BrokerSettings
+from tandem.kvtypes import SamplingParams
+from tandem.wire import codec
+from tandem.wire import messages as M
+from tandem.wire.sockets import make_socket
+
+ANY = "tcp://127.0.0.1:*"
+
+
+@pytest.fixture
+def broker():
+    ctx = zmq.Context()
+    b = Broker(BrokerSettings(frontend=ANY, backend=ANY, stream_in=ANY, stream_out=ANY, stats=ANY), secret=None, ctx=ctx)
+    t = threading.Thread(target=b.run, daemon=True)
+    t.start()
+    socks = []
+
+    def sock(kind, endpoint, **kw):
+        s = make_socket(ctx, kind, connect=b.endpoints[endpoint], **kw)
+        socks.append(s)
+        return s
+
+    try:
+        yield b, sock
+    finally:
+        b.stop()
+        t.join(5)
+        for s in socks:
+            s.close(0)
+        ctx.term()
+
+
+def _stats(stats_sock) -> dict:
+    stats_sock.send(codec.encode(M.StatsRequest())[0])
+    assert stats_sock.poll(5000)
+    return codec.decode(stats_sock.recv_multipart()).stats
+
+
+def test_malformed_messages_are_counted_and_the_loop_keeps_serving(broker):
+    b, sock = broker
+    client = sock(zmq.DEALER, "frontend")
+    worker = sock(zmq.DEALER, "backend", identity=b"w0")
+    pub = sock(zmq.PUB, "stream_in")
+    sub = sock(zmq.SUB, "stream_out")
+    stats = sock(zmq.DEALER, "stats")
+    # Wrong shapes: an extra frame on each ROUTER, a lone frame and a triple on the XSUB.
+    client.send_multipart([codec.encode(M.StatsRequest())[0], b"extra"])
+    worker.send_multipart([b"TD", b"x", b"y"])
+    time.sleep(0.3)  # the PUB's connection to the XSUB
+    pub.send(b"lonely")
+    pub.send_multipart([b"r" * 17, b"h", b"extra"])
+    # Wrong content: garbage headers, a wrong protocol version, a bad field.
+    client.send(b"\x00garbage")
+    worker.send(b"TD\x01\x10" + b"\x90")
+    bad = codec.encode(M.Submit(b"r" * 16, [1], SamplingParams()))[0].replace(b"\xc4\x10" + b"r" * 16, b"\xc4\x0f" + b"r" * 15)
+    client.send(bad)
+    deadline = time.monotonic() + 5
+    while True:
+        st = _stats(stats)
+        c = st["counters"]
+        if c.get("bad_messages", 0) >= 5 and c.get("bad_stream_messages", 0) >= 2:
+            break
+        assert time.monotonic() < deadline, c
+        time.sleep(0.05)
+    assert c["bad_messages"] == 5 and c["bad_stream_messages"] == 2 and not c.get("submitted")
+    # Still serving: a worker registers, and a request is dispatched to it and streamed back.
+    worker.send(codec.encode(M.Ready("w0", "hybrid", "m", 4, None, 16, 100))[0])
+    deadline = time.monotonic() + 5
+    while _stats(stats)["ready"]["hybrid"] < 1:
+        pub.send_multipart([STREAM_PING_TOPIC, b"w0"])
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    rid = b"q" * 16
+    sub.setsockopt(zmq.SUBSCRIBE, rid)
+    client.send(codec.encode(M.Submit(rid, [1, 2, 3], SamplingParams(max_tokens=1)))[0])
+    assert worker.poll(5000)
+    msg = codec.decode(worker.recv_multipart())
+    assert isinstance(msg, M.Dispatch) and msg.request_id == rid and msg.prompt == [1, 2, 3]
+    pub.send_multipart([rid + bytes((msg.attempt,)), codec.pack_header(M.TokenMessage(rid, 0, [5], None, "length", M.Usage(3, 1)))])
+    assert sub.poll(5000)
+    assert codec.decode_tokens(sub.recv_multipart()).tokens == [5]
