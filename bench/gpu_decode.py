@@ -257,7 +257,7 @@ def section_stock(models: dict, batches: list[int], prompt_len: int, steps: int,
 
 # ---------------------------------------------------------------------------------------
 def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_len: int,
-                   steps: int, kernels: str = "cuda") -> None:
+                   steps: int, kernels: str = "cuda", weights: str = "auto") -> None:
     """tandem's Engine on the 8B-shape model. ``kernels``: ``cuda`` = the CUDA runner
     (``pipeline/cuda_runner.py``), ``off`` = the portable PagedRunner (same flattened
     weights): the pair shows what the decode kernels move."""
@@ -280,7 +280,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
         mem = mx.device_info().get("memory_size")
     except Exception:  # noqa: BLE001 - older MLX: no device_info on CUDA
         mem = None
-    fmt = linear.prepare_model(model, "auto", memory_bytes=mem)
+    fmt = linear.prepare_model(model, weights, memory_bytes=mem)
     mx.eval(model.parameters())
     # Llama-3 RoPE keeps its frequencies in a private (non-parameter) array built lazily
     # on this thread's stream; the engine thread could not evaluate it.
@@ -623,6 +623,8 @@ def main() -> int:
     ap.add_argument("--stock-formats", default="4bit,fp16",
                     help="4bit costs minutes of NVRTC compiles of MLX's CUTLASS GEMM per tile shape")
     ap.add_argument("--loop-formats", default="dual,dense")
+    ap.add_argument("--engine-weights", default="auto", choices=("auto", *linear.FORMATS),
+                    help="weight format the engine sections serve (auto: per backend)")
     ap.add_argument("--section-timeout", type=int, default=0,
                     help="run each section in its own process, killed after this many seconds "
                          "(a hung kernel then costs one section, not the run); 0 = in process")
@@ -685,7 +687,7 @@ def main() -> int:
                     args.loop_formats.split(","))
         elif sec in ("engine", "engine-off"):
             guarded(sec, section_engine, fp16, q4, args.layers, batches, args.prompt,
-                    args.steps, "cuda" if sec == "engine" else "off")
+                    args.steps, "cuda" if sec == "engine" else "off", args.engine_weights)
     log(f"total {time.perf_counter() - t_all:.1f} s")
     write_docs(out_dir, meta)
     summary(RESULTS)
