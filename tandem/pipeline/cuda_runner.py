@@ -209,7 +209,7 @@ class KernelRunner(PagedRunner):
             # The reference ops need FlatLinear (fuse_linears) but keep each layer's weights.
             if not any(isinstance(m, linear.FlatLinear) for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)):
                 linear.flatten_linears(model, "keep")
-        super().__init__(model, store, mirror=False)
+        super().__init__(model, store, mirror=False, fast=False)  # fast: the CPU-only forward
         self.ops = _CudaOps() if ops == "cuda" else _ReferenceOps()
         inner = model.model
         # In place, one layer at a time: the fused copies of QKV and gate/up exist next to
