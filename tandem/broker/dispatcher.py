@@ -33,11 +33,13 @@ class Dispatcher(StreamTracking, Failover):
         self.clock = clock
         self.to_worker, self.to_client, self.publish = to_worker, to_client, publish
         self.registry = Registry(settings.heartbeat_interval_ms / 1000, settings.heartbeat_liveness, clock)
+        self._liveness_s = self.registry.heartbeat_s * self.registry.liveness
         kw = dict(long_prompt_tokens=settings.long_prompt_tokens, load_guard=settings.prefix_load_guard)
         self.entry = Selector(settings.strategy, **kw)
         # Decode targets: prefix and prompt-length signals say nothing about decoding.
         decode_strategy = settings.strategy if settings.strategy in ("round_robin", "memory_aware") else "least_loaded"
         self.decode = Selector(decode_strategy, **kw)
+        self._prefix_routing = settings.strategy == "prefix_aware"
         self.jobs: dict[bytes, Job] = {}
         self.pending: dict[bytes, Job] = {}
         self.subscriptions: set[bytes] = set()
@@ -87,7 +89,7 @@ class Dispatcher(StreamTracking, Failover):
                   now + self.s.subscribe_timeout_s, self._order)
         self.jobs[rid] = job
         self._set_state(job, J.WAITING_SUB)
-        self.to_client(client, M.Accepted(rid, queue_depth=len(self.pending)))
+        self.to_client(client, M.Accepted(rid, len(self.pending)))
         if rid in self.subscriptions:
             self._subscribed(job)
 
@@ -123,7 +125,7 @@ class Dispatcher(StreamTracking, Failover):
         w = self.registry.workers.get(identity)
         if type(msg) is M.Done and w is not None and w.state == UP:
             # The common case, once per request: skip the general checks below.
-            self.registry.touch(w)
+            w.expiry = self.clock() + self._liveness_s  # registry.touch(w), inlined
             self._done(w, msg)
             return
         if isinstance(msg, M.Ready):
@@ -238,10 +240,10 @@ class Dispatcher(StreamTracking, Failover):
             return True
         if job.resume:
             return self._try_resume(job)
-        hashes = prefix_hashes(job.prompt) if self.s.strategy == "prefix_aware" else []
+        hashes = prefix_hashes(job.prompt) if self._prefix_routing else []
         entries = self._candidates(self.registry.entry_pool, job)
         targets = self._decode_targets(job)
-        if not targets and any(w.usable for w in self.registry.decode_pool):
+        if not targets and self.registry.decode_pool and any(w.usable for w in self.registry.decode_pool):
             # Decode workers exist but are full: wait for one rather than decode on a
             # prefill worker; hybrids can still take the whole request.
             entries = [w for w in entries if w.role == "hybrid"]
