@@ -116,7 +116,7 @@ def _rows(lens, bs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240, method="thread")
 @pytest.mark.parametrize("quantized,compiled", [(False, False), (True, False), (False, True), (True, True)])
 def test_cuda_kernel_runner_matches_alone(tiny_model_dir, tiny_quantized_model_dir, monkeypatch, quantized, compiled):
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
