@@ -173,11 +173,16 @@ def recv_frames(sock: zmq.Socket, *, copy: bool = True, flags: int = 0, max_fram
     ``max_frames`` counts a ROUTER's identity frame. libzmq bounds frame sizes
     (``MAXMSGSIZE``, set by the socket factory) but not frame counts, so count here.
     """
-    frames = [sock.recv(flags, copy=copy)]
-    while sock.getsockopt(zmq.RCVMORE):
+    frame = sock.recv(flags, copy=copy)
+    frames = [frame]
+    # A zmq.Frame knows whether more parts follow; asking the socket costs ~3 us a part.
+    more = frame.more if not copy else sock.getsockopt(zmq.RCVMORE)
+    while more:
         if len(frames) >= max_frames:
             while sock.getsockopt(zmq.RCVMORE):
                 sock.recv(copy=False)
             raise WireError(f"message with more than {max_frames} frames", "frames")
-        frames.append(sock.recv(copy=copy))
+        frame = sock.recv(copy=copy)
+        frames.append(frame)
+        more = frame.more if not copy else sock.getsockopt(zmq.RCVMORE)
     return frames
