@@ -3,9 +3,10 @@
 The socket loop (:mod:`tandem.broker.broker`) decodes messages and calls in here; every
 decision goes out through the three callables it passes (``to_worker``, ``to_client``,
 ``publish``), which keeps this class testable with plain lists. All deadlines use the
-monotonic clock. Two concerns live in their own modules as parts of this class: each
-request's token stream (:mod:`tandem.broker.streams`) and what happens when a worker
-fails or refuses (:mod:`tandem.broker.failover`).
+monotonic clock. Three concerns live in their own modules as parts of this class: what
+may enter and stay in the queue (:mod:`tandem.broker.admission`), each request's token
+stream (:mod:`tandem.broker.streams`) and what happens when a worker fails or refuses
+(:mod:`tandem.broker.failover`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections import Counter
 
 from tandem.broker import jobs as J
+from tandem.broker.admission import Admission
 from tandem.broker.failover import Failover
 from tandem.broker.jobs import Job
 from tandem.broker.registry import DOWN, DRAINING, UP, Load, Registry, Worker
@@ -27,7 +29,7 @@ from tandem.wire.protocol import MAX_ATTEMPTS
 
 log = logging.getLogger("tandem.broker")
 
-class Dispatcher(StreamTracking, Failover):
+class Dispatcher(Admission, StreamTracking, Failover):
     def __init__(self, settings: BrokerSettings, *, to_worker, to_client, publish, clock=time.monotonic):
         self.s = settings
         self.clock = clock
@@ -69,19 +71,7 @@ class Dispatcher(StreamTracking, Failover):
     def submit(self, client: bytes, msg: M.Submit) -> None:
         rid = msg.request_id
         self.counters["submitted"] += 1
-        if rid in self.jobs:
-            self._refuse(client, rid, "invalid", "request id already in use; use a fresh random 16-byte id")
-            return
-        if len(msg.prompt) > self.s.max_prompt_tokens:
-            self._refuse(client, rid, "invalid", f"prompt of {len(msg.prompt)} tokens exceeds the broker's limit of {self.s.max_prompt_tokens}")
-            return
-        if len(self.pending) >= self.s.max_queue:
-            self.counters["refused_busy"] += 1
-            self._refuse(client, rid, "busy", "broker queue is full", self.s.retry_after_s)
-            return
-        if not self.registry.workers:
-            self.counters["refused_no_worker"] += 1
-            self._refuse(client, rid, "no_worker", "no worker has registered with the broker", self.s.retry_after_s)
+        if not self._admit(client, msg):
             return
         now = self.clock()
         self._order += 1
@@ -116,9 +106,6 @@ class Dispatcher(StreamTracking, Failover):
         self.counters["aborted"] += 1
         self._release(job, notify=True)
         self._finish(job)
-
-    def _refuse(self, client, rid, reason, message, retry_after=0.0):
-        self.to_client(client, M.Refused(rid, reason, message, retry_after))
 
     # ---- workers -------------------------------------------------------------------------
     def worker_message(self, identity: bytes, msg) -> None:
@@ -330,33 +317,7 @@ class Dispatcher(StreamTracking, Failover):
         """Purge expired workers and jobs, re-probe, refuse what cannot be placed."""
         now = self.clock()
         self._expire_workers()
-        usable = any(w.state == UP for w in self.registry.workers.values())
-        queued = self.queued()
-        can_probe = bool(self.registry.down())
-        probe_done = now >= self._probe_deadline
-        for job in queued:
-            if job.deadline < now:
-                if job.state == J.WAITING_SUB:
-                    reason, text = "invalid", "the client never subscribed to the request's stream"
-                else:
-                    reason, text = "busy", "no worker could take the request in time"
-                self.counters["refused_timeout"] += 1
-                self._refuse_job(job, reason, text)
-            elif job.state == J.QUEUED and not usable and (not can_probe or (probe_done and job.arrived <= self._last_probe)):
-                # Refuse for lack of workers only after a probe round that started after
-                # the request arrived went unanswered.
-                self.counters["refused_no_worker"] += 1
-                self._refuse_job(job, "no_worker", "no worker is available")
-        if not usable and any(j.state == J.QUEUED for j in self.pending.values()):
-            self._reprobe(now)
+        self._expire_queue(now)
         self._close_lost_finals(now)
         self.dispatch_pending()
         self._purge_finished(now)
-
-    def _refuse_job(self, job: Job, reason: str, text: str) -> None:
-        if job.next_seq == 0 and not job.migrations:
-            self._refuse(job.client, job.request_id, reason, text, self.s.retry_after_s)
-            self._finish(job)
-        else:
-            self._end_stream(job, error=text)
-
