@@ -25,7 +25,6 @@ from tandem.wire.sockets import make_socket
 
 log = logging.getLogger(__name__)
 
-STREAM_RECORDS_BYTES = 1 << 20  # above this a message goes one record per ZeroMQ message
 # Frames smaller than this share a record up to about this size: per record there is a
 # fixed cost on both sides (a ZeroMQ message, a zero-copy release through pyzmq's
 # garbage-collector thread, a wake-up of the receiving thread) that at 0.75 MB records
@@ -115,18 +114,16 @@ class KVSender:
         self.send_frames(codec.encode(msg))
 
     def send_frames(self, frames: list) -> None:
-        """Seal and send already-encoded frames (``codec.encode(msg)``): one record per
-        ZeroMQ message when the payload is large, so sealing overlaps transmission."""
-        if len(frames) > 1 and sum(len(codec.as_buffer(f)) for f in frames) >= STREAM_RECORDS_BYTES:
-            arena = self._arena
-            for record in self.channel.seal_records(frames, alloc=arena.alloc, group_bytes=RECORD_GROUP_BYTES):
-                if arena.owns(record[1]):  # in the arena: track until libzmq lets go
-                    self.socket.send(record[0], zmq.SNDMORE)
-                    arena.track(self.socket.send(record[1], copy=False, track=True))
-                else:
-                    codec.send(self.socket, record)
-        else:
-            codec.send(self.socket, self.channel.seal(frames))
+        """Seal and send already-encoded frames (``codec.encode(msg)``), one record per
+        ZeroMQ message so that sealing overlaps transmission; small frames share records
+        (a small message is one record, one ZeroMQ message)."""
+        arena = self._arena
+        for head, body in self.channel.seal_records(frames, alloc=arena.alloc, group_bytes=RECORD_GROUP_BYTES):
+            if arena.owns(body):  # in the arena: track until libzmq lets go
+                self.socket.send(head, zmq.SNDMORE)
+                arena.track(self.socket.send(body, copy=False, track=True))
+            else:
+                codec.send(self.socket, [head, body])
 
     def recv(self, timeout_s: float | None = None) -> Message:
         """The next message from the decode worker (KVAck / KVRefuse)."""
