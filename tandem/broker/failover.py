@@ -18,6 +18,13 @@ log = logging.getLogger("tandem.broker")
 
 
 class Failover:
+    def _let_go(self, job: Job, w: Worker) -> None:
+        """A worker gave up a request whose stream already ended (say, a prefill worker
+        whose handoff acknowledgement was lost after the decode worker finished it): it
+        holds nothing more, so neither does the broker on its behalf."""
+        self._unhold(job, w)
+        self._maybe_forget(job)
+
     def _expire_workers(self) -> None:
         for w in self.registry.expired():
             log.warning("worker %s missed its heartbeats; marked down", w.node_id)
@@ -44,7 +51,10 @@ class Failover:
     def _worker_refused(self, w: Worker, msg: M.Refused) -> None:
         self.counters["worker_refusals"] += 1
         job = self.jobs.get(msg.request_id)
-        if job is None or job.state == J.FINISHED or w.identity not in job.holders:
+        if job is None or w.identity not in job.holders:
+            return
+        if job.state == J.FINISHED:
+            self._let_go(job, w)
             return
         target = self.registry.get(job.decode_worker) if job.decode_worker else None
         if job.next_seq > 0 and target is not None and target is not w:
@@ -61,7 +71,10 @@ class Failover:
 
     def _failed(self, w: Worker, rid: bytes, error: str, retryable: bool, migration: bool = True) -> None:
         job = self.jobs.get(rid)
-        if job is None or job.state == J.FINISHED or w.identity not in job.holders:
+        if job is None or w.identity not in job.holders:
+            return
+        if job.state == J.FINISHED:
+            self._let_go(job, w)
             return
         job.excluded.add(w.identity)
         if retryable:

@@ -33,6 +33,7 @@ from tandem.wire.sockets import make_socket
 log = logging.getLogger("tandem.workers.handoff")
 
 KV_HWM = 64
+REPLY_HWM = 10_000
 
 
 def snapshot_messages(snap: KVSnapshot, options: KVOptions | None = None, *, stream_seq: int, priority: int,
@@ -156,6 +157,11 @@ class KVIngest:
 
     def __init__(self, ctx: zmq.Context, bind: str, *, secret: bytes, node_id: str, timeout_s: float):
         self.sock = make_socket(ctx, zmq.ROUTER, bind=bind, hwm=KV_HWM)
+        # Replies (acks, refusals) are small but a busy prefill peer may not read them for
+        # a while; a reply dropped at the HWM leaves a gap in the sealed counter and breaks
+        # the channel with every transfer on it. (Set before any peer connects: libzmq
+        # sizes each pipe when it is created.)
+        self.sock.sndhwm = REPLY_HWM
         self.secret, self.node_id, self.timeout_s = secret, node_id, timeout_s
         self._handshakes: dict[bytes, Responder] = {}
         self._channels: dict[bytes, object] = {}

@@ -376,3 +376,20 @@ def test_heartbeat_kv_totals_become_bandwidth_in_stats():
     h.d.worker_message(p, M.Heartbeat("p0", kv_handoffs=1, kv_sent_bytes=1_000_000, kv_sent_s=0.0002))
     row = snapshot(h.d)["workers"][0]
     assert row["kv_handoffs"] == 1 and row["kv_gb_s"] == 5.0 and row["kv_gb_s_recent"] == pytest.approx(0.3 * 5 + 0.7 * 1.7, abs=1e-3)
+
+
+def test_refusal_after_the_stream_ended_releases_the_worker():
+    """A prefill worker whose handoff acknowledgement was lost reports the handoff failed
+    after the decode worker already finished the stream: its claim goes, nothing lingers."""
+    h = Harness()
+    p = h.worker("p0", "prefill")
+    d = h.worker("d0", "decode")
+    (rid,) = h.submit(max_tokens=3)
+    job = h.d.jobs[rid]
+    h.d.stream(job, 1, M.TokenMessage(rid, 0, [11]))
+    h.d.stream(job, 1, M.TokenMessage(rid, 1, [12, 13], finish_reason="length", usage=M.Usage(3, 3)))
+    h.d.worker_message(d, M.Done(rid, "length", M.Usage(3, 3)))
+    assert job.state == J.FINISHED and job.holders == {p} and rid in h.d.jobs
+    h.d.worker_message(p, M.Refused(rid, "at_capacity", "KV channel broke", 0.0))
+    assert rid not in h.d.jobs and not h.d.registry.get(p).inflight and not h.d.registry.get(d).inflight
+    assert not [m for _, m in h.dispatches() if isinstance(m, M.Resume)]
