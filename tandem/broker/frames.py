@@ -30,12 +30,13 @@ _PLAIN = {int(t): (cls, cls.unpack_fields) for t, cls in REGISTRY.items() if cls
 _PREFIX = {cls: P.header_prefix(t) for t, cls in REGISTRY.items()}
 # The codec's msgpack limits. They are passed as literal keywords below (a **dict costs
 # a quarter of a microsecond per call); str/bin lengths are left at unpackb's default,
-# the buffer's length, which the header bound above already caps at _MAX_HEADER.
+# the buffer's length, which the header size check caps at _MAX_HEADER.
 _MAX_ARRAY = P.MAX_PROMPT_TOKENS + P.MAX_NEW_TOKENS
 _MAX_MAP = 1 << 16
 _unpackb = msgpack.unpackb
 assert P.PREFIX_LEN == 4  # the slices below
-# One packer for the broker's single thread (packb would build one per call).
+# One packer, reused (packb builds one per call). Its pack() runs start to end under the
+# GIL (no callbacks: no default hook), so brokers in several threads may share it.
 _pack = msgpack.Packer(use_bin_type=True).pack
 
 
