@@ -259,7 +259,7 @@ class Worker(KVHandoffs, Health):
             if local is None or local.attempt != attempt:
                 continue  # aborted here, or an older attempt's leftovers
             if ev.snapshot is not None and ev.finish_reason is None and ev.error is None:
-                self._publish(local, ev.tokens, ev.logprobs)
+                self._publish(local, ev.tokens, ev.logprobs, usage=ev.usage)  # cached-prompt count for early stoppers
                 self._hand_off(local, ev.snapshot)
                 continue
             done = ev.finish_reason is not None or ev.error is not None

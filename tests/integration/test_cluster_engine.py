@@ -158,3 +158,17 @@ def test_layer_parallel_lz4_handoff_is_exact(cluster, tiny_model_dir):
     finally:
         engine.stop()
     assert got == single
+
+    # The same prompt again hits the prefill worker's prefix cache. The first stream
+    # message (published by the prefill worker, before the handoff) already says so:
+    # an edge that stops reading early on a stop string reports cached tokens from it.
+    async def events(p):
+        async with AsyncClient(cluster.endpoints["frontend"], cluster.endpoints["stream_out"],
+                               secret=cluster.secret, timeout_s=120) as ac:
+            return [ev async for ev in ac.generate(p, _sampling())]
+    evs = asyncio.run(events(prompts[0]))
+    assert len(prompts[0]) > 32
+    first = evs[0]
+    assert first.usage is not None and 0 < first.usage.cached_prompt_tokens < len(prompts[0])
+    assert evs[-1].usage.cached_prompt_tokens == first.usage.cached_prompt_tokens
+    wait_clean(c, timeout=20)
