@@ -8,7 +8,9 @@ vs cold. Prints a table and writes docs/benchmarks/engine.md and engine.json.
     .venv/bin/python bench/engine.py --model DIR --batches 1,4 --repeats 1
 
 Each cell is the best of ``--repeats`` alternating runs (engine, baseline, engine, ...):
-the machine is shared, and the best run is the one least disturbed by other work.
+the machine is shared, and the best run is the one least disturbed by other work. The
+"mlx-lm forward" column is the same engine with ``fast_forward=false`` (mlx-lm's own
+model forward instead of tandem's CPU forward), to show what that forward contributes.
 """
 
 from __future__ import annotations
@@ -159,6 +161,8 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    ap.add_argument("--no-ablate", dest="ablate", action="store_false",
+                    help="skip the engine-with-mlx-lm's-forward column (fast_forward=false)")
     args = ap.parse_args()
 
     model, model_id, path = load(args.model)
@@ -179,34 +183,46 @@ def main() -> int:
     batchgen_run(model, prompts(2, 32, vocab, 0), 8)
 
     print(f"model {model_id}  BLAS {tandem.BLAS}  prompt {args.prompt_len}  gen {args.gen}  best of {args.repeats}")
-    print(f"{'batch':>5} {'engine tok/s':>13} {'BatchGen tok/s':>15} {'ratio':>6}")
+    print(f"{'batch':>5} {'engine tok/s':>13} {'mlx-lm fwd':>11} {'BatchGen tok/s':>15} {'ratio':>6}")
     for b in [int(x) for x in args.batches.split(",")]:
         batch = prompts(b, args.prompt_len, vocab, seed=b)
         eng = _started(engine_for(b))
-        e_runs, g_runs = [], []
+        plain = _started(engine_for(b, fast_forward=False)) if args.ablate else None
+        e_runs, p_runs, g_runs = [], [], []
         for _ in range(args.repeats):
             e_runs.append(engine_run(eng, batch, args.gen))
+            if plain is not None:
+                p_runs.append(engine_run(plain, batch, args.gen))
             g_runs.append(batchgen_run(model, batch, args.gen))
         eng.stop()
+        if plain is not None:
+            plain.stop()
         e, g = best(e_runs, "decode_tok_s"), best(g_runs, "decode_tok_s")
-        row = {"batch": b, "engine_tok_s": e, "batchgen_tok_s": g, "ratio": e / g,
-               "engine_runs": [r["decode_tok_s"] for r in e_runs], "batchgen_runs": [r["decode_tok_s"] for r in g_runs]}
+        p = best(p_runs, "decode_tok_s") if p_runs else None
+        row = {"batch": b, "engine_tok_s": e, "batchgen_tok_s": g, "ratio": e / g, "plain_forward_tok_s": p,
+               "engine_runs": [r["decode_tok_s"] for r in e_runs], "batchgen_runs": [r["decode_tok_s"] for r in g_runs],
+               "plain_forward_runs": [r["decode_tok_s"] for r in p_runs], "loadavg": os.getloadavg()[0]}
         results["decode"].append(row)
-        print(f"{b:>5} {e:>13.1f} {g:>15.1f} {e / g:>5.2f}x")
+        print(f"{b:>5} {e:>13.1f} {p or 0:>11.1f} {g:>15.1f} {e / g:>5.2f}x")
 
     print(f"\nprefill, 512-token prompts")
-    print(f"{'prompts':>7} {'engine tok/s':>13} {'BatchGen tok/s':>15} {'ratio':>6}")
+    print(f"{'prompts':>7} {'engine tok/s':>13} {'mlx-lm fwd':>11} {'BatchGen tok/s':>15} {'ratio':>6}")
     for n in (1, 4):
         batch = prompts(n, 512, vocab, seed=100 + n)
-        e_runs, g_runs = [], []
+        e_runs, p_runs, g_runs = [], [], []
         for rep in range(args.repeats):
-            eng = _started(engine_for(n, prefill_chunk_size=512, enable_prefix_caching=False))
-            e_runs.append(engine_run(eng, batch, 1))
-            eng.stop()
+            for fast, runs in ((True, e_runs), (False, p_runs)):
+                if fast or args.ablate:
+                    eng = _started(engine_for(n, prefill_chunk_size=512, enable_prefix_caching=False, fast_forward=fast))
+                    runs.append(engine_run(eng, batch, 1))
+                    eng.stop()
             g_runs.append(batchgen_run(model, batch, 1))
         e, g = best(e_runs, "prefill_tok_s"), best(g_runs, "prefill_tok_s")
-        results["prefill"].append({"prompts": n, "engine_tok_s": e, "batchgen_tok_s": g, "ratio": e / g})
-        print(f"{n:>7} {e:>13.1f} {g:>15.1f} {e / g:>5.2f}x")
+        p = best(p_runs, "prefill_tok_s") if p_runs else None
+        results["prefill"].append({"prompts": n, "engine_tok_s": e, "batchgen_tok_s": g, "ratio": e / g, "plain_forward_tok_s": p,
+                                   "engine_runs": [r["prefill_tok_s"] for r in e_runs], "batchgen_runs": [r["prefill_tok_s"] for r in g_runs],
+                                   "plain_forward_runs": [r["prefill_tok_s"] for r in p_runs]})
+        print(f"{n:>7} {e:>13.1f} {p or 0:>11.1f} {g:>15.1f} {e / g:>5.2f}x")
 
     print("\ngrant interval: 4 streams decoding up to 96 tokens, then a 2,048-token prompt in 512-token chunks")
     print(f"{'N':>3} {'long TTFT ms':>13} {'ticks':>6} {'decode ITL mean ms':>19} {'p95 ms':>8}")
@@ -255,9 +271,12 @@ def plot(r: dict) -> str:
     """Grouped bars of decode tok/s per batch size, as a dependency-free SVG."""
     rows = r["decode"]
     W, H, left, bottom, top = 640, 320, 60, 40, 30
-    peak = max(max(d["engine_tok_s"], d["batchgen_tok_s"]) for d in rows) * 1.15
+    series = [("engine_tok_s", "#1f77b4", "tandem engine"), ("batchgen_tok_s", "#ff7f0e", "mlx-lm BatchGenerator")]
+    if all(d.get("plain_forward_tok_s") for d in rows):
+        series.insert(1, ("plain_forward_tok_s", "#9ecae1", "engine, mlx-lm forward"))
+    peak = max(max(d[k] for k, _, _ in series) for d in rows) * 1.15
     slot = (W - left - 20) / len(rows)
-    bar = slot * 0.35
+    bar = slot * 0.7 / len(series)
     y = lambda v: H - bottom - (H - bottom - top) * v / peak  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
            f'<text x="{W / 2}" y="18" text-anchor="middle">aggregate decode tok/s ({r["model"]})</text>',
@@ -268,14 +287,15 @@ def plot(r: dict) -> str:
         out.append(f'<line x1="{left}" y1="{y(v):.1f}" x2="{W - 10}" y2="{y(v):.1f}" stroke="#ddd"/>')
     for i, d in enumerate(rows):
         x0 = left + i * slot + slot * 0.15
-        for j, (key, color) in enumerate((("engine_tok_s", "#1f77b4"), ("batchgen_tok_s", "#ff7f0e"))):
+        for j, (key, color, _) in enumerate(series):
             v = d[key]
             out.append(f'<rect x="{x0 + j * bar:.1f}" y="{y(v):.1f}" width="{bar:.1f}" height="{H - bottom - y(v):.1f}" fill="{color}"/>')
-        out.append(f'<text x="{x0 + bar:.1f}" y="{H - bottom + 16}" text-anchor="middle">batch {d["batch"]}</text>')
-        out.append(f'<text x="{x0 + bar:.1f}" y="{y(max(d["engine_tok_s"], d["batchgen_tok_s"])) - 4:.1f}" text-anchor="middle">{d["ratio"]:.2f}x</text>')
-    out += [f'<rect x="{W - 190}" y="30" width="12" height="12" fill="#1f77b4"/><text x="{W - 172}" y="40">tandem engine</text>',
-            f'<rect x="{W - 190}" y="48" width="12" height="12" fill="#ff7f0e"/><text x="{W - 172}" y="58">mlx-lm BatchGenerator</text>',
-            "</svg>"]
+        mid = x0 + bar * len(series) / 2
+        out.append(f'<text x="{mid:.1f}" y="{H - bottom + 16}" text-anchor="middle">batch {d["batch"]}</text>')
+        out.append(f'<text x="{mid:.1f}" y="{y(max(d[k] for k, _, _ in series)) - 4:.1f}" text-anchor="middle">{d["ratio"]:.2f}x</text>')
+    for j, (_, color, label) in enumerate(series):
+        out.append(f'<rect x="{left + 10}" y="{30 + 18 * j}" width="12" height="12" fill="{color}"/><text x="{left + 28}" y="{40 + 18 * j}">{label}</text>')
+    out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
@@ -293,15 +313,17 @@ def render(r: dict) -> str:
         "",
         f"## Aggregate decode throughput ({r['prompt_len']}-token prompts, {r['gen_tokens']} generated tokens each)",
         "",
-        "| batch | engine tok/s | BatchGenerator tok/s | ratio |",
-        "|---:|---:|---:|---:|",
+        "| batch | engine tok/s | engine, mlx-lm forward tok/s | BatchGenerator tok/s | ratio (engine / BatchGenerator) |",
+        "|---:|---:|---:|---:|---:|",
     ]
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for d in r["decode"]:
-        lines.append(f"| {d['batch']} | {d['engine_tok_s']:.1f} | {d['batchgen_tok_s']:.1f} | {d['ratio']:.2f}x |")
+        lines.append(f"| {d['batch']} | {d['engine_tok_s']:.1f} | {fmt(d.get('plain_forward_tok_s'))} | {d['batchgen_tok_s']:.1f} | {d['ratio']:.2f}x |")
     lines += ["", "## Prefill throughput (512-token prompts, prefilled together)", "",
-              "| prompts | engine tok/s | BatchGenerator tok/s | ratio |", "|---:|---:|---:|---:|"]
+              "| prompts | engine tok/s | engine, mlx-lm forward tok/s | BatchGenerator tok/s | ratio (engine / BatchGenerator) |",
+              "|---:|---:|---:|---:|---:|"]
     for p in r["prefill"]:
-        lines.append(f"| {p['prompts']} | {p['engine_tok_s']:.1f} | {p['batchgen_tok_s']:.1f} | {p['ratio']:.2f}x |")
+        lines.append(f"| {p['prompts']} | {p['engine_tok_s']:.1f} | {fmt(p.get('plain_forward_tok_s'))} | {p['batchgen_tok_s']:.1f} | {p['ratio']:.2f}x |")
     if r.get("grant"):
         lines += ["", "## Grant interval: a 2,048-token prompt (4 chunks of 512) admitted while 4 streams decode (up to 96 tokens)", "",
                   "| prefill_grant_interval | long prompt TTFT ms | engine ticks | decoders' inter-token gap mean ms | p95 ms |",

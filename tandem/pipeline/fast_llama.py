@@ -27,8 +27,9 @@ import mlx.nn as nn
 
 from tandem.pipeline import cpu_math
 
-# Rows (batch x tokens) from which a projection runs as W @ x.T rather than x @ W.T.
-LEFT_FROM = 1
+# Rows (batch x tokens) below which a projection runs as W @ x.T rather than x @ W.T
+# (at 2,048 rows MKL packs the weights better than the activations again).
+LEFT_BELOW = 1024
 
 _FAMILIES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 
@@ -109,7 +110,7 @@ class FastLlama:
         self.inner = model.model
         self.fused = fused_weights(model)
         self.head = self.inner.embed_tokens.weight if _tied(model) else model.lm_head.weight
-        self.left_from = LEFT_FROM
+        self.left_below = LEFT_BELOW
 
     def __call__(self, inputs: mx.array, caches, mask: mx.array | None, max_q_start: int,
                  last: mx.array | None) -> mx.array:
@@ -123,13 +124,13 @@ class FastLlama:
         x = x.reshape(B, L, -1)
         x = x[:, 0] if last is None else x[mx.arange(B), last]
         h = self.inner.norm(x)
-        return (self.head @ h.T).T if B >= self.left_from else h @ self.head.T
+        return (self.head @ h.T).T if B < self.left_below else h @ self.head.T
 
     def _layer(self, layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start):
         attn, mlp = layer.self_attn, layer.mlp
         Hq, Hkv = attn.n_heads, attn.n_kv_heads
         D = qkv_w.shape[0] // (Hq + 2 * Hkv)
-        left = B * L >= self.left_from
+        left = B * L < self.left_below
         h = layer.input_layernorm(x)
         if left:
             qkv = qkv_w @ h.T  # (features, B*L)

@@ -64,8 +64,8 @@ def _load(tmp_path, model_type):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("left_from", [1, 10**9])  # W @ x.T everywhere / x @ W.T everywhere
-def test_fast_forward_equals_mlx_lm_forward(tmp_path, model_type, left_from):
+@pytest.mark.parametrize("left_below", [10**9, 1])  # W @ x.T everywhere / x @ W.T everywhere
+def test_fast_forward_equals_mlx_lm_forward(tmp_path, model_type, left_below):
     model = _load(tmp_path, model_type)
     prompts = mx.array(random_prompts(3, 20, 20, seed=5))  # (3, 20)
     ref_cache = make_prompt_cache(model)
@@ -73,7 +73,7 @@ def test_fast_forward_equals_mlx_lm_forward(tmp_path, model_type, left_from):
     want_step = model(prompts[:, :1], cache=ref_cache)[:, -1]
 
     fast = fast_llama.FastLlama(model)
-    fast.left_from = left_from
+    fast.left_below = left_below
     cache = make_prompt_cache(model)
     mask = cpu_math.additive_mask([0, 0, 0], 20, 20)
     got_prefill = fast(prompts, cache, mask, 0, mx.array([19, 19, 19]))
