@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 # record's sealing and the last one's opening, which do not overlap the network, longer.
 RECORD_GROUP_BYTES = 2 << 20
 KV_HWM = 64  # messages; KV chunks are large, so keep the queue short and let send block
+REPLY_HWM = 10_000  # the decode side's replies
 MAX_PENDING_HANDSHAKES = 256
 
 
@@ -148,6 +149,10 @@ class KVReceiver:
 
     def __init__(self, ctx: zmq.Context, bind: str, secret: bytes, node_id: str, *, at_capacity=None):
         self.socket = make_socket(ctx, zmq.ROUTER, bind=bind, hwm=KV_HWM)
+        # Replies (acks, refusals) are small, but a reply dropped at the HWM would leave a
+        # gap in the sealed counter and break the channel. libzmq sizes each peer's pipe
+        # when it connects, so this applies to every peer.
+        self.socket.sndhwm = REPLY_HWM
         self._secret = secret
         self._node_id = node_id
         self._at_capacity = at_capacity or (lambda: False)
