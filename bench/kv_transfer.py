@@ -18,6 +18,7 @@ somewhat better, mostly in padding and zero blocks.
 
     .venv/bin/python bench/kv_transfer.py            # full run, writes docs/benchmarks/kv_transfer.{md,json}
     .venv/bin/python bench/kv_transfer.py --quick    # small shapes only, no files
+    .venv/bin/python bench/kv_transfer.py --baseline REF  # also this tree vs commit REF, side by side
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if len(sys.argv) > 2 and sys.argv[1] == "--ab-child":  # run against another tandem tree (a baseline)
+    sys.path.insert(0, sys.argv[2])
 
 import tandem  # noqa: E402,F401  (BLAS preload before anything imports mlx)
 import numpy as np  # noqa: E402
@@ -219,10 +222,76 @@ def control_rates(ctx, eps: list[str], n: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def ab_child(shape: str, tokens: int, rounds: int) -> None:
+    """One side of --baseline: sealed full/raw and raw ZeroMQ in alternating rounds with
+    whichever ``tandem`` is first on sys.path (and its own receiver process); prints JSON."""
+    retain_freed_memory()
+    mpctx = mp.get_context("spawn")
+    parent, child = mpctx.Pipe()
+    proc = mpctx.Process(target=receiver_main, args=(child,), daemon=True)
+    proc.start()
+    eps = parent.recv()
+    ctx = zmq.Context()
+    snap = make_snapshot(tokens, **SHAPES[shape])
+    senders = [KVSender(ctx, eps[0], SECRET, "prefill-bench")]
+    send_snapshot(senders, snap, KVOptions(), timeout_s=300)  # warm-up
+    raw_zmq_gbps(ctx, eps[1], snap, 1)
+    out = {"tandem": str(Path(tandem.__file__).parent), "zmq": [], "sealed": [], "cpu_zmq": [], "cpu_sealed": []}
+    for _ in range(rounds):
+        c0 = cpu_pair(ctx, eps[1])
+        out["zmq"].append(raw_zmq_gbps(ctx, eps[1], snap, 1))
+        c1 = cpu_pair(ctx, eps[1])
+        out["sealed"].append(send_snapshot(senders, snap, KVOptions(), timeout_s=300).gbps)
+        c2 = cpu_pair(ctx, eps[1])
+        out["cpu_zmq"].append((c1[0] - c0[0] + c1[1] - c0[1]) / (snap.nbytes / 1e9))
+        out["cpu_sealed"].append((c2[0] - c1[0] + c2[1] - c1[1]) / (snap.nbytes / 1e9))
+    senders[0].close()
+    stop = make_socket(ctx, zmq.DEALER, connect=eps[1])
+    stop.send(b"stop")
+    proc.join(10)
+    stop.close(0)
+    ctx.destroy(linger=0)
+    print(json.dumps(out))
+
+
+def compare_baseline(ref: str, cases: list, rounds: int) -> dict:
+    """Sealed full/raw of this tree and of git ``ref``, each against raw ZeroMQ in its own
+    runs, in alternating child processes so both see the same machine load."""
+    import subprocess
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import baseline_tree
+
+    trees = {"this tree": str(Path(__file__).resolve().parents[1]), f"baseline {ref}": str(baseline_tree(ref))}
+    runs: dict = {}
+    for shape, tokens in cases:
+        for r in range(rounds):
+            order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
+            for label, tree in order:
+                cmd = [sys.executable, __file__, "--ab-child", tree, shape, str(tokens), "3"]
+                got = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+                assert got["tandem"].startswith(tree), (got["tandem"], tree)  # the tree asked for, not the installed one
+                runs.setdefault(f"{shape} {tokens}", {}).setdefault(label, []).append(got)
+    summary = {}
+    for case, by_tree in runs.items():
+        for label, rs in by_tree.items():
+            ratios = sorted(s / z for r in rs for s, z in zip(r["sealed"], r["zmq"]))
+            cpu = sorted(s / z for r in rs for s, z in zip(r["cpu_sealed"], r["cpu_zmq"]))
+            summary.setdefault(case, {})[label] = {"ratio_median": ratios[len(ratios) // 2], "cpu_ratio_median": cpu[len(cpu) // 2],
+                                                   "sealed_gbps_best": max(x for r in rs for x in r["sealed"]), "runs": len(ratios)}
+            print(f"{case:26s} {label:22s} sealed/raw ZeroMQ median {summary[case][label]['ratio_median']:.0%}, "
+                  f"CPU sealed/raw {summary[case][label]['cpu_ratio_median']:.2f}x", flush=True)
+    return {"ref": ref, "rounds": rounds, "cases": summary}
+
+
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--ab-child":
+        ab_child(sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1k-token prompts only, one repeat, no files written")
     ap.add_argument("--out", default="docs/benchmarks/kv_transfer", help="path prefix for .md and .json")
+    ap.add_argument("--baseline", metavar="GIT_REF", help="also compare sealed full/raw (1k-token caches) with this commit's, alternating")
     args = ap.parse_args()
     cases = [(s, t) for s in SHAPES for t in ((1024,) if args.quick else (1024, 8192))]
 
@@ -301,16 +370,17 @@ def main() -> int:
         proc.join(10)
         stop.close(0)
         ctx.destroy(linger=0)
+    baseline = compare_baseline(args.baseline, [c for c in cases if c[1] == 1024], 2 if args.quick else 6) if args.baseline else None
     if not args.quick:
-        write_results(Path(args.out), results, control)
+        write_results(Path(args.out), results, control, baseline)
     return 0
 
 
-def write_results(prefix: Path, results: list, control: dict) -> None:
+def write_results(prefix: Path, results: list, control: dict, baseline: dict | None = None) -> None:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "zmq": zmq.zmq_version()}
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps({"meta": meta, "kv": results, "control": control}, indent=2))
+    prefix.with_suffix(".json").write_text(json.dumps({"meta": meta, "kv": results, "control": control, "baseline": baseline}, indent=2))
     lines = [
         "# KV transfer over loopback (generated by bench/kv_transfer.py)", "",
         f"{meta['date']}, {meta['cpus']} CPUs ({meta['machine']}), Python {meta['python']}, libzmq {meta['zmq']}. "
@@ -355,6 +425,17 @@ def write_results(prefix: Path, results: list, control: dict) -> None:
         for strategy in STRATEGIES:
             cells = [e["sealed"][f"{strategy}/{o}"] for o in OPTIONS]
             lines.append(f"| {strategy} | " + " | ".join(f"{c['gbps']:.2f} ({c['vs_ceiling']:.0%}, wire {c['wire_ratio']:.2f}x)" for c in cells) + " |")
+        lines.append("")
+    if baseline:
+        lines += [f"## This tree vs `{baseline['ref']}` (sealed full/raw, 1k-token caches)", "",
+                  f"Each tree in its own processes (sender and receiver), {baseline['rounds']} alternating rounds of 3 "
+                  "transfers, each sealed transfer right after a raw ZeroMQ one of the same cache; medians of the "
+                  "per-pair ratios, so both trees see the same machine load.", "",
+                  "| cache | tree | sealed / raw ZeroMQ (median) | CPU sealed / raw ZeroMQ (median) | best sealed GB/s |",
+                  "|---|---|---|---|---|"]
+        for case, by_tree in baseline["cases"].items():
+            for label, v in by_tree.items():
+                lines.append(f"| {case} tokens | {label} | {v['ratio_median']:.0%} | {v['cpu_ratio_median']:.2f}x | {v['sealed_gbps_best']:.2f} |")
         lines.append("")
     lines += ["## Control messages (a Dispatch with a 200-token prompt)", "",
               "Best of 5 alternating rounds of 20,000 messages. CPU time is the sending process's "
