@@ -101,6 +101,16 @@ def fused_weights(model) -> _Fused:
     return fused
 
 
+def _left(w: mx.array, xt: mx.array) -> mx.array:
+    """``w @ xt`` for xt (in, M). A single column goes in twice: MKL's matrix-vector
+    kernel reads these weights at about half the speed of its 2-column matrix product
+    (30 layers + vocabulary: 39 ms at one column, 31 ms at two)."""
+    if xt.shape[1] == 1:
+        x = xt.T  # (1, in); the product must see a transposed (2, in), as in the
+        return (w @ mx.concatenate([x, x]).T)[:, :1]  # measurement (a row-major one is slower)
+    return w @ xt
+
+
 class FastLlama:
     def __init__(self, model):
         why = supports(model)
@@ -124,7 +134,7 @@ class FastLlama:
         x = x.reshape(B, L, -1)
         x = x[:, 0] if last is None else x[mx.arange(B), last]
         h = self.inner.norm(x)
-        return (self.head @ h.T).T if B < self.left_below else h @ self.head.T
+        return _left(self.head, h.T).T if B < self.left_below else h @ self.head.T
 
     def _layer(self, layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start):
         attn, mlp = layer.self_attn, layer.mlp
@@ -133,7 +143,7 @@ class FastLlama:
         left = B * L < self.left_below
         h = layer.input_layernorm(x)
         if left:
-            qkv = qkv_w @ h.T  # (features, B*L)
+            qkv = _left(qkv_w, h.T)  # (features, B*L)
             if qkv_b is not None:
                 qkv = qkv + qkv_b
             q = qkv[: Hq * D].reshape(Hq, D, B, L).transpose(2, 0, 3, 1)  # (B, Hq, L, D)
@@ -156,11 +166,11 @@ class FastLlama:
         o = o.transpose(0, 2, 1, 3).reshape(B * L, Hq * D)
         h = layer.post_attention_layernorm
         if left:
-            x = x + (attn.o_proj.weight @ o.T).T
-            gu = gu_w @ h(x).T  # (2 * hidden, B*L): gate rows then up rows
+            x = x + _left(attn.o_proj.weight, o.T).T
+            gu = _left(gu_w, h(x).T)  # (2 * hidden, B*L): gate rows then up rows
             inter = gu.shape[0] // 2
             a = cpu_math.silu_mul(gu[:inter], gu[inter:])
-            return x + (mlp.down_proj.weight @ a).T
+            return x + _left(mlp.down_proj.weight, a).T
         x = x + o @ attn.o_proj.weight.T
         gu = h(x) @ gu_w.T
         inter = gu.shape[1] // 2
