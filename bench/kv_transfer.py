@@ -128,6 +128,22 @@ def receiver_main(conn) -> None:
 # ---- measurements (prefill side) ----------------------------------------------------------
 
 
+def start_receiver():
+    """The decode side in its own process; returns it and its (KV, raw ZeroMQ) endpoints."""
+    mpctx = mp.get_context("spawn")
+    parent, child = mpctx.Pipe()
+    proc = mpctx.Process(target=receiver_main, args=(child,), daemon=True)
+    proc.start()
+    return proc, parent.recv()
+
+
+def stop_receiver(ctx, proc, eps) -> None:
+    stop = make_socket(ctx, zmq.DEALER, connect=eps[1])
+    stop.send(b"stop")
+    proc.join(10)
+    stop.close(0)
+
+
 def layer_frames(snap: KVSnapshot) -> list:
     return [memoryview(a).cast("B") for pair in zip(snap.keys, snap.values) for a in pair]
 
@@ -226,11 +242,7 @@ def ab_child(shape: str, tokens: int, rounds: int) -> None:
     """One side of --baseline: sealed full/raw and raw ZeroMQ in alternating rounds with
     whichever ``tandem`` is first on sys.path (and its own receiver process); prints JSON."""
     retain_freed_memory()
-    mpctx = mp.get_context("spawn")
-    parent, child = mpctx.Pipe()
-    proc = mpctx.Process(target=receiver_main, args=(child,), daemon=True)
-    proc.start()
-    eps = parent.recv()
+    proc, eps = start_receiver()
     ctx = zmq.Context()
     snap = make_snapshot(tokens, **SHAPES[shape])
     senders = [KVSender(ctx, eps[0], SECRET, "prefill-bench")]
@@ -246,10 +258,7 @@ def ab_child(shape: str, tokens: int, rounds: int) -> None:
         out["cpu_zmq"].append((c1[0] - c0[0] + c1[1] - c0[1]) / (snap.nbytes / 1e9))
         out["cpu_sealed"].append((c2[0] - c1[0] + c2[1] - c1[1]) / (snap.nbytes / 1e9))
     senders[0].close()
-    stop = make_socket(ctx, zmq.DEALER, connect=eps[1])
-    stop.send(b"stop")
-    proc.join(10)
-    stop.close(0)
+    stop_receiver(ctx, proc, eps)
     ctx.destroy(linger=0)
     print(json.dumps(out))
 
@@ -296,11 +305,7 @@ def main() -> int:
     cases = [(s, t) for s in SHAPES for t in ((1024,) if args.quick else (1024, 8192))]
 
     retain_freed_memory()  # as a prefill worker should: quantized chunks are fresh buffers
-    mpctx = mp.get_context("spawn")
-    parent, child = mpctx.Pipe()
-    proc = mpctx.Process(target=receiver_main, args=(child,), daemon=True)
-    proc.start()
-    eps = parent.recv()
+    proc, eps = start_receiver()
     ctx = zmq.Context()
     results = []
     try:
@@ -365,10 +370,7 @@ def main() -> int:
             results.append(entry)
             del snap
     finally:
-        stop = make_socket(ctx, zmq.DEALER, connect=eps[1])
-        stop.send(b"stop")
-        proc.join(10)
-        stop.close(0)
+        stop_receiver(ctx, proc, eps)
         ctx.destroy(linger=0)
     baseline = compare_baseline(args.baseline, [c for c in cases if c[1] == 1024], 2 if args.quick else 6) if args.baseline else None
     if not args.quick:
