@@ -34,10 +34,28 @@ def _sampling():
     return SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+def _single_process(model_dir, requests) -> list[list[int]]:
+    """What one in-process engine yields for each (prompt, sampling) alone."""
+    from tandem.pipeline.engine import Engine
+    from tandem.pipeline.loader import load_model
+    from tandem.pipeline.settings import EngineSettings
+
+    loaded = load_model(model_dir)
+    engine = Engine(loaded.model, EngineSettings(), model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids)
+    try:
+        return [engine.generate_many([r])[0] for r in requests]
+    finally:
+        engine.stop()
+
+
+def _client(cluster) -> AsyncClient:
+    return AsyncClient(cluster.endpoints["frontend"], cluster.endpoints["stream_out"],
+                       secret=cluster.secret, timeout_s=120)
+
+
 def _run_all(cluster, prompts):
     async def main():
-        async with AsyncClient(cluster.endpoints["frontend"], cluster.endpoints["stream_out"],
-                               secret=cluster.secret, timeout_s=120) as ac:
+        async with _client(cluster) as ac:
             async def one(p):
                 return [t async for ev in ac.generate(p, _sampling()) for t in ev.tokens]
             return await asyncio.gather(*(one(p) for p in prompts))
@@ -73,16 +91,7 @@ def test_disaggregated_equals_hybrid_equals_single_process(cluster, tiny_model_d
     hybrid = _run_all(cluster, prompts)
     wait_clean(c, timeout=20)
 
-    from tandem.pipeline.engine import Engine
-    from tandem.pipeline.loader import load_model
-    from tandem.pipeline.settings import EngineSettings
-
-    loaded = load_model(tiny_model_dir)
-    engine = Engine(loaded.model, EngineSettings(), model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids)
-    try:
-        single = [engine.generate_many([(p, _sampling())])[0] for p in prompts]
-    finally:
-        engine.stop()
+    single = _single_process(tiny_model_dir, [(p, _sampling()) for p in prompts])
 
     assert all(len(t) == 12 for t in single)
     assert disagg == single
@@ -118,16 +127,7 @@ def test_decode_sigkill_mid_stream_real_engine_exact(cluster, tiny_model_dir, sp
     st = wait_clean(c, timeout=20)
     assert st["counters"]["migrations"] == 1
 
-    from tandem.pipeline.engine import Engine
-    from tandem.pipeline.loader import load_model
-    from tandem.pipeline.settings import EngineSettings
-
-    loaded = load_model(tiny_model_dir)
-    engine = Engine(loaded.model, EngineSettings(), model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids)
-    try:
-        (single,) = engine.generate_many([(prompt, sp)])
-    finally:
-        engine.stop()
+    (single,) = _single_process(tiny_model_dir, [(prompt, sp)])
     assert toks == single
 
 
@@ -147,24 +147,14 @@ def test_layer_parallel_lz4_handoff_is_exact(cluster, tiny_model_dir):
     st = wait_clean(c, timeout=20)
     assert st["counters"]["handoffs"] == 4 and st["counters"].get("migrations", 0) == 0
 
-    from tandem.pipeline.engine import Engine
-    from tandem.pipeline.loader import load_model
-    from tandem.pipeline.settings import EngineSettings
-
-    loaded = load_model(tiny_model_dir)
-    engine = Engine(loaded.model, EngineSettings(), model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids)
-    try:
-        single = [engine.generate_many([(p, _sampling())])[0] for p in prompts]
-    finally:
-        engine.stop()
+    single = _single_process(tiny_model_dir, [(p, _sampling()) for p in prompts])
     assert got == single
 
     # The same prompt again hits the prefill worker's prefix cache. The first stream
     # message (published by the prefill worker, before the handoff) already says so:
     # an edge that stops reading early on a stop string reports cached tokens from it.
     async def events(p):
-        async with AsyncClient(cluster.endpoints["frontend"], cluster.endpoints["stream_out"],
-                               secret=cluster.secret, timeout_s=120) as ac:
+        async with _client(cluster) as ac:
             return [ev async for ev in ac.generate(p, _sampling())]
     evs = asyncio.run(events(prompts[0]))
     assert len(prompts[0]) > 32
