@@ -15,12 +15,22 @@ matmuls dominate (docs/cpu-performance.md has the measurements):
   contiguous row blocks for the SiLU).
 * **Cheap exponentials.** SiLU and the attention softmax use :mod:`cpu_math`; attention
   takes an additive mask and skips keys past a query block's causal limit.
+* **Compiled decode layers.** A decode step (one token per row) runs each layer as two
+  ``mx.compile``d pieces around the attention: norm, QKV and RoPE before it; output
+  projection, norm and MLP after it. Their shapes depend only on the batch size, so
+  they are traced once per size. This takes most of the graph building off the step
+  (about 30 ops per layer become 2 calls): mlx runs only about ten ops ahead of the
+  Python thread, so building the next graph cannot hide behind the current one. RoPE
+  becomes a multiply by cos/sin tables made once per step from the model's own RoPE
+  module (so any RoPE variant it applies the same way gives the same numbers).
 
 The model object is otherwise untouched; :func:`supports` says why a model cannot take
 this path, and then the runner uses mlx-lm's own forward.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -126,6 +136,89 @@ def _left(w: mx.array, xt: mx.array) -> mx.array:
     return (w @ x.T)[:, :m]
 
 
+def _decode_pre(x, ln_w, qkv_w, qkv_b, cos, sin, *, eps, Hq, Hkv, D):
+    """x (B, hidden); cos, sin (D/2, B, 1) -> q, k, v (B, H, 1, D) with RoPE applied."""
+    half, B, L = cos.shape
+    h = mx.fast.rms_norm(x, ln_w, eps)
+    qkv = _left(qkv_w, h.T)  # (features, B)
+    if qkv_b is not None:
+        qkv = qkv + qkv_b
+    qk = qkv[: (Hq + Hkv) * D].reshape(Hq + Hkv, D, B)
+    c, s = cos.reshape(1, half, B), sin.reshape(1, half, B)
+    x1, x2 = qk[:, :half], qk[:, half:]
+    # What mlx's RoPE computes for non-traditional rotation, from the same tables.
+    rot = mx.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=1)
+    q = rot[:Hq].reshape(Hq, D, B, L).transpose(2, 0, 3, 1)
+    k = rot[Hq:].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)
+    v = qkv[(Hq + Hkv) * D :].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)
+    return q, mx.contiguous(k), mx.contiguous(v)
+
+
+def _decode_post(x, o, o_w, ln_w, gu_w, down_w, *, eps):
+    """x (B, hidden) residual; o (B, Hq, 1, D) attention output -> the layer's output."""
+    B, H, L, D = o.shape
+    x = x + _left(o_w, o.transpose(0, 2, 1, 3).reshape(B * L, H * D).T).T
+    gu = _left(gu_w, mx.fast.rms_norm(x, ln_w, eps).T)
+    inter = gu.shape[0] // 2
+    g = gu[:inter]
+    # Inside a compiled graph the polynomial exp fuses with its neighbours at any size.
+    a = cpu_math._silu_tail(g, cpu_math.exp(-g), gu[inter:])
+    return x + _left(down_w, a).T
+
+
+class _Decode:
+    """The compiled decode layer pieces for one model, or why it cannot have them."""
+
+    def __init__(self, model, Hq: int, Hkv: int, D: int):
+        layers = model.model.layers
+        norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        eps = {getattr(n, "eps", None) for n in norms}
+        self.why = None
+        if any(type(n) is not nn.RMSNorm for n in norms) or len(eps) != 1:
+            self.why = "norms other than one RMSNorm"
+        elif any(hasattr(layer.self_attn, "q_norm") for layer in layers):
+            self.why = "per-head q/k norms"
+        elif D % 2 or not all(self._rope_matches(layer.self_attn.rope, D) for layer in layers):
+            self.why = "a RoPE that is not a plain half-split rotation"
+        if self.why is not None:
+            return
+        (eps,) = eps
+        self.rope = layers[0].self_attn.rope
+        self.D = D
+        self.pre = mx.compile(partial(_decode_pre, eps=eps, Hq=Hq, Hkv=Hkv, D=D))
+        self.post = mx.compile(partial(_decode_post, eps=eps))
+
+    @staticmethod
+    def _rope_matches(rope, D: int) -> bool:
+        """Whether ``rope`` rotates the halves of every head by its own cos/sin tables."""
+        x = mx.random.normal((2, 3, 1, D), key=mx.random.key(7))
+        off = mx.array([3, 1000])
+        cos, sin = _tables(rope, off, D)
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        c, s = cos.T[:, None, None], sin.T[:, None, None]
+        want = mx.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+        try:
+            got = rope(x, offset=off)
+        except Exception:  # a RoPE without per-row offsets
+            return False
+        return bool(mx.allclose(got, want, rtol=1e-5, atol=1e-5).item())
+
+    def tables(self, offset, B: int):
+        if isinstance(offset, int):
+            offset = mx.full((B,), offset, mx.int32)
+        cos, sin = _tables(self.rope, offset, self.D)
+        return cos[:, :, None], sin[:, :, None]
+
+
+def _tables(rope, offset: mx.array, D: int):
+    """(D/2, B) cos and sin of each row's position, as ``rope`` itself computes them:
+    rotating (1, ..., 1, 0, ..., 0) gives cos in the first half and sin in the second."""
+    B = offset.shape[0]
+    probe = mx.concatenate([mx.ones((D // 2,)), mx.zeros((D // 2,))])
+    t = rope(mx.broadcast_to(probe, (B, 1, 1, D)), offset=offset).reshape(B, D)
+    return t[:, : D // 2].T, t[:, D // 2 :].T
+
+
 class FastLlama:
     def __init__(self, model):
         why = supports(model)
@@ -136,6 +229,10 @@ class FastLlama:
         self.fused = fused_weights(model)
         self.head = self.inner.embed_tokens.weight if _tied(model) else model.lm_head.weight
         self.left_below = LEFT_BELOW
+        attn = self.inner.layers[0].self_attn
+        qkv_w = self.fused.layers[0][0]
+        D = qkv_w.shape[0] // (attn.n_heads + 2 * attn.n_kv_heads)
+        self.decode = _Decode(model, attn.n_heads, attn.n_kv_heads, D)
 
     def __call__(self, inputs: mx.array, caches, mask: mx.array | None, max_q_start: int,
                  last: mx.array | None) -> mx.array:
@@ -144,12 +241,26 @@ class FastLlama:
         project onto the vocabulary (None: position 0, a decode) -> logits (B, V)."""
         B, L = inputs.shape
         x = self.inner.embed_tokens(inputs).reshape(B * L, -1)
+        if L == 1 and B < self.left_below and self.decode.why is None:
+            return self._decode_step(x, caches, mask, max_q_start)
         for layer, cache, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, caches, self.fused.layers):
             x = self._layer(layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start)
         x = x.reshape(B, L, -1)
         x = x[:, 0] if last is None else x[mx.arange(B), last]
         h = self.inner.norm(x)
         return _left(self.head, h.T).T if B < self.left_below else h @ self.head.T
+
+    def _decode_step(self, x, caches, mask, max_q_start) -> mx.array:
+        dec = self.decode
+        cos, sin = dec.tables(caches[0].offset, x.shape[0])
+        for layer, cache, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, caches, self.fused.layers):
+            attn = layer.self_attn
+            q, k, v = dec.pre(x, layer.input_layernorm.weight, qkv_w, qkv_b, cos, sin)
+            k, v = cache.update_and_fetch(k, v)
+            o = cpu_math.attention(q, k, v, attn.scale, mask, max_q_start)
+            x = dec.post(x, o, attn.o_proj.weight, layer.post_attention_layernorm.weight, gu_w,
+                         layer.mlp.down_proj.weight)
+        return _left(self.head, self.inner.norm(x).T).T
 
     def _layer(self, layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start):
         attn, mlp = layer.self_attn, layer.mlp

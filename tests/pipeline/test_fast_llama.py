@@ -106,3 +106,37 @@ def test_engine_with_and_without_fast_forward_yield_the_same_tokens(tiny):
         runs.append(eng.generate_many(reqs))
     assert runs[0] == runs[1]
     assert runs[0][:3] == [oracle(tiny, p, 10) for p in prompts[:3]]
+
+
+@pytest.mark.parametrize("model_type,why", [("llama", None), ("qwen2", None), ("qwen3", "per-head q/k norms")])
+def test_compiled_decode_layers_equal_the_eager_layers(tmp_path, model_type, why):
+    """The compiled decode step (RoPE from tables) == the eager per-op layer, per-row offsets."""
+    model = _load(tmp_path, model_type)
+    fast = fast_llama.FastLlama(model)
+    assert fast.decode.why == why
+    if why is not None:
+        return
+
+    class Rows:  # per-row positions, as the paged cache gives them
+        def __init__(self, offsets, k, v):
+            self.offset, self.k, self.v = mx.array(offsets), k, v
+
+        def update_and_fetch(self, keys, values):
+            return mx.concatenate([self.k, keys], axis=2), mx.concatenate([self.v, values], axis=2)
+
+    args = model.args
+    H, D = args.num_key_value_heads, args.hidden_size // args.num_attention_heads
+    ctx = [mx.random.normal((2, H, 30, D), key=mx.random.key(i)) for i in range(2 * len(model.model.layers))]
+    caches = [Rows([29, 900], ctx[2 * i], ctx[2 * i + 1]) for i in range(len(model.model.layers))]
+    tokens = mx.array([[11], [42]])
+    got = fast(tokens, caches, None, 900, None)
+    fast.decode.why = "off"
+    want = fast(tokens, caches, None, 900, None)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+
+
+def test_a_traditional_rope_keeps_the_eager_decode_layers(tmp_path):
+    model = _load(tmp_path, "llama")
+    for layer in model.model.layers:
+        layer.self_attn.rope = nn.RoPE(layer.self_attn.rope.dims, traditional=True, base=10000)
+    assert fast_llama.FastLlama(model).decode.why == "a RoPE that is not a plain half-split rotation"
