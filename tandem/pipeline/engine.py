@@ -254,6 +254,8 @@ class Engine:
         rows = plan.rows
         if self.store is not None:
             self.store.ensure_capacity(self.pool.high_water)
+            if plan.copies or any(r.seq.imported is not None for r in rows):
+                self.runner.flush()  # blocks may have changed owner since the mirror's last entries
             for src, dst in plan.copies:
                 self.store.copy_block(src, dst)
             for r in rows:
@@ -330,6 +332,7 @@ class Engine:
 
     def _export(self, seq: Sequence, tok: int, logprobs) -> None:
         nb = self.pool.blocks_for(seq.num_computed)
+        self.runner.flush()
         keys, values = self.store.export_blocks(seq.block_ids[:nb])
         sh = self.shape
         snap = KVSnapshot(seq.request_id, self.model_id, self.pool.block_size, sh.num_layers, sh.n_kv_heads, sh.head_dim,

@@ -291,3 +291,21 @@ def test_seed_offset_continues_a_sampled_stream_after_migration(tiny):
     assert resumed == whole[k:]
     restarted = make(tiny).generate_many([(prompt + whole[:k], SamplingParams(**{**rest.__dict__, "seed_offset": 0}))])[0]
     assert restarted != whole[k:]  # without the offset the stream would not continue
+
+
+def test_blocks_filled_by_mirrored_decode_serve_prefix_hits_and_reuse(tiny):
+    """Decode steps append KV to the mirror and reach the pool only at a flush: a later
+    prompt that continues a finished request's output hits the blocks filled during its
+    decode, and those blocks, freed and reused by others, never leak stale entries."""
+    first = random_prompts(3, 5, 9, seed=21)  # three rows keep the mirror in append mode
+    eng = make(tiny, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    outs = eng.generate_many([(p, params) for p in first])
+    # Each prompt + all but the last generated token lies in blocks written by decode.
+    follow = [p + o[:-1] for p, o in zip(first, outs)]
+    before = eng.stats()
+    got = eng.generate_many([(p, greedy()) for p in follow] + [(p, greedy()) for p in random_prompts(3, 30, 40, seed=22)])
+    want = [oracle(tiny, p, MAX_TOKENS) for p in follow] + [oracle(tiny, p, MAX_TOKENS) for p in random_prompts(3, 30, 40, seed=22)]
+    assert got == want
+    assert eng.stats().prefix_tokens_saved - before.prefix_tokens_saved >= sum(len(p) for p in follow) - 3 * 4
+    eng.pool.check()
