@@ -215,6 +215,8 @@ class KernelRunner(PagedRunner):
                 linear.flatten_linears(model, "keep")
         super().__init__(model, store, mirror=False, fast=False)  # fast: the CPU-only forward
         self.ops = _CudaOps() if ops == "cuda" else _ReferenceOps()
+        # Let the engine queue decode step N+1 before reading N back (TANDEM_PIPELINE=0: off).
+        self.pipelined = ops == "cuda" and os.environ.get("TANDEM_PIPELINE", "1") != "0"
         inner = model.model
         # In place, one layer at a time: the fused copies of QKV and gate/up exist next to
         # the originals only for the layer being converted.
@@ -267,6 +269,9 @@ class KernelRunner(PagedRunner):
 
     def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
         B, L = inputs.shape
+        # Decode through the CUDA write kernel touches the pools in place only (the
+        # reference ops return new pools, as the portable path does).
+        self.last_step_in_place = L == 1 and self.pipelined
         if L != 1:
             if self.fresh_prefill and all(r.start == 0 for r in rows):
                 return self._fresh_prefill(rows, inputs)

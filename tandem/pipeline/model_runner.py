@@ -160,6 +160,10 @@ class _LastRows(nn.Module):
 class PagedRunner:
     """Batched forward over the paged store."""
 
+    # Whether the last forward wrote its KV into the pools in place (so the engine may
+    # queue it before reading the step before it back). Functional writes here: never.
+    last_step_in_place = False
+
     def __init__(self, model, store: KVStore, mirror: bool = True, fast: bool = True):
         self.model = model
         self.store = store
@@ -289,6 +293,8 @@ class PagedRunner:
 
 class DenseRunner:
     """One mlx-lm cache per sequence, one forward per row (models the pool cannot hold)."""
+
+    last_step_in_place = False
 
     def __init__(self, model):
         self.model = model

@@ -137,3 +137,26 @@ def test_cuda_kernel_runner_matches_alone(tiny_model_dir, tiny_quantized_model_d
     agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
              for g, w in zip(got, want)]
     assert sum(agree) >= 0.75 * sum(len(w) for w in want), (got, want)
+
+
+def test_pipelined_steps_yield_the_same_tokens(tiny_model_dir, expected, monkeypatch):
+    """Decode steps queued before the previous step is read back (what the in-place CUDA
+    path does) finish, stop and free exactly as read-back-first steps do. The reference
+    ops' writes are functional, so here that order only costs copies, never tokens."""
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
+    prompts, want = expected
+    eng = _engine(_fresh(tiny_model_dir), block_size=4, parallel=5)
+    assert not eng.runner.pipelined
+    eng.runner.pipelined = True
+    early = []
+    forward = eng.runner.forward
+
+    def spy(rows, inputs):
+        out = forward(rows, inputs)
+        early.append(eng.runner.last_step_in_place)
+        return out
+
+    eng.runner.forward = spy
+    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
+    assert any(early) and not all(early)  # decode steps went early, prefills did not
+    eng.pool.check()
