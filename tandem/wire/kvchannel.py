@@ -25,12 +25,14 @@ from tandem.wire.sockets import make_socket
 
 log = logging.getLogger(__name__)
 
-# Frames smaller than this share a record up to about this size: per record there is a
-# fixed cost on both sides (a ZeroMQ message, a zero-copy release through pyzmq's
-# garbage-collector thread, a wake-up of the receiving thread) that at 0.75 MB records
-# was about a quarter of sealing's extra CPU; much larger records would make the first
-# record's sealing and the last one's opening, which do not overlap the network, longer.
-RECORD_GROUP_BYTES = 2 << 20
+# Records of a large message grow to about this size (frames smaller than it share one;
+# sealed.record_target keeps the first and last records small). Per record both sides
+# pay fixed costs - a ZeroMQ message, a zero-copy release through pyzmq's garbage-collector
+# thread, wake-ups of the threads on each side, Python per record - which at 2 MiB records
+# (a 1k-token 8B-shaped cache: one layer's K or V) were ~15% of the sealed transfer's CPU
+# above raw ZeroMQ; 16 MiB records cut the sender's CPU per GB by about a quarter
+# (bench/kv_transfer.py). A sender's arena holds at least four records in flight.
+RECORD_GROUP_BYTES = 16 << 20
 KV_HWM = 64  # messages; KV chunks are large, so keep the queue short and let send block
 REPLY_HWM = 10_000  # the decode side's replies
 MAX_PENDING_HANDSHAKES = 256
@@ -52,7 +54,9 @@ class SendArena:
         self._pos = 0
         self._inflight: deque = deque()  # [start, end, tracker] of regions libzmq may still read
 
-    def alloc(self, nbytes: int) -> memoryview | None:
+    def alloc(self, nbytes: int, wait: bool = True) -> memoryview | None:
+        """A region of ``nbytes``, or None (the caller allocates) when it is over half the
+        arena or, with ``wait=False``, when libzmq still holds the memory it would reuse."""
         if nbytes > self._size // 2:
             return None
         if self._view is None:
@@ -70,6 +74,8 @@ class SendArena:
             if tracker is not None and not tracker.done:  # None: its send failed, nothing holds it
                 if r_end <= start or end <= r_start:
                     break
+                if not wait:
+                    return None
                 tracker.wait()  # libzmq still owns bytes we are about to overwrite
             inflight.popleft()
         inflight.append([start, end, None])
@@ -82,6 +88,30 @@ class SendArena:
 
     def track(self, tracker) -> None:
         self._inflight[-1][2] = tracker
+
+    def group_bytes(self) -> int:
+        """The record size for messages sealed into this arena (several fit in flight)."""
+        return max(ARENA_MIN_GROUP, min(RECORD_GROUP_BYTES, self._size // 4))
+
+
+ARENA_MIN_GROUP = 64 << 10
+
+
+def send_records(sock: zmq.Socket, channel: SealedChannel, frames: list, arena: SendArena, *, flags: int = 0) -> None:
+    """Seal already-encoded frames (``codec.encode(msg)``) and send them one record per
+    ZeroMQ message, so libzmq transmits record ``j`` while record ``j + 1`` is sealed and
+    the receiver opens each record as it arrives; small frames share records (a small
+    message is one record, one ZeroMQ message). Records go zero-copy from ``arena``;
+    ``flags=zmq.NOBLOCK`` never waits (neither for the arena nor at the high-water mark:
+    zmq.Again then, and the channel's counter has moved on, so the connection is spent)."""
+    wait = not flags & zmq.NOBLOCK
+    alloc = (lambda n: arena.alloc(n, wait)) if not wait else arena.alloc
+    for head, body in channel.seal_records(frames, alloc=alloc, group_bytes=arena.group_bytes()):
+        if arena.owns(body):  # in the arena: track until libzmq lets go
+            sock.send(head, flags | zmq.SNDMORE)  # zmq.Again comes here if at all (the HWM counts whole messages)
+            arena.track(sock.send(body, flags, copy=False, track=True))
+        else:
+            codec.send(sock, [head, body], flags=flags)
 
 
 class KVSender:
@@ -115,16 +145,8 @@ class KVSender:
         self.send_frames(codec.encode(msg))
 
     def send_frames(self, frames: list) -> None:
-        """Seal and send already-encoded frames (``codec.encode(msg)``), one record per
-        ZeroMQ message so that sealing overlaps transmission; small frames share records
-        (a small message is one record, one ZeroMQ message)."""
-        arena = self._arena
-        for head, body in self.channel.seal_records(frames, alloc=arena.alloc, group_bytes=RECORD_GROUP_BYTES):
-            if arena.owns(body):  # in the arena: track until libzmq lets go
-                self.socket.send(head, zmq.SNDMORE)
-                arena.track(self.socket.send(body, copy=False, track=True))
-            else:
-                codec.send(self.socket, [head, body])
+        """Seal and send already-encoded frames (``codec.encode(msg)``): :func:`send_records`."""
+        send_records(self.socket, self.channel, frames, self._arena)
 
     def recv(self, timeout_s: float | None = None) -> Message:
         """The next message from the decode worker (KVAck / KVRefuse)."""

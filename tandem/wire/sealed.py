@@ -15,10 +15,12 @@ Records travel either all in one ZeroMQ message (:meth:`SealedChannel.seal`, for
 messages) or one ZeroMQ message per record (:meth:`SealedChannel.seal_records`, for bulk
 KV): then the sender seals record ``j + 1`` while ZeroMQ already transmits record ``j``,
 and the receiver opens record ``j`` while the rest is in flight, so a large KV message
-costs max(cipher, network), not their sum. Grouping small frames into records of about
-``group_bytes`` (a KV layer's K or V of a short prompt is under 1 MB) divides the fixed
-costs per record (a ZeroMQ message, a zero-copy release, a wake-up on each side) by the
-group size; the receiver splits a group back into views of one buffer, still zero-copy.
+costs max(cipher, network), not their sum. Grouping frames into records of about
+``group_bytes`` (a KV layer's K or V of a short prompt is 0.75-2 MB) divides the fixed
+costs per record (a ZeroMQ message, a zero-copy release, wake-ups on each side) by the
+group size; :func:`record_target` keeps a message's first and last records small, since
+their cipher work is what nothing overlaps. The receiver splits a group back into views
+of one buffer, still zero-copy.
 
 The receiver insists on exactly the next ``base`` and frame index (ZeroMQ keeps one
 connection's messages in order), which rejects replayed, reordered, dropped or
@@ -85,7 +87,8 @@ class SealedChannel:
         reused arena: fresh multi-MB allocations cost a page fault per 4 KiB, which was
         most of the sealing time here), or None for a new buffer. ``group_bytes > 0``
         puts consecutive frames smaller than it into one record until the record holds at
-        least ``group_bytes`` (so a record stays under twice that)."""
+        least :func:`record_target` bytes (``group_bytes`` in the middle of a large
+        message, so a record stays under twice that); 0 seals each frame alone."""
         n = len(frames)
         if not 1 <= n <= P.MAX_FRAMES:
             raise ValueError(f"can seal 1 to {P.MAX_FRAMES} frames, got {n}")
@@ -99,13 +102,16 @@ class SealedChannel:
         n = len(views)
         sizes = [len(v) for v in views]
         aead = self._send
+        done, rest = 0, sum(sizes)  # bytes of this message sealed so far, and still to seal
         i = 0
         while i < n:
             k, total = 1, sizes[i]
             if group_bytes:
-                while i + k < n and k < MAX_GROUP and total < group_bytes and sizes[i + k] < group_bytes:
+                target = record_target(group_bytes, done, rest)
+                while i + k < n and k < MAX_GROUP and total < target and sizes[i + k] < group_bytes:
                     total += sizes[i + k]
                     k += 1
+            done, rest = done + total, rest - total
             self.bytes_sealed += total
             nonce = _nonce(base + i)
             out = alloc(total + TAG_BYTES) if alloc is not None and total >= ARENA_MIN_BYTES else None
@@ -206,6 +212,19 @@ class SealedChannel:
         self._recv_counter = base + n
         self.bytes_opened += sum(len(f) for f in out)
         return out
+
+
+RAMP_MIN_BYTES = 1 << 20
+
+
+def record_target(group_bytes: int, done: int, rest: int) -> int:
+    """How many bytes the next record of a message should hold (it takes frames until it
+    holds at least this), with ``done`` bytes of the message sealed and ``rest`` still to
+    seal: ``group_bytes`` in the middle of a large message, less at both ends, where
+    nothing overlaps the cipher (the first record is sealed before anything is sent, the
+    last one opened after everything arrived). Records double from RAMP_MIN_BYTES up and
+    halve towards the end; a message under RAMP_MIN_BYTES is one record."""
+    return max(min(RAMP_MIN_BYTES, group_bytes), min(group_bytes, done, rest // 2))
 
 
 def _nonce(counter: int) -> bytes:

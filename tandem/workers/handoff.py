@@ -27,6 +27,7 @@ from tandem.wire import codec
 from tandem.wire import messages as M
 from tandem.wire.errors import WireError
 from tandem.wire.handshake import Initiator, PeerAtCapacity, Responder, error_frames
+from tandem.wire.kvchannel import SendArena, send_records
 from tandem.wire.kvframes import KVAssembler, KVOptions, iter_snapshot_messages
 from tandem.wire.sockets import make_socket
 
@@ -34,6 +35,11 @@ log = logging.getLogger("tandem.workers.handoff")
 
 KV_HWM = 64
 REPLY_HWM = 10_000
+# A KV message travels as one ZeroMQ message per sealed record (wire.kvchannel.send_records),
+# and the IO thread queues a whole transfer at once without blocking: the prefill side's
+# queue must hold every record of the largest transfer (a 1 GB cache is ~65 records).
+SEND_HWM = 4096
+ARENA_BYTES = 64 << 20
 
 
 def snapshot_messages(snap: KVSnapshot, options: KVOptions | None = None, *, stream_seq: int, priority: int,
@@ -60,9 +66,12 @@ class Outgoing:
 class KVPeer:
     """One connection to a decode worker: a DEALER, its handshake, its sealed channel."""
 
-    def __init__(self, ctx: zmq.Context, address: str, *, secret: bytes, node_id: str):
+    def __init__(self, ctx: zmq.Context, address: str, *, secret: bytes, node_id: str, arena: SendArena | None = None):
         self.address = address
-        self.sock = make_socket(ctx, zmq.DEALER, connect=address, hwm=KV_HWM)
+        self.sock = make_socket(ctx, zmq.DEALER, connect=address, hwm=SEND_HWM)
+        # Records are sealed into this (shared by a worker's connections; the memory is
+        # touched on the first large transfer) and sent zero-copy.
+        self._arena = arena if arena is not None else SendArena(ARENA_BYTES)
         self._initiator = Initiator(secret, node_id)
         self.channel = None
         self.peer_id = ""
@@ -87,7 +96,9 @@ class KVPeer:
                         frames = codec.encode(msg)
                         if isinstance(msg, M.KVChunk):
                             out.wire_bytes += sum(len(codec.as_buffer(f)) for f in msg.frames)
-                        codec.send(self.sock, self.channel.seal(frames), flags=zmq.NOBLOCK)
+                        # Grouped records, one ZeroMQ message each, as KVSender sends them: the
+                        # decode side opens each record while the rest is in flight.
+                        send_records(self.sock, self.channel, frames, self._arena, flags=zmq.NOBLOCK)
                 except zmq.Again:
                     # The decode worker is not draining its socket: give up on this transfer
                     # now (the next timer pass reports it) rather than block the IO thread. The
@@ -110,7 +121,10 @@ class KVPeer:
             self.flush()
             return []
         try:
-            msg = codec.decode(self.channel.open(frames))
+            opened = self.channel.open(frames)
+            if opened is None:
+                return []  # a record of a message still arriving
+            msg = codec.decode(opened)
         except WireError as exc:
             return self._fail_all("unauthorized", f"KV channel to {self.address} broke: {exc}")
         if isinstance(msg, (M.KVAck, M.KVRefuse)):
@@ -178,7 +192,10 @@ class KVIngest:
         if channel is None:
             return self._handshake(peer, rest, at_capacity)
         try:
-            msg = codec.decode(channel.open(rest))
+            opened = channel.open(rest)  # one record of a message; decrypted as it arrives
+            if opened is None:
+                return []
+            msg = codec.decode(opened)
         except WireError as exc:
             self._drop_peer(peer, f"sealed channel rejected a message: {exc}")
             return []

@@ -21,7 +21,8 @@ from tandem.wire import messages as M
 from tandem.wire.kvframes import KVOptions
 from tandem.wire.settings import TransferSettings
 from tandem.wire.transfer import AdaptiveSelector
-from tandem.workers.handoff import KVPeer, Outgoing, snapshot_messages
+from tandem.wire.kvchannel import SendArena
+from tandem.workers.handoff import ARENA_BYTES, KVPeer, Outgoing, snapshot_messages
 
 log = logging.getLogger("tandem.workers.sender")
 
@@ -41,6 +42,7 @@ class HandoffSender:
         self.ctx, self.secret, self.node_id = ctx, secret, node_id
         self.transfer, self.timeout_s, self.poller = transfer, timeout_s, poller
         self.selector = AdaptiveSelector()
+        self.arena = SendArena(ARENA_BYTES)  # one for every connection: all are used from the IO thread
         self.peers: dict[tuple[str, int], KVPeer] = {}
         self._by_sock: dict[zmq.Socket, KVPeer] = {}
         self._transfers: dict[bytes, _Transfer] = {}
@@ -61,7 +63,7 @@ class HandoffSender:
         if peer is None:
             if self.secret is None:
                 raise ValueError("KV handoff needs the cluster secret")
-            peer = self.peers[key] = KVPeer(self.ctx, address, secret=self.secret, node_id=self.node_id)
+            peer = self.peers[key] = KVPeer(self.ctx, address, secret=self.secret, node_id=self.node_id, arena=self.arena)
             self._by_sock[peer.sock] = peer
             self.poller.register(peer.sock, zmq.POLLIN)
         return peer

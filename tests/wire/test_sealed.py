@@ -290,3 +290,32 @@ def test_grouped_record_tampering_rejected():
         with pytest.raises(AuthError):
             for j in order:
                 rx.open(wire[j])
+
+
+def test_record_sizes_ramp_up_and_down_and_round_trip():
+    # A large message: small first and last records (nothing overlaps their cipher work),
+    # records of about group_bytes between; frames as large as group_bytes stay alone.
+    from tandem.wire.sealed import RAMP_MIN_BYTES, record_target
+
+    group = 4 * RAMP_MIN_BYTES
+    frames = [b"hdr"] + [bytes([i]) * (RAMP_MIN_BYTES // 2) for i in range(48)]
+    wire, keys = _group_wire(frames, group)
+    sizes = [len(c) - 16 for _, c in wire]
+    assert sizes[0] <= RAMP_MIN_BYTES + 3 and sizes[-1] <= RAMP_MIN_BYTES  # (+ the 3-byte header frame)
+    assert max(sizes) == group and sizes.count(group) >= 3 and all(s < 2 * group for s in sizes)
+    assert sizes.index(group) > 1 and sizes[:sizes.index(group)] == sorted(sizes[:sizes.index(group)])
+    rx = SealedChannel(*keys)
+    outs = [rx.open([bytearray(h), bytearray(c)]) for h, c in wire]
+    assert all(o is None for o in outs[:-1]) and [bytes(f) for f in outs[-1]] == frames
+    # The rule itself: doubling from the start, halving to the end, group_bytes between.
+    assert record_target(group, 0, 100 * group) == RAMP_MIN_BYTES
+    assert record_target(group, 2 * RAMP_MIN_BYTES, 100 * group) == 2 * RAMP_MIN_BYTES
+    assert record_target(group, 50 * group, 50 * group) == group
+    assert record_target(group, 50 * group, 3 * RAMP_MIN_BYTES) == 3 * RAMP_MIN_BYTES // 2
+    assert record_target(group, 50 * group, RAMP_MIN_BYTES) == RAMP_MIN_BYTES
+    assert record_target(1000, 0, 10) == 1000  # a group smaller than the ramp's start
+    # Frames of group_bytes or more are records of their own; a small message is one record.
+    wire, _ = _group_wire([b"h", bytes(group), bytes(group), b"t"], group)
+    assert [len(c) - 16 for _, c in wire] == [1, group, group, 1]
+    wire, _ = _group_wire([b"a" * 10] * 50, group)
+    assert len(wire) == 1

@@ -119,8 +119,8 @@ def test_large_transfers_through_a_small_arena_stay_bit_exact(ctx):
     out, done = {}, []
 
     def sender():
-        # 512 KiB frames travel in records of four (RECORD_GROUP_BYTES): 2 MiB each, so a
-        # 6 MiB arena wraps several times over the three transfers.
+        # A 6 MiB arena takes records of 1.5 MiB (a quarter of it: three 512 KiB frames),
+        # so it wraps several times over the three transfers.
         tx = KVSender(ctx, ingest.endpoint, SECRET, "prefill-1", arena_bytes=6 << 20)
         try:
             for snap, options in zip(snaps, strategies):
@@ -170,6 +170,16 @@ def test_send_arena_waits_for_release():
     arena.track(Tracker())
     d = arena.alloc(150)  # [400, 550) overlaps b, still in flight
     assert tb.waited and len(d) == 150
+    # Without waiting (a worker's IO thread): None while libzmq holds the region, then reuse.
+    arena.track(Tracker())
+    tc, td = arena._inflight[0][2], arena._inflight[1][2]
+    tc.done = td.done = False
+    assert len(arena.alloc(400, wait=False)) == 400  # [550, 950): clear of c and d
+    arena.track(Tracker())
+    assert arena.alloc(400, wait=False) is None and not tc.waited  # wraps onto c, still held
+    tc.done = True
+    assert len(arena.alloc(400, wait=False)) == 400 and not tc.waited
+    assert SendArena(6 << 20).group_bytes() == 3 << 19 and SendArena(1 << 30).group_bytes() == 16 << 20
 
 
 def test_retain_freed_memory_avoids_refaulting():
