@@ -28,11 +28,13 @@ log = logging.getLogger(__name__)
 # Records of a large message grow to about this size (frames smaller than it share one;
 # sealed.record_target keeps the first and last records small). Per record both sides
 # pay fixed costs - a ZeroMQ message, a zero-copy release through pyzmq's garbage-collector
-# thread, wake-ups of the threads on each side, Python per record - which at 2 MiB records
-# (a 1k-token 8B-shaped cache: one layer's K or V) were ~15% of the sealed transfer's CPU
-# above raw ZeroMQ; 16 MiB records cut the sender's CPU per GB by about a quarter
-# (bench/kv_transfer.py). A sender's arena holds at least four records in flight.
-RECORD_GROUP_BYTES = 16 << 20
+# thread, wake-ups of the threads on each side, Python per record - so larger records
+# cost less CPU per GB (16 MiB: ~10% less than 2 MiB, sender and receiver together); but
+# the four threads of a transfer (sealing, the two libzmq I/O threads, opening) hand work
+# to each other per record, and on two cores coarser records left more of them idle:
+# 16 MiB records moved a 1k-token 8B-shaped cache ~8% slower than 2-4 MiB ones
+# (bench/kv_transfer.py, interleaved runs). A sender's arena holds four or more records.
+RECORD_GROUP_BYTES = 4 << 20
 KV_HWM = 64  # messages; KV chunks are large, so keep the queue short and let send block
 REPLY_HWM = 10_000  # the decode side's replies
 MAX_PENDING_HANDSHAKES = 256

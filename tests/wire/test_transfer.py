@@ -179,7 +179,9 @@ def test_send_arena_waits_for_release():
     assert arena.alloc(400, wait=False) is None and not tc.waited  # wraps onto c, still held
     tc.done = True
     assert len(arena.alloc(400, wait=False)) == 400 and not tc.waited
-    assert SendArena(6 << 20).group_bytes() == 3 << 19 and SendArena(1 << 30).group_bytes() == 16 << 20
+    from tandem.wire.kvchannel import RECORD_GROUP_BYTES
+
+    assert SendArena(6 << 20).group_bytes() == 3 << 19 and SendArena(1 << 30).group_bytes() == RECORD_GROUP_BYTES
 
 
 def test_retain_freed_memory_avoids_refaulting():
