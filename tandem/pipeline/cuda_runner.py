@@ -229,7 +229,7 @@ class KernelRunner(PagedRunner):
         head = getattr(model, "lm_head", None)
         self.head = head if isinstance(head, linear.FlatLinear) else None
         if compile_decode is None:
-            compile_decode = os.environ.get("TANDEM_DECODE_COMPILE", "0") == "1"
+            compile_decode = os.environ.get("TANDEM_DECODE_COMPILE", "1") == "1"
         # Compiled: the step's graph is traced once per (batch, table width) and replayed
         # without Python (~2 ms of graph building per step otherwise). Only with the CUDA
         # ops: the reference ops return new pools, which a compiled step cannot hand back.
