@@ -44,7 +44,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
 
 from tandem.kvtypes import KVSnapshot, SamplingParams  # noqa: E402
 from tandem.wire import codec  # noqa: E402
-from tandem.wire.kvchannel import KVReceiver, KVSender  # noqa: E402
+from tandem.wire.kvchannel import RECORD_GROUP_BYTES, KVReceiver, KVSender  # noqa: E402
 from tandem.wire.kvframes import KVOptions  # noqa: E402
 from tandem.wire.messages import Abort, Dispatch  # noqa: E402
 from tandem.wire.sockets import make_socket  # noqa: E402
@@ -411,14 +411,22 @@ def write_results(prefix: Path, results: list, control: dict, baseline: dict | N
         ratio = (s_["sender"] + s_["receiver"]) / max(1e-9, r["sender"] + r["receiver"])
         lines.append(f"| {e['shape']} {e['tokens']} tokens | {r['sender']:.3f} / {r['receiver']:.3f} | "
                      f"{s_['sender']:.3f} / {s_['receiver']:.3f} | {ratio:.2f}x |")
-    lines += ["", "How the sealed path gets there (tandem/wire/sealed.py, kvchannel.py): frames under 2 MiB share one "
-              "AES-GCM record up to about 2 MiB (a KV layer's K or V of a 1k-token prompt is 0.75 MB), so the fixed costs "
-              "per record - a ZeroMQ message, a zero-copy release through pyzmq's garbage-collector thread, a wake-up of "
-              "the receiving thread - are paid a third as often; the sender encrypts each record with one "
-              "AESGCM.encrypt_into call into a reused, already-faulted 64 MB arena that ZeroMQ sends zero-copy; the "
-              "receiver decrypts each record in place (AESGCM.decrypt_into) as it arrives, while the rest is in flight, "
-              "and hands the KV on as views of the received buffers. cryptography releases the GIL inside these calls. "
-              "What is left above raw ZeroMQ is mostly the AES-GCM pass itself on each side (~0.1 CPU-s/GB each here).", ""]
+    lines += ["", "How the sealed path gets there (tandem/wire/sealed.py, kvchannel.py): a KV message is sealed as AES-GCM "
+              f"records of about {RECORD_GROUP_BYTES >> 20} MiB (consecutive frames share one; the first and last records of "
+              "a message are smaller, since their cipher work overlaps nothing), one ZeroMQ message each, so the "
+              "fixed costs per record - a ZeroMQ message, a zero-copy release through pyzmq's garbage-collector thread, "
+              "wake-ups of the threads on each side - are paid once per few MB; the sender encrypts each record "
+              "with one call into a reused, already-faulted 64 MB arena that ZeroMQ sends zero-copy while the next "
+              "record is sealed; the receiver decrypts each record in place as it arrives, while the rest is in flight, "
+              "and hands the KV on as views of the received buffers (cryptography releases the GIL inside these calls). "
+              "What is left above raw ZeroMQ is mostly the AES-GCM pass itself on each side (~0.1 CPU-s/GB each here), "
+              "and on two cores the four threads of a transfer (sealing, two libzmq I/O threads, opening) leave the "
+              "machine ~15-20% idle while they wait on each other, where raw ZeroMQ has two.", "",
+              "Reading these numbers: each GB/s is the best of its runs, and the ceiling is the best raw ZeroMQ run, so "
+              "one lucky raw run moves the ratio (raw ZeroMQ of one cache moved from under 2 to over 5 GB/s between "
+              "processes on this box, idle or not). The per-pair medians of the baseline table below, where every sealed "
+              "transfer is timed right after a raw one, are the steadier comparison. CPU per GB does not depend on "
+              "how busy the machine is as much, but it does on memory placement and cache contention from other work.", ""]
     for e in results:
         ceiling = min(e["raw_aes_gcm_gbps"], e["raw_zmq_gbps"])
         lines += [f"## {e['shape']}, {e['tokens']} tokens ({e['kv_bytes'] / 1e6:.0f} MB {e['dtype']})", "",

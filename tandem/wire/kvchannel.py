@@ -107,7 +107,7 @@ def send_records(sock: zmq.Socket, channel: SealedChannel, frames: list, arena: 
     ``flags=zmq.NOBLOCK`` never waits (neither for the arena nor at the high-water mark:
     zmq.Again then, and the channel's counter has moved on, so the connection is spent)."""
     wait = not flags & zmq.NOBLOCK
-    alloc = (lambda n: arena.alloc(n, wait)) if not wait else arena.alloc
+    alloc = arena.alloc if wait else (lambda n: arena.alloc(n, False))
     for head, body in channel.seal_records(frames, alloc=alloc, group_bytes=arena.group_bytes()):
         if arena.owns(body):  # in the arena: track until libzmq lets go
             sock.send(head, flags | zmq.SNDMORE)  # zmq.Again comes here if at all (the HWM counts whole messages)

@@ -37,7 +37,7 @@ KV_HWM = 64
 REPLY_HWM = 10_000
 # A KV message travels as one ZeroMQ message per sealed record (wire.kvchannel.send_records),
 # and the IO thread queues a whole transfer at once without blocking: the prefill side's
-# queue must hold every record of the largest transfer (a 1 GB cache is ~65 records).
+# queue must hold every record of the largest transfer (a 1 GB cache is ~260 records).
 SEND_HWM = 4096
 ARENA_BYTES = 64 << 20
 
