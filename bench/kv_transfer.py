@@ -44,7 +44,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
 
 from tandem.kvtypes import KVSnapshot, SamplingParams  # noqa: E402
 from tandem.wire import codec  # noqa: E402
-from tandem.wire.kvchannel import RECORD_GROUP_BYTES, KVReceiver, KVSender  # noqa: E402
+from tandem.wire import kvchannel  # noqa: E402
+from tandem.wire.kvchannel import KVReceiver, KVSender  # noqa: E402
 from tandem.wire.kvframes import KVOptions  # noqa: E402
 from tandem.wire.messages import Abort, Dispatch  # noqa: E402
 from tandem.wire.sockets import make_socket  # noqa: E402
@@ -412,7 +413,7 @@ def write_results(prefix: Path, results: list, control: dict, baseline: dict | N
         lines.append(f"| {e['shape']} {e['tokens']} tokens | {r['sender']:.3f} / {r['receiver']:.3f} | "
                      f"{s_['sender']:.3f} / {s_['receiver']:.3f} | {ratio:.2f}x |")
     lines += ["", "How the sealed path gets there (tandem/wire/sealed.py, kvchannel.py): a KV message is sealed as AES-GCM "
-              f"records of about {RECORD_GROUP_BYTES >> 20} MiB (consecutive frames share one; the first and last records of "
+              f"records of about {kvchannel.RECORD_GROUP_BYTES >> 20} MiB (consecutive frames share one; the first and last records of "
               "a message are smaller, since their cipher work overlaps nothing), one ZeroMQ message each, so the "
               "fixed costs per record - a ZeroMQ message, a zero-copy release through pyzmq's garbage-collector thread, "
               "wake-ups of the threads on each side - are paid once per few MB; the sender encrypts each record "
