@@ -64,17 +64,22 @@ class SendArena:
         if self._view is None:
             self._array = np.ones(self._size, dtype=np.uint8)
             self._view = memoryview(self._array)
-        if self._pos + nbytes > self._size:
-            self._pos = 0
-        start, end = self._pos, self._pos + nbytes
-        # Regions are handed out in ring order, so the only ones the new region can
-        # overlap are the oldest still in flight: check from the left and stop at the first
-        # live one clear of it (O(1) per record, not a scan of everything in flight).
+        start = self._pos if self._pos + nbytes <= self._size else 0
+        end = start + nbytes
+        # Regions are handed out in ring order and _inflight holds them oldest first: the
+        # last lap's regions from _pos to the end of the ring, then this lap's from 0. The
+        # new region may reuse only memory libzmq has released. Without a wrap it can
+        # overlap only the oldest; with one it skips the tail [_pos, size), whose regions
+        # are older than those at 0 it overlaps, so those go first (else the check would
+        # stop at one of them, clear of [0, end), while newer ones there are still in
+        # flight). So: from the oldest, release (wait for) each live region that overlaps
+        # the new one or lies in a skipped tail, and stop at the first that does neither.
+        tail = self._pos if start == 0 else self._size
         inflight = self._inflight
         while inflight:
             r_start, r_end, tracker = inflight[0]
             if tracker is not None and not tracker.done:  # None: its send failed, nothing holds it
-                if r_end <= start or end <= r_start:
+                if (r_end <= start or end <= r_start) and r_end <= tail:
                     break
                 if not wait:
                     return None

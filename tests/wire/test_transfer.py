@@ -184,6 +184,39 @@ def test_send_arena_waits_for_release():
     assert SendArena(6 << 20).group_bytes() == 3 << 19 and SendArena(1 << 30).group_bytes() == RECORD_GROUP_BYTES
 
 
+def test_send_arena_wrap_waits_for_newer_regions_it_overlaps():
+    # Records of varying size: a region that does not fit before the end of the ring wraps
+    # to 0, skipping a tail that holds an older region still in flight. The regions it
+    # overlaps at 0 are newer than that one and must be released too, not only the oldest.
+    from tandem.wire.kvchannel import SendArena
+
+    class Tracker:
+        def __init__(self, done=False):
+            self.done, self.waited = done, False
+
+        def wait(self):
+            self.waited = self.done = True
+
+    def take(arena, n, tracker, wait=True):
+        got = arena.alloc(n, wait)
+        if got is not None:
+            arena.track(tracker)
+        return got
+
+    arena = SendArena(64)
+    take(arena, 20, Tracker(done=True))  # [0, 20)
+    take(arena, 20, Tracker(done=True))  # [20, 40)
+    a = Tracker()
+    take(arena, 20, a)  # [40, 60), in flight
+    b, c = Tracker(), Tracker()
+    take(arena, 20, b)  # wraps: [0, 20)
+    take(arena, 20, c)  # [20, 40)
+    assert not (a.waited or b.waited or c.waited)
+    assert take(arena, 30, Tracker(), wait=False) is None  # [0, 30) would overwrite b and c
+    region = take(arena, 30, Tracker())
+    assert a.waited and b.waited and c.waited and len(region) == 30
+
+
 def test_retain_freed_memory_avoids_refaulting():
     # The receive pattern: a transfer's worth of 2 MiB frames, freed, then the next
     # transfer's. Without retention glibc returns them to the kernel and the second burst
