@@ -217,6 +217,49 @@ def test_send_arena_wrap_waits_for_newer_regions_it_overlaps():
     assert a.waited and b.waited and c.waited and len(region) == 30
 
 
+def test_send_arena_never_hands_out_memory_in_flight():
+    # Random record sizes, releases in any order, waiting and non-waiting callers: no
+    # region handed out may overlap one libzmq still holds.
+    import random
+
+    from tandem.wire.kvchannel import SendArena
+
+    rng = random.Random(5)
+    live: list = []
+
+    class Tracker:
+        def __init__(self, span):
+            self.span, self.done = span, False
+
+        def wait(self):
+            self.done = True
+
+    for size in (64, 1000, 4096):
+        arena, live = SendArena(size), []
+        for _ in range(3000):
+            for t in live:
+                if not t.done and rng.random() < 0.3:
+                    t.done = True  # libzmq released it (in any order)
+            live = [t for t in live if not t.done]
+            n = rng.randint(1, size // 2)
+            region = arena.alloc(n, wait=rng.random() < 0.5)
+            live = [t for t in live if not t.done]
+            if region is None:
+                continue
+            start = _offset(arena, region)
+            span = (start, start + n)
+            assert all(span[1] <= t.span[0] or t.span[1] <= span[0] for t in live), (span, [t.span for t in live])
+            t = Tracker(span)
+            arena.track(t)
+            live.append(t)
+
+
+def _offset(arena, region) -> int:
+    import numpy as np
+
+    return np.frombuffer(region, dtype=np.uint8).ctypes.data - arena._array.ctypes.data
+
+
 def test_retain_freed_memory_avoids_refaulting():
     # The receive pattern: a transfer's worth of 2 MiB frames, freed, then the next
     # transfer's. Without retention glibc returns them to the kernel and the second burst
