@@ -88,6 +88,13 @@ def run(args) -> int:
         "transfer.compression": args.kv_compression, "transfer.quantization": args.kv_quantization,
     })
     role = cfg.worker.role
+    if role in ("prefill", "decode"):
+        from tandem.wire.transfer import retain_freed_memory
+
+        # KV handoffs arrive in (and quantized ones leave from) fresh buffers of up to
+        # hundreds of MB: keep freed heap memory so each transfer does not page-fault
+        # it all in again (what bench/kv_transfer.py measures as well).
+        retain_freed_memory()
     loopback = all(is_loopback(a) for a in (cfg.broker.backend, cfg.broker.stream_in))
     secret = require_cluster_secret(role, cfg.security.cluster_secret_file, loopback_only=loopback)
     notifier = Notifier()
