@@ -1,5 +1,5 @@
 """What every benchmark script shares: the import path, percentiles, machine facts,
-per-process CPU, a baseline checkout, and writing results.
+per-process CPU, a baseline checkout, writing results, and a grouped-bar SVG chart.
 
 Imported as ``from _common import ...`` (a script's own directory is first on sys.path);
 importing it puts the repository root on sys.path and imports ``tandem`` first (it
@@ -9,6 +9,7 @@ preloads the BLAS that mlx needs).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from xml.sax.saxutils import escape
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -56,3 +58,48 @@ def write_results(out: str | Path, name: str, markdown: str, result: dict) -> No
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(markdown)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+
+
+def bar_chart_svg(title: str, groups: list[str], series: list[tuple[str, str, list[float | None]]],
+                  annotations: list[str] | None = None, y_label: str | None = None,
+                  width: int = 640, height: int = 320) -> str:
+    """Grouped bars as a dependency-free SVG: one group per entry of ``groups``, one bar per
+    series (``(label, color, values)``, a value per group) in each, and ``annotations[i]``
+    written over group i's tallest bar. A value of None or NaN draws no bar (that series did
+    not run at that group); ``y_label`` is written up the left edge when given.
+    """
+    assert all(len(values) == len(groups) for _, _, values in series), "one value per group in every series"
+    assert annotations is None or len(annotations) == len(groups), "one annotation per group"
+    W, H, left, bottom, top = width, height, 60, 40, 30
+    shown = lambda v: v is not None and math.isfinite(v)  # noqa: E731
+    tallest = [max((vs[i] for _, _, vs in series if shown(vs[i])), default=None) for i in range(len(groups))]
+    peak = max((t for t in tallest if t is not None), default=0.0) * 1.15 or 1.0
+    # Tick labels need decimals once the step between them drops below a few units (seconds, ratios).
+    digits = 0 if peak / 5 >= 5 else 1 if peak / 5 >= 0.5 else 2
+    slot = (W - left - 20) / max(1, len(groups))
+    bar = slot * 0.7 / max(1, len(series))
+    y = lambda v: H - bottom - (H - bottom - top) * v / peak  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+           f'<text x="{W / 2}" y="18" text-anchor="middle">{escape(title)}</text>',
+           f'<line x1="{left}" y1="{H - bottom}" x2="{W - 10}" y2="{H - bottom}" stroke="black"/>']
+    if y_label:
+        mid = (H - bottom + top) / 2
+        out.append(f'<text x="14" y="{mid:.1f}" text-anchor="middle" transform="rotate(-90 14 {mid:.1f})">{escape(y_label)}</text>')
+    for i in range(5):
+        v = peak * i / 5
+        out.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.{digits}f}</text>')
+        out.append(f'<line x1="{left}" y1="{y(v):.1f}" x2="{W - 10}" y2="{y(v):.1f}" stroke="#ddd"/>')
+    for i, group in enumerate(groups):
+        x0 = left + i * slot + slot * 0.15
+        for j, (_, color, values) in enumerate(series):
+            v = values[i]
+            if shown(v):
+                out.append(f'<rect x="{x0 + j * bar:.1f}" y="{y(v):.1f}" width="{bar:.1f}" height="{H - bottom - y(v):.1f}" fill="{color}"/>')
+        mid = x0 + bar * len(series) / 2
+        out.append(f'<text x="{mid:.1f}" y="{H - bottom + 16}" text-anchor="middle">{escape(group)}</text>')
+        if annotations and annotations[i] and tallest[i] is not None:
+            out.append(f'<text x="{mid:.1f}" y="{y(tallest[i]) - 4:.1f}" text-anchor="middle">{escape(annotations[i])}</text>')
+    for j, (label, color, _) in enumerate(series):
+        out.append(f'<rect x="{left + 10}" y="{30 + 18 * j}" width="12" height="12" fill="{color}"/><text x="{left + 28}" y="{40 + 18 * j}">{escape(label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

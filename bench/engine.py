@@ -277,34 +277,15 @@ def _started(eng: Engine) -> Engine:
 
 def plot(r: dict) -> str:
     """Grouped bars of decode tok/s per batch size, as a dependency-free SVG."""
+    from _common import bar_chart_svg  # bench/ is first on sys.path when this runs as a script
+
     rows = r["decode"]
-    W, H, left, bottom, top = 640, 320, 60, 40, 30
-    series = [("engine_tok_s", "#1f77b4", "tandem engine"), ("batchgen_tok_s", "#ff7f0e", "mlx-lm BatchGenerator")]
+    series = [("tandem engine", "#1f77b4", [d["engine_tok_s"] for d in rows]),
+              ("mlx-lm BatchGenerator", "#ff7f0e", [d["batchgen_tok_s"] for d in rows])]
     if all(d.get("plain_forward_tok_s") for d in rows):
-        series.insert(1, ("plain_forward_tok_s", "#9ecae1", "engine, mlx-lm forward"))
-    peak = max(max(d[k] for k, _, _ in series) for d in rows) * 1.15
-    slot = (W - left - 20) / len(rows)
-    bar = slot * 0.7 / len(series)
-    y = lambda v: H - bottom - (H - bottom - top) * v / peak  # noqa: E731
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
-           f'<text x="{W / 2}" y="18" text-anchor="middle">aggregate decode tok/s ({r["model"]})</text>',
-           f'<line x1="{left}" y1="{H - bottom}" x2="{W - 10}" y2="{H - bottom}" stroke="black"/>']
-    for i in range(5):
-        v = peak * i / 5
-        out.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.0f}</text>')
-        out.append(f'<line x1="{left}" y1="{y(v):.1f}" x2="{W - 10}" y2="{y(v):.1f}" stroke="#ddd"/>')
-    for i, d in enumerate(rows):
-        x0 = left + i * slot + slot * 0.15
-        for j, (key, color, _) in enumerate(series):
-            v = d[key]
-            out.append(f'<rect x="{x0 + j * bar:.1f}" y="{y(v):.1f}" width="{bar:.1f}" height="{H - bottom - y(v):.1f}" fill="{color}"/>')
-        mid = x0 + bar * len(series) / 2
-        out.append(f'<text x="{mid:.1f}" y="{H - bottom + 16}" text-anchor="middle">batch {d["batch"]}</text>')
-        out.append(f'<text x="{mid:.1f}" y="{y(max(d[k] for k, _, _ in series)) - 4:.1f}" text-anchor="middle">{d["ratio"]:.2f}x</text>')
-    for j, (_, color, label) in enumerate(series):
-        out.append(f'<rect x="{left + 10}" y="{30 + 18 * j}" width="12" height="12" fill="{color}"/><text x="{left + 28}" y="{40 + 18 * j}">{label}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+        series.insert(1, ("engine, mlx-lm forward", "#9ecae1", [d["plain_forward_tok_s"] for d in rows]))
+    return bar_chart_svg(f"aggregate decode tok/s ({r['model']})", [f"batch {d['batch']}" for d in rows], series,
+                         [f"{d['ratio']:.2f}x" for d in rows])
 
 
 def render(r: dict) -> str:

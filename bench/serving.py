@@ -16,7 +16,12 @@ model, and it starts under a Python that imports tandem first, so both use MKL.
     .venv/bin/python bench/serving.py                      # full sweep, default model
     .venv/bin/python bench/serving.py --concurrency 1,4 --rounds 1 --servers tandem
 
-Writes docs/benchmarks/serving.md and serving.json (``--out`` changes the stem).
+Writes docs/benchmarks/serving.md and serving.json, and the charts serving.svg (aggregate
+tok/s per level) and serving-ttft.svg (TTFT p95 per level); ``--out`` changes the stem.
+``--replot`` redraws the two charts from an existing ``<stem>.json`` without running servers:
+
+    .venv/bin/python bench/serving.py --replot
+
 Loopback only.
 """
 
@@ -40,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import tandem  # noqa: F401  (BLAS before mlx)
+from _common import bar_chart_svg  # noqa: E402  (bench/ is first on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -335,6 +341,40 @@ def sweep(name: str, port: int, model_id: str, bodies: list[dict], levels: list[
 
 # ---------------------------------------------------------------- report ----------------
 
+SERVERS = (("tandem", "#1f77b4"), ("mlx_lm.server", "#ff7f0e"))
+
+
+def chart_names(out: Path) -> tuple[str, str]:
+    """File names of the tok/s and TTFT charts next to ``<out>.md`` (linked relative to it)."""
+    return f"{out.name}.svg", f"{out.name}-ttft.svg"
+
+
+def plots(results: dict, out: Path) -> None:
+    """Write the tok/s chart (annotated tandem / mlx_lm.server where both ran) and the TTFT p95 chart."""
+    by: dict[int, dict[str, dict]] = {}
+    for row in results["rows"]:
+        by.setdefault(row["clients"], {})[row["server"]] = row
+    levels = sorted(by)
+    ran = [(name, color) for name, color in SERVERS if any(name in by[n] for n in levels)]
+    groups = [f"{n} client{'s' if n != 1 else ''}" for n in levels]
+
+    def series(key: str) -> list[tuple[str, str, list[float | None]]]:
+        return [(name, color, [by[n][name][key] if name in by[n] else None for n in levels]) for name, color in ran]
+
+    ratios = []
+    for n in levels:
+        a, b = by[n].get("tandem"), by[n].get("mlx_lm.server")
+        ratios.append(f"{a['tok_per_s'] / b['tok_per_s']:.2f}x" if a and b and b["tok_per_s"] else "")
+    model = results["meta"]["model"]
+    tok_svg, ttft_svg = chart_names(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    (out.parent / tok_svg).write_text(bar_chart_svg(
+        f"aggregate streamed tok/s per concurrency level ({model})", groups, series("tok_per_s"),
+        ratios if any(ratios) else None, y_label="tok/s"))
+    (out.parent / ttft_svg).write_text(bar_chart_svg(
+        f"time to first token, p95, per concurrency level ({model})", groups, series("ttft_p95_s"),
+        y_label="seconds (lower is better)"))
+
 def report(results: dict, out: Path) -> str:
     by = {}
     for row in results["rows"]:
@@ -364,6 +404,9 @@ def report(results: dict, out: Path) -> str:
         "",
         f"Produced by `{meta['command']}` on {meta['date']} ({meta['machine']}).",
         "",
+        f"![aggregate tok/s per concurrency level]({chart_names(out)[0]}) "
+        f"![TTFT p95 per concurrency level]({chart_names(out)[1]})",
+        "",
         (f"Tokenizer of `{meta['model']}`; the worker runs tandem's stub engine (no model), so this measures what the "
          f"edge, broker and wire add per token: at {meta.get('stub_step_ms')} ms per engine step the ceiling is "
          f"clients x {1000 / (meta.get('stub_step_ms') or 1):.0f} tok/s. " if stub else
@@ -387,8 +430,10 @@ def report(results: dict, out: Path) -> str:
         "",
     ]
     text = "\n".join(md)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    plots(results, out)
     return table
 
 
@@ -410,7 +455,17 @@ def main() -> int:
     p.add_argument("--stub-step-ms", type=float, default=5.0, help="stub engine: time per step")
     p.add_argument("--timeout", type=float, default=900.0, help="per-request limit in seconds")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "serving"))
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the charts from the existing <out>.json (runs no servers)")
     args = p.parse_args()
+    if args.replot:
+        out = Path(args.out)
+        source = out.with_suffix(".json")
+        if not source.exists():
+            raise SystemExit(f"--replot: {source} does not exist; run the benchmark first or point --out at its stem")
+        plots(json.loads(source.read_text()), out)
+        print(f"wrote {out.parent / chart_names(out)[0]} and {chart_names(out)[1]} from {source}")
+        return 0
 
     from tandem.pipeline.model_store import resolve_model
 

@@ -1,0 +1,56 @@
+"""bench/_common.py's grouped-bar SVG: one bar per value, heights proportional to the values."""
+
+import importlib.util
+import math
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("bench_common", Path(__file__).resolve().parents[1] / "bench" / "_common.py")
+bench_common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_common)
+
+NS = "{http://www.w3.org/2000/svg}"
+
+
+def bars(svg: str) -> list[dict]:
+    """The data bars (legend swatches are the 12x12 squares)."""
+    root = ET.fromstring(svg)  # also checks the document is well-formed XML
+    return [r.attrib for r in root.iter(NS + "rect") if r.attrib["width"] != "12"]
+
+
+def texts(svg: str) -> list[str]:
+    return [t.text for t in ET.fromstring(svg).iter(NS + "text")]
+
+
+def test_one_bar_per_value_with_heights_proportional_to_values():
+    series = [("a & b", "#111111", [10.0, 20.0, 40.0]), ("c <d>", "#222222", [5.0, 0.0, 30.0])]
+    svg = bench_common.bar_chart_svg("t & <title>", ["g1", "g2", "g3"], series, ["1x", "2x", "3x"], y_label="tok/s")
+    drawn = bars(svg)
+    assert len(drawn) == 6
+    values = [vs[i] for i in range(3) for _, _, vs in series]  # drawn group by group
+    assert [d["fill"] for d in drawn] == ["#111111", "#222222"] * 3
+    scale = float(drawn[4]["height"]) / 40.0
+    for d, v in zip(drawn, values):
+        assert math.isclose(float(d["height"]), v * scale, abs_tol=0.1)
+        # Bars stand on the same baseline.
+        assert math.isclose(float(d["y"]) + float(d["height"]), float(drawn[0]["y"]) + float(drawn[0]["height"]), abs_tol=0.11)
+    # Bars in a group sit side by side; groups go left to right.
+    xs = [float(d["x"]) for d in drawn]
+    assert xs == sorted(xs)
+    assert {"t & <title>", "a & b", "c <d>", "tok/s", "1x", "2x", "3x", "g1", "g2", "g3"} <= set(texts(svg))
+
+
+def test_missing_values_draw_no_bar_and_annotation_sits_over_the_tallest_bar():
+    series = [("a", "#111111", [3.0, None]), ("b", "#222222", [6.0, float("nan")]), ("c", "#333333", [1.0, 2.0])]
+    svg = bench_common.bar_chart_svg("t", ["x", "y"], series, ["over x", ""])
+    drawn = bars(svg)
+    assert [d["fill"] for d in drawn] == ["#111111", "#222222", "#333333", "#333333"]
+    root = ET.fromstring(svg)
+    note = next(t for t in root.iter(NS + "text") if t.text == "over x")
+    assert math.isclose(float(note.attrib["y"]), float(drawn[1]["y"]) - 4, abs_tol=0.11)
+    assert "" not in texts(svg) and None not in texts(svg)
+
+
+def test_all_zero_values_still_render():
+    svg = bench_common.bar_chart_svg("t", ["x"], [("a", "#111111", [0.0])])
+    assert [float(d["height"]) for d in bars(svg)] == [0.0]
