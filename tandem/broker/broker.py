@@ -281,7 +281,12 @@ class Broker:
         except WireError:
             d.counters["bad_stream_messages"] += 1
             return
-        verdict = d.stream(d.jobs.get(rid), topic[16], msg)
+        job = d.jobs.get(rid)
+        self._pass_on(rid, d.stream(job, topic[16], msg, head), msg, head)
+        for attempt, held, held_head in d.take_ready(job):
+            self._pass_on(rid, d.stream(job, attempt, held, held_head), held, held_head)
+
+    def _pass_on(self, rid: bytes, verdict: str, msg: M.TokenMessage, head: bytes) -> None:
         if verdict == "forward":
             # The worker's header goes out as it came: validated, not re-encoded.
             self._outbox.append((self.stream_out, (rid, head)))

@@ -52,6 +52,7 @@ class Dispatcher(Admission, StreamTracking, Failover):
         # Jobs whose worker sent DONE before the final stream message (tick() ends their
         # stream after a grace period): a dict, so tick() never scans every job in flight.
         self.awaiting_final: dict[bytes, Job] = {}
+        self.reordering: dict[bytes, Job] = {}  # jobs holding stream messages that came early
         self.counters = Counter()
         self.handoff_ms: list[float] = []  # recent dispatch -> handoff-complete times
 
@@ -319,5 +320,6 @@ class Dispatcher(Admission, StreamTracking, Failover):
         self._expire_workers()
         self._expire_queue(now)
         self._close_lost_finals(now)
+        self._close_gaps(now)
         self.dispatch_pending()
         self._purge_finished(now)

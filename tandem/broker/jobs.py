@@ -47,6 +47,11 @@ class Job:
     cached_prompt_tokens: int = 0
     worker_done: object = None  # a DONE that arrived before the final stream message
     worker_done_at: float | None = None
+    # Stream messages that arrived ahead of a missing one (seq -> (attempt, message, raw
+    # header)): a prefill worker's first token and the decode worker's next ones reach
+    # the broker over different connections, so they can arrive out of order.
+    ahead: dict | None = None
+    ahead_since: float = 0.0
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.generated),

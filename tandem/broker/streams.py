@@ -1,7 +1,7 @@
 """Each request's token stream as the broker sees it pass: sequence numbers, the tokens
 (kept, so a migrated request can resume from them), the final message, and what to do
 when a final message never comes. Part of :class:`tandem.broker.dispatcher.Dispatcher`
-(its state lives there: ``jobs``, ``awaiting_final``, ``counters``).
+(its state lives there: ``jobs``, ``awaiting_final``, ``reordering``, ``counters``).
 """
 
 from __future__ import annotations
@@ -13,24 +13,37 @@ from tandem.wire import messages as M
 FINISHED_LINGER_S = 10.0  # keep a finished job this long for late DONEs, then forget it
 FINAL_GRACE_S = 2.0  # after a worker's DONE, wait this long for its final stream message
 LINGER_SCAN_S = 1.0  # how often tick() looks for finished jobs past their linger time
+# A message that arrives ahead of a missing one waits this long for it (the prefill
+# worker's first token racing the decode worker's second over another connection), and at
+# most this many wait per request; then the gap ends the stream with an error.
+REORDER_WINDOW_S = 2.0
+MAX_AHEAD = 16
 
 
 class StreamTracking:
-    def stream(self, job: Job | None, attempt: int, msg: M.TokenMessage) -> str:
-        """Judge one worker token message. Returns 'forward', 'patched', or 'drop'."""
+    def stream(self, job: Job | None, attempt: int, msg: M.TokenMessage, head: bytes = b"") -> str:
+        """Judge one worker token message. Returns 'forward', 'patched', 'held' (it came
+        ahead of a missing one: :meth:`take_ready` hands it back once that one arrives)
+        or 'drop'."""
         if job is None:
             return "forward"  # not ours (a broker restart lost the record): pass it through
         if job.state == J.FINISHED or attempt != job.attempt:
             self.counters["stale_stream_messages"] += 1
             return "drop"
-        if msg.seq < job.next_seq:
+        if msg.seq < job.next_seq or (job.ahead and msg.seq in job.ahead):
             self.counters["duplicate_stream_messages"] += 1
             return "drop"
         if msg.seq > job.next_seq:
-            self.counters["stream_gaps"] += 1
-            self._release(job, notify=True)
-            self._end_stream(job, error=f"token stream gap: expected message {job.next_seq}, got {msg.seq}")
-            return "drop"
+            if job.ahead is None:
+                job.ahead = {}
+                job.ahead_since = self.clock()
+                self.reordering[job.request_id] = job
+            if len(job.ahead) >= MAX_AHEAD:
+                self._gap(job)
+                return "drop"
+            job.ahead[msg.seq] = (attempt, msg, head)
+            self.counters["reordered_stream_messages"] += 1
+            return "held"
         job.next_seq += 1
         if job.first_token_at is None and msg.tokens:
             job.first_token_at = self.clock()
@@ -54,6 +67,36 @@ class StreamTracking:
         self._maybe_forget(job)
         return "forward"
 
+    def take_ready(self, job: Job | None) -> list[tuple[int, M.TokenMessage, bytes]]:
+        """Held messages that are next in line now, in order (to pass to :meth:`stream`)."""
+        if job is None or not job.ahead or job.next_seq not in job.ahead:
+            return []
+        ready, seq = [], job.next_seq
+        while seq in job.ahead:
+            ready.append(job.ahead.pop(seq))
+            seq += 1
+        if not job.ahead:
+            job.ahead = None
+            self.reordering.pop(job.request_id, None)
+        return ready
+
+    def _gap(self, job: Job) -> None:
+        first = min(job.ahead) if job.ahead else job.next_seq + 1
+        job.ahead = None
+        self.reordering.pop(job.request_id, None)
+        self.counters["stream_gaps"] += 1
+        self._release(job, notify=True)
+        self._end_stream(job, error=f"token stream gap: expected message {job.next_seq}, got {first}")
+
+    def _close_gaps(self, now: float) -> None:
+        """End the streams whose missing message did not come within the reorder window."""
+        for rid, job in list(self.reordering.items()):
+            if job.state == J.FINISHED or self.jobs.get(rid) is not job or not job.ahead:
+                del self.reordering[rid]
+                job.ahead = None
+            elif job.ahead_since + REORDER_WINDOW_S < now:
+                self._gap(job)
+
     def _end_stream(self, job: Job, *, finish_reason: str | None = None, error: str | None = None) -> None:
         """The broker writes the last stream message itself (failure or lost final)."""
         if job.state == J.FINISHED:
@@ -75,6 +118,7 @@ class StreamTracking:
             self.jobs.pop(job.request_id, None)
             # (Left for tick() to find, these piled up by the hundreds between ticks.)
             self.awaiting_final.pop(job.request_id, None)
+            self.reordering.pop(job.request_id, None)
 
     def _close_lost_finals(self, now: float) -> None:
         """End the streams whose worker said DONE but whose final message never came."""

@@ -7,6 +7,7 @@ import pytest
 from tandem.broker import jobs as J
 from tandem.broker.dispatcher import Dispatcher
 from tandem.broker.settings import BrokerSettings
+from tandem.broker.streams import MAX_AHEAD, REORDER_WINDOW_S
 from tandem.kvtypes import SamplingParams
 from tandem.wire import messages as M
 
@@ -163,16 +164,54 @@ def test_tokens_tracked_and_stale_attempt_dropped():
     assert job.generated == [5, 6] and job.next_seq == 1
 
 
-def test_gap_ends_stream_with_error():
+def test_gap_ends_stream_with_error_after_the_reorder_window():
     h = Harness()
     w = h.worker("h0", "hybrid")
     (rid,) = h.submit()
     job = h.d.jobs[rid]
     h.d.stream(job, 1, M.TokenMessage(rid, 0, [5]))
-    assert h.d.stream(job, 1, M.TokenMessage(rid, 2, [7])) == "drop"
+    assert h.d.stream(job, 1, M.TokenMessage(rid, 2, [7])) == "held"  # seq 1 may still come
+    h.clock.t += REORDER_WINDOW_S / 2
+    h.d.tick()
+    assert not h.pub
+    h.clock.t += REORDER_WINDOW_S
+    h.d.tick()
     (last,) = h.pub
     assert last.seq == 1 and last.error and "gap" in last.error
     assert any(isinstance(m, M.Abort) for i, m in h.to_w if i == w)
+    assert not h.d.reordering and h.d.counters["stream_gaps"] == 1
+
+
+def test_messages_ahead_of_a_missing_one_wait_for_it():
+    """A prefill worker's first token and the decode worker's next ones travel over
+    different connections: the later ones wait, then everything goes out in order."""
+    h = Harness()
+    h.worker("h0", "hybrid")
+    (rid,) = h.submit()
+    job = h.d.jobs[rid]
+    assert h.d.stream(job, 1, M.TokenMessage(rid, 2, [9], None, "length"), b"two") == "held"
+    assert h.d.stream(job, 1, M.TokenMessage(rid, 1, [7]), b"one") == "held"
+    assert h.d.stream(job, 1, M.TokenMessage(rid, 1, [7])) == "drop"  # a duplicate of a held one
+    assert h.d.stream(job, 1, M.TokenMessage(rid, 0, [5])) == "forward"
+    ready = h.d.take_ready(job)
+    assert [m.seq for _, m, _ in ready] == [1, 2] and [hd for _, _, hd in ready] == [b"one", b"two"]
+    assert [h.d.stream(job, a, m, hd) for a, m, hd in ready] == ["forward", "forward"]
+    assert job.generated == [5, 7, 9] and job.state == "finished" and not h.d.reordering
+    h.clock.t += 10 * REORDER_WINDOW_S
+    h.d.tick()
+    assert not h.pub and h.d.counters["stream_gaps"] == 0
+
+
+def test_too_many_messages_ahead_end_the_stream():
+    h = Harness()
+    h.worker("h0", "hybrid")
+    (rid,) = h.submit(max_tokens=100)
+    job = h.d.jobs[rid]
+    for seq in range(1, MAX_AHEAD + 1):
+        assert h.d.stream(job, 1, M.TokenMessage(rid, seq, [seq])) == "held"
+    assert h.d.stream(job, 1, M.TokenMessage(rid, MAX_AHEAD + 1, [0])) == "drop"
+    (last,) = h.pub
+    assert last.seq == 0 and "gap" in last.error
 
 
 def test_decode_death_migrates_with_streamed_tokens():
