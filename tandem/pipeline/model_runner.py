@@ -66,6 +66,7 @@ class _Batch:
     exact_len: int | None  # single row: slice the gathered keys to exactly this many
     mirror: str | None = None  # decode only: "append" to or "rebuild" the decode mirror
     mirror_idx: mx.array | None = None
+    mirror_rows: np.ndarray | None = None  # append: mirror_idx on the host, (B, H)
     kv_len: int = 0
 
 
@@ -212,7 +213,7 @@ class PagedRunner:
         if L == 1 and self.use_mirror:
             self._plan_mirror(rows, starts, ctx)
         if b.mirror == "append":
-            self.mirror.pending.append((slots.reshape(-1), self._mirror_rows))
+            self.mirror.pending.append((slots.reshape(-1), b.mirror_rows))
         else:
             self.flush()  # before this step writes the pool or rebuilds the mirror from it
         if B == 1:
@@ -259,8 +260,8 @@ class PagedRunner:
         if key == m.rows and np.array_equal(starts, m.lens) and int(ctx.max()) <= m.cap:
             b.mirror = "append"
             B = len(rows)
-            self._mirror_rows = ((np.arange(B)[:, None] * H + np.arange(H)[None, :]) * m.cap + starts[:, None]).astype(np.int32)
-            b.mirror_idx = mx.array(self._mirror_rows.reshape(-1))
+            b.mirror_rows = ((np.arange(B)[:, None] * H + np.arange(H)[None, :]) * m.cap + starts[:, None]).astype(np.int32)
+            b.mirror_idx = mx.array(b.mirror_rows.reshape(-1))
         else:
             b.mirror = "rebuild"
             m.cap = -(-(int(ctx.max()) + 64) // 128) * 128
