@@ -136,6 +136,13 @@ def _left(w: mx.array, xt: mx.array) -> mx.array:
     return (w @ x.T)[:, :m]
 
 
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array, axis: int) -> mx.array:
+    """What mlx's RoPE computes for non-traditional rotation: the two halves of ``axis``
+    rotated by the given cos/sin tables (which broadcast against a half)."""
+    x1, x2 = mx.split(x, 2, axis=axis)
+    return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=axis)
+
+
 def _decode_pre(x, ln_w, qkv_w, qkv_b, cos, sin, *, eps, Hq, Hkv, D):
     """x (B, hidden); cos, sin (D/2, B, 1) -> q, k, v (B, H, 1, D) with RoPE applied."""
     half, B, L = cos.shape
@@ -144,10 +151,7 @@ def _decode_pre(x, ln_w, qkv_w, qkv_b, cos, sin, *, eps, Hq, Hkv, D):
     if qkv_b is not None:
         qkv = qkv + qkv_b
     qk = qkv[: (Hq + Hkv) * D].reshape(Hq + Hkv, D, B)
-    c, s = cos.reshape(1, half, B), sin.reshape(1, half, B)
-    x1, x2 = qk[:, :half], qk[:, half:]
-    # What mlx's RoPE computes for non-traditional rotation, from the same tables.
-    rot = mx.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=1)
+    rot = _rotate(qk, cos.reshape(1, half, B), sin.reshape(1, half, B), axis=1)
     q = rot[:Hq].reshape(Hq, D, B, L).transpose(2, 0, 3, 1)
     k = rot[Hq:].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)
     v = qkv[(Hq + Hkv) * D :].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)
@@ -194,9 +198,7 @@ class _Decode:
         x = mx.random.normal((2, 3, 1, D), key=mx.random.key(7))
         off = mx.array([3, 1000])
         cos, sin = _tables(rope, off, D)
-        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
-        c, s = cos.T[:, None, None], sin.T[:, None, None]
-        want = mx.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+        want = _rotate(x, cos.T[:, None, None], sin.T[:, None, None], axis=-1)
         try:
             got = rope(x, offset=off)
         except Exception:  # a RoPE without per-row offsets
@@ -242,15 +244,17 @@ class FastLlama:
         B, L = inputs.shape
         x = self.inner.embed_tokens(inputs).reshape(B * L, -1)
         if L == 1 and B < self.left_below and self.decode.why is None:
-            return self._decode_step(x, caches, mask, max_q_start)
-        for layer, cache, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, caches, self.fused.layers):
-            x = self._layer(layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start)
+            x = self._decode_layers(x, caches, mask, max_q_start)
+        else:
+            for layer, cache, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, caches, self.fused.layers):
+                x = self._layer(layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start)
         x = x.reshape(B, L, -1)
         x = x[:, 0] if last is None else x[mx.arange(B), last]
         h = self.inner.norm(x)
         return _left(self.head, h.T).T if B < self.left_below else h @ self.head.T
 
-    def _decode_step(self, x, caches, mask, max_q_start) -> mx.array:
+    def _decode_layers(self, x, caches, mask, max_q_start) -> mx.array:
+        """Every layer of a decode step, through the compiled pieces -> hidden (B, hidden)."""
         dec = self.decode
         cos, sin = dec.tables(caches[0].offset, x.shape[0])
         for layer, cache, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, caches, self.fused.layers):
@@ -260,7 +264,7 @@ class FastLlama:
             o = cpu_math.attention(q, k, v, attn.scale, mask, max_q_start)
             x = dec.post(x, o, attn.o_proj.weight, layer.post_attention_layernorm.weight, gu_w,
                          layer.mlp.down_proj.weight)
-        return _left(self.head, self.inner.norm(x).T).T
+        return x
 
     def _layer(self, layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start):
         attn, mlp = layer.self_attn, layer.mlp
