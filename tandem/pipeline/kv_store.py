@@ -65,6 +65,11 @@ class KVStore:
         self.keys[layer] = pa.write_slots(self.keys[layer], keys, slots)
         self.values[layer] = pa.write_slots(self.values[layer], values, slots)
 
+    def write_rows(self, layer: int, keys: mx.array, values: mx.array, slots: mx.array) -> None:
+        """keys, values: (n, H, D) entries already in the store's row layout; slots: (n,)."""
+        self.keys[layer][slots] = keys
+        self.values[layer][slots] = values
+
     def gather(self, layer: int, table: mx.array) -> tuple[mx.array, mx.array]:
         """table: (B, nb) store block ids -> keys, values (B, H, nb * block_size, D)."""
         bs = self.block_size

@@ -279,8 +279,7 @@ class PagedRunner:
         src = mx.array(np.concatenate([r for _, r in m.pending]))  # (n, H) mirror rows
         m.pending = []
         for layer in range(self.store.num_layers):
-            self.store.keys[layer][slots] = m.keys[layer][src]
-            self.store.values[layer][slots] = m.values[layer][src]
+            self.store.write_rows(layer, m.keys[layer][src], m.values[layer][src], slots)
 
     def quiesce(self) -> None:
         """Evaluate every array that outlives a step and drop the mirror: the engine thread
