@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
 import statistics
@@ -32,7 +33,10 @@ def prompts(n, length, seed=0):
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
 
 
-async def drive(endpoints, secret, ps, concurrency, max_tokens):
+async def drive(endpoints, secret, ps, concurrency, max_tokens, marks=None):
+    """``marks``: a list to append (rid hex, submit, first token) monotonic times to."""
+    import os
+
     from tandem.kvtypes import SamplingParams
     from tandem.wire.client import AsyncClient
 
@@ -43,13 +47,17 @@ async def drive(endpoints, secret, ps, concurrency, max_tokens):
         async def one(p):
             nonlocal total
             async with sem:
+                rid = os.urandom(16)
                 t = time.perf_counter()
                 first = None
-                async for ev in ac.generate(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)):
+                async for ev in ac.generate(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                                            request_id=rid):
                     if first is None and ev.tokens:
                         first = time.perf_counter() - t
                     total += len(ev.tokens)
                 ttft.append(first)
+                if marks is not None:
+                    marks.append((rid.hex(), t, t + first))
         t0 = time.perf_counter()
         await asyncio.gather(*(one(p) for p in ps))
         wall = time.perf_counter() - t0
@@ -57,10 +65,16 @@ async def drive(endpoints, secret, ps, concurrency, max_tokens):
             "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p90_ms": pct(ttft, 0.9) * 1e3}
 
 
-def run_layout(args, roles, ps, warm):
+def run_layout(args, roles, ps, warm, unloaded, gate=False):
     from tests.integration.cluster import Cluster
 
-    c = Cluster(Path(tempfile.mkdtemp(prefix="tandem-bench-disagg-")), heartbeat_ms=1000)
+    tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-disagg-"))
+    c = Cluster(tmp, heartbeat_ms=1000)
+    timeline = tmp / "timeline.jsonl"
+    if gate:
+        c.env["TANDEM_WORKER_CPU_GATE"] = str(tmp / "cpu.gate")
+    if args.timeline:
+        c.env["TANDEM_TIMELINE"] = str(timeline)
     try:
         c.start_broker()
         extra = ["--model", args.model] if args.model else []
@@ -71,21 +85,87 @@ def run_layout(args, roles, ps, warm):
         want = {r: roles.count(r) for r in set(roles)}
         c.wait_workers(cl, timeout=600, **want)
         asyncio.run(drive(c.endpoints, c.secret, warm, args.concurrency, 4))  # compile/warm both sides
-        result = asyncio.run(drive(c.endpoints, c.secret, ps, args.concurrency, args.max_tokens))
-        ms, nbytes = [], []
-        for p in procs:
-            for m in re.finditer(r"handoff \w+: (\d+) KV bytes to \S+ in ([\d.]+) ms", p.log.read_text()):
-                nbytes.append(int(m.group(1)))
-                ms.append(float(m.group(2)))
-        if ms:
+        marks = []
+        t_start = time.monotonic()
+        result = asyncio.run(drive(c.endpoints, c.secret, ps, args.concurrency, args.max_tokens, marks))
+        t_end = time.monotonic()
+        handoffs = _handoffs(procs)
+        if handoffs:
             # Skip the warm-up handoffs (logged first).
-            ms, nbytes = ms[len(warm):], nbytes[len(warm):]
+            ms, nbytes = handoffs[0][len(warm):], handoffs[1][len(warm):]
             result["handoff_p50_ms"] = statistics.median(ms)
             result["handoff_mean_bytes"] = statistics.mean(nbytes)
             result["handoff_gb_s"] = sum(nbytes) / (sum(ms) / 1e3) / 1e9
+        if args.timeline:
+            result["timeline"] = _timeline(timeline, marks, t_start, t_end)
+        if unloaded:
+            # The same layout with one request at a time (fresh prompts: no prefix-cache hits).
+            one = asyncio.run(drive(c.endpoints, c.secret, unloaded, 1, args.max_tokens))
+            result["unloaded"] = {"requests": len(unloaded), "ttft_p50_ms": one["ttft_p50_ms"],
+                                  "ttft_p90_ms": one["ttft_p90_ms"], "tok_s": one["tok_s"]}
+            later = _handoffs(procs)
+            if later and len(later[0]) > len(handoffs[0] if handoffs else []):
+                result["unloaded"]["handoff_p50_ms"] = statistics.median(later[0][len(handoffs[0] if handoffs else []):])
         return result
     finally:
         c.close()
+
+
+def _handoffs(procs):
+    ms, nbytes = [], []
+    for p in procs:
+        for m in re.finditer(r"handoff \w+: (\d+) KV bytes to \S+ in ([\d.]+) ms", p.log.read_text()):
+            nbytes.append(int(m.group(1)))
+            ms.append(float(m.group(2)))
+    return (ms, nbytes) if ms else None
+
+
+def _timeline(path: Path, marks, t_start: float, t_end: float) -> dict:
+    """Where each request's time to first token went, from the workers' timeline lines
+    (TANDEM_TIMELINE) and the client's own submit / first-token times, all on the
+    monotonic clock: submit -> the entry worker has the DISPATCH -> the engine tick
+    that prefills it is scheduled -> the engine emits its first token -> the worker
+    publishes it -> the client has it. Also: how the prefill ticks were batched and how
+    many decode ticks (any worker) ran while the prompts were being prefilled."""
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    lines = [x for x in lines if t_start <= x["t"] <= t_end]
+    first = {}
+    for x in lines:
+        first.setdefault((x["ev"], x["rid"]), x)
+    ticks = [x for x in lines if x["ev"] == "tick"]
+    prefill_tick = {}
+    for x in ticks:
+        if x["kind"] == "prefill":
+            for rid in x["rows"]:
+                prefill_tick.setdefault(rid, x)
+    parts = {k: [] for k in ("to_dispatch", "engine_queue", "prefill", "to_publish", "to_client")}
+    for rid, sub, got in marks:
+        d, tk = first.get(("dispatch", rid)), prefill_tick.get(rid)
+        ev = next((x for x in lines if x["ev"] == "event" and x["rid"] == rid and x["tokens"]), None)
+        pub = first.get(("publish", rid))
+        if not (d and tk and ev and pub):
+            continue
+        parts["to_dispatch"].append(d["t"] - sub)
+        parts["engine_queue"].append(tk["t"] - d["t"])
+        parts["prefill"].append(ev["t"] - tk["t"])
+        parts["to_publish"].append(pub["t"] - ev["t"])
+        parts["to_client"].append(got - pub["t"])
+    pre = [x for x in ticks if x["kind"] == "prefill" and any(r in prefill_tick and prefill_tick[r] is x for r in x["rows"])]
+    nodes = sorted({x["node"] for x in ticks})
+    # Wall time during which some prompt of the run was between its prefill tick and its
+    # first token, and the decode ticks scheduled inside those spans (contention).
+    spans = sorted((prefill_tick[r]["t"], first[("event", r)]["t"]) for r, *_ in marks
+                   if r in prefill_tick and ("event", r) in first)
+    decode_in = sum(1 for x in ticks if x["kind"] == "decode" and any(a <= x["t"] <= b for a, b in spans))
+    return {
+        "requests": len(parts["prefill"]),
+        **{f"{k}_p50_ms": pct(v, 0.5) * 1e3 for k, v in parts.items()},
+        **{f"{k}_mean_ms": statistics.mean(v) * 1e3 if v else float("nan") for k, v in parts.items()},
+        "prefill_ticks": len(pre), "prompts_per_prefill_tick": [len(x["rows"]) for x in pre],
+        "decode_ticks_during_prefills": decode_in,
+        "ticks_by_node": {n: {k: sum(1 for x in ticks if x["node"] == n and x["kind"] == k) for k in ("prefill", "decode")}
+                          for n in nodes},
+    }
 
 
 def main() -> int:
@@ -95,32 +175,66 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--unloaded", type=int, default=4, metavar="N",
+                   help="then N more requests one at a time (concurrency 1) in each layout; 0 = skip")
+    p.add_argument("--gate", choices=("both", "on", "off"), default="both",
+                   help="disaggregated runs with worker.cpu_gate (prefill first across the two workers), without, or both")
+    p.add_argument("--timeline", action="store_true",
+                   help="workers write a per-request timeline (TANDEM_TIMELINE); report where TTFT goes")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = p.parse_args()
     ps = prompts(args.requests, args.prompt_tokens, seed=1)
     warm = prompts(2, args.prompt_tokens, seed=2)
-    hybrid = run_layout(args, ["hybrid"], ps, warm)
-    disagg = run_layout(args, ["prefill", "decode"], ps, warm)
-    ratio = disagg["tok_s"] / hybrid["tok_s"]
-    overhead = disagg["ttft_p50_ms"] - hybrid["ttft_p50_ms"]
-    result = {**machine(), "args": vars(args),
-              "hybrid": hybrid, "disaggregated": disagg, "throughput_ratio": ratio, "ttft_overhead_p50_ms": overhead}
+    unloaded = prompts(args.unloaded, args.prompt_tokens, seed=3)
+    hybrid = run_layout(args, ["hybrid"], ps, warm, unloaded)
+    ungated = run_layout(args, ["prefill", "decode"], ps, warm, unloaded) if args.gate in ("both", "off") else None
+    gated = run_layout(args, ["prefill", "decode"], ps, warm, unloaded, gate=True) if args.gate in ("both", "on") else None
+    disagg = gated or ungated
+    layouts = [("hybrid (1 worker)", "hybrid", hybrid)]
+    if ungated:
+        layouts.append(("1 prefill + 1 decode", "disaggregated", ungated))
+    if gated:
+        layouts.append(("1 prefill + 1 decode, cpu_gate on", "disaggregated_gated", gated))
+    result = {**machine(), "args": vars(args), **{key: r for _, key, r in layouts}}
+    cmd = (f"python bench/disagg.py --requests {args.requests} --concurrency {args.concurrency} "
+           f"--prompt-tokens {args.prompt_tokens} --max-tokens {args.max_tokens} --unloaded {args.unloaded}"
+           + (f" --gate {args.gate}" if args.gate != "both" else "") + (" --timeline" if args.timeline else ""))
     md = [
         "# Hybrid vs disaggregated serving on one machine\n",
-        f"{result['when']}, {result['cpus']} cores shared by every process (and by other work on the machine), "
-        f"default model unless --model. {args.requests} requests, {args.concurrency} in flight, "
-        f"{args.prompt_tokens}-token prompts, {args.max_tokens} generated tokens each, temperature 0.\n",
-        f"Command: `python bench/disagg.py --requests {args.requests} --concurrency {args.concurrency} "
-        f"--prompt-tokens {args.prompt_tokens} --max-tokens {args.max_tokens}`\n",
-        "| layout | aggregate tok/s | TTFT p50 | TTFT p90 | KV handoff p50 | KV bytes/request | handoff GB/s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f"{result['when']}, {result['cpus']} cores shared by every process (1-minute load average "
+        f"{result['load_avg_1m']:.1f} at the end), default model unless --model. {args.requests} requests, "
+        f"{args.concurrency} in flight, {args.prompt_tokens}-token prompts, {args.max_tokens} generated tokens each, "
+        "temperature 0. Each layout is a fresh broker and fresh workers; TTFT is submit -> first token at the client.\n",
+        f"Command: `{cmd}`\n",
+        "| layout | aggregate tok/s | vs hybrid | TTFT p50 | TTFT p90 | TTFT p50 overhead | KV handoff p50 | KV bytes/request |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, r in (("hybrid (1 worker)", hybrid), ("1 prefill + 1 decode", disagg)):
-        md.append(f"| {name} | {r['tok_s']:.1f} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms | "
-                  + (f"{r['handoff_p50_ms']:.1f} ms | {r['handoff_mean_bytes'] / 1e6:.2f} MB | {r['handoff_gb_s']:.2f} |"
-                     if "handoff_p50_ms" in r else "- | - | - |"))
-    md.append(f"\nDisaggregated / hybrid throughput: **{ratio:.2f}×**; TTFT p50 overhead: **{overhead:+.0f} ms** "
-              f"(measured KV handoff p50 {disagg.get('handoff_p50_ms', float('nan')):.1f} ms).")
+    for name, key, r in layouts:
+        r["throughput_ratio"] = r["tok_s"] / hybrid["tok_s"]
+        r["ttft_overhead_p50_ms"] = r["ttft_p50_ms"] - hybrid["ttft_p50_ms"]
+        md.append(f"| {name} | {r['tok_s']:.1f} | {r['throughput_ratio']:.2f}x | {r['ttft_p50_ms']:.0f} ms | "
+                  f"{r['ttft_p90_ms']:.0f} ms | " + ("" if r is hybrid else f"{r['ttft_overhead_p50_ms']:+.0f} ms") + " | "
+                  + (f"{r['handoff_p50_ms']:.1f} ms | {r['handoff_mean_bytes'] / 1e6:.2f} MB |"
+                     if "handoff_p50_ms" in r else "- | - |"))
+    if args.unloaded:
+        md += [f"\nUnloaded: then {args.unloaded} fresh prompts one at a time (concurrency 1), same processes:\n",
+               "| layout | TTFT p50 | TTFT p90 | TTFT p50 overhead | KV handoff p50 |", "|---|---:|---:|---:|---:|"]
+        for name, key, r in layouts:
+            u = r["unloaded"]
+            u["ttft_overhead_p50_ms"] = u["ttft_p50_ms"] - hybrid["unloaded"]["ttft_p50_ms"]
+            md.append(f"| {name} | {u['ttft_p50_ms']:.0f} ms | {u['ttft_p90_ms']:.0f} ms | "
+                      + ("" if r is hybrid else f"{u['ttft_overhead_p50_ms']:+.0f} ms") + " | "
+                      + (f"{u['handoff_p50_ms']:.1f} ms |" if "handoff_p50_ms" in u else "- |"))
+    if args.timeline:
+        md += ["\nWhere time to first token goes (workers' timeline, p50 per request, ms; a tick is marked when "
+               "the engine schedules it, which is before the previous step has finished):\n",
+               "| layout | submit → dispatch | dispatch → prefill tick | prefill tick → first token | → published | → client | prefill ticks (prompts each) | decode ticks during prefills |",
+               "|---|---:|---:|---:|---:|---:|---|---:|"]
+        for name, key, r in layouts:
+            tl = r["timeline"]
+            md.append(f"| {name} | {tl['to_dispatch_p50_ms']:.1f} | {tl['engine_queue_p50_ms']:.1f} | {tl['prefill_p50_ms']:.1f} | "
+                      f"{tl['to_publish_p50_ms']:.1f} | {tl['to_client_p50_ms']:.1f} | {tl['prefill_ticks']} "
+                      f"({', '.join(map(str, tl['prompts_per_prefill_tick']))}) | {tl['decode_ticks_during_prefills']} |")
     md.append("\nOn one machine both layouts share the same cores, so the disaggregated layout cannot win on "
               "compute: it pays for the handoff and gains only the isolation of decode from prefill. "
               "Separate prefill and decode hardware is where the split pays.")

@@ -15,4 +15,5 @@ class WorkerSettings:
     transfer_timeout_s: float = field(default=10.0, metadata={"min": 0.05, "help": "a KV handoff not acknowledged by then is abandoned and its KV released, on both sides"})
     stall_timeout_s: float = field(default=30.0, metadata={"min": 0.1, "help": "stop heartbeating (so the broker moves our requests) if the engine makes no progress for this long while it has work"})
     engine: str = field(default="mlx", metadata={"choices": ("mlx", "stub"), "help": "mlx: the real engine; stub: model-free deterministic tokens (benchmarks, tests)"})
+    cpu_gate: str = field(default="", metadata={"help": "a lock file shared by a prefill and a decode worker on the same cores: no decode step starts while a prefill runs (the hybrid scheduler's prefill-first); empty = off"})
     stub_step_ms: float = field(default=0.0, metadata={"min": 0, "help": "stub engine: sleep per step"})

@@ -11,6 +11,7 @@ broker says so (``mode`` hybrid/decode, or RESUME after another worker died).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -29,6 +30,7 @@ from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
 from tandem.wire.sockets import bound_endpoint, make_socket
 from tandem.wire.settings import TransferSettings
+from tandem.workers import gate as G
 from tandem.workers.handoff import KVIngest
 from tandem.workers.health import Health
 from tandem.workers.local import Local
@@ -39,6 +41,9 @@ from tandem.workers.transfers import KVHandoffs
 log = logging.getLogger("tandem.worker")
 
 TOMBSTONE_S = 60.0  # remember aborted request ids this long (a late KV transfer is refused)
+# Set to a file path, every worker appends a JSON line per request event and engine tick
+# (monotonic clock, comparable across processes): bench/disagg.py --timeline reads them.
+TIMELINE = os.environ.get("TANDEM_TIMELINE")
 
 def default_name(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -90,10 +95,38 @@ class Worker(KVHandoffs, Health):
         self.last_loop = time.monotonic()  # the IO loop's own liveness (systemd watchdog)
         self.on_drain = None  # called once when draining starts (systemd STOPPING=1)
         self.counters = {"refused": 0}
+        self._timeline = open(TIMELINE, "a", buffering=1) if TIMELINE else None
+        self.gate = G.CpuGate(settings.cpu_gate) if settings.cpu_gate and self.role != "hybrid" else None
+
+    def mark(self, event: str, rid: bytes = b"", **kw) -> None:
+        """One timeline line (only with TANDEM_TIMELINE set); any thread may call it."""
+        if self._timeline is not None:
+            self._timeline.write(json.dumps({"t": time.monotonic(), "node": self.node_id, "ev": event,
+                                             "rid": rid.hex(), **kw}) + "\n")
+
+    def _trace_ticks(self) -> None:
+        """Timeline: wrap the engine's scheduler so each tick's kind and rows are marked."""
+        sched = getattr(self.engine, "scheduler", None)
+        if sched is None:
+            return
+        schedule = sched.schedule
+
+        def traced():
+            plan = schedule()
+            if plan is not None and plan.rows:
+                self.mark("tick", kind=plan.kind, rows=[r.seq.request_id.hex() for r in plan.rows],
+                          tokens=sum(r.n for r in plan.rows))
+            return plan
+        sched.schedule = traced
 
     # ---- engine side: runs on the engine thread ------------------------------------------
     def _callback(self, attempt: int):
         def on_event(ev: TokenEvent) -> None:
+            if self.gate is not None:
+                self.gate.first_token(ev.request_id)
+            if self._timeline is not None:
+                self.mark("event", ev.request_id, tokens=len(ev.tokens), snapshot=ev.snapshot is not None,
+                          finish=ev.finish_reason)
             self._events.put((attempt, ev))
             try:
                 os.write(self._wake_w, b"!")
@@ -115,6 +148,11 @@ class Worker(KVHandoffs, Health):
                            self.block_size, self.total_blocks))
 
     def run(self) -> None:
+        if self.gate is not None and not G.install(self.gate, self.engine, self.role):
+            self.gate.close()
+            self.gate = None
+        if self._timeline is not None:
+            self._trace_ticks()
         self.engine.start()
         poller = zmq.Poller()
         self.sender = HandoffSender(self.ctx, secret=self.secret, node_id=self.node_id, transfer=self.transfer,
@@ -171,6 +209,8 @@ class Worker(KVHandoffs, Health):
         local.seq += 1
         head = codec.pack_header(msg)
         self.pub.send_multipart([local.request_id + bytes((local.attempt,)), head])
+        if self._timeline is not None:
+            self.mark("publish", local.request_id, seq=msg.seq, tokens=len(msg.tokens))
 
     # ---- broker messages ------------------------------------------------------------------
     def _on_broker(self, frames) -> None:
@@ -194,6 +234,7 @@ class Worker(KVHandoffs, Health):
 
     def _dispatch(self, msg: M.Dispatch) -> None:
         rid = msg.request_id
+        self.mark("dispatch", rid, mode=msg.mode)
         if self._draining:
             self._send(M.Refused(rid, "draining", "worker is draining", 1.0))
             return
@@ -249,18 +290,23 @@ class Worker(KVHandoffs, Health):
 
     # ---- engine events ------------------------------------------------------------------------
     def _drain_events(self) -> None:
+        # Handoffs start after every first token of this batch is out: starting one queues
+        # and seals megabytes of KV on this thread, which delayed the next prompt's first
+        # token by milliseconds per handoff (timeline: event -> publish 8 ms vs 1 ms hybrid).
+        handoffs = []
         while True:
             try:
                 attempt, ev = self._events.get_nowait()
             except queue.Empty:
-                return
+                break
             self._last_progress = time.monotonic()
             local = self.local.get(ev.request_id)
             if local is None or local.attempt != attempt:
                 continue  # aborted here, or an older attempt's leftovers
             if ev.snapshot is not None and ev.finish_reason is None and ev.error is None:
                 self._publish(local, ev.tokens, ev.logprobs, usage=ev.usage)  # cached-prompt count for early stoppers
-                self._hand_off(local, ev.snapshot)
+                local.handing_off = True  # (aborts in between are seen below)
+                handoffs.append((local, ev.snapshot))
                 continue
             done = ev.finish_reason is not None or ev.error is not None
             if ev.tokens or done:
@@ -272,6 +318,10 @@ class Worker(KVHandoffs, Health):
                     self._send(M.Failed(ev.request_id, ev.error[:1000], retryable=False))
                 else:
                     self._send(M.Done(ev.request_id, finish, ev.usage, None))
+        for local, snap in handoffs:
+            if self.local.get(local.request_id) is local:
+                self._hand_off(local, snap)
+                self.mark("handoff_started", local.request_id)
 
     # ---- timers ----------------------------------------------------------------------------------
     def _timers(self, poller) -> None:
@@ -299,3 +349,5 @@ class Worker(KVHandoffs, Health):
         self.pub.close(0)
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self.gate is not None:
+            self.gate.close()

@@ -66,6 +66,9 @@ def test_disaggregated_equals_hybrid_equals_single_process(cluster, tiny_model_d
     # Slow heartbeats: on a busy machine a 0.6 s liveness window can declare a healthy
     # worker dead, and a migrated request is re-prefilled (not bit-identical in float).
     cluster.heartbeat_ms = 1000
+    # The four workers share the cores, so they share a CPU gate (prefill first): it must
+    # change when steps run, never what they compute.
+    cluster.env["TANDEM_WORKER_CPU_GATE"] = str(cluster.tmp / "cpu.gate")
     prompts = _prompts()
     cluster.start_broker()
     procs = [cluster.start_worker(role, engine="mlx", model=tiny_model_dir, wait=False)

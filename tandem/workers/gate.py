@@ -1,0 +1,92 @@
+"""Prefill first across the processes of one host: the hybrid scheduler's priority for
+co-located prefill and decode workers.
+
+A hybrid worker's scheduler runs waiting prompts before the next decode step, so a
+prompt's first token costs only its own prefill. A prefill worker and a decode worker on
+the same cores have no such rule: each runs its math library on every core and both go
+at about half speed, so a prompt's prefill takes up to twice as long (bench/disagg.py's
+timeline: 69 decode steps ran inside the prefills of 16 prompts). With a gate file the
+workers share, a prefill worker holds a shared ``flock`` from the step that starts a
+prefill until every prompt in it has its first token (several prefill workers may hold
+it at once), and a decode worker takes the lock exclusively, and lets go at once, before
+each of its steps: it waits while any prefill runs. A decode step already running
+finishes; no decode step starts during a prefill. The lock is the kernel's: a worker that
+dies releases it.
+
+Off unless ``worker.cpu_gate`` names a file; only for workers that share cores.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+
+
+class CpuGate:
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.held = False
+        self._prefilling: set[bytes] = set()
+        self._lock = threading.Lock()
+        self.waits = 0  # decode steps that had to wait (for stats and tests)
+
+    # ---- prefill worker (engine thread) -----------------------------------------------------
+    def prefill_started(self, request_ids) -> None:
+        """A step that prefills these prompts is about to run: take the cores first."""
+        with self._lock:
+            self._prefilling.update(request_ids)
+            if self.held:
+                return
+        fcntl.flock(self.fd, fcntl.LOCK_SH)  # waits only while a decode worker checks the gate
+        with self._lock:
+            self.held = True
+            if not self._prefilling:  # finished while we waited
+                self._release()
+
+    def first_token(self, request_id: bytes) -> None:
+        """A prompt's prefill is over (first token, abort or error): let decode go once none is left."""
+        with self._lock:
+            self._prefilling.discard(request_id)
+            if self.held and not self._prefilling:
+                self._release()
+
+    def _release(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        self.held = False
+
+    # ---- decode worker (engine thread) --------------------------------------------------------
+    def before_decode_step(self) -> None:
+        """Wait while a co-located prefill runs."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.waits += 1
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def install(gate: CpuGate, engine, role: str) -> bool:
+    """Put the gate on ``engine``'s scheduler (the engine thread calls ``schedule()`` before
+    it queues each step). False when the engine has no scheduler (the stub engine)."""
+    sched = getattr(engine, "scheduler", None)
+    if sched is None or role == "hybrid":
+        return False
+    schedule = sched.schedule
+    if role == "prefill":
+        def gated():
+            plan = schedule()
+            if plan is not None and plan.kind == "prefill":
+                # Every row, sampled or a chunk: a chunked prompt keeps the cores until
+                # its first token.
+                gate.prefill_started([r.seq.request_id for r in plan.rows])
+            return plan
+    else:
+        def gated():
+            gate.before_decode_step()
+            return schedule()
+    sched.schedule = gated
+    return True

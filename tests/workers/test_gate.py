@@ -1,0 +1,111 @@
+"""The co-located CPU gate: no decode step starts while a prefill holds the cores."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+from tandem.workers.gate import CpuGate, install
+
+
+def _decode_in_thread(gate: CpuGate):
+    passed = threading.Event()
+
+    def run():
+        gate.before_decode_step()
+        passed.set()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, passed
+
+
+def test_decode_waits_until_every_prompt_of_the_prefill_has_its_first_token(tmp_path):
+    path = str(tmp_path / "cpu.gate")
+    prefill, decode = CpuGate(path), CpuGate(path)  # two open files: flock treats them as two holders
+    prefill.prefill_started([b"a", b"b"])
+    assert prefill.held
+    t, passed = _decode_in_thread(decode)
+    prefill.first_token(b"a")
+    assert prefill.held  # b is still prefilling
+    t.join(0.3)
+    assert not passed.is_set()
+    prefill.first_token(b"b")
+    assert not prefill.held
+    t.join(5)
+    assert passed.is_set()
+    assert decode.waits == 1
+    prefill.close()
+    decode.close()
+
+
+def test_decode_goes_straight_through_without_a_prefill(tmp_path):
+    path = str(tmp_path / "cpu.gate")
+    prefill, decode = CpuGate(path), CpuGate(path)
+    for _ in range(3):
+        decode.before_decode_step()
+    prefill.prefill_started([b"x"])
+    prefill.first_token(b"x")
+    decode.before_decode_step()
+    assert decode.waits == 0
+    # A first token for a prompt the gate never saw (an imported or resumed request) changes nothing.
+    prefill.first_token(b"unknown")
+    assert not prefill.held
+
+
+def test_two_prefill_workers_prefill_at_once_and_decode_waits_for_both(tmp_path):
+    path = str(tmp_path / "cpu.gate")
+    p1, p2, decode = CpuGate(path), CpuGate(path), CpuGate(path)
+    p1.prefill_started([b"a"])
+    p2.prefill_started([b"b"])  # would hang here if prefill workers excluded each other
+    assert p1.held and p2.held
+    t, passed = _decode_in_thread(decode)
+    p1.first_token(b"a")
+    t.join(0.3)
+    assert not passed.is_set()
+    p2.first_token(b"b")
+    t.join(5)
+    assert passed.is_set()
+
+
+def test_more_prompts_joining_a_held_prefill_keep_it_held(tmp_path):
+    gate = CpuGate(str(tmp_path / "g"))
+    gate.prefill_started([b"a"])
+    gate.prefill_started([b"b"])  # the next step's prompts, while a is still in flight
+    gate.first_token(b"a")
+    assert gate.held
+    gate.first_token(b"b")
+    assert not gate.held
+
+
+class _Sched:
+    def __init__(self, plans):
+        self.plans = list(plans)
+
+    def schedule(self):
+        return self.plans.pop(0)
+
+
+def _plan(kind, *rids):
+    return SimpleNamespace(kind=kind, rows=[SimpleNamespace(seq=SimpleNamespace(request_id=r)) for r in rids])
+
+
+def test_install_gates_prefill_plans_on_a_prefill_worker_and_every_step_on_a_decode_worker(tmp_path):
+    calls = []
+    gate = SimpleNamespace(prefill_started=lambda ids: calls.append(("prefill", ids)),
+                           before_decode_step=lambda: calls.append(("decode",)))
+    eng = SimpleNamespace(scheduler=_Sched([_plan("prefill", b"a", b"b"), _plan("decode", b"a"), None]))
+    assert install(gate, eng, "prefill")
+    assert eng.scheduler.schedule().kind == "prefill"
+    eng.scheduler.schedule()
+    assert eng.scheduler.schedule() is None
+    assert calls == [("prefill", [b"a", b"b"])]
+
+    calls.clear()
+    eng = SimpleNamespace(scheduler=_Sched([_plan("decode", b"a"), None]))
+    assert install(gate, eng, "decode")
+    eng.scheduler.schedule()
+    eng.scheduler.schedule()
+    assert calls == [("decode",), ("decode",)]
+
+    assert not install(gate, SimpleNamespace(), "decode")  # the stub engine has no scheduler
+    assert not install(gate, SimpleNamespace(scheduler=_Sched([])), "hybrid")
