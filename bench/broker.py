@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -151,22 +152,56 @@ async def _open_loop(fe, so, secret, seconds, rate):
                 "p99_ms": pct(lat, 0.99) * 1e3, "requests": n}
 
 
-def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str) -> None:
+# The load generators below must cost as little as possible, so that the broker, not
+# the client or the workers, is what the 2-core machine runs out of: one process each,
+# no engine or threads, socket calls at pyzmq's Cython level, every header the stubs
+# send pre-encoded once (only the 16-byte request id is spliced in), and each poll
+# round's receives handled before its sends go out together.
+_send = None  # zmq.backend.Socket.send / recv, bound in the child processes
+_RID_AT = 7  # the request id's offset in a SUBMIT or DONE header: 4-byte prefix, array tag, bin8 tag + length
+
+
+def _template(head: bytes, placeholder: bytes) -> tuple[bytes, bytes]:
+    at = head.index(placeholder)
+    assert at == _RID_AT, "the header layout changed: fix _RID_AT"
+    return head[:at], head[at + len(placeholder):]
+
+
+def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str, raw: bool = False) -> None:
     """A protocol-speaking worker with no engine and no threads: every DISPATCH is answered
     at once with a final one-token stream message and DONE. Runs in its own process until
-    killed."""
+    killed. ``raw``: the peer is the pass-through forwarder, which hands over the client's
+    SUBMIT as it came; the same two replies go out (token on the request's topic, DONE)."""
+    import msgpack
     import zmq
 
     from tandem.broker.jobs import STREAM_PING_TOPIC
     from tandem.pipeline.api import Usage
     from tandem.wire import codec
     from tandem.wire import messages as M
+    from tandem.wire import protocol as P
     from tandem.wire.sockets import make_socket
 
+    gc.disable()  # a load generator makes no reference cycles: no collector pauses in its replies
+    send, recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
+    NOBLOCK, MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
     ctx = zmq.Context()
-    d = make_socket(ctx, zmq.DEALER, connect=backend, identity=name.encode(), security=secret)
+    d = make_socket(ctx, zmq.DEALER, connect=backend, identity=name.encode(), security=secret, hwm=1_000_000)
     pub = make_socket(ctx, zmq.PUB, connect=stream_in, security=secret, hwm=1_000_000)
-    d.send_multipart(codec.encode(M.Ready(name, "hybrid", "stub", 1 << 30, None, 16, 1000)))
+    ready = codec.encode(M.Ready(name, "hybrid", "stub", 1 << 30, None, 16, 1000))
+    d.send_multipart(ready)
+    dispatch_type = int(P.MsgType.DISPATCH)
+    placeholder = bytes(range(100, 116))
+    replies: dict[int, tuple[bytes, bytes, bytes]] = {}  # prompt length -> (token header, DONE prefix, suffix)
+
+    def reply_for(n: int):
+        r = replies.get(n)
+        if r is None:
+            usage = Usage(n, 1)
+            tok = codec.pack_header(M.TokenMessage(placeholder, 0, [7], None, "length", usage))
+            r = replies[n] = (tok, *_template(codec.pack_header(M.Done(placeholder, "length", usage)), placeholder))
+        return r
+
     next_hb = 0.0
     while True:
         now = time.monotonic()
@@ -176,24 +211,36 @@ def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str) -> None
             next_hb = now + 0.5
         if not d.poll(100):
             continue
-        while True:
+        out = []
+        for _ in range(4096):
             try:
-                frames = d.recv_multipart(zmq.NOBLOCK)
+                head = recv(d, NOBLOCK)
             except zmq.Again:
                 break
-            msg = codec.decode(frames)
-            if isinstance(msg, M.Dispatch):
-                usage = Usage(len(msg.prompt), 1)
-                head = codec.pack_header(M.TokenMessage(msg.request_id, 0, [7], None, "length", usage))
-                pub.send_multipart([msg.request_id + bytes((msg.attempt,)), head])
-                d.send_multipart(codec.encode(M.Done(msg.request_id, "length", usage)))
-            elif isinstance(msg, M.Disconnect):
-                d.send_multipart(codec.encode(M.Ready(name, "hybrid", "stub", 1 << 30, None, 16, 1000)))
+            if raw:
+                rid = head[_RID_AT:_RID_AT + 16]
+                out.append((rid + b"\x01", *reply_for(4), rid))
+                continue
+            if head[3] != dispatch_type:
+                msg = codec.decode([head])
+                if isinstance(msg, M.Disconnect):
+                    d.send_multipart(ready)
+                continue
+            body = msgpack.unpackb(head[4:])
+            rid = body[0]
+            out.append((rid + bytes((body[8],)), *reply_for(len(body[2])), rid))
+        for topic, tok, pre, post, rid in out:
+            send(pub, topic, MORE)
+            send(pub, tok, NOBLOCK)
+        for topic, tok, pre, post, rid in out:
+            send(d, pre + rid + post, NOBLOCK)
 
 
-def _lean_client(frontend: str, stream_out: str, secret: bytes, *, seconds: float, rate: float | None, window: int) -> dict:
-    """A synchronous client on raw sockets: subscribe, SUBMIT, wait for the final token.
-    ``rate`` set: open loop at that rate (latency); None: closed loop, ``window`` in flight."""
+def _lean_client(frontend: str, stream_out: str, secret: bytes, *, seconds: float, rate: float | None, window: int,
+                 linger: float = 10.0) -> dict:
+    """A client on raw sockets in one thread: subscribe, SUBMIT, read the final token,
+    unsubscribe. ``rate`` set: open loop at that rate (latency from just before the
+    subscription to the final token's arrival); None: closed loop, ``window`` in flight."""
     import zmq
 
     from tandem.kvtypes import SamplingParams
@@ -201,93 +248,168 @@ def _lean_client(frontend: str, stream_out: str, secret: bytes, *, seconds: floa
     from tandem.wire import messages as M
     from tandem.wire.sockets import make_socket
 
+    gc.disable()  # no reference cycles here: no collector pauses inside measured latencies
+    send, recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
+    setsockopt = zmq.backend.Socket.set
+    NOBLOCK, SUBSCRIBE, UNSUBSCRIBE = int(zmq.NOBLOCK), int(zmq.SUBSCRIBE), int(zmq.UNSUBSCRIBE)
     ctx = zmq.Context()
     dealer = make_socket(ctx, zmq.DEALER, connect=frontend, security=secret, hwm=1_000_000)
     sub = make_socket(ctx, zmq.SUB, connect=stream_out, security=secret, hwm=1_000_000)
-    sp = SamplingParams(max_tokens=1)
+    placeholder = bytes(range(100, 116))
+    pre, post = _template(codec.pack_header(M.Submit(placeholder, [1, 2, 3, 4], SamplingParams(max_tokens=1))), placeholder)
+    prefix = os.urandom(8)
+    counter = int.from_bytes(os.urandom(4), "little") << 24
+    clock = time.perf_counter
     sent: dict[bytes, float] = {}
     lat = []
-    done = 0
+    done = in_window = 0
     poller = zmq.Poller()
     poller.register(sub, zmq.POLLIN)
     poller.register(dealer, zmq.POLLIN)
 
-    def submit():
-        rid = os.urandom(16)
-        sub.setsockopt(zmq.SUBSCRIBE, rid)
-        sent[rid] = time.perf_counter()
-        dealer.send_multipart(codec.encode(M.Submit(rid, [1, 2, 3, 4], sp)))
-
     time.sleep(0.3)
-    start = time.perf_counter()
+    start = clock()
     end = start + seconds
     issued = 0
     while True:
-        now = time.perf_counter()
+        now = clock()
         if now < end:
             if rate is None:
-                while len(sent) < window:
-                    submit()
-                    issued += 1
+                want = window - len(sent)
             else:
-                while issued < (now - start) * rate:
-                    submit()
-                    issued += 1
-        elif not sent:
+                want = int((now - start) * rate) + 1 - issued
+            for _ in range(want):
+                counter += 1
+                rid = prefix + counter.to_bytes(8, "little")
+                sent[rid] = clock()
+                setsockopt(sub, SUBSCRIBE, rid)
+                send(dealer, pre + rid + post, NOBLOCK)
+            issued += max(0, want)
+            # Open loop: sleep in poll until the next request is due (1 ms at most).
+            timeout = 10 if rate is None else max(0.0, min(1.0, (start + issued / rate - clock()) * 1e3))
+        elif not sent or now > end + linger:
             break
-        elif now > end + 10:
-            break
-        for sock, _ in poller.poll(1 if rate else 10):
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if sock is sub:
-                    rid = frames[0]
-                    t = sent.pop(rid, None)
-                    if t is not None:
-                        lat.append(time.perf_counter() - t)
-                        done += 1
-                        sub.setsockopt(zmq.UNSUBSCRIBE, rid)
-                # ACCEPTED / REFUSED on the dealer: nothing to do here
-    wall = time.perf_counter() - start
+        else:
+            timeout = 10
+        if not poller.poll(timeout):
+            continue
+        while True:  # ACCEPTED / REFUSED: nothing to do
+            try:
+                recv(dealer, NOBLOCK)
+            except zmq.Again:
+                break
+        while True:
+            try:
+                rid = recv(sub, NOBLOCK)
+            except zmq.Again:
+                break
+            recv(sub, 0)  # the header (every message here is [topic, header])
+            t = sent.pop(rid, None)
+            if t is not None:
+                now = clock()
+                lat.append(now - t)
+                done += 1
+                in_window += now <= end
+                setsockopt(sub, UNSUBSCRIBE, rid)
     dealer.close(0)
     sub.close(0)
     ctx.term()
-    return {"per_s": done / wall, "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3,
-            "completed": done, "issued": issued}
+    # The rate counts what completed within the measured seconds: the tail after it (and
+    # the forwarder's lost requests, see _forwarder) stays out of it.
+    return {"per_s": in_window / seconds, "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3,
+            "p999_ms": pct(lat, 0.999) * 1e3, "max_ms": max(lat) * 1e3 if lat else float("nan"),
+            "completed": done, "issued": issued, "lost": len(sent)}
+
+
+def _forwarder(spec: dict) -> None:
+    """The pass-through forwarder of the ``raw`` rows, as its own process with the same
+    CURVE sockets as the broker: SUBMIT -> a worker (round robin) and an ACCEPTED-sized
+    reply to the client, the worker's DONE taken and dropped, XSUB -> XPUB, the XPUB's
+    subscriptions read and dropped. The same messages and hops as through the broker, with no
+    decoding and no decisions. Without the broker's subscription confirmation a token can
+    overtake its subscription and be lost (counted as ``lost``; the client stops waiting
+    for them a second after the run). Prints its endpoints as one JSON line."""
+    import zmq
+
+    from tandem.wire.sockets import bound_endpoint, make_socket
+
+    send, recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
+    NOBLOCK, MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+    secret = spec["secret"].encode()
+    ctx = zmq.Context()
+    any_ = "tcp://127.0.0.1:*"
+    fe = make_socket(ctx, zmq.ROUTER, bind=any_, security=secret, hwm=1_000_000)
+    be = make_socket(ctx, zmq.ROUTER, bind=any_, security=secret, hwm=1_000_000)
+    xs = make_socket(ctx, zmq.XSUB, bind=any_, security=secret, hwm=1_000_000)
+    xp = make_socket(ctx, zmq.XPUB, bind=any_, security=secret, hwm=1_000_000, xpub_verbose=True)
+    xs.send(b"\x01")
+    print(json.dumps({"event": "forwarder", "frontend": bound_endpoint(fe), "backend": bound_endpoint(be),
+                      "stream_in": bound_endpoint(xs), "stream_out": bound_endpoint(xp)}), flush=True)
+    workers = [f"lean-{i}".encode() for i in range(spec["workers"])]
+    accepted = b"TD\x02\x02\x92\xc4\x10" + bytes(16) + b"\x00"
+    poller = zmq.Poller()
+    for s in (fe, be, xs, xp):
+        poller.register(s, zmq.POLLIN)
+    i = 0
+    while True:
+        for s, _ in poller.poll(100):
+            for _ in range(4096):
+                try:
+                    first = recv(s, NOBLOCK)
+                except zmq.Again:
+                    break
+                if s is fe:
+                    head = recv(s, 0)
+                    i += 1
+                    send(be, workers[i % len(workers)], MORE)
+                    send(be, head, NOBLOCK)
+                    send(fe, first, MORE)
+                    send(fe, accepted, NOBLOCK)
+                elif s is be:
+                    recv(s, 0)  # READY / HEARTBEAT / DONE
+                elif s is xs:
+                    send(xp, first[:16], MORE)  # the broker, too, strips the attempt byte
+                    send(xp, recv(s, 0), NOBLOCK)
+                # (the XPUB's subscriptions: consumed, as the broker consumes them)
 
 
 def _lean_client_run(spec: dict) -> None:
     """The client process of :func:`bench_lean`: waits for the workers, warms up, then
     reports on stdout (one JSON line each) when the closed-loop run starts, its result,
-    and the open-loop result with the broker's own loop-round stats."""
-    from tandem.wire.client import Client
-
+    and the open-loop result with the broker's own loop-round stats. ``raw``: against
+    the pass-through forwarder (no broker to ask)."""
     secret = spec["secret"].encode()
     fe, so = spec["frontend"], spec["stream_out"]
-    cl = Client(fe, so, secret=secret, timeout_s=20)
-    deadline = time.monotonic() + 60
-    while (cl.ready().get("workers") or {}).get("hybrid", 0) < spec["workers"]:
-        if time.monotonic() > deadline:
-            raise TimeoutError("lean workers did not register")
-        time.sleep(0.1)
+    cl = None
+    if spec.get("raw"):
+        time.sleep(1.0)  # the workers connect
+    else:
+        from tandem.wire.client import Client
+
+        cl = Client(fe, so, secret=secret, timeout_s=20)
+        deadline = time.monotonic() + 60
+        while (cl.ready().get("workers") or {}).get("hybrid", 0) < spec["workers"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("lean workers did not register")
+            time.sleep(0.1)
 
     def say(event, **kw):
         print(json.dumps({"event": event, **kw}), flush=True)
 
-    _lean_client(fe, so, secret, seconds=1.0, rate=None, window=64)  # warm-up
+    linger = 1.0 if spec.get("raw") else 10.0
+    _lean_client(fe, so, secret, seconds=1.0, rate=None, window=64, linger=linger)  # warm-up
     say("cap_start")
-    say("cap", **_lean_client(fe, so, secret, seconds=spec["seconds"], rate=None, window=spec["concurrency"]))
-    lat = _lean_client(fe, so, secret, seconds=spec["seconds"], rate=spec["rate"], window=0)
-    # The broker's own view (where it has it): how long its busy poll rounds took, i.e.
-    # what it added to the messages in them, apart from scheduling delays outside it.
-    rounds = cl.stats().get("loop_rounds", {})
-    if rounds.get("rounds"):
-        lat["round_p50_ms"], lat["round_p99_ms"], lat["round_max_ms"] = rounds["p50_ms"], rounds["p99_ms"], rounds["max_ms"]
+    say("cap", **_lean_client(fe, so, secret, seconds=spec["seconds"], rate=None, window=spec["concurrency"], linger=linger))
+    say("lat_start")
+    lat = _lean_client(fe, so, secret, seconds=spec["seconds"], rate=spec["rate"], window=0, linger=linger)
+    if cl is not None:
+        # The broker's own view: how long its busy poll rounds took, i.e. what it added
+        # to the messages in them, apart from scheduling delays outside it.
+        rounds = cl.stats().get("loop_rounds", {})
+        if rounds.get("rounds"):
+            lat["round_p50_ms"], lat["round_p99_ms"], lat["round_max_ms"] = rounds["p50_ms"], rounds["p99_ms"], rounds["max_ms"]
+        cl.close()
     say("lat", **lat)
-    cl.close()
 
 
 # Runs a role of this script against the tandem tree on argv[1] (this one or a baseline):
@@ -301,7 +423,9 @@ import tandem  # this tree's package, before the script's own path setup
 ns = runpy.run_path(script, run_name="bench_child")
 spec = json.loads(spec)
 if role == "worker":
-    ns["_lean_worker"](spec["backend"], spec["stream_in"], spec["secret"].encode(), spec["name"])
+    ns["_lean_worker"](spec["backend"], spec["stream_in"], spec["secret"].encode(), spec["name"], spec.get("raw", False))
+elif role == "forwarder":
+    ns["_forwarder"](spec)
 else:
     ns["_lean_client_run"](spec)
 """
@@ -323,10 +447,11 @@ def _event(proc: subprocess.Popen, want: str, log: Path) -> dict:
                 return msg
 
 
-def bench_lean(args, src: Path | None = None) -> dict:
+def bench_lean(args, src: Path | None = None, *, raw: bool = False) -> dict:
     """Broker process between a raw-socket client and protocol-speaking workers in other
     processes: what the broker itself costs, without the Python client and engine thread.
-    ``src``: run broker, client and workers from that copy of ``tandem/`` (a baseline)."""
+    ``src``: run broker, client and workers from that copy of ``tandem/`` (a baseline).
+    ``raw``: the pass-through forwarder process in the broker's place."""
     from tests.integration.cluster import Cluster
 
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-broker-"))
@@ -334,26 +459,32 @@ def bench_lean(args, src: Path | None = None) -> dict:
     tree = src or ROOT
     procs = []
     try:
-        # ``python -m`` puts the working directory first on sys.path: start it from the tree.
-        c.env["PYTHONPATH"] = str(tree)
-        here = os.getcwd()
-        os.chdir(tree)
-        try:
-            c.start_broker("--max-queue", "100000")
-        finally:
-            os.chdir(here)
-            c.env.pop("PYTHONPATH")
-        e = c.endpoints
         secret = c.secret.decode()
+        if raw:
+            fwd = _child(tree, "forwarder", {"secret": secret, "workers": args.workers}, tmp / "forwarder.log")
+            procs.append(fwd)
+            e = _event(fwd, "forwarder", tmp / "forwarder.log")
+            pid = fwd.pid
+        else:
+            # ``python -m`` puts the working directory first on sys.path: start it from the tree.
+            c.env["PYTHONPATH"] = str(tree)
+            here = os.getcwd()
+            os.chdir(tree)
+            try:
+                c.start_broker("--max-queue", "100000")
+            finally:
+                os.chdir(here)
+                c.env.pop("PYTHONPATH")
+            e = c.endpoints
+            pid = c.broker.p.pid
         for i in range(args.workers):
             procs.append(_child(tree, "worker", {"backend": e["backend"], "stream_in": e["stream_in"], "secret": secret,
-                                                 "name": f"lean-{i}"}, tmp / f"lean-worker-{i}.log"))
+                                                 "name": f"lean-{i}", "raw": raw}, tmp / f"lean-worker-{i}.log"))
         log = tmp / "lean-client.log"
         client = _child(tree, "client", {"frontend": e["frontend"], "stream_out": e["stream_out"], "secret": secret,
                                          "workers": args.workers, "seconds": args.seconds, "rate": args.rate,
-                                         "concurrency": args.concurrency}, log)
+                                         "concurrency": args.concurrency, "raw": raw}, log)
         procs.append(client)
-        pid = c.broker.p.pid
         _event(client, "cap_start", log)
         cpu0 = cpu_s(pid)
         cap = _event(client, "cap", log)
@@ -361,7 +492,10 @@ def bench_lean(args, src: Path | None = None) -> dict:
         # what it would sustain on one idle core, independent of how loaded this box is.
         cap["broker_cpu_us"] = (cpu_s(pid) - cpu0) / max(1, cap["completed"]) * 1e6
         cap["per_core_per_s"] = 1e6 / cap["broker_cpu_us"] if cap["broker_cpu_us"] else float("nan")
+        _event(client, "lat_start", log)
+        cpu0 = cpu_s(pid)
         lat = _event(client, "lat", log)
+        lat["broker_cpu_us"] = (cpu_s(pid) - cpu0) / max(1, lat["completed"]) * 1e6
         for r in (cap, lat):
             r.pop("event")
         return {"capacity": cap, "latency": lat}
@@ -394,74 +528,6 @@ def bench_sockets(args) -> dict:
         c.close()
 
 
-def bench_raw(args) -> dict:
-    """The same hops with a forwarder that makes no decisions: client DEALER -> ROUTER
-    -> worker DEALER, worker PUB -> XSUB -> XPUB -> client SUB, in threads of this process."""
-    import threading
-
-    import zmq
-
-    ctx = zmq.Context()
-    fe = ctx.socket(zmq.ROUTER); fe_port = fe.bind_to_random_port("tcp://127.0.0.1")
-    be = ctx.socket(zmq.ROUTER); be_port = be.bind_to_random_port("tcp://127.0.0.1")
-    xs = ctx.socket(zmq.XSUB); xs_port = xs.bind_to_random_port("tcp://127.0.0.1")
-    xp = ctx.socket(zmq.XPUB); xp_port = xp.bind_to_random_port("tcp://127.0.0.1")
-    xs.send(b"\x01")
-    stop = threading.Event()
-
-    def forwarder():
-        poller = zmq.Poller()
-        for s in (fe, xs):
-            poller.register(s, zmq.POLLIN)
-        while not stop.is_set():
-            for s, _ in poller.poll(50):
-                if s is fe:
-                    ident, body = fe.recv_multipart()
-                    be.send_multipart([b"w", ident, body])
-                else:
-                    xp.send_multipart(xs.recv_multipart())
-
-    def worker():
-        d = ctx.socket(zmq.DEALER); d.setsockopt(zmq.ROUTING_ID, b"w"); d.connect(f"tcp://127.0.0.1:{be_port}")
-        pub = ctx.socket(zmq.PUB); pub.connect(f"tcp://127.0.0.1:{xs_port}")
-        d.poll(0)
-        while not stop.is_set():
-            if d.poll(50):
-                ident, body = d.recv_multipart()
-                pub.send_multipart([body[:16], body])
-        d.close(0); pub.close(0)
-
-    threads = [threading.Thread(target=forwarder, daemon=True), threading.Thread(target=worker, daemon=True)]
-    for t in threads:
-        t.start()
-    be_ready = time.monotonic() + 2
-    while time.monotonic() < be_ready:
-        time.sleep(0.05)
-    cli = ctx.socket(zmq.DEALER); cli.connect(f"tcp://127.0.0.1:{fe_port}")
-    sub = ctx.socket(zmq.SUB); sub.connect(f"tcp://127.0.0.1:{xp_port}")
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    time.sleep(0.3)
-    lat = []
-    n = int(args.seconds * args.rate)
-    start = time.perf_counter()
-    for i in range(n):
-        due = start + i / args.rate
-        while time.perf_counter() < due:
-            pass
-        rid = os.urandom(16)
-        t = time.perf_counter()
-        cli.send(rid + b"x" * 40)
-        sub.recv_multipart()
-        lat.append(time.perf_counter() - t)
-    stop.set()
-    for t in threads:
-        t.join(1)
-    for s in (fe, be, xs, xp, cli, sub):
-        s.close(0)
-    ctx.term()
-    return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3, "requests": n}
-
-
 def _median_run(runs: list[dict]) -> dict:
     """Per-metric medians over runs of :func:`bench_lean` (machine load moves single runs)."""
     return {part: {k: statistics.median(r[part][k] for r in runs if k in r[part]) for k in runs[0][part]}
@@ -477,30 +543,32 @@ def main() -> int:
     p.add_argument("--decisions", type=int, default=50_000)
     p.add_argument("--baseline", metavar="GIT_REF", help="also run the broker of this commit, alternating with this tree's")
     p.add_argument("--rounds", type=int, default=1, help="broker-process runs per tree (medians are reported)")
+    p.add_argument("--no-full-stack", action="store_true", help="skip the AsyncClient + stub-engine worker rows")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = p.parse_args()
 
     decisions = bench_decisions(args.decisions)
     codec_us = bench_codec(5_000)
     base_src = baseline_tree(args.baseline) if args.baseline else None
-    # Broker-process runs alternate baseline/this tree so both see the same machine load.
-    runs: dict[str, list] = {"this": [], "baseline": []}
+    # Broker-process runs alternate baseline / this tree / the pass-through forwarder, so
+    # all three see the same machine load.
+    runs: dict[str, list] = {"this": [], "baseline": [], "raw": []}
     for _ in range(args.rounds):
         if base_src is not None:
             runs["baseline"].append(bench_lean(args, base_src))
         runs["this"].append(bench_lean(args, None))
+        runs["raw"].append(bench_lean(args, None, raw=True))
     lean = _median_run(runs["this"])
     base = _median_run(runs["baseline"]) if base_src is not None else None
-    sockets = bench_sockets(args)
-    raw = bench_raw(args)
-    lat = sockets["latency"]
+    fwd = _median_run(runs["raw"])
+    raw = fwd["latency"]
+    sockets = None if args.no_full_stack else bench_sockets(args)
     ll = lean["latency"]
     result = {
         **machine(), "args": vars(args),
         "decisions": decisions, "codec": codec_us, "broker_only": lean, "broker_only_runs": runs["this"],
         "baseline": base, "baseline_runs": runs["baseline"],
-        "full_stack": {"capacity_per_s": sockets["capacity_per_s"], "latency": lat},
-        "raw_hops": raw,
+        "full_stack": sockets, "raw_hops": fwd, "raw_runs": runs["raw"],
         "added_p50_ms": ll["p50_ms"] - raw["p50_ms"], "added_p99_ms": ll["p99_ms"] - raw["p99_ms"],
     }
     rows = [("routing core in-process: subscribe+submit+dispatch+stream+done per request", f"{decisions['per_s']:,.0f}/s",
@@ -522,16 +590,28 @@ def main() -> int:
         if "round_p99_ms" in lt:
             rows.append((f"{label}: inside the broker, poll return → last send of a busy round at {args.rate:.0f}/s "
                          f"(max {lt['round_max_ms']:.2f} ms)", "", f"{lt['round_p50_ms']:.3f} ms", f"{lt['round_p99_ms']:.3f} ms"))
+    fc = fwd["capacity"]
     rows += [
-        (f"same hops through a pass-through forwarder, {args.rate:.0f}/s", "", f"{raw['p50_ms']:.2f} ms", f"{raw['p99_ms']:.2f} ms"),
-        ("**added by the broker** (this tree's open-loop row − forwarder row)", "", f"{result['added_p50_ms']:.2f} ms", f"{result['added_p99_ms']:.2f} ms"),
-        (f"full stack: AsyncClient + `tandem worker --engine stub`, closed loop ({args.concurrency} in flight)",
-         f"{sockets['capacity_per_s']:,.0f}/s", "", ""),
-        (f"full stack, open loop {args.rate:.0f}/s (achieved {lat['achieved_per_s']:.0f})", "", f"{lat['p50_ms']:.2f} ms", f"{lat['p99_ms']:.2f} ms"),
+        (f"pass-through forwarder process (CURVE, same client and workers), closed loop ({args.concurrency} in flight): "
+         "the load generators' ceiling", f"{fc['per_s']:,.0f}/s", "", ""),
+        (f"same hops through the pass-through forwarder, open loop {args.rate:.0f}/s (achieved {raw['per_s']:.0f})", "",
+         f"{raw['p50_ms']:.2f} ms", f"{raw['p99_ms']:.2f} ms"),
+        ("**added by the broker** (this tree's open-loop row − forwarder row)", "", f"{result['added_p50_ms']:.2f} ms",
+         f"{result['added_p99_ms']:.2f} ms"),
     ]
+    if sockets:
+        lat = sockets["latency"]
+        rows += [
+            (f"full stack: AsyncClient + `tandem worker --engine stub`, closed loop ({args.concurrency} in flight)",
+             f"{sockets['capacity_per_s']:,.0f}/s", "", ""),
+            (f"full stack, open loop {args.rate:.0f}/s (achieved {lat['achieved_per_s']:.0f})", "", f"{lat['p50_ms']:.2f} ms",
+             f"{lat['p99_ms']:.2f} ms"),
+        ]
     cmd = f"python bench/broker.py --workers {args.workers} --seconds {args.seconds:g} --rate {args.rate:g} --rounds {args.rounds}"
     if args.baseline:
         cmd += f" --baseline {args.baseline}"
+    if args.no_full_stack:
+        cmd += " --no-full-stack"
     md = [f"# Broker dispatch capacity and added latency\n",
           f"{result['when']}, {result['cpus']} cores shared with other work (1-minute load average "
           f"{result['load_avg_1m']:.1f} at the end), {args.workers} workers that answer every dispatch at once "
@@ -546,9 +626,10 @@ def main() -> int:
                   f"closed-loop rate ×{ratio('capacity', 'per_s'):.2f}, broker CPU per request "
                   f"×{ratio('capacity', 'broker_cpu_us'):.2f}, open-loop p50 ×{ratio('latency', 'p50_ms'):.2f}, "
                   f"p99 ×{ratio('latency', 'p99_ms'):.2f}.")
-    md.append("\nLatency is submit → final token at the client. The forwarder row is the same socket hops "
-              "(client → ROUTER → worker, worker PUB → XSUB → XPUB → client SUB) through a forwarder that decodes "
-              "and decides nothing, so the difference is what the broker adds: message validation, routing, "
+    md.append("\nLatency is subscribe + submit → final token at the client. The forwarder rows run the same "
+              "client and worker processes against a forwarder process with the same CURVE sockets and the same "
+              "messages (SUBMIT → worker with an ACCEPTED back, worker PUB → XSUB → XPUB → client SUB, the worker's "
+              "DONE and the client's subscriptions read and dropped) that decodes and decides nothing, so the difference is what the broker adds: message validation, routing, "
               "progress tracking, the subscription confirmation and its CURVE sockets. The full-stack rows add "
               "the asyncio client and the worker's engine thread (per-request Python on both ends). "
               "Broker CPU is read from /proc for the broker process during the closed-loop run; requests/s per "

@@ -64,7 +64,8 @@ class Broker:
         # the latency the broker itself adds to any message in that round.
         self.round_s: deque[float] = deque(maxlen=10_000)
         self.busy_rounds = 0  # poll rounds that had work: requests per round is the batching achieved
-        self.dispatcher = Dispatcher(settings, to_worker=self._to_worker, to_client=self._to_client, publish=self._publish)
+        self.dispatcher = Dispatcher(settings, to_worker=self._to_worker, to_client=self._to_client, publish=self._publish,
+                                     to_worker_raw=self._to_worker_raw)
         sec = secret
         self.frontend = make_socket(self.ctx, zmq.ROUTER, bind=settings.frontend, security=sec)
         self.backend = make_socket(self.ctx, zmq.ROUTER, bind=settings.backend, security=sec)
@@ -86,6 +87,9 @@ class Broker:
 
     def _to_worker(self, identity: bytes, msg) -> None:
         self._outbox.append((self.backend, (identity, F.encode(msg))))
+
+    def _to_worker_raw(self, identity: bytes, head: bytes) -> None:
+        self._outbox.append((self.backend, (identity, head)))
 
     def _to_client(self, identity: bytes, msg) -> None:
         self._outbox.append((self.frontend, (identity, F.encode(msg))))
@@ -233,7 +237,7 @@ class Broker:
             return
         cls = type(msg)
         if cls is M.Submit:
-            self.dispatcher.submit(identity, msg)
+            self.dispatcher.submit(identity, msg, F.submit_tail(head))
         elif cls is M.Abort:
             self.dispatcher.abort(msg.request_id)
         elif cls is M.StatsRequest:

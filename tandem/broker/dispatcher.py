@@ -16,6 +16,7 @@ import logging
 import time
 from collections import Counter
 
+from tandem.broker import frames as F
 from tandem.broker import jobs as J
 from tandem.broker.admission import Admission
 from tandem.broker.failover import Failover
@@ -30,10 +31,14 @@ from tandem.wire.protocol import MAX_ATTEMPTS
 log = logging.getLogger("tandem.broker")
 
 class Dispatcher(Admission, StreamTracking, Failover):
-    def __init__(self, settings: BrokerSettings, *, to_worker, to_client, publish, clock=time.monotonic):
+    def __init__(self, settings: BrokerSettings, *, to_worker, to_client, publish, clock=time.monotonic,
+                 to_worker_raw=None):
         self.s = settings
         self.clock = clock
         self.to_worker, self.to_client, self.publish = to_worker, to_client, publish
+        # (identity, encoded header): DISPATCH built from the SUBMIT's own bytes where the
+        # socket loop passed them (submit(..., tail=)); without it, to_worker gets a Dispatch.
+        self.to_worker_raw = to_worker_raw
         self.registry = Registry(settings.heartbeat_interval_ms / 1000, settings.heartbeat_liveness, clock)
         self._liveness_s = self.registry.heartbeat_s * self.registry.liveness
         kw = dict(long_prompt_tokens=settings.long_prompt_tokens, load_guard=settings.prefix_load_guard)
@@ -69,7 +74,7 @@ class Dispatcher(Admission, StreamTracking, Failover):
         else:
             self.pending.pop(job.request_id, None)
 
-    def submit(self, client: bytes, msg: M.Submit) -> None:
+    def submit(self, client: bytes, msg: M.Submit, tail: bytes | None = None) -> None:
         rid = msg.request_id
         self.counters["submitted"] += 1
         if not self._admit(client, msg):
@@ -78,6 +83,7 @@ class Dispatcher(Admission, StreamTracking, Failover):
         self._order += 1
         job = Job(rid, client, msg.prompt, msg.sampling, msg.priority, msg.model, now,
                   now + self.s.subscribe_timeout_s, self._order)
+        job.wire_tail = tail
         self.jobs[rid] = job
         self._set_state(job, J.WAITING_SUB)
         self.to_client(client, M.Accepted(rid, len(self.pending)))
@@ -253,9 +259,13 @@ class Dispatcher(Admission, StreamTracking, Failover):
             target.decode_targeted += 1
         if hashes:
             entry.remember_prefixes(hashes)
-        self.to_worker(entry.identity, M.Dispatch(
-            job.request_id, mode, job.prompt, job.sampling, job.priority, job.model,
-            target.name if target else None, target.kv_addr if target else None, job.attempt))
+        node, address = (target.name, target.kv_addr) if target else (None, None)
+        if job.wire_tail is not None and self.to_worker_raw is not None:
+            self.to_worker_raw(entry.identity, F.encode_dispatch(job.request_id, mode, job.wire_tail, node, address,
+                                                                 job.attempt))
+        else:
+            self.to_worker(entry.identity, M.Dispatch(job.request_id, mode, job.prompt, job.sampling, job.priority,
+                                                      job.model, node, address, job.attempt))
         self._dispatched(job, entry, target)
         return True
 

@@ -101,3 +101,27 @@ def decode_tokens(rid: bytes, head: bytes) -> TokenMessage:
 def encode(msg) -> bytes:
     """The header frame of a message without payload frames (what the broker sends)."""
     return _PREFIX[type(msg)] + _pack(msg.pack_fields(msg))
+
+
+# DISPATCH carries SUBMIT's prompt, sampling, priority and model unchanged, in the same
+# order: [id, mode, prompt, sampling, priority, model, node, address, attempt] against
+# SUBMIT's [id, prompt, sampling, priority, model]. So the broker sends those four values
+# as the bytes it received and checked in full (decode() refuses trailing bytes), instead
+# of re-encoding a prompt of up to 128k tokens on every dispatch.
+_SUBMIT_LEAD = b"\x95\xc4\x10"  # fixarray of 5, bin8 of 16: the request id
+_SUBMIT_TAIL_AT = P.PREFIX_LEN + len(_SUBMIT_LEAD) + P.REQUEST_ID_BYTES
+_DISPATCH_LEAD = P.header_prefix(P.MsgType.DISPATCH) + b"\x99\xc4\x10"  # fixarray of 9, bin8 of 16
+
+
+def submit_tail(head: bytes) -> bytes | None:
+    """The encoded prompt, sampling, priority and model of a SUBMIT header that
+    :func:`decode` accepted, or None if its array is not laid out the common way."""
+    if head[P.PREFIX_LEN:_SUBMIT_TAIL_AT - P.REQUEST_ID_BYTES] != _SUBMIT_LEAD:
+        return None
+    return head[_SUBMIT_TAIL_AT:]
+
+
+def encode_dispatch(rid: bytes, mode: str, tail: bytes, node: str | None, address: str | None, attempt: int) -> bytes:
+    """The DISPATCH header of a request whose SUBMIT gave ``tail`` (:func:`submit_tail`):
+    byte for byte what :func:`encode` makes of the same Dispatch."""
+    return _DISPATCH_LEAD + rid + _pack(mode) + tail + _pack(node) + _pack(address) + _pack(attempt)

@@ -52,6 +52,9 @@ class Job:
     # the broker over different connections, so they can arrive out of order.
     ahead: dict | None = None
     ahead_since: float = 0.0
+    # SUBMIT's encoded prompt, sampling, priority and model (frames.submit_tail): a
+    # DISPATCH repeats them as received instead of encoding them again.
+    wire_tail: bytes | None = None
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.generated),

@@ -108,3 +108,30 @@ def test_fuzzed_input_gets_the_same_verdict():
 @pytest.mark.timeout(1800)
 def test_fuzzed_input_gets_the_same_verdict_100k():
     _fuzz(100_000, 20261130)
+
+
+@pytest.mark.parametrize("submit", [m for m in all_messages() if type(m).__name__ == "Submit"], ids=lambda m: str(len(m.prompt)))
+def test_dispatch_spliced_from_the_submit_bytes_equals_the_encoded_dispatch(submit):
+    from tandem.wire import messages as M
+
+    head = codec.encode(submit)[0]
+    tail = F.submit_tail(head)
+    assert tail is not None
+    for mode, node, address, attempt in (("hybrid", None, None, 1), ("prefill", "decode-a", "tcp://127.0.0.1:7001", 3),
+                                         ("decode", None, None, P.MAX_ATTEMPTS)):
+        want = F.encode(M.Dispatch(submit.request_id, mode, submit.prompt, submit.sampling, submit.priority,
+                                   submit.model, node, address, attempt))
+        got = F.encode_dispatch(submit.request_id, mode, tail, node, address, attempt)
+        assert got == want
+        assert F.decode(got) == F.decode(want)
+
+
+def test_a_submit_laid_out_another_way_is_not_spliced():
+    from tandem.wire import messages as M
+
+    submit = next(m for m in all_messages() if isinstance(m, M.Submit))
+    body = msgpack.unpackb(codec.encode(submit)[0][P.PREFIX_LEN:])
+    # The same values with a 16-bit array length: valid, decodes to the same message.
+    head = codec.encode(submit)[0][:P.PREFIX_LEN] + b"\xdc\x00\x05" + b"".join(msgpack.packb(v, use_bin_type=True) for v in body)
+    assert F.decode(head) == submit
+    assert F.submit_tail(head) is None
