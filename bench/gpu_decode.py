@@ -423,8 +423,8 @@ class KernelLoop:
             q, k = pac.write_kv_rope(y, pos, slots, self.inv_freq, kp[li], vp[li], H, KVH)
             a = attn(li, q, k, y)
             h = o.fused(a.reshape(N, H * D), residual=h)
-            g = gu.fused(h, norm_weight=ln2, eps=self.eps)
-            h = down.fused(g, swiglu=True, residual=h)
+            g = gu.fused_swiglu(h, norm_weight=ln2, eps=self.eps)
+            h = down.fused(g, residual=h)
         return h
 
     def _logits_argmax(self, h):

@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from tandem.kernels import qgemv as qg
 from tandem.kernels import quantized_matmul as qmm
 
 try:  # the same compiled activation the mlx-lm models use, so results match them exactly
@@ -48,6 +49,17 @@ the multirow kernel. The fused kernel re-reads every input row per warp (the nor
 of squares, the swiglu's exponentials), which at 4 rows made a decode step slower, not
 faster (H200 run 4: 16.0 ms fused vs 12.1 ms unfused at batch 4); from 2 rows the
 separate ops are used."""
+
+USE_QGEMV = os.environ.get("TANDEM_QGEMV", "1") != "0"
+"""One-row products through ``qgemv`` (staged input, loads issued first) where it applies;
+``TANDEM_QGEMV=0`` keeps them on the multirow kernel (for A/B measurements)."""
+
+QGEMV_FUSE_NORM = os.environ.get("TANDEM_QGEMV_FUSE_NORM", "0") == "1"
+"""Whether ``qgemv`` stages the rms norm itself (1) or gets a normalized input from
+``mx.fast.rms_norm``, one op more (0, the default). Measured on the H200 (run 16, 8B
+shape, engine batch 1, two alternating rounds): 223 / 189 tok/s fused, 241 / 235 with the
+separate norm. CUPTI put the fused-norm qkv product at 26 us against 7 us for the
+same-sized o product."""
 
 QUANTIZED_MAX_ROWS = 4096
 """Most rows handed to one quantized matmul (4,096 = 8 x 512 ran in the H200 measurements;
@@ -132,6 +144,12 @@ class FlatLinear(nn.Module):
         separate ops otherwise. With ``swiglu`` x2 is (M, 2K) = [gate, up].
         """
         rows = x2.shape[0]
+        if self._qgemv_applies(x2, pair=False) and not swiglu:
+            _note_path("cuda-qgemv-4bit")
+            if norm_weight is not None and not QGEMV_FUSE_NORM:
+                x2, norm_weight = mx.fast.rms_norm(x2, norm_weight, eps), None
+            return qg.qgemv(x2, self["qweight"], self["scales"], self["biases"], self.group_size,
+                            norm_weight=norm_weight, eps=eps, residual=residual)
         multirow = (self.has_quantized and rows <= self.small_rows and "bias" not in self
                     and "biases" in self and qmm.cuda_available()
                     and qmm.kernel_supports(rows, self["qweight"], self["scales"], x2.dtype,
@@ -164,6 +182,27 @@ class FlatLinear(nn.Module):
             return mx.addmm(residual, x2, w.T)
         y = self(x2)
         return y if residual is None else residual + y
+
+    def _qgemv_applies(self, x2: mx.array, pair: bool) -> bool:
+        return (USE_QGEMV and x2.shape[0] == 1 and self.has_quantized and "bias" not in self
+                and "biases" in self and qmm.cuda_available()
+                and qg.supports(x2, self["qweight"], self["scales"], self.bits, self.group_size,
+                                self.mode, pair=pair))
+
+    def fused_swiglu(self, x2: mx.array, *, norm_weight: mx.array | None = None,
+                     eps: float = 1e-5) -> mx.array:
+        """For a fused [gate; up] layer: rows (M, K) -> [rms_norm] -> this layer ->
+        ``swiglu(gate, up)`` (M, N/2). One launch at one row (``qgemv``'s pair mode), so the
+        down product that follows reads a plain input."""
+        if self._qgemv_applies(x2, pair=True):
+            _note_path("cuda-qgemv-4bit-swiglu")
+            if norm_weight is not None and not QGEMV_FUSE_NORM:
+                x2, norm_weight = mx.fast.rms_norm(x2, norm_weight, eps), None
+            return qg.qgemv(x2, self["qweight"], self["scales"], self["biases"], self.group_size,
+                            norm_weight=norm_weight, eps=eps, pair=True)
+        y = self.fused(x2, norm_weight=norm_weight, eps=eps)
+        f = y.shape[-1] // 2
+        return _swiglu(y[:, :f], y[:, f:])
 
     def __call__(self, x: mx.array) -> mx.array:
         lead = x.shape[:-1]

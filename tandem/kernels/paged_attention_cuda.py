@@ -269,49 +269,62 @@ _REDUCE_SOURCE = r"""
   }
 """
 
-# Template: T, H, KVH, D, BS (unused: slots are flat), ROPE, TRAD.
+# Template: T, H, KVH, D, ROPE, TRAD, HPT (heads per thread).
 # Inputs: qkv (N, (H + 2*KVH) * D), pos (N,) int32, slots (N,) int32 (<0: skip),
 # inv_freq (D/2,) float32, k_pool, v_pool (S, KVH, D). Outputs: q (N, H, D), k (N, KVH, D).
+# One thread per (token, rotation pair, group of HPT heads): the angle's sincos, which
+# must be the exact one (angles reach 1e5 rad), is computed once for HPT heads. One
+# thread per head (before) made the batch-64 write 41 us on the H200, sincos-bound.
 _WRITE_SOURCE = r"""
   constexpr int HALF_D = D / 2;
   constexpr int HEADS = H + 2 * KVH;
+  constexpr int NGRP = (HEADS + HPT - 1) / HPT;
   const size_t gid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int n_tok = qkv_shape[0];
-  if (gid >= (size_t)n_tok * HEADS * HALF_D) return;
+  if (gid >= (size_t)n_tok * NGRP * HALF_D) return;
   const int i = gid % HALF_D;
-  const int hd = (gid / HALF_D) % HEADS;
-  const int n = gid / ((size_t)HALF_D * HEADS);
+  const int grp = (gid / HALF_D) % NGRP;
+  const int n = gid / ((size_t)HALF_D * NGRP);
   const int i0 = TRAD ? 2 * i : i;
   const int i1 = TRAD ? 2 * i + 1 : i + HALF_D;
-  const T* src = qkv + ((size_t)n * HEADS + hd) * D;
-  float a = pa_f(src[i0]), c = pa_f(src[i1]);
-  if (ROPE && hd < H + KVH) {
-    float sn, cs;
-    sincosf((float)pos[n] * inv_freq[i], &sn, &cs);  // exact: angles reach 1e5 rad
-    const float ra = a * cs - c * sn;
-    const float rc = a * sn + c * cs;
-    a = ra; c = rc;
-  }
-  if (hd < H) {
-    T* dst = q_out + ((size_t)n * H + hd) * D;
-    pa_st(dst + i0, a); pa_st(dst + i1, c);
-    return;
-  }
+  const int h0 = grp * HPT;
+  float sn = 0.f, cs = 1.f;
+  if (ROPE && h0 < H + KVH) sincosf((float)pos[n] * inv_freq[i], &sn, &cs);
   const int s = slots[n];
-  if (hd < H + KVH) {
-    const int kh = hd - H;
-    T* kd = k_out + ((size_t)n * KVH + kh) * D;
-    pa_st(kd + i0, a); pa_st(kd + i1, c);
-    if (s >= 0) {
-      T* dst = const_cast<T*>(k_pool) + ((size_t)s * KVH + kh) * D;
+#pragma unroll
+  for (int j = 0; j < HPT; ++j) {
+    const int hd = h0 + j;
+    if (hd >= HEADS) break;
+    const T* src = qkv + ((size_t)n * HEADS + hd) * D;
+    float a = pa_f(src[i0]), c = pa_f(src[i1]);
+    if (ROPE && hd < H + KVH) {
+      const float ra = a * cs - c * sn;
+      const float rc = a * sn + c * cs;
+      a = ra; c = rc;
+    }
+    if (hd < H) {
+      T* dst = q_out + ((size_t)n * H + hd) * D;
+      pa_st(dst + i0, a); pa_st(dst + i1, c);
+    } else if (hd < H + KVH) {
+      const int kh = hd - H;
+      T* kd = k_out + ((size_t)n * KVH + kh) * D;
+      pa_st(kd + i0, a); pa_st(kd + i1, c);
+      if (s >= 0) {
+        T* dst = const_cast<T*>(k_pool) + ((size_t)s * KVH + kh) * D;
+        pa_st(dst + i0, a); pa_st(dst + i1, c);
+      }
+    } else if (s >= 0) {
+      const int vh = hd - H - KVH;
+      T* dst = const_cast<T*>(v_pool) + ((size_t)s * KVH + vh) * D;
       pa_st(dst + i0, a); pa_st(dst + i1, c);
     }
-  } else if (s >= 0) {
-    const int vh = hd - H - KVH;
-    T* dst = const_cast<T*>(v_pool) + ((size_t)s * KVH + vh) * D;
-    pa_st(dst + i0, a); pa_st(dst + i1, c);
   }
 """
+
+WRITE_HEADS_PER_THREAD = int(os.environ.get("TANDEM_WRITE_HPT", "1"))
+"""Heads per thread of the RoPE + write kernel. CUPTI timed the batch-64 write at 41 us
+with 1 and 3.3 us with 8 (H200, separate runs), but the engine's batch-64 decode was
+6,176 tok/s with 1 and 5,865 with 8 in one run (run 15), so 1 stays the default."""
 
 
 @functools.cache
@@ -361,12 +374,16 @@ def _params(scale: float, part: int) -> mx.array:
     return a
 
 
+ATT_WAVES = float(os.environ.get("TANDEM_ATT_WAVES", "4"))
+
+
 def choose_partition(batch: int, n_kv_heads: int, max_len: int, sms: int = 132) -> int:
     """Context tokens per partition: small enough that B x KVH x partitions covers the
-    card about four times over, at least 64 so each partition amortizes its merge.
-    When one partition covers every row the merge kernel is skipped (one launch less)."""
-    target = 4 * sms
-    part = min(MAX_PARTITION, max(64, MIN_PARTITION))
+    card about ``ATT_WAVES`` times over, at least ``MIN_PARTITION`` so each partition
+    amortizes its merge. When one partition covers every row the merge kernel is skipped
+    (one launch less)."""
+    target = ATT_WAVES * sms
+    part = min(MAX_PARTITION, max(16, MIN_PARTITION))
     while part < MAX_PARTITION and batch * n_kv_heads * -(-max_len // part) > target:
         part *= 2
     return part
@@ -484,11 +501,12 @@ def write_kv_rope(qkv: mx.array, positions: mx.array, slots: mx.array, inv_freq:
     heads = n_heads + 2 * n_kv_heads
     if qkv.shape[1] != heads * D:
         raise ValueError(f"qkv width {qkv.shape[1]} != ({n_heads} + 2*{n_kv_heads}) * {D}")
-    total = N * heads * (D // 2)
+    hpt = WRITE_HEADS_PER_THREAD
+    total = N * -(-heads // hpt) * (D // 2)
     q, k = _write_kernel()(
         inputs=[qkv, _i32(positions), _i32(slots), inv_freq, k_pool, v_pool],
         template=[("T", qkv.dtype), ("H", n_heads), ("KVH", n_kv_heads), ("D", D),
-                  ("ROPE", bool(rope)), ("TRAD", bool(traditional))],
+                  ("ROPE", bool(rope)), ("TRAD", bool(traditional)), ("HPT", hpt)],
         grid=(total, 1, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(N, n_heads, D), (N, n_kv_heads, D)],

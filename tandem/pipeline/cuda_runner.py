@@ -194,8 +194,8 @@ class FusedBlock(nn.Module):
         q, _, kp, vp = ops.write(y, step, kp, vp, self.inv_freq, self.H, self.KVH, self.traditional)
         a = ops.attend(q, step, kp, vp, self.scale, block_size)  # (B, H * D)
         h = self.o_proj.fused(a, residual=h)
-        g = self.gate_up.fused(h, norm_weight=self.ln2, eps=self.eps2)
-        return self.down_proj.fused(g, swiglu=True, residual=h), kp, vp
+        g = self.gate_up.fused_swiglu(h, norm_weight=self.ln2, eps=self.eps2)
+        return self.down_proj.fused(g, residual=h), kp, vp
 
 
 class KernelRunner(PagedRunner):

@@ -1,0 +1,341 @@
+"""Where a CUDA decode step's time goes under MLX: per-op floors and a kernel trace.
+
+Prints (and writes ``gpu_probe.json`` under ``--out``):
+
+* ``floor``: the wall time per op of a chain of N dependent ops, evaluated once, for a
+  built-in elementwise op, a trivial ``mx.fast.cuda_kernel``, the multirow 4-bit product,
+  ``mx.quantized_matmul`` and an fp16 matmul at 1 x 4096 x 4096. A floor far above the
+  op's bytes / bandwidth means launches, not memory, bound single-stream decode.
+* ``trace``: CUDA kernel records (CUPTI through ``torch.profiler``, which sees every
+  kernel the process launches, MLX's included) for a few decode steps of the kernel loop
+  of ``bench/gpu_decode.py`` at batch 1 and 64 with a few layers: time per kernel name,
+  GPU busy time against the wall time, and the gaps between kernels.
+
+Needs the GPU machine (MLX on CUDA); ``torch`` only for the trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tandem  # noqa: F401,E402
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tandem.kernels import quantized_matmul as qm  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def chain_time(fn, x, n: int) -> tuple[float, float]:
+    """(graph-building seconds, evaluation seconds) per op of an n-op dependent chain."""
+    y = x
+    for _ in range(8):
+        y = fn(y)
+    mx.eval(y)
+    mx.synchronize()
+    best_b, best_e = 1e9, 1e9
+    for _ in range(3):
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(n):
+            y = fn(y)
+        t1 = time.perf_counter()
+        mx.eval(y)
+        mx.synchronize()
+        t2 = time.perf_counter()
+        best_b, best_e = min(best_b, (t1 - t0) / n), min(best_e, (t2 - t1) / n)
+    return best_b, best_e
+
+
+_TRIVIAL = None
+
+
+def trivial_kernel(x):
+    global _TRIVIAL
+    if _TRIVIAL is None:
+        _TRIVIAL = mx.fast.cuda_kernel(
+            name="probe_add", input_names=["x"], output_names=["y"],
+            source="const int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+                   "if (i < x_shape[0] * x_shape[1]) y[i] = x[i] + (T)1;")
+    (y,) = _TRIVIAL(inputs=[x], template=[("T", x.dtype)], grid=(x.size, 1, 1),
+                    threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[x.dtype])
+    return y
+
+
+def section_floor(n: int) -> None:
+    K = 4096
+    x = mx.random.normal((1, K)).astype(mx.float16)
+    w = (mx.random.normal((K, K)) * 0.02).astype(mx.float16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    mx.eval(x, w, wq, s, b)
+    cases = {
+        "builtin x + 1": lambda y: y + 1,
+        "custom kernel x + 1": trivial_kernel,
+        "multirow 4-bit 4096x4096": lambda y: qm.quantized_matmul_cuda(y, wq, s, b, 64, 4) * 0.01,
+        "multirow 4-bit, no scaling op": lambda y: qm.quantized_matmul_cuda(y, wq, s, b, 64, 4),
+        "mx.quantized_matmul 4096x4096": lambda y: mx.quantized_matmul(y, wq, s, b, transpose=True,
+                                                                       group_size=64, bits=4),
+        "fp16 matmul 4096x4096": lambda y: y @ w.T,
+    }
+    RESULTS["floor"] = []
+    log(f"\n== per-op floor: chains of {n} dependent ops, best of 3")
+    log(f"{'op':34s} {'build us/op':>12s} {'eval us/op':>11s}")
+    for name, fn in cases.items():
+        bt, et = chain_time(fn, x, n)
+        RESULTS["floor"].append({"op": name, "build_us": bt * 1e6, "eval_us": et * 1e6})
+        log(f"{name:34s} {bt * 1e6:12.1f} {et * 1e6:11.1f}")
+
+
+def timed(fn, iters: int = 50) -> float:
+    """Seconds per call of ``iters`` independent calls queued and evaluated once."""
+    mx.eval(fn())
+    mx.synchronize()
+    best = 1e9
+    for _ in range(3):
+        t = time.perf_counter()
+        outs = [fn() for _ in range(iters)]
+        mx.eval(outs)
+        mx.synchronize()
+        best = min(best, (time.perf_counter() - t) / iters)
+    return best
+
+
+def gpu_us(fn, match: str, iters: int = 20) -> float:
+    """GPU time per call (CUPTI, us): the kernels whose name contains ``match``, summed
+    over ``iters`` calls, divided by ``iters``; nan without torch. Wall time per queued call includes MLX's per-op
+    cost (~7 us for a custom kernel, ``floor``), which hides a small kernel's own time."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return float("nan")
+    mx.eval(fn())
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        outs = [fn() for _ in range(iters)]
+        mx.eval(outs)
+        mx.synchronize()
+    path = Path("/tmp/gpu_probe_kernel_trace.json")
+    prof.export_chrome_trace(str(path))
+    durs = [e["dur"] for e in kernel_records(path) if match in e["name"]]
+    return float(sum(durs)) / iters if durs else float("nan")
+
+
+def section_qgemv() -> None:
+    """The staged one-row kernel against the multirow kernel at the 8B model's products."""
+    from tandem.kernels import qgemv as qg
+    RESULTS["qgemv"] = []
+    log(f"\n== one-row 4-bit products: qgemv vs multirow (us per call, 50 queued)")
+    log("wall: per queued call; gpu: CUPTI kernel time; TB/s from the gpu time")
+    log(f"{'product':34s} {'R':>2s} {'qgemv':>8s} {'gpu':>7s} {'TB/s':>6s} {'multirow':>9s} {'gpu':>7s} {'TB/s':>6s} {'rel err':>8s}")
+    mx.random.seed(0)
+    for name, n, k, kind in [("qkv 6144x4096 +norm", 6144, 4096, "norm"),
+                             ("o 4096x4096 +res", 4096, 4096, "res"),
+                             ("gate/up 28672x4096 +norm swiglu", 28672, 4096, "pair"),
+                             ("down 4096x14336 +res", 4096, 14336, "res"),
+                             ("head 128256x4096 +norm", 128256, 4096, "norm")]:
+        w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
+        wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
+        del w
+        x = mx.random.normal((1, k)).astype(mx.float16)
+        g = (1 + 0.1 * mx.random.normal((k,))).astype(mx.float16)
+        n_out = n // 2 if kind == "pair" else n
+        res = mx.random.normal((1, n_out)).astype(mx.float16)
+        mx.eval(wq, sc, bi, x, g, res)
+        kw = dict(norm_weight=g if kind in ("norm", "pair") else None,
+                  residual=res if kind in ("res", "pair") else None)
+        nbytes = wq.nbytes + sc.nbytes + bi.nbytes
+        want = qg.qgemv_reference(x, wq, sc, bi, 64, pair=kind == "pair", **kw)
+        if name.startswith("down"):
+            # the multirow path took [gate, up] and did the swiglu itself
+            gu = mx.random.normal((1, 2 * k)).astype(mx.float16)
+            mx.eval(gu)
+            t_old = timed(lambda: qm.quantized_matmul_cuda(gu, wq, sc, bi, 64, 4, swiglu=True, residual=res))
+        elif kind == "pair":  # the multirow path wrote gate and up (the swiglu went to down)
+            t_old = timed(lambda: qm.quantized_matmul_cuda(x, wq, sc, bi, 64, 4, norm_weight=g))
+        else:
+            t_old = timed(lambda: qm.quantized_matmul_cuda(x, wq, sc, bi, 64, 4, **kw))
+        old_fn = {"down": lambda: qm.quantized_matmul_cuda(gu, wq, sc, bi, 64, 4, swiglu=True, residual=res),
+                  "pair": lambda: qm.quantized_matmul_cuda(x, wq, sc, bi, 64, 4, norm_weight=g)}.get(
+            "down" if name.startswith("down") else kind,
+            lambda: qm.quantized_matmul_cuda(x, wq, sc, bi, 64, 4, **kw))
+        g_old = gpu_us(old_fn, "tandem_qmv")
+        for r in ((2, 4) if kind == "pair" else (1, 2, 4)):
+            got = qg.qgemv(x, wq, sc, bi, 64, pair=kind == "pair", rows_override=r, **kw)
+            err = (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
+                   / (mx.abs(want.astype(mx.float32)).max() + 1e-6)).item()
+            new_fn = lambda: qg.qgemv(x, wq, sc, bi, 64, pair=kind == "pair", rows_override=r, **kw)  # noqa: E731
+            t_new = timed(new_fn)
+            g_new = gpu_us(new_fn, "tandem_qgemv")
+            RESULTS["qgemv"].append({"product": name, "R": r, "qgemv_us": t_new * 1e6,
+                                     "multirow_us": t_old * 1e6, "qgemv_gpu_us": g_new,
+                                     "multirow_gpu_us": g_old, "bytes": nbytes, "rel_err": err})
+            log(f"{name:34s} {r:2d} {t_new * 1e6:8.1f} {g_new:7.1f} {nbytes / g_new / 1e6:6.2f} "
+                f"{t_old * 1e6:9.1f} {g_old:7.1f} {nbytes / g_old / 1e6:6.2f} {err:8.1e}")
+        del wq, sc, bi
+        mx.clear_cache()
+
+
+def section_attention() -> None:
+    """Paged decode attention (8B shapes, block 16) at several partition sizes, and the write."""
+    from tandem.kernels import paged_attention_cuda as pac
+    RESULTS["attention"] = []
+    H, KVH, D, BS = 32, 8, 128, 16
+    log(f"\n== paged decode attention and RoPE+write (wall per queued call / CUPTI gpu time)")
+    for B, ctx in [(1, 528), (1, 4096), (16, 528), (64, 528), (128, 528)]:
+        nb = -(-ctx // BS)
+        kp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
+        vp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
+        table = mx.array((1 + np.arange(B * nb, dtype=np.int32)).reshape(B, nb))
+        lens = mx.full((B,), ctx, mx.int32)
+        q = mx.random.normal((B, H, D)).astype(mx.float16)
+        mx.eval(kp, vp, table, lens, q)
+        want = pac.paged_decode_attention_reference(q, kp, vp, table, lens, D**-0.5, BS) if B <= 16 else None
+        kv_bytes = B * ctx * KVH * D * 2 * 2
+        line = []
+        for part in (16, 32, 64, 128, 256, 2048):
+            if -(-ctx // part) > 512:
+                continue
+            got = pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5, BS, ctx, part, flat=True)
+            err = (mx.abs(got.reshape(B, H, D).astype(mx.float32) - want.astype(mx.float32)).max().item()
+                   if want is not None else float("nan"))
+            fn = lambda: pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5, BS, ctx, part, flat=True)  # noqa: E731
+            t = timed(fn)
+            g = gpu_us(fn, "tandem_paged")
+            RESULTS["attention"].append({"batch": B, "ctx": ctx, "partition": part, "us": t * 1e6,
+                                         "gpu_us": g, "tb_s": kv_bytes / g / 1e6, "err": err})
+            line.append(f"p{part}: {t * 1e6:.0f}/{g:.0f}us {kv_bytes / g / 1e6:.2f}TB/s")
+        log(f"B={B:3d} ctx={ctx:5d} default p{pac.choose_partition(B, KVH, ctx)}: " + "  ".join(line))
+        # the RoPE + in-place write for this batch
+        qkv = mx.random.normal((B, (H + 2 * KVH) * D)).astype(mx.float16)
+        pos = mx.full((B,), ctx - 1, mx.int32)
+        slots = mx.array((np.arange(B) * nb * BS + BS + ctx - 1).astype(np.int32))
+        inv = mx.ones((D // 2,), mx.float32) * 0.01
+        mx.eval(qkv, pos, slots, inv)
+        fn = lambda: pac.write_kv_rope(qkv, pos, slots, inv, kp, vp, H, KVH)[0]  # noqa: E731
+        t = timed(fn)
+        g = gpu_us(fn, "tandem_write")
+        RESULTS["attention"].append({"batch": B, "write_us": t * 1e6, "write_gpu_us": g})
+        log(f"          write_kv_rope {t * 1e6:.1f} us wall, {g:.1f} us gpu; attention max err {err:.1e}")
+        del kp, vp
+        mx.clear_cache()
+
+
+def kernel_records(trace_path: Path) -> list[dict]:
+    data = json.loads(trace_path.read_text())
+    return [e for e in data.get("traceEvents", [])
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+
+def summarize(records: list[dict], label: str, steps: int) -> dict:
+    if not records:
+        log(f"{label}: no kernel records (CUPTI did not see MLX's launches)")
+        return {"label": label, "kernels": 0}
+    records.sort(key=lambda e: e["ts"])
+    start = records[0]["ts"]
+    end = max(e["ts"] + e["dur"] for e in records)
+    busy = sum(e["dur"] for e in records)
+    gaps = [max(0.0, b["ts"] - (a["ts"] + a["dur"])) for a, b in zip(records, records[1:])]
+    by_name: dict[str, list[float]] = {}
+    for e in records:
+        by_name.setdefault(e["name"][:60], []).append(e["dur"])
+    log(f"\n== {label}: {len(records)} kernels over {steps} steps; span {(end - start) / steps:.0f} us/step, "
+        f"busy {busy / steps:.0f} us/step ({busy / (end - start):.0%}), "
+        f"gap p50 {np.median(gaps):.1f} us, mean {np.mean(gaps):.1f} us")
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    log(f"{'kernel':60s} {'n/step':>7s} {'us each':>8s} {'us/step':>8s}")
+    table = []
+    for name, durs in rows[:25]:
+        table.append({"kernel": name, "per_step": len(durs) / steps, "us_each": float(np.mean(durs)),
+                      "us_per_step": sum(durs) / steps})
+        log(f"{name:60s} {len(durs) / steps:7.1f} {np.mean(durs):8.1f} {sum(durs) / steps:8.1f}")
+    return {"label": label, "kernels": len(records), "span_us_per_step": (end - start) / steps,
+            "busy_us_per_step": busy / steps, "gap_p50_us": float(np.median(gaps)),
+            "gap_mean_us": float(np.mean(gaps)), "by_kernel": table}
+
+
+def section_trace(layers: int, batches: list[int], fmt: str, steps: int, out: Path) -> None:
+    import torch  # noqa: F401  (CUPTI via torch.profiler)
+    from torch.profiler import ProfilerActivity, profile
+    import gpu_decode as gd
+
+    fp16, q4 = gd.build_models(layers)
+    loop = gd.KernelLoop(fp16, q4, fmt)
+    RESULTS.setdefault("trace", [])
+    for B in batches:
+        prompt_len = 512
+        nb = -(-(prompt_len + steps + 8) // loop.BS)
+        kp, vp = loop.pools((B * nb + 1) * loop.BS)
+        table = (1 + np.arange(B * nb, dtype=np.int32)).reshape(B, nb)
+        table_mx = mx.array(table)
+        prompts = np.random.randint(0, loop.vocab, (B, prompt_len)).astype(np.int32)
+        tok = loop.prefill(prompts, table, kp, vp)
+        mx.eval(tok)
+        lens = np.full(B, prompt_len + 1, dtype=np.int64)
+        part = gd.pac.choose_partition(B, loop.KVH, prompt_len + steps + 8)
+        for _ in range(3):
+            tok = loop.step(tok, lens, table, table_mx, kp, vp, part)
+            mx.eval(tok)
+            lens += 1
+        mx.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = loop.step(tok, lens, table, table_mx, kp, vp, part)
+                mx.async_eval(tok)
+                lens += 1
+            mx.eval(tok)
+            mx.synchronize()
+            wall = time.perf_counter() - t0
+        path = out / f"gpu_probe_trace_b{B}.json"
+        prof.export_chrome_trace(str(path))
+        s = summarize(kernel_records(path), f"kernel loop {fmt}, {layers} layers, batch {B}", steps)
+        s["wall_us_per_step"] = wall / steps * 1e6
+        log(f"wall {s['wall_us_per_step']:.0f} us/step (profiled)")
+        RESULTS["trace"].append(s)
+        path.unlink()
+        del kp, vp
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default="floor,trace")
+    ap.add_argument("--chain", type=int, default=200)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--format", default="dual")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    secs = args.sections.split(",")
+    if "floor" in secs:
+        section_floor(args.chain)
+    if "qgemv" in secs:
+        section_qgemv()
+    if "attention" in secs:
+        section_attention()
+    if "trace" in secs:
+        try:
+            section_trace(args.layers, [int(b) for b in args.batches.split(",")], args.format,
+                          args.steps, out)
+        except Exception as e:  # the trace is optional: torch or CUPTI may be missing
+            log(f"trace failed: {type(e).__name__}: {e}")
+    (out / "gpu_probe.json").write_text(json.dumps(RESULTS, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,270 @@
+"""One-row 4-bit product for single-stream decode, staged through shared memory.
+
+Single-stream decode is one ``(1, K) x (N, K)^T`` product per linear layer, and on the
+H200 the multirow kernel (``quantized_matmul``) moved only 0.75-1.1 TB/s of weights at
+one row (kernel trace, bench/gpu_probe.py): every warp recomputed the input's rms norm
+over all of K, swiglu inputs were recomputed per warp (exponentials over 2 x 14,336
+values), and each lane had only a few 16-byte loads in flight.
+
+Here a block of 8 warps first stages the (normalized) input row in shared memory, once,
+as fp16 pairs in the order the nibble unpacking wants, with per-chunk sums for the affine
+bias term. Each warp then issues every 16-byte weight load of its ``R`` rows before it
+uses any (``R * K / 1024`` loads per lane in flight), and reads the input from shared
+memory with a lane rotation that keeps the banks conflict-free. A gate/up product writes
+``silu(gate) * up`` directly (``pair``): each warp owns rows ``j`` and ``j + N/2``, so the
+down product's input needs no swiglu pass.
+
+Layout is MLX's affine 4-bit (see ``quantized_matmul``). fp16 activations only;
+``K % 1024 == 0`` (whole 16-byte chunks per lane) and ``K <= MAX_K`` (the staged row must
+fit 48 KB of static shared memory). ``qgemv_reference`` is the pure-ops definition.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from tandem.kernels import quantized_matmul as qmm
+
+MAX_K = 16384  # 32 KB of fp16 input + 2 KB of chunk sums
+MAX_N = 65536
+"""Larger products (the 128k-vocabulary head) stay on the multirow kernel: with one
+staging of the input per block of 16 rows, the head measured 148 us against 131 us
+(H200 run 14)."""
+_WARPS = 8
+
+_SOURCE = r"""
+  constexpr int CH = K / 32;            // 16-byte (32-value) weight chunks per row
+  constexpr int IT = CH / 32;           // chunks per lane per row
+  constexpr int NW = 8;
+  __shared__ __align__(16) __half2 sx[K / 2];   // per 8 values: (x0,x4) (x1,x5) (x2,x6) (x3,x7)
+  __shared__ float sxs[CH];
+  __shared__ float sred[NW];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int N = w_shape[0];
+  const int NG = scales_shape[1];
+  const int GS = K / NG;
+
+  // The weight loads go out first: they do not depend on the input, so they are in
+  // flight while the block stages it (issued after, each block's staging latency
+  // left the memory system idle: 1.44 TB/s for gate/up on the H200).
+  // This warp's rows: R consecutive rows, or with PAIR R/2 gate rows j and their up rows
+  // j + N/2 (interleaved: gate, up, gate, up, ...).
+  const int wg = blockIdx.x * NW + warp;
+  int rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    rows[r] = PAIR ? (wg * (R / 2) + r / 2) + (r % 2) * (N / 2) : wg * R + r;
+  const bool live = (PAIR ? wg * (R / 2) : wg * R) < (PAIR ? N / 2 : N);
+
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  uint4 wr[R][IT];
+  __half sc[R][IT], bi[R][IT];
+#pragma unroll
+  for (int i = 0; i < IT; ++i) {
+    const int c = lane + 32 * i;
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r][i] = live ? __ldcs(wv + (size_t)rows[r] * CH + c) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < IT; ++i) {
+    const int g = (lane + 32 * i) * 32 / GS;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      sc[r][i] = live ? scales[(size_t)rows[r] * NG + g] : __float2half(0.f);
+      bi[r][i] = live ? biases[(size_t)rows[r] * NG + g] : __float2half(0.f);
+    }
+  }
+
+  float rs = 1.f;
+  if constexpr (NORM) {
+    float ss = 0.f;
+    for (int e = tid * 8; e < K; e += NW * 32 * 8) {
+      const uint4 u = *reinterpret_cast<const uint4*>(x + e);
+      const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) sred[warp] = ss;
+    __syncthreads();
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < NW; ++i) t += sred[i];
+    rs = rsqrtf(t / K + fparams[0]);
+  }
+  for (int e = tid * 8; e < K; e += NW * 32 * 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(x + e);
+    const __half* h = reinterpret_cast<const __half*>(&u);
+    float f[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = __half2float(h[i]);
+    if constexpr (NORM) {
+      const uint4 v = *reinterpret_cast<const uint4*>(norm_w + e);
+      const __half* g = reinterpret_cast<const __half*>(&v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] = __half2float(__float2half(f[i] * rs)) * __half2float(g[i]);
+    }
+    __half2 p[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = __floats2half2_rn(f[i], f[i + 4]);
+    *reinterpret_cast<uint4*>(&sx[e / 2]) = *reinterpret_cast<const uint4*>(p);
+  }
+  __syncthreads();
+  for (int c = tid; c < CH; c += NW * 32) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float2 f = __half22float2(sx[c * 16 + i]);
+      s += f.x + f.y;
+    }
+    sxs[c] = s;
+  }
+  __syncthreads();
+  if (!live) return;
+
+  const uint4* sxv = reinterpret_cast<const uint4*>(sx);
+  const int rot = lane >> 1;   // conflict-free: lanes of a quarter warp hit 8 distinct 16-byte bank groups
+  const __half2 k1032 = __floats2half2_rn(1032.f, 1032.f);
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int i = 0; i < IT; ++i) {
+    const int c = lane + 32 * i;
+    float dots[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) dots[r] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int seg = (j + rot) & 3;
+      const uint4 xu = sxv[c * 4 + seg];
+      const __half2* xp = reinterpret_cast<const __half2*>(&xu);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint4 u = wr[r][i];
+        const uint32_t wd = seg == 0 ? u.x : seg == 1 ? u.y : seg == 2 ? u.z : u.w;
+        __half2 a;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint32_t t = ((wd >> (4 * q)) & 0x000F000Fu) | 0x64006400u;
+          const __half2 qq = __hsub2(*reinterpret_cast<__half2*>(&t), k1032);  // (n_q - 8, n_{q+4} - 8)
+          a = q == 0 ? __hmul2(xp[0], qq) : __hfma2(xp[q], qq, a);
+        }
+        const float2 f = __half22float2(a);
+        dots[r] += f.x + f.y;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float s = __half2float(sc[r][i]);
+      acc[r] += s * dots[r] + fmaf(8.f, s, __half2float(bi[r][i])) * sxs[c];
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; r += (PAIR ? 2 : 1)) {
+      if constexpr (PAIR) {
+        // The same roundings as the unfused path: gate and up in fp16, then swiglu.
+        const float g = __half2float(__float2half(acc[r]));
+        const float u = __half2float(__float2half(acc[r + 1]));
+        const int o = rows[r];
+        float v = g / (1.f + __expf(-g)) * u;
+        if (RES) v += __half2float(res[o]);
+        y[o] = __float2half(v);
+      } else {
+        const int o = rows[r];
+        float v = acc[r];
+        if (RES) v += __half2float(res[o]);
+        y[o] = __float2half(v);
+      }
+    }
+  }
+"""
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="tandem_qgemv",
+        input_names=["x", "w", "scales", "biases", "norm_w", "res", "fparams"],
+        output_names=["y"],
+        source=_SOURCE,
+    )
+
+
+def supports(x: mx.array, w: mx.array, scales: mx.array, bits: int, group_size: int,
+             mode: str = "affine", pair: bool = False) -> bool:
+    """Whether ``qgemv`` covers this product (the dispatcher asks first)."""
+    if mode != "affine" or bits != 4 or group_size not in (32, 64, 128):
+        return False
+    if x.ndim != 2 or x.shape[0] != 1 or x.dtype != mx.float16 or scales.dtype != mx.float16:
+        return False
+    n, words = w.shape
+    k = words * 8
+    return (k % 1024 == 0 and k <= MAX_K and n <= MAX_N and x.shape[1] == k
+            and n % (4 if pair else 2) == 0)
+
+
+def rows_per_warp(n: int, k: int, pair: bool) -> int:
+    """Rows whose loads a warp issues together. Two measured best or tied for every 8B
+    product on the H200 (run 14, CUPTI: gate/up 38.8 us at 2 vs 47.6 at 4; down 28.4 at 2
+    vs 35.7 at 1 and 82.5 at 4; o 6.8-7.0 at any); one when N is odd."""
+    return 2 if n % (4 if pair else 2) == 0 else 1
+
+
+def qgemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int = 64, *,
+          norm_weight: mx.array | None = None, eps: float = 1e-5,
+          residual: mx.array | None = None, pair: bool = False,
+          rows_override: int | None = None) -> mx.array:
+    """``x @ dequantize(w).T`` for one fp16 row, 4-bit weights, on CUDA.
+
+    norm_weight: the input is ``rms_norm(x, norm_weight, eps)`` first. pair: ``w`` holds
+    [gate; up] stacked (N = 2F rows) and the result is ``swiglu(gate, up)`` (1, F).
+    residual (1, N or F): added last. See ``qgemv_reference``.
+    """
+    n, words = w.shape
+    k = words * 8
+    r = rows_override or rows_per_warp(n, k, pair)
+    n_out = n // 2 if pair else n
+    warps = (n_out // (r // 2) if pair else n // r)
+    blocks = -(-warps // _WARPS)
+    (y,) = _kernel()(
+        inputs=[x, w, scales, biases,
+                norm_weight if norm_weight is not None else qmm._dummy(mx.float16),
+                residual if residual is not None else qmm._dummy(mx.float16),
+                qmm._fparams(float(eps))],
+        template=[("K", k), ("R", r), ("NORM", norm_weight is not None), ("PAIR", bool(pair)),
+                  ("RES", residual is not None)],
+        grid=(blocks * _WARPS * 32, 1, 1),
+        threadgroup=(_WARPS * 32, 1, 1),
+        output_shapes=[(1, n_out)],
+        output_dtypes=[mx.float16],
+    )
+    return y
+
+
+def qgemv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                    group_size: int = 64, *, norm_weight: mx.array | None = None,
+                    eps: float = 1e-5, residual: mx.array | None = None,
+                    pair: bool = False) -> mx.array:
+    """Pure ops: [rms_norm] -> dequantized product -> [swiglu of the two halves] -> [+ residual]."""
+    xin = x
+    if norm_weight is not None:
+        xin = mx.fast.rms_norm(x, norm_weight, eps)
+    y = qmm.quantized_matmul_reference(xin, w, scales, biases, group_size, 4)
+    if pair:
+        f = y.shape[-1] // 2
+        y = (qmm.nn_silu(y[:, :f].astype(mx.float32)) * y[:, f:].astype(mx.float32)).astype(x.dtype)
+    if residual is not None:
+        y = (y.astype(mx.float32) + residual.astype(mx.float32)).astype(x.dtype)
+    return y

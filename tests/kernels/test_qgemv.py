@@ -1,0 +1,75 @@
+"""The one-row staged 4-bit kernel agrees with its pure-ops reference on fresh inputs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from tandem.kernels import qgemv as qg
+from tandem.kernels import quantized_matmul as qm
+
+gpu = pytest.mark.skipif(not qm.cuda_available(), reason="needs MLX's CUDA backend")
+hang_guard = pytest.mark.timeout(120, method="thread")
+
+
+def _case(n, k, gs, seed):
+    mx.random.seed(seed)
+    w = mx.random.normal((n, k)) / k**0.5
+    wq, s, b = mx.quantize(w.astype(mx.float16), group_size=gs, bits=4)
+    x = mx.random.normal((1, k)).astype(mx.float16)
+    return x, wq, s, b
+
+
+def _rel_err(got, want):
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    return (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()
+
+
+def test_support_rules():
+    x, wq, s, _ = _case(64, 1024, 64, seed=1)
+    assert qg.supports(x, wq, s, 4, 64)
+    assert not qg.supports(x, wq, s, 8, 64)                        # 4-bit only
+    assert not qg.supports(mx.concatenate([x, x]), wq, s, 4, 64)    # one row only
+    assert not qg.supports(x.astype(mx.float32), wq, s, 4, 64)      # fp16 only
+    x2, wq2, s2, _ = _case(64, 512, 64, seed=2)
+    assert not qg.supports(x2, wq2, s2, 4, 64)                     # K % 1024
+    assert not qg.supports(x, wq[:62], s[:62], 4, 64, pair=True)   # pairs need N % 4
+
+
+def test_rows_per_warp_divides_the_rows():
+    for n, k, pair in [(28672, 4096, True), (4096, 14336, False), (6144, 4096, False), (130, 1024, False)]:
+        r = qg.rows_per_warp(n, k, pair)
+        assert (n // 2 if pair else n) % (r // 2 if pair else r) == 0
+
+
+def test_large_products_stay_on_the_multirow_kernel():
+    x, wq, s, _ = _case(qg.MAX_N + 2, 1024, 64, seed=3)
+    assert not qg.supports(x, wq, s, 4, 64)
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+@pytest.mark.parametrize("n,k,gs", [(6144, 4096, 64), (4096, 14336, 64), (1024, 2048, 32),
+                                    (512, 1024, 128)])
+def test_plain_matches_reference(n, k, gs):
+    x, wq, s, b = _case(n, k, gs, seed=n + k)
+    for r in (1, 2, 4):
+        got = qg.qgemv(x, wq, s, b, gs, rows_override=r)
+        assert _rel_err(got, qg.qgemv_reference(x, wq, s, b, gs)) < 5e-3, r
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+def test_fusions_match_reference():
+    n, k = 2048, 4096
+    x, wq, s, b = _case(n, k, 64, seed=7)
+    g = (1 + 0.1 * mx.random.normal((k,))).astype(mx.float16)
+    got = qg.qgemv(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5)
+    assert _rel_err(got, qg.qgemv_reference(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5)) < 5e-3
+    res = mx.random.normal((1, n // 2)).astype(mx.float16)
+    for r in (2, 4):
+        got = qg.qgemv(x, wq, s, b, 64, norm_weight=g, pair=True, residual=res, rows_override=r)
+        want = qg.qgemv_reference(x, wq, s, b, 64, norm_weight=g, pair=True, residual=res)
+        assert got.shape == (1, n // 2) and _rel_err(got, want) < 5e-3, r
