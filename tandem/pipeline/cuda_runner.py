@@ -251,7 +251,7 @@ class KernelRunner(PagedRunner):
             self.warm_kernels()
             log.info("paged runner: decode kernel variants compiled in %.1f s", time.perf_counter() - t)
 
-    def warm_kernels(self, row_counts=(1, 2, 3, 4, 8)) -> None:
+    def warm_kernels(self, row_counts=(1, 2, 3, 4, 8, pac.V3_MIN_BATCH)) -> None:
         """Run a decode step per row-count class against the scratch block, split and
         unsplit, so every kernel variant a decode step can pick is compiled now: each is
         an NVRTC compile of ~2 s, which mid-serving is a ~2 s stall of every running
@@ -259,8 +259,9 @@ class KernelRunner(PagedRunner):
         ~950 tok/s). Writes land in the scratch block, which nothing reads as context."""
         bs = self.store.block_size
         split_nb = -(-(2 * max(64, pac.MIN_PARTITION) + 1) // bs)  # two partitions at one row
+        long_nb = pac.MAX_PARTITION // bs + 1  # split even at V3_MIN_BATCH rows
         for B in row_counts:
-            for nb in (1, split_nb):
+            for nb in (1, split_nb) + ((long_nb,) if B >= pac.V3_MIN_BATCH else ()):
                 zeros = mx.zeros((B,), mx.int32)
                 out = self._step_fn(mx.zeros((B, 1), mx.int32), zeros, zeros,
                                     mx.zeros((B, nb), mx.int32), mx.full((B,), nb * bs, mx.int32),

@@ -101,12 +101,26 @@ RAGGED = [64, 65, 1, 127, 128, 129, 1000, 16, 17, 15, 2, 63]  # around partition
 def test_cuda_decode_matches_reference(dtype, lens, bs, part):
     B, H, KVH, D = len(lens), 32, 8, 128
     q, kp, vp, table, la = _pool_case(B, H, KVH, D, bs, lens, seed=sum(lens), dtype=dtype)
-    got = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, bs, max(lens), part)
     want = pac.paged_decode_attention_reference(q, kp, vp, table, la, D**-0.5, bs)
-    err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-    assert err < (3e-2 if dtype == mx.bfloat16 else 5e-3)
-    flat = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, bs, max(lens), part, flat=True)
-    assert flat.shape == (B, H * D) and mx.array_equal(flat, got.reshape(B, H * D)).item()
+    for kernel in ("v2", "v3"):
+        got = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, bs, max(lens), part, kernel=kernel)
+        err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        assert err < (3e-2 if dtype == mx.bfloat16 else 5e-3), kernel
+        flat = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, bs, max(lens), part, flat=True,
+                                          kernel=kernel)
+        assert flat.shape == (B, H * D) and mx.array_equal(flat, got.reshape(B, H * D)).item(), kernel
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+@pytest.mark.parametrize("lens,part", [([1, 70, 300], 64), ([33, 5], None)])
+def test_cuda_decode_v3_head_dim_64(lens, part):
+    B, H, KVH, D = len(lens), 8, 2, 64
+    q, kp, vp, table, la = _pool_case(B, H, KVH, D, 16, lens, seed=5, dtype=mx.float16)
+    got = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, 16, max(lens), part, kernel="v3")
+    want = pac.paged_decode_attention_reference(q, kp, vp, table, la, D**-0.5, 16)
+    assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 5e-3
 
 
 @gpu
