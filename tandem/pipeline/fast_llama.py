@@ -34,8 +34,9 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from tandem.pipeline import cpu_math
+from tandem.pipeline import cpu_kernels, cpu_math
 
 # Rows (batch x tokens) below which a projection runs as W @ x.T rather than x @ W.T
 # (at 2,048 rows MKL packs the weights better than the activations again).
@@ -221,6 +222,19 @@ def _tables(rope, offset: mx.array, D: int):
     return t[:, : D // 2].T, t[:, D // 2 :].T
 
 
+def _kernel_attention(q: mx.array, k: mx.array, v: mx.array, lens: np.ndarray, scale: float) -> mx.array:
+    """q (B, Hq, 1, D); k, v: a layer's whole decode mirror (B, Hkv, cap, D); lens (B,)
+    -> (B, Hq, 1, D). Waits for q and the mirror, so the layers before it must have
+    run: the kernel reads their memory directly."""
+    mx.eval(q, k, v)
+    B, Hq, _, D = q.shape
+    qh = np.ascontiguousarray(np.asarray(q)).reshape(B, Hq, D)
+    # np.asarray shares the mlx buffers (no copy); the views die with this call, so the
+    # next step's append can still update the mirror in place.
+    o = cpu_kernels.decode_attention(qh, np.asarray(k), np.asarray(v), lens, scale)
+    return mx.array(o).reshape(B, Hq, 1, D)
+
+
 class FastLlama:
     def __init__(self, model):
         why = supports(model)
@@ -235,6 +249,9 @@ class FastLlama:
         qkv_w = self.fused.layers[0][0]
         D = qkv_w.shape[0] // (attn.n_heads + 2 * attn.n_kv_heads)
         self.decode = _Decode(model, attn.n_heads, attn.n_kv_heads, D)
+        # Decode attention over the runner's contiguous mirror in one C call per layer
+        # (cpu_kernels); otherwise, or where the runner has no mirror, the mlx ops.
+        self.decode_kernel = cpu_kernels.available()
 
     def __call__(self, inputs: mx.array, caches, mask: mx.array | None, max_q_start: int,
                  last: mx.array | None) -> mx.array:
@@ -257,11 +274,16 @@ class FastLlama:
         """Every layer of a decode step, through the compiled pieces -> hidden (B, hidden)."""
         dec = self.decode
         cos, sin = dec.tables(caches[0].offset, x.shape[0])
+        kernel = self.decode_kernel and hasattr(caches[0], "mirror_kv")
         for layer, cache, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, caches, self.fused.layers):
             attn = layer.self_attn
             q, k, v = dec.pre(x, layer.input_layernorm.weight, qkv_w, qkv_b, cos, sin)
-            k, v = cache.update_and_fetch(k, v)
-            o = cpu_math.attention(q, k, v, attn.scale, mask, max_q_start)
+            mirror = cache.mirror_kv(k, v) if kernel else None
+            if mirror is not None:
+                o = _kernel_attention(q, *mirror, attn.scale)
+            else:
+                k, v = cache.update_and_fetch(k, v)
+                o = cpu_math.attention(q, k, v, attn.scale, mask, max_q_start)
             x = dec.post(x, o, attn.o_proj.weight, layer.post_attention_layernorm.weight, gu_w,
                          layer.mlp.down_proj.weight)
         return x

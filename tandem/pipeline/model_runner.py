@@ -68,6 +68,7 @@ class _Batch:
     mirror_idx: mx.array | None = None
     mirror_rows: np.ndarray | None = None  # append: mirror_idx on the host, (B, H)
     kv_len: int = 0
+    lens: np.ndarray | None = None  # (B,) int32: keys each row sees this step
 
 
 class _Mirror:
@@ -112,6 +113,24 @@ class PagedLayerCache:
             k, v = store.gather(layer, batch.table)
             n = batch.exact_len if batch.exact_len is not None else batch.kv_len
             return mx.contiguous(k[:, :, :n]), mx.contiguous(v[:, :, :n])
+        k, v = self._mirror_update(keys, values)
+        n = batch.kv_len
+        return k[:, :, :n], v[:, :, :n]
+
+    def mirror_kv(self, keys, values):
+        """For a decode step over the mirror: store the new entries and return this
+        layer's whole mirror, keys and values ``(B, H, cap, D)``, with ``(B,)`` host
+        lengths (the keys each row sees); None, storing nothing, for any other step."""
+        batch = self._runner.batch
+        if batch.mirror is None:
+            return None
+        if batch.mirror != "append":
+            self._runner.store.write(self._layer, keys, values, batch.slots)
+        k, v = self._mirror_update(keys, values)
+        return k, v, batch.lens
+
+    def _mirror_update(self, keys, values):
+        runner, layer, batch, store = self._runner, self._layer, self._runner.batch, self._runner.store
         m = runner.mirror
         B, H, _, D = keys.shape
         if batch.mirror == "rebuild":
@@ -125,10 +144,7 @@ class PagedLayerCache:
         else:
             m.keys[layer][batch.mirror_idx] = keys.reshape(B * H, D)
             m.values[layer][batch.mirror_idx] = values.reshape(B * H, values.shape[-1])
-        n = batch.kv_len
-        k = m.keys[layer].reshape(B, H, m.cap, D)[:, :, :n]
-        v = m.values[layer].reshape(B, H, m.cap, -1)[:, :, :n]
-        return k, v
+        return m.keys[layer].reshape(B, H, m.cap, D), m.values[layer].reshape(B, H, m.cap, -1)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **_):
         if window_size is not None:
@@ -210,6 +226,7 @@ class PagedRunner:
         b.mirror = None
         kv_len = int(ctx.max())
         b.kv_len = kv_len
+        b.lens = ctx
         if L == 1 and self.use_mirror:
             self._plan_mirror(rows, starts, ctx)
         if b.mirror == "append":

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from tandem.kvtypes import SamplingParams
-from tandem.pipeline import cpu_math, fast_llama
+from tandem.pipeline import cpu_kernels, cpu_math, fast_llama
 from tandem.pipeline.engine import Engine
 from tandem.pipeline.settings import EngineSettings
 from tests.pipeline.conftest import EOS, oracle, random_prompts
@@ -140,3 +140,47 @@ def test_a_traditional_rope_keeps_the_eager_decode_layers(tmp_path):
     for layer in model.model.layers:
         layer.self_attn.rope = nn.RoPE(layer.self_attn.rope.dims, traditional=True, base=10000)
     assert fast_llama.FastLlama(model).decode.why == "a RoPE that is not a plain half-split rotation"
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,threads", [(5, 9, 3, 64, 2), (3, 4, 4, 16, 1), (16, 6, 2, 32, 3), (1, 2, 1, 8, 2)])
+def test_decode_kernel_matches_mlx_attention_on_ragged_rows(B, Hq, Hkv, D, threads):
+    """The C decode attention == cpu_math.attention with an additive mask, rows of
+    different lengths; what lies past each row's length (NaN here) is never read."""
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler: the runner keeps the mlx formulation")
+    rng = np.random.default_rng(B * 100 + Hq)
+    cap = 160
+    lens = rng.integers(1, cap + 1, B).astype(np.int32)
+    lens[0] = cap
+    q = rng.normal(size=(B, Hq, D)).astype(np.float32) * 3
+    k = rng.normal(size=(B, Hkv, cap, D)).astype(np.float32)
+    v = rng.normal(size=(B, Hkv, cap, D)).astype(np.float32)
+    for b, n in enumerate(lens):
+        k[b, :, n:] = np.nan
+        v[b, :, n:] = np.nan
+    got = cpu_kernels.decode_attention(q, k, v, lens, 0.125, num_threads=threads)
+    n = int(lens.max())
+    kk, vv = mx.array(np.nan_to_num(k[:, :, :n])), mx.array(np.nan_to_num(v[:, :, :n]))
+    mask = cpu_math.additive_mask(lens - 1, 1, n)
+    want = cpu_math.attention(mx.array(q)[:, :, None], kk, vv, 0.125, mask, 0)[:, :, 0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_with_and_without_the_decode_kernel_yield_the_same_tokens(tiny, monkeypatch):
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler: the runner keeps the mlx formulation")
+    calls = []
+    real = cpu_kernels.decode_attention
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prompts = random_prompts(12, 1, 200, seed=11)
+    reqs = [(p, SamplingParams(max_tokens=12)) for p in prompts]
+    runs = []
+    for kernel in (True, False):
+        eng = Engine(tiny, EngineSettings(kv_cache_budget="32MiB", max_batch_prefill=3), model_id="t", eos_token_ids=[EOS])
+        eng.runner.fast.decode_kernel = kernel
+        before = len(calls)
+        runs.append(eng.generate_many(reqs))
+        assert (len(calls) > before) is kernel
+    assert runs[0] == runs[1]
+    assert runs[0][:3] == [oracle(tiny, p, 12) for p in prompts[:3]]
