@@ -171,7 +171,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--no-ablate", dest="ablate", action="store_false",
                     help="skip the engine-with-mlx-lm's-forward column (fast_forward=false)")
+    ap.add_argument("--sections", default="decode,prefill,grant,ttft",
+                    help="comma list of decode, prefill, grant, ttft; a partial run writes engine-<sections>.md/json")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    if not sections <= {"decode", "prefill", "grant", "ttft"}:
+        ap.error(f"unknown sections in {args.sections!r}")
 
     model, model_id, path = load(args.model)
     vocab = int(model(mx.array([[0]])).shape[-1])
@@ -192,7 +197,7 @@ def main() -> int:
 
     print(f"model {model_id}  BLAS {tandem.BLAS}  prompt {args.prompt_len}  gen {args.gen}  best of {args.repeats}")
     print(f"{'batch':>5} {'engine tok/s':>13} {'mlx-lm fwd':>11} {'BatchGen tok/s':>15} {'ratio':>6}")
-    for b in [int(x) for x in args.batches.split(",")]:
+    for b in [int(x) for x in args.batches.split(",")] if "decode" in sections else []:
         batch = prompts(b, args.prompt_len, vocab, seed=b)
         eng = _started(engine_for(b))
         plain = _started(engine_for(b, fast_forward=False)) if args.ablate else None
@@ -215,7 +220,7 @@ def main() -> int:
 
     print(f"\nprefill, 512-token prompts")
     print(f"{'prompts':>7} {'engine tok/s':>13} {'mlx-lm fwd':>11} {'BatchGen tok/s':>15} {'ratio':>6}")
-    for n in (1, 4):
+    for n in (1, 4) if "prefill" in sections else ():
         batch = prompts(n, 512, vocab, seed=100 + n)
         e_runs, p_runs, g_runs = [], [], []
         for rep in range(args.repeats):
@@ -237,7 +242,7 @@ def main() -> int:
     results["grant"] = []
     decoders = prompts(4, 64, vocab, seed=300)
     long_prompt = prompts(1, 2048, vocab, seed=301)[0]
-    for n in (0, 4, 16):
+    for n in (0, 4, 16) if "grant" in sections else ():
         eng = _started(engine_for(8, prefill_chunk_size=512, prefill_grant_interval=n, enable_prefix_caching=False))
         g = grant_run(eng, decoders, long_prompt, gen=96)
         eng.stop()
@@ -248,25 +253,31 @@ def main() -> int:
     system = prompts(1, 1024, vocab, seed=7)[0]
     users = prompts(2 * args.repeats + 2, 24, vocab, seed=8)
     cold, warm, bg_cold = [], [], []
-    for rep in range(args.repeats):
+    for rep in range(args.repeats) if "ttft" in sections else ():
         eng = _started(engine_for(1, prefill_chunk_size=2048))
         cold.append(engine_run(eng, [system + users[2 * rep]], 1)["ttft_s"])  # nothing cached yet
         warm.append(engine_run(eng, [system + users[2 * rep + 1]], 1)["ttft_s"])  # the system prompt is
         eng.stop()
         bg_cold.append(batchgen_run(model, [system + users[2 * rep + 1]], 1)["ttft_s"])
-    c, w, g = min(cold), min(warm), min(bg_cold)
-    results["ttft"] = {"system_tokens": 1024, "user_tokens": 24, "engine_cold_s": c, "engine_cached_s": w,
-                       "reduction": c / w, "batchgen_cold_s": g, "cold_runs": cold, "cached_runs": warm}
-    print(f"\nTTFT, 1,024-token system prompt + 24 tokens: cold {c * 1e3:.1f} ms, cached {w * 1e3:.1f} ms "
-          f"({c / w:.1f}x less); BatchGenerator cold {g * 1e3:.1f} ms")
+    if cold:
+        c, w, g = min(cold), min(warm), min(bg_cold)
+        results["ttft"] = {"system_tokens": 1024, "user_tokens": 24, "engine_cold_s": c, "engine_cached_s": w,
+                           "reduction": c / w, "batchgen_cold_s": g, "cold_runs": cold, "cached_runs": warm}
+        print(f"\nTTFT, 1,024-token system prompt + 24 tokens: cold {c * 1e3:.1f} ms, cached {w * 1e3:.1f} ms "
+              f"({c / w:.1f}x less); BatchGenerator cold {g * 1e3:.1f} ms")
 
     results["loadavg_end"] = os.getloadavg()
+    results["sections"] = sorted(sections)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine.json").write_text(json.dumps(results, indent=1))
-    (out / "engine.md").write_text(render(results))
-    (out / "engine.svg").write_text(plot(results))
-    print(f"\nwrote {out / 'engine.md'}, engine.json and engine.svg")
+    full = len(sections) == 4
+    stem = "engine" if full else "engine-" + "-".join(sorted(sections))
+    results["svg"] = f"{stem}.svg"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.md").write_text(render(results))
+    if results["decode"]:
+        (out / f"{stem}.svg").write_text(plot(results))
+    print(f"\nwrote {out / stem}.md and .json")
     return 0
 
 
@@ -298,7 +309,7 @@ def render(r: dict) -> str:
         "values are in engine.json and show the noise"
         + (f" (load average {r['loadavg_start'][0]:.1f} at the start, {r['loadavg_end'][0]:.1f} at the end)." if "loadavg_end" in r else "."),
         "",
-        "![decode throughput](engine.svg)",
+        f"![decode throughput]({r.get('svg', 'engine.svg')})",
         "",
         f"## Aggregate decode throughput ({r['prompt_len']}-token prompts, {r['gen_tokens']} generated tokens each)",
         "",
@@ -321,6 +332,8 @@ def render(r: dict) -> str:
         for g in r["grant"]:
             lines.append(f"| {g['interval']} | {g['ttft_s'] * 1e3:.0f} | {g['ttft_ticks']} | {g['itl_mean_ms']:.1f} | {g['itl_p95_ms']:.1f} |")
     t = r["ttft"]
+    if not t:
+        return "\n".join(lines + [""])
     lines += ["", "## Time to first token with a cached 1,024-token system prompt", "",
               "| | TTFT ms |", "|---|---:|",
               f"| engine, cold | {t['engine_cold_s'] * 1e3:.1f} |",
