@@ -390,7 +390,7 @@ def write_results(prefix: Path, results: list, control: dict, baseline: dict | N
         "GB/s = KV bytes of the snapshot / time from encoding start to the decode side's ack. "
         "Ceiling = min(raw AES-256-GCM, raw ZeroMQ) measured in the same run; target: sealed full/raw >= 60% of it. "
         "Each cell is the best of 3 runs (2 for caches over 256 MB) after one untimed warm-up transfer on the same "
-        "connections (as a prefill worker keeps them: the first transfer also touches the sender's 64 MB send arena); the headline full/raw and both ceilings are "
+        "connections (as a prefill worker keeps them: the first transfer also touches the sender's send arena); the headline full/raw and both ceilings are "
         "additionally re-measured in alternating rounds (9, or 3 over 256 MB) and the best kept, so they see the same "
         "machine load (the development box has 2 cores shared with other work; single runs vary by 2x). Random normal data: LZ4 barely compresses it (wire ratio ~1.0); "
         "real caches compress somewhat better, mostly in padding and zero blocks. "
@@ -412,12 +412,16 @@ def write_results(prefix: Path, results: list, control: dict, baseline: dict | N
         ratio = (s_["sender"] + s_["receiver"]) / max(1e-9, r["sender"] + r["receiver"])
         lines.append(f"| {e['shape']} {e['tokens']} tokens | {r['sender']:.3f} / {r['receiver']:.3f} | "
                      f"{s_['sender']:.3f} / {s_['receiver']:.3f} | {ratio:.2f}x |")
+    arena = getattr(kvchannel, "SENDER_ARENA_BYTES", 64 << 20)
+    record = kvchannel.SendArena(arena).group_bytes()
     lines += ["", "How the sealed path gets there (tandem/wire/sealed.py, kvchannel.py): a KV message is sealed as AES-GCM "
-              f"records of about {kvchannel.RECORD_GROUP_BYTES >> 20} MiB (consecutive frames share one; the first and last records of "
+              f"records of about {record / (1 << 20):g} MiB (consecutive frames share one, and a frame over 1.5 records travels as "
+              "pieces, each decrypted straight into one buffer for the frame; the first and last records of "
               "a message are smaller, since their cipher work overlaps nothing), one ZeroMQ message each, so the "
               "fixed costs per record - a ZeroMQ message, a zero-copy release through pyzmq's garbage-collector thread, "
               "wake-ups of the threads on each side - are paid once per few MB; the sender encrypts each record "
-              "with one call into a reused, already-faulted 64 MB arena that ZeroMQ sends zero-copy while the next "
+              f"with one call into a reused, already-faulted {arena >> 20} MiB arena (small enough to stay in the 32 MiB L3 "
+              "between sealing and libzmq's copy into the socket) that ZeroMQ sends zero-copy while the next "
               "record is sealed; the receiver decrypts each record in place as it arrives, while the rest is in flight, "
               "and hands the KV on as views of the received buffers (cryptography releases the GIL inside these calls). "
               "What is left above raw ZeroMQ is mostly the AES-GCM pass itself on each side (~0.1 CPU-s/GB each here), "

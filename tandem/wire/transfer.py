@@ -253,6 +253,8 @@ def retain_freed_memory() -> bool:
     unmaps them after each transfer, the next one page-faults every 4 KiB again (on the
     development machine ~32,800 faults and ~60 ms of CPU per 134 MB transfer; with this
     call, none after the first). Costs resident memory up to the largest transfer seen.
+    The trim threshold is glibc's largest (2 GiB): at 1 GiB, freeing one 1 GB transfer
+    (an 8k-token 8B-shaped cache) still handed it back, and the next one faulted again.
     Call once in a decode worker. Returns False where mallopt is unavailable (not glibc)."""
     import ctypes
     import ctypes.util
@@ -263,7 +265,7 @@ def retain_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    ok = mallopt(m_trim_threshold, 1 << 30) and mallopt(m_top_pad, 256 << 20)
+    ok = mallopt(m_trim_threshold, (1 << 31) - 1) and mallopt(m_top_pad, 256 << 20)
     # 32 MiB is glibc's largest mmap threshold: frames (one layer's K or V) above it stay mmapped.
     return bool(ok and mallopt(m_mmap_threshold, 32 << 20))
 

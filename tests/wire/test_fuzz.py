@@ -107,9 +107,10 @@ def _one_round(rng):
     frames = rng.choice([F.structured, F.mutated, F.garbage])(rng)
     decode_any(frames)
     handshake_any(frames)
-    if rng.random() < 0.5:  # mutated sealed messages: single-frame records, or grouped ones
+    if rng.random() < 0.5:  # mutated sealed messages: single-frame records, grouped ones, or pieces of frames
         n = rng.randrange(1, 5)
-        sealed = SealedChannel(K1, K2).seal([b"x" * rng.randrange(40) for _ in range(n)], group_bytes=rng.choice([0, 64]))
+        longest = rng.choice([40, 400])
+        sealed = SealedChannel(K1, K2).seal([b"x" * rng.randrange(longest) for _ in range(n)], group_bytes=rng.choice([0, 64]))
         frames = F.mutated(rng, sealed)
     sealed_any(frames)
     kv_any(rng, None)

@@ -314,8 +314,113 @@ def test_record_sizes_ramp_up_and_down_and_round_trip():
     assert record_target(group, 50 * group, 3 * RAMP_MIN_BYTES) == 3 * RAMP_MIN_BYTES // 2
     assert record_target(group, 50 * group, RAMP_MIN_BYTES) == RAMP_MIN_BYTES
     assert record_target(1000, 0, 10) == 1000  # a group smaller than the ramp's start
-    # Frames of group_bytes or more are records of their own; a small message is one record.
-    wire, _ = _group_wire([b"h", bytes(group), bytes(group), b"t"], group)
-    assert [len(c) - 16 for _, c in wire] == [1, group, group, 1]
+    # Frames of group_bytes up to 1.5x the record size are records of their own (larger
+    # ones are split: test_large_frames_travel_in_pieces); a small message is one record.
+    wire, _ = _group_wire([bytes(group)] * 8, group)
+    sizes = [len(c) - 16 for _, c in wire]
+    assert sizes.count(group) >= 5 and max(sizes) == group and sum(sizes) == 8 * group
     wire, _ = _group_wire([b"a" * 10] * 50, group)
     assert len(wire) == 1
+
+
+def _piece_heads(wire):
+    import struct
+
+    return [struct.unpack(">QHHHII", h[4:]) for h, _ in wire if len(h) == 4 + 22]  # base, n, i, 0, size, offset
+
+
+def test_large_frames_travel_in_pieces():
+    # A frame well over the record size is sealed as pieces of it, ramped like records,
+    # and reassembled into one contiguous buffer (decrypted straight into it).
+    import random
+
+    from tandem.wire.kvchannel import SendArena
+    from tandem.wire.sealed import RAMP_MIN_BYTES
+
+    rng = random.Random(5)
+    big = rng.randbytes(7 * RAMP_MIN_BYTES + 12345)
+    frames = [b"hdr", big, rng.randbytes(300_000), rng.randbytes(3 * RAMP_MIN_BYTES), b"tail"]
+    arena = SendArena(16 << 20)
+    group = 2 * RAMP_MIN_BYTES
+    wire, keys = _group_wire(frames, group, alloc=arena.alloc)
+    pieces = _piece_heads(wire)
+    assert {p[2] for p in pieces} == {1, 3}  # only the two large frames
+    sizes = [len(c) - 16 for h, c in wire]
+    assert sizes[0] <= RAMP_MIN_BYTES + 3 and max(sizes) <= group + group // 4
+    offsets = [p[5] for p in pieces if p[2] == 1]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and all(p[4] == len(big) for p in pieces if p[2] == 1)
+    for writable in (True, False):
+        rx = SealedChannel(*keys)
+        outs = [rx.open([bytearray(h), bytearray(c)] if writable else [h, c]) for h, c in wire]
+        assert all(o is None for o in outs[:-1])
+        assert [bytes(f) for f in outs[-1]] == frames
+        assert isinstance(outs[-1][1], memoryview) and outs[-1][1].contiguous and not outs[-1][1].readonly
+    # The next message on the same channel opens as usual; the counter moved by 5 frames.
+    tx = SealedChannel(keys[1], keys[0])
+    list(tx.seal_records(frames, group_bytes=group))
+    assert rx.open(tx.seal([b"next"])) == [b"next"]
+
+
+def test_piece_tampering_reorder_and_truncation_rejected():
+    import struct
+
+    from tandem.wire.sealed import RAMP_MIN_BYTES
+
+    group = RAMP_MIN_BYTES // 4
+    frames = [b"h", bytes(range(256)) * (4 * group // 256), b"t" * 10]
+    wire, keys = _group_wire(frames, group)
+    pieces = [j for j, (h, _) in enumerate(wire) if len(h) == 4 + 22]
+    assert len(pieces) >= 3
+    assert [bytes(f) for f in _deliver(wire, keys)] == frames
+
+    # Every bit of a piece's head is authenticated (or structurally refused).
+    j = pieces[1]
+    for pos in range(len(wire[j][0])):
+        bad = [list(r) for r in wire]
+        bad[j][0] = bytes(b ^ (0x04 if k == pos else 0) for k, b in enumerate(bad[j][0]))
+        with pytest.raises(AuthError):
+            _deliver(bad, keys)
+    # Pieces swapped, repeated, dropped; a whole record inside a frame's pieces; a
+    # message cut off after a piece.
+    a, b = pieces[0], pieces[1]
+    for order, reason in [
+        ([0, b, a], "reorder"),
+        ([0, a, a], "reorder"),
+        ([0, a] + list(range(b + 1, len(wire))), "reorder"),
+        ([0, a, len(wire) - 1], "reorder"),
+    ]:
+        with pytest.raises(AuthError) as err:
+            _deliver([wire[k] for k in order], keys)
+        assert err.value.reason == reason, order
+    tx, rx = SealedChannel(keys[1], keys[0]), SealedChannel(*keys)
+    records = [[bytes(h), bytes(c)] for h, c in tx.seal_records(frames, group_bytes=group)]
+    rx.open(records[0])
+    rx.open(records[1])  # the first piece of frame 1; then the next message begins
+    with pytest.raises(AuthError):
+        rx.open(tx.seal([b"next"]))
+
+    # Forged heads: a piece under another piece's nonce, a one-piece "split", a frame
+    # over the size bound, a length that changes mid-frame, a gap between pieces.
+    head = wire[a][0]
+    base, n, i, _, size, offset = struct.unpack(">QHHHII", head[4:])
+    second_ct = wire[b][1]
+    m = len(wire[a][1]) - 16
+    forged = [
+        ([wire[0], [head[:-4] + struct.pack(">I", 0), second_ct]], "altered"),  # piece 1 in piece 0's place
+        ([wire[0], [head[:-8] + struct.pack(">II", m, 0), wire[a][1]]], "header"),
+        ([wire[0], [head[:-8] + struct.pack(">II", P.MAX_FRAME_BYTES + 1, 0), wire[a][1]]], "header"),
+        ([wire[0], wire[a], [head[:-8] + struct.pack(">II", size + 1, m), second_ct]], "reorder"),
+        ([wire[0], wire[a], [head[:-8] + struct.pack(">II", size, m + 1), second_ct]], "reorder"),
+    ]
+    for records, reason in forged:
+        with pytest.raises(AuthError) as err:
+            _deliver(records, keys)
+        assert err.value.reason == reason
+
+
+def _deliver(wire, keys):
+    rx = SealedChannel(*keys)
+    out = None
+    for h, c in wire:
+        out = rx.open([bytearray(h), bytearray(c)])
+    return out
