@@ -47,45 +47,80 @@ typedef struct {
     long hkv, rep, d, cap;
     float scale;
     long lo, hi;        /* (row, kv head) pairs [lo, hi) */
-    float *scratch;     /* rep * max(lens) scores */
+    long maxlen;
+    float *scratch;     /* rep * maxlen scores, then rep * d sums */
 } job_t;
 
+/* e**x for x <= 0 (scores minus their maximum), as cpu_math.exp computes it: x log2(e)
+   split into an integer n and f in [-1/2, 1/2], 2**f by its Taylor polynomial, 2**n put
+   in the exponent bits (x below -87 gives about 1e-38, never a denormal). Relative error below 1e-6; a plain function so loops over it
+   vectorize (libm's expf is one call per element). */
+static inline float exp_neg(float x) {
+    float y = x * 1.4426950408889634f;
+    y = y < -126.0f ? -126.0f : y;
+    /* rintf, not the add-and-subtract rounding trick: reassociation may fold that away. */
+    const float nf = rintf(y);
+    const float f = y - nf;
+    float p = 1.5252733804059841e-05f;
+    p = p * f + 1.5403530393381609e-04f;
+    p = p * f + 1.3333558146428443e-03f;
+    p = p * f + 9.6181291076284772e-03f;
+    p = p * f + 5.5504108664821580e-02f;
+    p = p * f + 2.4022650695910071e-01f;
+    p = p * f + 6.9314718055994531e-01f;
+    p = p * f + 1.0f;
+    union { int i; float f; } scale = {((int)nf + 127) << 23};
+    return p * scale.f;
+}
+
 /* Softmax(q k^T * scale) v for the rep query heads that share one kv head, over the
-   first lens[row] keys: scores first (each key row read once for all rep queries),
-   then the weighted sum of value rows. */
+   first n keys: scores first (each key row read once for all rep queries), then the
+   weighted sum of value rows, accumulated in a local block. Inlined with a constant d
+   so the compiler can keep q rows and accumulators in registers. */
+static inline __attribute__((always_inline)) void attend_pair(
+        const float *restrict Q, const float *restrict K, const float *restrict V, float *restrict O,
+        long n, long rep, long d, float scale, float *restrict s, float *restrict acc) {
+    for (long t = 0; t < n; t++) {
+        const float *kr = K + t * d;
+        for (long r = 0; r < rep; r++) {
+            const float *qr = Q + r * d;
+            float dot = 0.0f;
+            for (long i = 0; i < d; i++) dot += qr[i] * kr[i];
+            s[r * n + t] = dot * scale;
+        }
+    }
+    for (long r = 0; r < rep; r++) {
+        float *sr = s + r * n, m = -FLT_MAX, sum = 0.0f;
+        for (long t = 0; t < n; t++) m = sr[t] > m ? sr[t] : m;
+        for (long t = 0; t < n; t++) { sr[t] = exp_neg(sr[t] - m); sum += sr[t]; }
+        const float inv = 1.0f / sum;
+        for (long t = 0; t < n; t++) sr[t] *= inv;
+    }
+    for (long i = 0; i < rep * d; i++) acc[i] = 0.0f;
+    for (long t = 0; t < n; t++) {
+        const float *vr = V + t * d;
+        for (long r = 0; r < rep; r++) {
+            const float p = s[r * n + t];
+            for (long i = 0; i < d; i++) acc[r * d + i] += p * vr[i];
+        }
+    }
+    for (long i = 0; i < rep * d; i++) O[i] = acc[i];
+}
+
 static void run(const job_t *j) {
     const long d = j->d, rep = j->rep, cap = j->cap;
-    float *s = j->scratch;
+    float *s = j->scratch, *acc = j->scratch + j->rep * j->maxlen;
     for (long bh = j->lo; bh < j->hi; bh++) {
         const long n = j->lens[bh / j->hkv];
         const float *K = j->k + bh * cap * d, *V = j->v + bh * cap * d;
         const float *Q = j->q + bh * rep * d;
         float *O = j->o + bh * rep * d;
-        for (long t = 0; t < n; t++) {
-            const float *kr = K + t * d;
-            for (long r = 0; r < rep; r++) {
-                const float *qr = Q + r * d;
-                float acc = 0.0f;
-                for (long i = 0; i < d; i++) acc += qr[i] * kr[i];
-                s[r * n + t] = acc * j->scale;
-            }
-        }
-        for (long r = 0; r < rep; r++) {
-            float *sr = s + r * n, m = -FLT_MAX, sum = 0.0f;
-            for (long t = 0; t < n; t++) m = sr[t] > m ? sr[t] : m;
-            for (long t = 0; t < n; t++) { sr[t] = expf(sr[t] - m); sum += sr[t]; }
-            const float inv = 1.0f / sum;
-            for (long t = 0; t < n; t++) sr[t] *= inv;
-            for (long i = 0; i < d; i++) O[r * d + i] = 0.0f;
-        }
-        for (long t = 0; t < n; t++) {
-            const float *vr = V + t * d;
-            for (long r = 0; r < rep; r++) {
-                const float p = s[r * n + t];
-                float *orow = O + r * d;
-                for (long i = 0; i < d; i++) orow[i] += p * vr[i];
-            }
-        }
+        if (d == 64 && rep == 3) attend_pair(Q, K, V, O, n, 3, 64, j->scale, s, acc);
+        else if (d == 64 && rep == 4) attend_pair(Q, K, V, O, n, 4, 64, j->scale, s, acc);
+        else if (d == 128 && rep == 4) attend_pair(Q, K, V, O, n, 4, 128, j->scale, s, acc);
+        else if (d == 64) attend_pair(Q, K, V, O, n, rep, 64, j->scale, s, acc);
+        else if (d == 128) attend_pair(Q, K, V, O, n, rep, 128, j->scale, s, acc);
+        else attend_pair(Q, K, V, O, n, rep, d, j->scale, s, acc);
     }
 }
 
@@ -108,14 +143,14 @@ int decode_attention(const float *q, const float *k, const float *v, float *o,
     if (threads < 1) threads = 1;
     job_t jobs[MAX_THREADS];
     pthread_t tids[MAX_THREADS];
-    float *scratch = malloc(sizeof(float) * rep * maxlen * threads);
+    const long per = rep * (maxlen + d);
+    float *scratch = malloc(sizeof(float) * per * threads);
     if (!scratch) return -1;
     long at = 0, done = 0;
     for (long t = 0; t < threads; t++) {
         long lo = at, goal = total * (t + 1) / threads;
         while (at < pairs && (t == threads - 1 || done < goal)) done += lens[at++ / hkv];
-        jobs[t] = (job_t){q, k, v, o, lens, hkv, rep, d, cap, scale, lo, at,
-                          scratch + t * rep * maxlen};
+        jobs[t] = (job_t){q, k, v, o, lens, hkv, rep, d, cap, scale, lo, at, maxlen, scratch + t * per};
     }
     long started = 0;
     for (long t = 1; t < threads; t++) {
@@ -130,8 +165,11 @@ int decode_attention(const float *q, const float *k, const float *v, float *o,
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
+_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+          "-fPIC", "-shared", "-pthread"]
+# Tried in order: the machine's own vector width first (512-bit vectors: 9.4 instead of
+# 10.3 ms for 30 layers on the 2-core EPYC), then whatever the compiler takes.
+_TUNING = (["-march=native", "-mprefer-vector-width=512"], ["-march=native"], [])
 
 _lib = None
 _why: str | None = None
@@ -144,7 +182,7 @@ def _cache_dir() -> Path:
 
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
-    tag = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
+    tag = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + repr(_TUNING) + cc).encode()).hexdigest()[:16]
     out = _cache_dir() / f"decode_attention-{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -152,8 +190,14 @@ def _build() -> ctypes.CDLL:
             src = Path(tmp) / "decode_attention.c"
             src.write_text(_SOURCE)
             built = Path(tmp) / out.name
-            subprocess.run([cc, *_FLAGS, "-o", str(built), str(src), "-lm"], check=True,
-                           capture_output=True, timeout=120)
+            for i, tuning in enumerate(_TUNING):
+                try:
+                    subprocess.run([cc, *_FLAGS, *tuning, "-o", str(built), str(src), "-lm"], check=True,
+                                   capture_output=True, timeout=120)
+                    break
+                except subprocess.CalledProcessError:
+                    if i == len(_TUNING) - 1:
+                        raise
             os.replace(built, out)  # atomic: concurrent builders leave one whole file
     lib = ctypes.CDLL(str(out))
     fn = lib.decode_attention

@@ -142,8 +142,9 @@ def test_a_traditional_rope_keeps_the_eager_decode_layers(tmp_path):
     assert fast_llama.FastLlama(model).decode.why == "a RoPE that is not a plain half-split rotation"
 
 
-@pytest.mark.parametrize("B,Hq,Hkv,D,threads", [(5, 9, 3, 64, 2), (3, 4, 4, 16, 1), (16, 6, 2, 32, 3), (1, 2, 1, 8, 2)])
-def test_decode_kernel_matches_mlx_attention_on_ragged_rows(B, Hq, Hkv, D, threads):
+@pytest.mark.parametrize("B,Hq,Hkv,D,threads,spread", [(5, 9, 3, 64, 2, 3), (3, 4, 4, 16, 1, 3), (16, 6, 2, 32, 3, 3),
+                                                        (1, 2, 1, 8, 2, 3), (4, 8, 2, 128, 2, 40)])
+def test_decode_kernel_matches_mlx_attention_on_ragged_rows(B, Hq, Hkv, D, threads, spread):
     """The C decode attention == cpu_math.attention with an additive mask, rows of
     different lengths; what lies past each row's length (NaN here) is never read."""
     if not cpu_kernels.available():
@@ -152,7 +153,7 @@ def test_decode_kernel_matches_mlx_attention_on_ragged_rows(B, Hq, Hkv, D, threa
     cap = 160
     lens = rng.integers(1, cap + 1, B).astype(np.int32)
     lens[0] = cap
-    q = rng.normal(size=(B, Hq, D)).astype(np.float32) * 3
+    q = rng.normal(size=(B, Hq, D)).astype(np.float32) * spread  # 40: most weights underflow
     k = rng.normal(size=(B, Hkv, cap, D)).astype(np.float32)
     v = rng.normal(size=(B, Hkv, cap, D)).astype(np.float32)
     for b, n in enumerate(lens):
@@ -164,7 +165,10 @@ def test_decode_kernel_matches_mlx_attention_on_ragged_rows(B, Hq, Hkv, D, threa
     mask = cpu_math.additive_mask(lens - 1, 1, n)
     want = cpu_math.attention(mx.array(q)[:, :, None], kk, vv, 0.125, mask, 0)[:, :, 0]
     assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, np.array(want), rtol=1e-5, atol=1e-5)
+    # Scores of magnitude ~100 (spread 40) carry float32 rounding of ~1e-5 that exp
+    # amplifies the same way whichever order the dot products sum in.
+    tol = 1e-5 if spread <= 3 else 2e-4
+    np.testing.assert_allclose(got, np.array(want), rtol=tol, atol=tol)
 
 
 def test_engine_with_and_without_the_decode_kernel_yield_the_same_tokens(tiny, monkeypatch):
