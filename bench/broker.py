@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -285,8 +286,9 @@ def _lean_client(frontend: str, stream_out: str, secret: bytes, *, seconds: floa
                 setsockopt(sub, SUBSCRIBE, rid)
                 send(dealer, pre + rid + post, NOBLOCK)
             issued += max(0, want)
-            # Open loop: sleep in poll until the next request is due (1 ms at most).
-            timeout = 10 if rate is None else max(0.0, min(1.0, (start + issued / rate - clock()) * 1e3))
+            # Open loop: sleep in poll until the next request is due. Whole milliseconds,
+            # rounded up: pyzmq truncates a float timeout, and 0 would spin a core.
+            timeout = 10 if rate is None else math.ceil(max(0.0, (start + issued / rate - clock()) * 1e3))
         elif not sent or now > end + linger:
             break
         else:

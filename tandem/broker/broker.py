@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 from collections import deque
 import threading
 import time
@@ -151,8 +152,11 @@ class Broker:
         }
         try:
             while not self._stop.is_set():
+                # Whole milliseconds, rounded up: a float timeout is truncated, and under
+                # 1 ms that is 0, which spun the loop for the last millisecond before each
+                # tick, taking a core from the processes the next message comes from.
                 timeout = max(0.0, next_tick - self.last_loop)
-                events = poller.poll(timeout * 1000)
+                events = poller.poll(math.ceil(timeout * 1000))
                 started = time.monotonic()
                 for sock, _ in events:
                     read, handler = readers[sock]

@@ -432,3 +432,32 @@ def test_refusal_after_the_stream_ended_releases_the_worker():
     h.d.worker_message(p, M.Refused(rid, "at_capacity", "KV channel broke", 0.0))
     assert rid not in h.d.jobs and not h.d.registry.get(p).inflight and not h.d.registry.get(d).inflight
     assert not [m for _, m in h.dispatches() if isinstance(m, M.Resume)]
+
+
+def test_dispatch_from_the_submit_bytes_equals_the_dispatch_message():
+    """With the socket loop's raw path (to_worker_raw + the SUBMIT's bytes), every dispatch
+    (prefill with a decode target, and a re-dispatch after a refusal) decodes to exactly
+    the Dispatch the message path sends."""
+    from tandem.broker import frames as F
+    from tandem.wire import codec
+
+    def run(raw: bool):
+        h = Harness()
+        out = []
+        if raw:
+            h.d.to_worker_raw = lambda i, head: out.append((i, F.decode(head)))
+        h.worker("p0", "prefill")
+        h.worker("d0", "decode")
+        h.worker("d1", "decode")
+        rid = bytes(range(16))
+        sub = M.Submit(rid, [5, 6, 7, 8, 9], SamplingParams(temperature=0.5, seed=3, max_tokens=9), priority=2, model="m")
+        h.d.subscribe(rid)
+        h.d.submit(b"c", sub, F.submit_tail(codec.encode(sub)[0]) if raw else None)
+        first = (out or h.dispatches())[-1][1]
+        h.d.worker_message(b"p0", M.Refused(rid, "at_capacity", "decode full", 0.0))
+        return out if raw else h.dispatches(), first
+
+    (raw, first_raw), (plain, first_plain) = run(True), run(False)
+    assert first_raw.decode_address and first_raw.mode == "prefill"
+    assert len(raw) == len(plain) >= 2
+    assert raw == plain
