@@ -38,9 +38,9 @@ RECORD_GROUP_BYTES = 4 << 20
 # KVSender's send arena: 8 MiB (records of 2 MiB, sealed.py splits larger frames into
 # pieces) stays in the last-level cache between the sealing thread writing a record and
 # libzmq's I/O thread copying it into the socket; a 64 MiB ring is evicted before it is
-# reused. On the development box (32 MiB L3, sender and receiver on two cores) that moved
-# the median sealed/raw ZeroMQ ratio of the 1k-token 8B-shaped cache from ~0.60 to ~0.67
-# (interleaved runs); a blocking sender never needs more than a few records in flight.
+# reused. On the development box (32 MiB L3, sender and receiver on two cores) its median
+# sealed/raw ZeroMQ ratio was 2-11 points above a 64 MiB arena's in 10 of 12 interleaved A/B
+# runs (docs/benchmarks/kv_transfer.md); a blocking sender needs only a few records in flight.
 SENDER_ARENA_BYTES = 8 << 20
 KV_HWM = 64  # messages; KV chunks are large, so keep the queue short and let send block
 REPLY_HWM = 10_000  # the decode side's replies
