@@ -32,7 +32,8 @@ def big_snapshot(seed: int, tokens: int = 1024, layers: int = 4, heads: int = 4,
                       tokens, tokens, keys, values, SamplingParams(max_tokens=4))
 
 
-def test_large_handoffs_travel_as_records_and_stay_bit_exact(ctx):
+@pytest.mark.parametrize("tokens", [1024, 4096])  # 1 MiB frames: records; 4 MiB frames: pieces of them
+def test_large_handoffs_travel_as_records_and_stay_bit_exact(ctx, tokens):
     secret = os.urandom(32)
     ingest = KVIngest(ctx, "tcp://127.0.0.1:*", secret=secret, node_id="decode-a", timeout_s=10)
     addr = ingest.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -40,8 +41,9 @@ def test_large_handoffs_travel_as_records_and_stay_bit_exact(ctx):
     # and a region still held by libzmq must be skipped (the IO thread never waits for it).
     arena = SendArena(4 << 20)
     peer = KVPeer(ctx, addr, secret=secret, node_id="prefill-a", arena=arena)
-    snaps = [big_snapshot(s) for s in range(3)]
-    assert snaps[0].keys[0].nbytes == 1 << 20
+    snaps = [big_snapshot(s, tokens) for s in range(3)]
+    frame_mib = snaps[0].keys[0].nbytes >> 20
+    assert frame_mib == tokens // 1024
     for snap in snaps:
         (msgs,) = snapshot_messages(snap, stream_seq=0, priority=0, attempt=1)
         peer.queue(Outgoing(snap.request_id, 1, "decode-a", msgs, time.monotonic() + 10))
@@ -59,5 +61,6 @@ def test_large_handoffs_travel_as_records_and_stay_bit_exact(ctx):
         back = done[snap.request_id]
         for a, b in zip(back.keys + back.values, snap.keys + snap.values):
             np.testing.assert_array_equal(a, b)
-    # Each transfer's 8 MiB went as several records (each its own ZeroMQ message), not one.
-    assert zmq_messages >= 3 * 8 and arena._view is not None
+    # Each transfer's 8 frames went as records of at most 1 MiB (each its own ZeroMQ
+    # message; a 4 MiB frame as pieces), not as one message.
+    assert zmq_messages >= 3 * 8 * frame_mib and arena._view is not None
