@@ -306,7 +306,7 @@ def render(r: dict) -> str:
         f"Produced by `bench/engine.py` on {time.strftime('%Y-%m-%d')}: model `{r['model']}` (dense weights as the loader",
         f"gives them on this backend, the same model object for both), BLAS `{r['blas']}`, {r['machine']}.",
         f"Each number is the best of {r['repeats']} alternating runs on a shared 2-core machine; the per-run",
-        "values are in engine.json and show the noise"
+        f"values are in {r.get('svg', 'engine.svg')[:-4]}.json and show the noise"
         + (f" (load average {r['loadavg_start'][0]:.1f} at the start, {r['loadavg_end'][0]:.1f} at the end)." if "loadavg_end" in r else "."),
         "",
         f"![decode throughput]({r.get('svg', 'engine.svg')})",
@@ -320,9 +320,10 @@ def render(r: dict) -> str:
     for d in r["decode"]:
         lines.append(f"| {d['batch']} | {d['engine_tok_s']:.1f} | {fmt(d.get('plain_forward_tok_s'))} | {d['batchgen_tok_s']:.1f} | "
                      f"{d['ratio']:.2f}x | {paired_ratio(d):.2f}x |")
-    lines += ["", "## Prefill throughput (512-token prompts, prefilled together)", "",
-              "| prompts | engine tok/s | engine, mlx-lm forward tok/s | BatchGenerator tok/s | ratio (engine / BatchGenerator) |",
-              "|---:|---:|---:|---:|---:|"]
+    if r["prefill"]:
+        lines += ["", "## Prefill throughput (512-token prompts, prefilled together)", "",
+                  "| prompts | engine tok/s | engine, mlx-lm forward tok/s | BatchGenerator tok/s | ratio (engine / BatchGenerator) |",
+                  "|---:|---:|---:|---:|---:|"]
     for p in r["prefill"]:
         lines.append(f"| {p['prompts']} | {p['engine_tok_s']:.1f} | {fmt(p.get('plain_forward_tok_s'))} | {p['batchgen_tok_s']:.1f} | {p['ratio']:.2f}x |")
     if r.get("grant"):
