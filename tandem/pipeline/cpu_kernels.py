@@ -223,8 +223,13 @@ def available() -> bool:
 
 
 def threads() -> int:
+    """Threads per call: ``TANDEM_ATTENTION_THREADS``, else one per core."""
     n = os.environ.get("TANDEM_ATTENTION_THREADS", "").strip()
-    return int(n) if n else (os.cpu_count() or 1)
+    if not n:
+        return os.cpu_count() or 1
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"TANDEM_ATTENTION_THREADS={n!r}: set a whole number of threads, 1 or more")
+    return int(n)
 
 
 def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray, scale: float,

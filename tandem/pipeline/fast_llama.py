@@ -252,6 +252,8 @@ class FastLlama:
         # Decode attention over the runner's contiguous mirror in one C call per layer
         # (cpu_kernels); otherwise, or where the runner has no mirror, the mlx ops.
         self.decode_kernel = cpu_kernels.available()
+        if self.decode_kernel:
+            cpu_kernels.threads()  # a bad TANDEM_ATTENTION_THREADS fails here, not mid-step
 
     def __call__(self, inputs: mx.array, caches, mask: mx.array | None, max_q_start: int,
                  last: mx.array | None) -> mx.array:

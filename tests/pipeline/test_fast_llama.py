@@ -188,3 +188,11 @@ def test_engine_with_and_without_the_decode_kernel_yield_the_same_tokens(tiny, m
         assert (len(calls) > before) is kernel
     assert runs[0] == runs[1]
     assert runs[0][:3] == [oracle(tiny, p, 12) for p in prompts[:3]]
+
+
+def test_attention_threads_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("TANDEM_ATTENTION_THREADS", "two")
+    with pytest.raises(ValueError, match="TANDEM_ATTENTION_THREADS"):
+        cpu_kernels.threads()
+    monkeypatch.setenv("TANDEM_ATTENTION_THREADS", "3")
+    assert cpu_kernels.threads() == 3
