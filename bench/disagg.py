@@ -65,50 +65,58 @@ async def drive(endpoints, secret, ps, concurrency, max_tokens, marks=None):
             "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p90_ms": pct(ttft, 0.9) * 1e3}
 
 
-def run_layout(args, roles, ps, warm, unloaded, gate=False):
-    from tests.integration.cluster import Cluster
+class Layout:
+    """One layout's broker and workers, up for the whole run (idle while another layout is
+    measured), so the unloaded requests can alternate between layouts."""
 
-    tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-disagg-"))
-    c = Cluster(tmp, heartbeat_ms=1000)
-    timeline = tmp / "timeline.jsonl"
-    if gate:
-        c.env["TANDEM_WORKER_CPU_GATE"] = str(tmp / "cpu.gate")
-    if args.timeline:
-        c.env["TANDEM_TIMELINE"] = str(timeline)
-    try:
-        c.start_broker()
-        extra = ["--model", args.model] if args.model else []
-        procs = [c.start_worker(role, *extra, engine="mlx", wait=False) for role in roles]
-        for p in procs:
-            p.wait_ready(600)
-        cl = c.client(timeout_s=60)
-        want = {r: roles.count(r) for r in set(roles)}
-        c.wait_workers(cl, timeout=600, **want)
-        asyncio.run(drive(c.endpoints, c.secret, warm, args.concurrency, 4))  # compile/warm both sides
-        marks = []
-        t_start = time.monotonic()
-        result = asyncio.run(drive(c.endpoints, c.secret, ps, args.concurrency, args.max_tokens, marks))
-        t_end = time.monotonic()
-        handoffs = _handoffs(procs)
-        if handoffs:
-            # Skip the warm-up handoffs (logged first).
-            ms, nbytes = handoffs[0][len(warm):], handoffs[1][len(warm):]
-            result["handoff_p50_ms"] = statistics.median(ms)
-            result["handoff_mean_bytes"] = statistics.mean(nbytes)
-            result["handoff_gb_s"] = sum(nbytes) / (sum(ms) / 1e3) / 1e9
+    def __init__(self, args, key: str, name: str, roles: list[str], gate: bool):
+        from tests.integration.cluster import Cluster
+
+        self.key, self.name, self.roles = key, name, roles
+        self.tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-disagg-"))
+        self.c = Cluster(self.tmp, heartbeat_ms=1000)
+        self.timeline = self.tmp / "timeline.jsonl"
+        if args.kv_budget:
+            self.c.env["TANDEM_ENGINE_KV_CACHE_BUDGET"] = args.kv_budget
+        if gate:
+            self.c.env["TANDEM_WORKER_CPU_GATE"] = str(self.tmp / "cpu.gate")
         if args.timeline:
-            result["timeline"] = _timeline(timeline, marks, t_start, t_end)
-        if unloaded:
-            # The same layout with one request at a time (fresh prompts: no prefix-cache hits).
-            one = asyncio.run(drive(c.endpoints, c.secret, unloaded, 1, args.max_tokens))
-            result["unloaded"] = {"requests": len(unloaded), "ttft_p50_ms": one["ttft_p50_ms"],
-                                  "ttft_p90_ms": one["ttft_p90_ms"], "tok_s": one["tok_s"]}
-            later = _handoffs(procs)
-            if later and len(later[0]) > len(handoffs[0] if handoffs else []):
-                result["unloaded"]["handoff_p50_ms"] = statistics.median(later[0][len(handoffs[0] if handoffs else []):])
-        return result
-    finally:
-        c.close()
+            self.c.env["TANDEM_TIMELINE"] = str(self.timeline)
+        self.c.start_broker()
+        extra = ["--model", args.model] if args.model else []
+        self.procs = [self.c.start_worker(role, *extra, engine="mlx", wait=False) for role in roles]
+
+    def ready(self, warm, args) -> None:
+        for p in self.procs:
+            p.wait_ready(600)
+        cl = self.c.client(timeout_s=60)
+        self.c.wait_workers(cl, timeout=600, **{r: self.roles.count(r) for r in set(self.roles)})
+        self.drive(warm, args.concurrency, 4)  # compile / warm both sides
+
+    def drive(self, ps, concurrency, max_tokens, marks=None):
+        return asyncio.run(drive(self.c.endpoints, self.c.secret, ps, concurrency, max_tokens, marks))
+
+    def handoffs(self):
+        return _handoffs(self.procs) or ([], [])
+
+    def close(self):
+        self.c.close()
+
+
+def run_loaded(layout: Layout, args, ps, with_timeline: bool) -> dict:
+    before = len(layout.handoffs()[0])
+    marks = []
+    t_start = time.monotonic()
+    result = layout.drive(ps, args.concurrency, args.max_tokens, marks)
+    t_end = time.monotonic()
+    ms, nbytes = (x[before:] for x in layout.handoffs())
+    if ms:
+        result["handoff_p50_ms"] = statistics.median(ms)
+        result["handoff_mean_bytes"] = statistics.mean(nbytes)
+        result["handoff_gb_s"] = sum(nbytes) / (sum(ms) / 1e3) / 1e9
+    if with_timeline:
+        result["timeline"] = _timeline(layout.timeline, marks, t_start, t_end)
+    return result
 
 
 def _handoffs(procs):
@@ -175,21 +183,66 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--unloaded", type=int, default=4, metavar="N",
-                   help="then N more requests one at a time (concurrency 1) in each layout; 0 = skip")
+    p.add_argument("--rounds", type=int, default=2, help="loaded runs per layout, rotating the order (medians reported)")
+    p.add_argument("--unloaded", type=int, default=8, metavar="N",
+                   help="then N fresh prompts one at a time (concurrency 1), each to every layout in turn; 0 = skip")
+    p.add_argument("--kv-budget", default="", help="each worker's engine.kv_cache_budget (default: the engine's own, auto)")
     p.add_argument("--gate", choices=("both", "on", "off"), default="both",
                    help="disaggregated runs with worker.cpu_gate (prefill first across the two workers), without, or both")
     p.add_argument("--timeline", action="store_true",
                    help="workers write a per-request timeline (TANDEM_TIMELINE); report where TTFT goes")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = p.parse_args()
-    ps = prompts(args.requests, args.prompt_tokens, seed=1)
     warm = prompts(2, args.prompt_tokens, seed=2)
     unloaded = prompts(args.unloaded, args.prompt_tokens, seed=3)
-    hybrid = run_layout(args, ["hybrid"], ps, warm, unloaded)
-    ungated = run_layout(args, ["prefill", "decode"], ps, warm, unloaded) if args.gate in ("both", "off") else None
-    gated = run_layout(args, ["prefill", "decode"], ps, warm, unloaded, gate=True) if args.gate in ("both", "on") else None
-    disagg = gated or ungated
+    specs = [("hybrid", "hybrid (1 worker)", ["hybrid"], False)]
+    if args.gate in ("both", "off"):
+        specs.append(("disaggregated", "1 prefill + 1 decode", ["prefill", "decode"], False))
+    if args.gate in ("both", "on"):
+        specs.append(("disaggregated_gated", "1 prefill + 1 decode, cpu_gate on", ["prefill", "decode"], True))
+    live: list[Layout] = []
+    runs: dict[str, list] = {key: [] for key, *_ in specs}
+    pairs: dict[str, list] = {key: [] for key, *_ in specs}
+    try:
+        for spec in specs:
+            live.append(Layout(args, *spec))
+        for lay in live:
+            lay.ready(warm, args)
+        # Loaded: each round gives every layout the same fresh prompts (a new seed per round,
+        # so no round hits a prefix cached by the one before), in a rotated order.
+        for rnd in range(args.rounds):
+            ps = prompts(args.requests, args.prompt_tokens, seed=10 + rnd)
+            order = live[rnd % len(live):] + live[:rnd % len(live)]
+            for lay in order:
+                runs[lay.key].append(run_loaded(lay, args, ps, args.timeline and rnd == 0))
+        # Unloaded: one request at a time, the same fresh prompt to each layout in turn.
+        for p in unloaded:
+            for lay in live:
+                before = len(lay.handoffs()[0])
+                one = lay.drive([p], 1, args.max_tokens)
+                ms = lay.handoffs()[0][before:]
+                pairs[lay.key].append((one["ttft_p50_ms"], ms[0] if ms else None))
+    finally:
+        for lay in live:
+            lay.close()
+
+    def summary(key):
+        rs = runs[key]
+        out = {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], (int, float))}
+        out["rounds"] = rs
+        if "timeline" in rs[0]:
+            out["timeline"] = rs[0]["timeline"]
+        if pairs[key]:
+            ttfts = [t for t, _ in pairs[key]]
+            out["unloaded"] = {"requests": len(ttfts), "ttft_ms": ttfts, "ttft_p50_ms": statistics.median(ttfts),
+                               "ttft_p90_ms": pct(ttfts, 0.9)}
+            hs = [h for _, h in pairs[key] if h is not None]
+            if hs:
+                out["unloaded"]["handoff_p50_ms"] = statistics.median(hs)
+        return out
+    hybrid = summary("hybrid")
+    ungated = summary("disaggregated") if "disaggregated" in runs else None
+    gated = summary("disaggregated_gated") if "disaggregated_gated" in runs else None
     layouts = [("hybrid (1 worker)", "hybrid", hybrid)]
     if ungated:
         layouts.append(("1 prefill + 1 decode", "disaggregated", ungated))
@@ -197,14 +250,17 @@ def main() -> int:
         layouts.append(("1 prefill + 1 decode, cpu_gate on", "disaggregated_gated", gated))
     result = {**machine(), "args": vars(args), **{key: r for _, key, r in layouts}}
     cmd = (f"python bench/disagg.py --requests {args.requests} --concurrency {args.concurrency} "
-           f"--prompt-tokens {args.prompt_tokens} --max-tokens {args.max_tokens} --unloaded {args.unloaded}"
+           f"--prompt-tokens {args.prompt_tokens} --max-tokens {args.max_tokens} --rounds {args.rounds} "
+           f"--unloaded {args.unloaded}"
            + (f" --gate {args.gate}" if args.gate != "both" else "") + (" --timeline" if args.timeline else ""))
     md = [
         "# Hybrid vs disaggregated serving on one machine\n",
         f"{result['when']}, {result['cpus']} cores shared by every process (1-minute load average "
         f"{result['load_avg_1m']:.1f} at the end), default model unless --model. {args.requests} requests, "
         f"{args.concurrency} in flight, {args.prompt_tokens}-token prompts, {args.max_tokens} generated tokens each, "
-        "temperature 0. Each layout is a fresh broker and fresh workers; TTFT is submit -> first token at the client.\n",
+        f"temperature 0. Each layout has its own broker and workers, all started at once (KV pool "
+        f"{args.kv_budget or 'auto'}); loaded rows are medians of {args.rounds} rounds (fresh prompts per round, layout order rotated). "
+        "TTFT is submit -> first token at the client.\n",
         f"Command: `{cmd}`\n",
         "| layout | aggregate tok/s | vs hybrid | TTFT p50 | TTFT p90 | TTFT p50 overhead | KV handoff p50 | KV bytes/request |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -217,11 +273,15 @@ def main() -> int:
                   + (f"{r['handoff_p50_ms']:.1f} ms | {r['handoff_mean_bytes'] / 1e6:.2f} MB |"
                      if "handoff_p50_ms" in r else "- | - |"))
     if args.unloaded:
-        md += [f"\nUnloaded: then {args.unloaded} fresh prompts one at a time (concurrency 1), same processes:\n",
-               "| layout | TTFT p50 | TTFT p90 | TTFT p50 overhead | KV handoff p50 |", "|---|---:|---:|---:|---:|"]
+        md += [f"\nUnloaded: {args.unloaded} fresh prompts one at a time (concurrency 1), each sent to every layout "
+               "in turn (all layouts are up; the others idle), so each prompt gives a pair:\n",
+               "| layout | TTFT p50 | TTFT p90 | overhead, median of pairs | KV handoff p50 |", "|---|---:|---:|---:|---:|"]
         for name, key, r in layouts:
             u = r["unloaded"]
-            u["ttft_overhead_p50_ms"] = u["ttft_p50_ms"] - hybrid["unloaded"]["ttft_p50_ms"]
+            if r is not hybrid:
+                diffs = [a - b for a, b in zip(u["ttft_ms"], hybrid["unloaded"]["ttft_ms"])]
+                u["ttft_overhead_pairs_ms"] = diffs
+                u["ttft_overhead_p50_ms"] = statistics.median(diffs)
             md.append(f"| {name} | {u['ttft_p50_ms']:.0f} ms | {u['ttft_p90_ms']:.0f} ms | "
                       + ("" if r is hybrid else f"{u['ttft_overhead_p50_ms']:+.0f} ms") + " | "
                       + (f"{u['handoff_p50_ms']:.1f} ms |" if "handoff_p50_ms" in u else "- |"))

@@ -5,6 +5,7 @@ SIGTERM drain. Part of :class:`tandem.workers.worker.Worker` (its state lives th
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import time
 
@@ -43,6 +44,9 @@ class Health:
         if not self._engine_progressing(now, stats):
             if not self.stalled:
                 log.error("engine made no progress for %.0fs with work queued: heartbeats stop so the broker moves our requests", self.s.stall_timeout_s)
+                # Where every thread is (the engine's above all), once per stall: a hang in
+                # native code leaves nothing else to go on.
+                faulthandler.dump_traceback(all_threads=True)
             self.stalled = True
             return
         self.stalled = False
