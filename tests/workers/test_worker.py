@@ -227,3 +227,29 @@ def test_prefill_handoff_to_a_silent_decode_worker_times_out_and_is_reported(env
         assert not w.local and w.sender.counters["handoff_failures"] == 1  # nothing held any more
     finally:
         silent.close(0)
+
+
+def test_a_batch_of_first_tokens_is_published_before_any_handoff_starts():
+    """Starting a handoff seals megabytes on the IO thread: the other prompts of the same
+    prefill batch must not wait for it to see their first token."""
+    from tandem.pipeline.api import TokenEvent
+    from tandem.workers.local import Local
+
+    ctx = zmq.Context()
+    try:
+        w = Worker(StubEngine(), settings=WorkerSettings(role="prefill", name="p-test"), backend="tcp://127.0.0.1:9",
+                   stream_in="tcp://127.0.0.1:9", secret=os.urandom(32), model_id="stub", ctx=ctx)
+        order = []
+        w._publish = lambda local, tokens, *a, **k: order.append(("publish", local.request_id))
+        w._hand_off = lambda local, snap: order.append(("handoff", local.request_id))
+        rids = [bytes([i]) * 16 for i in (1, 2, 3)]
+        for rid in rids:
+            w.local[rid] = Local(rid, 1, 0, "prefill", 4, 0, "d0", "tcp://127.0.0.1:9")
+            w._events.put((1, TokenEvent(rid, [5], snapshot=object())))
+        w._drain_events()
+        assert order == [("publish", r) for r in rids] + [("handoff", r) for r in rids]
+        assert all(w.local[r].handing_off for r in rids)
+        w.backend.close(0)
+        w.pub.close(0)
+    finally:
+        ctx.destroy(0)
