@@ -9,8 +9,9 @@ timeline: 69 decode steps ran inside the prefills of 16 prompts). With a gate fi
 workers share, a prefill worker holds a shared ``flock`` from the step that starts a
 prefill until every prompt in it has its first token (several prefill workers may hold
 it at once), and a decode worker takes the lock exclusively, and lets go at once, before
-each of its steps: it waits while any prefill runs. A decode step already running
-finishes; no decode step starts during a prefill. The lock is the kernel's: a worker that
+each of its steps: it waits while any prefill runs, for up to ``max_wait_s`` per step
+(``worker.cpu_gate_max_wait_ms``). A decode step already running finishes; no decode step
+starts during a prefill shorter than that bound. The lock is the kernel's: a worker that
 dies releases it.
 
 Off unless ``worker.cpu_gate`` names a file; only for workers that share cores.
@@ -21,11 +22,17 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
+
+
+WAIT_POLL_S = 0.001
 
 
 class CpuGate:
-    def __init__(self, path: str):
+    def __init__(self, path: str, max_wait_s: float = 10.0):
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.max_wait_s = max_wait_s
+        self.overrides = 0  # decode steps that ran during a prefill after waiting max_wait_s
         self.held = False
         self._prefilling: set[bytes] = set()
         self._lock = threading.Lock()
@@ -57,12 +64,25 @@ class CpuGate:
 
     # ---- decode worker (engine thread) --------------------------------------------------------
     def before_decode_step(self) -> None:
-        """Wait while a co-located prefill runs."""
+        """Wait while a co-located prefill runs, but at most ``max_wait_s`` per step: a long
+        run of prefills (a very long prompt, a burst of them) must not starve decoding into
+        the worker's stall timeout, the way hybrid's scheduler grants decode ticks to a
+        parked long prompt."""
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self.waits += 1
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            deadline = time.monotonic() + self.max_wait_s
+            while True:
+                # flock has no timeout: poll. A millisecond is small next to a decode step.
+                time.sleep(WAIT_POLL_S)
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        self.overrides += 1
+                        return  # decode this step alongside the prefill
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def close(self) -> None:

@@ -16,4 +16,5 @@ class WorkerSettings:
     stall_timeout_s: float = field(default=30.0, metadata={"min": 0.1, "help": "stop heartbeating (so the broker moves our requests) if the engine makes no progress for this long while it has work"})
     engine: str = field(default="mlx", metadata={"choices": ("mlx", "stub"), "help": "mlx: the real engine; stub: model-free deterministic tokens (benchmarks, tests)"})
     cpu_gate: str = field(default="", metadata={"help": "a lock file shared by a prefill and a decode worker on the same cores: no decode step starts while a prefill runs (the hybrid scheduler's prefill-first); empty = off"})
+    cpu_gate_max_wait_ms: int = field(default=10_000, metadata={"min": 1, "help": "cpu_gate: longest a decode step waits for prefills; then it runs alongside them (keep it under stall_timeout_s)"})
     stub_step_ms: float = field(default=0.0, metadata={"min": 0, "help": "stub engine: sleep per step"})

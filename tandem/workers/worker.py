@@ -96,7 +96,8 @@ class Worker(KVHandoffs, Health):
         self.on_drain = None  # called once when draining starts (systemd STOPPING=1)
         self.counters = {"refused": 0}
         self._timeline = open(TIMELINE, "a", buffering=1) if TIMELINE else None
-        self.gate = G.CpuGate(settings.cpu_gate) if settings.cpu_gate and self.role != "hybrid" else None
+        self.gate = (G.CpuGate(settings.cpu_gate, settings.cpu_gate_max_wait_ms / 1000)
+                     if settings.cpu_gate and self.role != "hybrid" else None)
 
     def mark(self, event: str, rid: bytes = b"", **kw) -> None:
         """One timeline line (only with TANDEM_TIMELINE set); any thread may call it."""

@@ -67,6 +67,19 @@ def test_two_prefill_workers_prefill_at_once_and_decode_waits_for_both(tmp_path)
     assert passed.is_set()
 
 
+def test_a_decode_step_waits_at_most_max_wait_then_runs_alongside(tmp_path):
+    path = str(tmp_path / "cpu.gate")
+    prefill, decode = CpuGate(path), CpuGate(path, max_wait_s=0.05)
+    prefill.prefill_started([b"long"])  # a prefill that outlasts the bound
+    t, passed = _decode_in_thread(decode)
+    t.join(5)
+    assert passed.is_set() and decode.waits == 1 and decode.overrides == 1
+    assert prefill.held  # the prefill keeps its claim; only this step went ahead
+    prefill.first_token(b"long")
+    decode.before_decode_step()
+    assert decode.overrides == 1
+
+
 def test_more_prompts_joining_a_held_prefill_keep_it_held(tmp_path):
     gate = CpuGate(str(tmp_path / "g"))
     gate.prefill_started([b"a"])
