@@ -196,3 +196,32 @@ def test_attention_threads_setting_is_checked(monkeypatch):
         cpu_kernels.threads()
     monkeypatch.setenv("TANDEM_ATTENTION_THREADS", "3")
     assert cpu_kernels.threads() == 3
+
+
+def test_forward_built_on_one_thread_runs_on_another(tiny, monkeypatch):
+    """The engine builds the forward on the caller's thread and runs it on its own; at 8
+    rows the vocabulary projection runs in row blocks, which must not be arrays that
+    still wait on the building thread's stream."""
+    import threading
+
+    monkeypatch.setattr(fast_llama, "HEAD_CHUNK_ROWS", 128)  # the tiny vocabulary in blocks too
+    fast = fast_llama.FastLlama(tiny)
+    assert len(fast.head_chunks) > 1
+    tokens = mx.array([[5 + i] for i in range(8)])
+    mx.eval(tokens)
+    got = []
+
+    def run():
+        try:
+            out = fast(tokens, make_prompt_cache(tiny), None, 0, None)
+            mx.eval(out)
+            got.append(np.array(out))
+        finally:
+            mx.synchronize()
+            mx.clear_streams()  # as the engine thread does (mlx aborts at exit otherwise)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    want = fast(tokens, make_prompt_cache(tiny), None, 0, None)  # here only after: it would evaluate the blocks
+    assert got and np.allclose(got[0], np.array(want), rtol=1e-5, atol=1e-5)
