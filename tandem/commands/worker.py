@@ -34,6 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-compression", choices=("none", "lz4"), help="prefill: compress KV frames")
     p.add_argument("--kv-quantization", choices=("none", "int8", "int4"), help="prefill: quantize K/V for transfer (lossy)")
     p.add_argument("--cluster-secret-file", metavar="PATH", help="cluster secret (>= 16 bytes)")
+    p.add_argument("--cpu-gate", metavar="FILE", help="a lock file shared with the other prefill/decode "
+                   "workers on these cores: no decode step starts while a prefill runs (worker.cpu_gate)")
 
 
 def build_engine(cfg, args, log):
@@ -86,6 +88,7 @@ def run(args) -> int:
         "worker.stub_step_ms": args.stub_step_ms, "worker.drain_grace_s": args.drain_grace,
         "security.cluster_secret_file": args.cluster_secret_file, "transfer.strategy": args.kv_strategy,
         "transfer.compression": args.kv_compression, "transfer.quantization": args.kv_quantization,
+        "worker.cpu_gate": args.cpu_gate,
     })
     role = cfg.worker.role
     if role in ("prefill", "decode"):

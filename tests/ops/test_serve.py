@@ -196,3 +196,25 @@ def test_a_child_that_cannot_start_fails_serve_loudly(tiny_model_dir, tmp_path):
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("tandem serve: broker exited with status 2") and "heartbeat_interval_ms" in last
+
+
+def test_colocated_prefill_and_decode_workers_share_one_cpu_gate(tmp_path):
+    import argparse
+
+    from tandem.commands import serve as serve_cmd
+
+    p = argparse.ArgumentParser()
+    serve_cmd.add_arguments(p)
+    args = p.parse_args(["--prefill", "2", "--decode", "1"])
+    gate = tmp_path / "gate.lock"
+    specs, _ = serve_cmd.build_specs(args, tmp_path, tmp_path / "secret", gate)
+    workers = [s for s in specs if s.name.startswith(("prefill", "decode"))]
+    assert len(workers) == 3
+    for s in workers:
+        i = s.argv.index("--cpu-gate")
+        assert s.argv[i + 1] == str(gate)
+    assert not any("--cpu-gate" in s.argv for s in specs if not s.name.startswith(("prefill", "decode")))
+    hybrid = serve_cmd.build_specs(p.parse_args(["--topology", "hybrid"]), tmp_path, tmp_path / "secret", gate)[0]
+    assert not any("--cpu-gate" in s.argv for s in hybrid)
+    ungated = serve_cmd.build_specs(args, tmp_path, tmp_path / "secret", None)[0]
+    assert not any("--cpu-gate" in s.argv for s in ungated)
