@@ -180,9 +180,23 @@ def _cache_dir() -> Path:
     return Path(base) / "tandem" / "kernels"
 
 
+def _cpu_identity() -> str:
+    """The CPU model and its feature flags (what -march=native compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.machine() + platform.processor()
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
-    tag = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + repr(_TUNING) + cc).encode()).hexdigest()[:16]
+    # The CPU is part of the key: a -march=native build loaded on another CPU that shares
+    # this cache (a home directory on several hosts) could stop with SIGILL.
+    tag = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + repr(_TUNING) + cc + _cpu_identity()).encode()).hexdigest()[:16]
     out = _cache_dir() / f"decode_attention-{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
