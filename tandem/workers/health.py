@@ -32,11 +32,14 @@ class Health:
         return not self.stalled and time.monotonic() - self.last_loop < max(5.0, 5 * self.heartbeat_s)
 
     def _engine_progressing(self, now: float, stats) -> bool:
-        if stats.steps != self._last_steps:
+        busy = stats.running + stats.waiting > 0 or bool(self.local)
+        # The stall clock runs only while there is work: an idle engine takes no steps, so
+        # without the reset the first request after an idle spell longer than the timeout
+        # was flagged at the next heartbeat, before its first step could finish.
+        if stats.steps != self._last_steps or not busy:
             self._last_steps = stats.steps
             self._last_progress = now
-        busy = stats.running + stats.waiting > 0 or bool(self.local)
-        return not busy or now - self._last_progress < self.s.stall_timeout_s
+        return now - self._last_progress < self.s.stall_timeout_s
 
     def _heartbeat(self, now: float) -> None:
         self._next_heartbeat = now + self.heartbeat_s
