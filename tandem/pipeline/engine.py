@@ -73,8 +73,20 @@ class Engine:
         self._lock = threading.Lock()
         self._tok_rate = 0.0
         self._step_ms = 0.0
+        self._before_schedule: list = []
+        self._after_schedule: list = []
 
     # ---- public, any thread -------------------------------------------------------
+    def add_schedule_hooks(self, before=None, after=None) -> None:
+        """Callables the engine thread runs around each scheduling decision: ``before()``
+        ahead of it, ``after(plan)`` with its plan (None when nothing is due). For a host
+        process that orders other work against the engine's steps (a worker's CPU gate,
+        its timeline). Add them before ``start()``."""
+        if before is not None:
+            self._before_schedule.append(before)
+        if after is not None:
+            self._after_schedule.append(after)
+
     def start(self) -> None:
         if self._thread is not None:
             return
@@ -218,7 +230,11 @@ class Engine:
                 return
 
     def _tick(self) -> int:
+        for hook in self._before_schedule:
+            hook()
         plan = self.scheduler.schedule()
+        for hook in self._after_schedule:
+            hook(plan)
         launched = None
         if plan is not None:
             for seq, why in plan.failed:

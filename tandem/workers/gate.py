@@ -90,23 +90,18 @@ class CpuGate:
 
 
 def install(gate: CpuGate, engine, role: str) -> bool:
-    """Put the gate on ``engine``'s scheduler (the engine thread calls ``schedule()`` before
-    it queues each step). False when the engine has no scheduler (the stub engine)."""
-    sched = getattr(engine, "scheduler", None)
-    if sched is None or role == "hybrid":
+    """Put the gate on ``engine``'s scheduling (its schedule hooks run on the engine thread
+    before it queues each step). False when the engine has no hooks (the stub engine)."""
+    add_hooks = getattr(engine, "add_schedule_hooks", None)
+    if add_hooks is None or role == "hybrid":
         return False
-    schedule = sched.schedule
     if role == "prefill":
-        def gated():
-            plan = schedule()
+        def after(plan):
             if plan is not None and plan.kind == "prefill":
                 # Every row, sampled or a chunk: a chunked prompt keeps the cores until
                 # its first token.
                 gate.prefill_started([r.seq.request_id for r in plan.rows])
-            return plan
+        add_hooks(after=after)
     else:
-        def gated():
-            gate.before_decode_step()
-            return schedule()
-    sched.schedule = gated
+        add_hooks(before=gate.before_decode_step)
     return True

@@ -106,19 +106,16 @@ class Worker(KVHandoffs, Health):
                                              "rid": rid.hex(), **kw}) + "\n")
 
     def _trace_ticks(self) -> None:
-        """Timeline: wrap the engine's scheduler so each tick's kind and rows are marked."""
-        sched = getattr(self.engine, "scheduler", None)
-        if sched is None:
+        """Timeline: mark each scheduled tick's kind and rows (engine schedule hook)."""
+        add_hooks = getattr(self.engine, "add_schedule_hooks", None)
+        if add_hooks is None:
             return
-        schedule = sched.schedule
 
-        def traced():
-            plan = schedule()
+        def traced(plan):
             if plan is not None and plan.rows:
                 self.mark("tick", kind=plan.kind, rows=[r.seq.request_id.hex() for r in plan.rows],
                           tokens=sum(r.n for r in plan.rows))
-            return plan
-        sched.schedule = traced
+        add_hooks(after=traced)
 
     # ---- engine side: runs on the engine thread ------------------------------------------
     def _callback(self, attempt: int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 
 import pytest
 
@@ -309,3 +310,18 @@ def test_blocks_filled_by_mirrored_decode_serve_prefix_hits_and_reuse(tiny):
     assert got == want
     assert eng.stats().prefix_tokens_saved - before.prefix_tokens_saved >= sum(len(p) for p in follow) - 3 * 4
     eng.pool.check()
+
+
+def test_schedule_hooks_run_around_every_plan_on_the_engine_thread(tiny, mixed):
+    prompts, expected = mixed
+    eng = make(tiny)
+    seen = []
+    eng.add_schedule_hooks(before=lambda: seen.append(("before", threading.current_thread().name)),
+                           after=lambda plan: seen.append(("after", plan.kind if plan else None)))
+    assert eng.generate_many([(p, greedy()) for p in prompts[:3]]) == expected[:3]
+    befores = [s for s in seen if s[0] == "before"]
+    afters = [s[1] for s in seen if s[0] == "after"]
+    assert len(befores) == len(afters) and seen[0][0] == "before"
+    assert all(a[0] == "before" and b[0] == "after" for a, b in zip(seen[::2], seen[1::2]))
+    assert "prefill" in afters and "decode" in afters
+    assert all(name != threading.main_thread().name for _, name in befores)

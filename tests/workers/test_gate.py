@@ -90,12 +90,24 @@ def test_more_prompts_joining_a_held_prefill_keep_it_held(tmp_path):
     assert not gate.held
 
 
-class _Sched:
+class _Engine:
+    """Runs its schedule hooks around each plan, as Engine._tick does."""
+
     def __init__(self, plans):
         self.plans = list(plans)
+        self.before, self.after = [], []
 
-    def schedule(self):
-        return self.plans.pop(0)
+    def add_schedule_hooks(self, before=None, after=None):
+        self.before += [before] if before else []
+        self.after += [after] if after else []
+
+    def tick(self):
+        for h in self.before:
+            h()
+        plan = self.plans.pop(0)
+        for h in self.after:
+            h(plan)
+        return plan
 
 
 def _plan(kind, *rids):
@@ -106,19 +118,19 @@ def test_install_gates_prefill_plans_on_a_prefill_worker_and_every_step_on_a_dec
     calls = []
     gate = SimpleNamespace(prefill_started=lambda ids: calls.append(("prefill", ids)),
                            before_decode_step=lambda: calls.append(("decode",)))
-    eng = SimpleNamespace(scheduler=_Sched([_plan("prefill", b"a", b"b"), _plan("decode", b"a"), None]))
+    eng = _Engine([_plan("prefill", b"a", b"b"), _plan("decode", b"a"), None])
     assert install(gate, eng, "prefill")
-    assert eng.scheduler.schedule().kind == "prefill"
-    eng.scheduler.schedule()
-    assert eng.scheduler.schedule() is None
+    assert eng.tick().kind == "prefill"
+    eng.tick()
+    assert eng.tick() is None
     assert calls == [("prefill", [b"a", b"b"])]
 
     calls.clear()
-    eng = SimpleNamespace(scheduler=_Sched([_plan("decode", b"a"), None]))
+    eng = _Engine([_plan("decode", b"a"), None])
     assert install(gate, eng, "decode")
-    eng.scheduler.schedule()
-    eng.scheduler.schedule()
+    eng.tick()
+    eng.tick()
     assert calls == [("decode",), ("decode",)]
 
-    assert not install(gate, SimpleNamespace(), "decode")  # the stub engine has no scheduler
-    assert not install(gate, SimpleNamespace(scheduler=_Sched([])), "hybrid")
+    assert not install(gate, SimpleNamespace(), "decode")  # the stub engine has no hooks
+    assert not install(gate, _Engine([]), "hybrid")
