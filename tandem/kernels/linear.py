@@ -146,10 +146,7 @@ class FlatLinear(nn.Module):
         rows = x2.shape[0]
         if self._qgemv_applies(x2, pair=False) and not swiglu:
             _note_path("cuda-qgemv-4bit")
-            if norm_weight is not None and not QGEMV_FUSE_NORM:
-                x2, norm_weight = mx.fast.rms_norm(x2, norm_weight, eps), None
-            return qg.qgemv(x2, self["qweight"], self["scales"], self["biases"], self.group_size,
-                            norm_weight=norm_weight, eps=eps, residual=residual)
+            return self._qgemv(x2, norm_weight, eps, residual=residual)
         multirow = (self.has_quantized and rows <= self.small_rows and "bias" not in self
                     and "biases" in self and qmm.cuda_available()
                     and qmm.kernel_supports(rows, self["qweight"], self["scales"], x2.dtype,
@@ -183,6 +180,12 @@ class FlatLinear(nn.Module):
         y = self(x2)
         return y if residual is None else residual + y
 
+    def _qgemv(self, x2: mx.array, norm_weight, eps: float, *, residual=None, pair: bool = False) -> mx.array:
+        if norm_weight is not None and not QGEMV_FUSE_NORM:
+            x2, norm_weight = mx.fast.rms_norm(x2, norm_weight, eps), None
+        return qg.qgemv(x2, self["qweight"], self["scales"], self["biases"], self.group_size,
+                        norm_weight=norm_weight, eps=eps, residual=residual, pair=pair)
+
     def _qgemv_applies(self, x2: mx.array, pair: bool) -> bool:
         return (USE_QGEMV and x2.shape[0] == 1 and self.has_quantized and "bias" not in self
                 and "biases" in self and qmm.cuda_available()
@@ -196,10 +199,7 @@ class FlatLinear(nn.Module):
         down product that follows reads a plain input."""
         if self._qgemv_applies(x2, pair=True):
             _note_path("cuda-qgemv-4bit-swiglu")
-            if norm_weight is not None and not QGEMV_FUSE_NORM:
-                x2, norm_weight = mx.fast.rms_norm(x2, norm_weight, eps), None
-            return qg.qgemv(x2, self["qweight"], self["scales"], self["biases"], self.group_size,
-                            norm_weight=norm_weight, eps=eps, pair=True)
+            return self._qgemv(x2, norm_weight, eps, pair=True)
         y = self.fused(x2, norm_weight=norm_weight, eps=eps)
         f = y.shape[-1] // 2
         return _swiglu(y[:, :f], y[:, f:])
