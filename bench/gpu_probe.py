@@ -132,18 +132,19 @@ def gpu_us(fn, match: str, iters: int = 20) -> float:
 
 
 def section_qgemv() -> None:
-    """The staged one-row kernel against the multirow kernel at the 8B model's products."""
+    """The one-row 4-bit kernel at the 8B model's products: one warp per row group (bps 0,
+    the kernel of runs 14-18) against persistent grids of 1-3 blocks per SM, and the rms
+    norm staged inside the kernel against ``mx.fast.rms_norm`` first."""
     from tandem.kernels import qgemv as qg
     RESULTS["qgemv"] = []
-    log(f"\n== one-row 4-bit products: qgemv vs multirow (us per call, 50 queued)")
-    log("wall: per queued call; gpu: CUPTI kernel time; TB/s from the gpu time")
-    log(f"{'product':34s} {'R':>2s} {'qgemv':>8s} {'gpu':>7s} {'TB/s':>6s} {'multirow':>9s} {'gpu':>7s} {'TB/s':>6s} {'rel err':>8s}")
+    log("\n== one-row 4-bit products (us per call, 50 queued; gpu: CUPTI kernel time)")
+    log(f"{'product':34s} {'grid':>18s} {'wall':>8s} {'gpu':>7s} {'TB/s':>6s} {'rel err':>8s}")
     mx.random.seed(0)
+    saved = qg.BLOCKS_PER_SM
     for name, n, k, kind in [("qkv 6144x4096 +norm", 6144, 4096, "norm"),
                              ("o 4096x4096 +res", 4096, 4096, "res"),
                              ("gate/up 28672x4096 +norm swiglu", 28672, 4096, "pair"),
-                             ("down 4096x14336 +res", 4096, 14336, "res"),
-                             ("head 128256x4096 +norm", 128256, 4096, "norm")]:
+                             ("down 4096x14336 +res", 4096, 14336, "res")]:
         w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
         wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
         del w
@@ -156,34 +157,35 @@ def section_qgemv() -> None:
                   residual=res if kind in ("res", "pair") else None)
         nbytes = wq.nbytes + sc.nbytes + bi.nbytes
         want = qg.qgemv_reference(x, wq, sc, bi, 64, pair=kind == "pair", **kw)
-        if name.startswith("down"):
-            # the multirow path took [gate, up] and did the swiglu itself
-            gu = mx.random.normal((1, 2 * k)).astype(mx.float16)
-            mx.eval(gu)
-            t_old = timed(lambda: qm.quantized_matmul_cuda(gu, wq, sc, bi, 64, 4, swiglu=True, residual=res))
-        elif kind == "pair":  # the multirow path wrote gate and up (the swiglu went to down)
-            t_old = timed(lambda: qm.quantized_matmul_cuda(x, wq, sc, bi, 64, 4, norm_weight=g))
-        else:
-            t_old = timed(lambda: qm.quantized_matmul_cuda(x, wq, sc, bi, 64, 4, **kw))
-        old_fn = {"down": lambda: qm.quantized_matmul_cuda(gu, wq, sc, bi, 64, 4, swiglu=True, residual=res),
-                  "pair": lambda: qm.quantized_matmul_cuda(x, wq, sc, bi, 64, 4, norm_weight=g)}.get(
-            "down" if name.startswith("down") else kind,
-            lambda: qm.quantized_matmul_cuda(x, wq, sc, bi, 64, 4, **kw))
-        g_old = gpu_us(old_fn, "tandem_qmv")
-        for r in ((2, 4) if kind == "pair" else (1, 2, 4)):
-            got = qg.qgemv(x, wq, sc, bi, 64, pair=kind == "pair", rows_override=r, **kw)
-            err = (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
-                   / (mx.abs(want.astype(mx.float32)).max() + 1e-6)).item()
-            new_fn = lambda: qg.qgemv(x, wq, sc, bi, 64, pair=kind == "pair", rows_override=r, **kw)  # noqa: E731
-            t_new = timed(new_fn)
-            g_new = gpu_us(new_fn, "tandem_qgemv")
-            RESULTS["qgemv"].append({"product": name, "R": r, "qgemv_us": t_new * 1e6,
-                                     "multirow_us": t_old * 1e6, "qgemv_gpu_us": g_new,
-                                     "multirow_gpu_us": g_old, "bytes": nbytes, "rel_err": err})
-            log(f"{name:34s} {r:2d} {t_new * 1e6:8.1f} {g_new:7.1f} {nbytes / g_new / 1e6:6.2f} "
-                f"{t_old * 1e6:9.1f} {g_old:7.1f} {nbytes / g_old / 1e6:6.2f} {err:8.1e}")
+        variants = [(f"bps{b} R{r}", b, r, False) for b in (0, 1, 2) for r in (2, 4)]
+        if kw["norm_weight"] is not None:
+            variants += [(f"bps{b} R2 normfirst", b, 2, True) for b in (0, 1)]
+        for label, bps, rows, norm_first in variants:
+            qg.BLOCKS_PER_SM = bps
+            kv = dict(kw, rows_override=rows)
+            if norm_first:
+                kv["norm_weight"] = None
+                fn = lambda kv=kv: qg.qgemv(mx.fast.rms_norm(x, g, 1e-5), wq, sc, bi, 64,  # noqa: E731
+                                            pair=kind == "pair", **kv)
+            else:
+                fn = lambda kv=kv: qg.qgemv(x, wq, sc, bi, 64, pair=kind == "pair", **kv)  # noqa: E731
+            try:
+                got = fn()
+                err = (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
+                       / (mx.abs(want.astype(mx.float32)).max() + 1e-6)).item()
+                t = timed(fn)
+                gpu = gpu_us(fn, "tandem_qgemv")
+            except Exception as e:  # noqa: BLE001 - a failed variant must not cost the rest
+                log(f"{name:34s} {label:>18s} failed: {type(e).__name__}: {e}"[:400])
+                continue
+            RESULTS["qgemv"].append({"product": name, "grid": label, "wall_us": t * 1e6,
+                                     "gpu_us": gpu, "bytes": nbytes, "rel_err": err,
+                                     "blocks": qg.grid_blocks(n_out // (rows // 2) if kind == "pair"
+                                                              else n // rows)})
+            log(f"{name:34s} {label:>18s} {t * 1e6:8.1f} {gpu:7.1f} {nbytes / gpu / 1e6:6.2f} {err:8.1e}")
         del wq, sc, bi
         mx.clear_cache()
+    qg.BLOCKS_PER_SM = saved
 
 
 def section_attention() -> None:
@@ -203,30 +205,37 @@ def section_attention() -> None:
         want = pac.paged_decode_attention_reference(q, kp, vp, table, lens, D**-0.5, BS) if B <= 16 else None
         kv_bytes = B * ctx * KVH * D * 2 * 2
         line = []
-        for part in (16, 32, 64, 128, 256, 2048):
-            if -(-ctx // part) > 512:
-                continue
-            got = pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5, BS, ctx, part, flat=True)
-            err = (mx.abs(got.reshape(B, H, D).astype(mx.float32) - want.astype(mx.float32)).max().item()
-                   if want is not None else float("nan"))
-            fn = lambda: pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5, BS, ctx, part, flat=True)  # noqa: E731
-            t = timed(fn)
-            g = gpu_us(fn, "tandem_paged")
-            RESULTS["attention"].append({"batch": B, "ctx": ctx, "partition": part, "us": t * 1e6,
-                                         "gpu_us": g, "tb_s": kv_bytes / g / 1e6, "err": err})
-            line.append(f"p{part}: {t * 1e6:.0f}/{g:.0f}us {kv_bytes / g / 1e6:.2f}TB/s")
-        log(f"B={B:3d} ctx={ctx:5d} default p{pac.choose_partition(B, KVH, ctx)}: " + "  ".join(line))
+        for ver in ("v2", "v3", "v4"):
+            line = []
+            for part in (32, 64, 128, 256, 2048):
+                if -(-ctx // part) > 512:
+                    continue
+                fn = lambda: pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5, BS, ctx, part,  # noqa: E731
+                                                        flat=True, kernel=ver)
+                got = fn()
+                err = (mx.abs(got.reshape(B, H, D).astype(mx.float32) - want.astype(mx.float32)).max().item()
+                       if want is not None else float("nan"))
+                t = timed(fn)
+                g = gpu_us(fn, "tandem_paged")
+                RESULTS["attention"].append({"batch": B, "ctx": ctx, "kernel": ver, "partition": part,
+                                             "us": t * 1e6, "gpu_us": g, "tb_s": kv_bytes / g / 1e6,
+                                             "err": err})
+                line.append(f"p{part}: {t * 1e6:.0f}/{g:.0f}us {kv_bytes / g / 1e6:.2f}TB/s")
+            log(f"B={B:3d} ctx={ctx:5d} {ver} (default p{pac.choose_partition(B, KVH, ctx)}): " + "  ".join(line))
         # the RoPE + in-place write for this batch
         qkv = mx.random.normal((B, (H + 2 * KVH) * D)).astype(mx.float16)
         pos = mx.full((B,), ctx - 1, mx.int32)
         slots = mx.array((np.arange(B) * nb * BS + BS + ctx - 1).astype(np.int32))
         inv = mx.ones((D // 2,), mx.float32) * 0.01
         mx.eval(qkv, pos, slots, inv)
-        fn = lambda: pac.write_kv_rope(qkv, pos, slots, inv, kp, vp, H, KVH)[0]  # noqa: E731
-        t = timed(fn)
-        g = gpu_us(fn, "tandem_write")
-        RESULTS["attention"].append({"batch": B, "write_us": t * 1e6, "write_gpu_us": g})
-        log(f"          write_kv_rope {t * 1e6:.1f} us wall, {g:.1f} us gpu; attention max err {err:.1e}")
+        for hpt in (1, 8):
+            pac.WRITE_HEADS_PER_THREAD = hpt
+            fn = lambda: pac.write_kv_rope(qkv, pos, slots, inv, kp, vp, H, KVH)[0]  # noqa: E731
+            t = timed(fn)
+            g = gpu_us(fn, "tandem_write")
+            RESULTS["attention"].append({"batch": B, "write_hpt": hpt, "write_us": t * 1e6, "write_gpu_us": g})
+            log(f"          write_kv_rope hpt {hpt}: {t * 1e6:.1f} us wall, {g:.1f} us gpu")
+        pac.WRITE_HEADS_PER_THREAD = 1
         del kp, vp
         mx.clear_cache()
 
@@ -281,6 +290,22 @@ def section_trace(layers: int, batches: list[int], fmt: str, steps: int, out: Pa
         prompts = np.random.randint(0, loop.vocab, (B, prompt_len)).astype(np.int32)
         tok = loop.prefill(prompts, table, kp, vp)
         mx.eval(tok)
+        mx.synchronize()
+        # The prefill itself (its kernels compiled by the call above).
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            tok = loop.prefill(prompts, table, kp, vp)
+            mx.eval(tok)
+            mx.synchronize()
+            wall = time.perf_counter() - t0
+        path = out / f"gpu_probe_trace_prefill_b{B}.json"
+        prof.export_chrome_trace(str(path))
+        s = summarize(kernel_records(path), f"kernel loop {fmt}, {layers} layers, prefill {B} x {prompt_len}", 1)
+        s["wall_us"] = wall * 1e6
+        s["tok_per_s"] = B * prompt_len / wall
+        log(f"prefill wall {wall * 1e3:.1f} ms = {B * prompt_len / wall:,.0f} tok/s (profiled)")
+        RESULTS["trace"].append(s)
+        path.unlink()
         lens = np.full(B, prompt_len + 1, dtype=np.int64)
         part = gd.pac.choose_partition(B, loop.KVH, prompt_len + steps + 8)
         for _ in range(3):

@@ -302,14 +302,38 @@ _ATT3_SOURCE = r"""
   for (int tb = t0 + 32 * warp; tb < t1; tb += 128) {
     const int t = tb + lane;
     const bool valid = t < t1;
+    const int nv = min(32, t1 - tb);
+    uint4 kr[KW];
+    if (valid) {
+      const T* kp = k_pool + (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D;
+#pragma unroll
+      for (int c = 0; c < KW; ++c) kr[c] = reinterpret_cast<const uint4*>(kp)[c];
+    }
+    // VPRE: the tile's V loads go out with its K loads (they do not depend on the
+    // scores), so a tile costs one memory latency instead of five (K, then V in four
+    // chunks of 8 tokens).
+    __align__(8) T vr[VPRE ? 32 : 1][DPL];
+    if constexpr (VPRE) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        if (j < nv) {
+          const int ti = tb + j;
+          const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + lane * DPL;
+          if constexpr (sizeof(T) == 2 && DPL == 4) {
+            *reinterpret_cast<uint2*>(&vr[j][0]) = *reinterpret_cast<const uint2*>(vp);
+          } else if constexpr (sizeof(T) == 2 && DPL == 2) {
+            *reinterpret_cast<uint32_t*>(&vr[j][0]) = *reinterpret_cast<const uint32_t*>(vp);
+          } else {
+#pragma unroll
+            for (int d = 0; d < DPL; ++d) vr[j][d] = vp[d];
+          }
+        }
+      }
+    }
     float s[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) s[g] = -INFINITY;
     if (valid) {
-      const T* kp = k_pool + (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D;
-      uint4 kr[KW];
-#pragma unroll
-      for (int c = 0; c < KW; ++c) kr[c] = reinterpret_cast<const uint4*>(kp)[c];
 #pragma unroll
       for (int g = 0; g < G; ++g) s[g] = 0.f;
 #pragma unroll
@@ -344,10 +368,22 @@ _ATT3_SOURCE = r"""
       sm_p[warp][lane][g] = p;
     }
     __syncwarp();
-    const int nv = min(32, t1 - tb);
+    if constexpr (VPRE) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        if (j < nv) {
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const float pg = sm_p[warp][j][g];
+#pragma unroll
+            for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(pg, pa_f(vr[j][d]), acc[g][d]);
+          }
+        }
+      }
+    }
 #pragma unroll
     for (int i0 = 0; i0 < 32; i0 += 8) {
-      if (i0 >= nv) break;
+      if (VPRE || i0 >= nv) break;
       float vf[8][DPL];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -566,12 +602,15 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     version = kernel or ATT_KERNEL
     if version == "auto":
         version = "v3" if B >= V3_MIN_BATCH else "v2"
-    if version == "v3" and (q.dtype not in (mx.float16, mx.bfloat16) or D not in (64, 128)):
+    if version in ("v3", "v4") and (q.dtype not in (mx.float16, mx.bfloat16) or D not in (64, 128)):
         version = "v2"
-    (partials,) = _attention_kernel(version)(
+    template = [("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
+                ("SINGLE", single)]
+    if version != "v2":
+        template.append(("VPRE", version == "v4"))
+    (partials,) = _attention_kernel("v2" if version == "v2" else "v3")(
         inputs=[q, k_pool, v_pool, _i32(table), _i32(lens), _params(float(scale), part)],
-        template=[("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
-                  ("SINGLE", single)],
+        template=template,
         grid=(npart * _ATT_THREADS, kvh, B),
         threadgroup=(_ATT_THREADS, 1, 1),
         output_shapes=[out_shape],

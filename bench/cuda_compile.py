@@ -1,0 +1,120 @@
+"""Compile tandem's CUDA kernel sources with the local nvcc: syntax errors and register /
+spill / shared-memory counts per template variant, without a GPU.
+
+A device call costs minutes of a 30-minute budget; a kernel that does not compile wastes
+one. MLX wraps ``mx.fast.cuda_kernel`` sources in a ``__global__`` function whose
+parameters are the inputs (``const T*``, plus ``<name>_shape``), the outputs (``T*``) and
+the template arguments; this script writes the same shape of function and runs
+``nvcc -cubin -Xptxas -v`` on it for sm_90 (the H200).
+
+    python bench/cuda_compile.py            # every variant the engine uses on the 8B shape
+    python bench/cuda_compile.py --keep /tmp/cu   # keep the .cu files
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tandem.kernels import paged_attention_cuda as pac  # noqa: E402
+from tandem.kernels import qgemv as qg  # noqa: E402
+
+PRELUDE = """
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cstdint>
+#include <cooperative_groups.h>
+#define inf (__int_as_float(0x7f800000))
+"""
+
+
+def variant(name: str, source: str, header: str, inputs: list[tuple[str, str]],
+            outputs: list[tuple[str, str]], template: list[tuple[str, str, str]]) -> str:
+    """One kernel instantiation. template: (kind, name, value) with kind 'typename' or a
+    C type for a value parameter."""
+    tparams = ", ".join(f"{k} {n}" for k, n, _ in template)
+    targs = ", ".join(v for _, _, v in template)
+    params = []
+    for n, t in inputs:
+        params += [f"const {t}* {n}", f"const int32_t* {n}_shape"]
+    params += [f"{t}* {n}" for n, t in outputs]
+    body = f"template <{tparams}>\n__global__ void {name}({', '.join(params)}) {{\n{source}\n}}\n"
+    inst = f"void* instantiate = (void*)&{name}<{targs}>;\n"
+    return PRELUDE + header + body + inst
+
+
+def qgemv_variants():
+    ins = [("x", "__half"), ("w", "uint32_t"), ("scales", "__half"), ("biases", "__half"),
+           ("norm_w", "__half"), ("res", "__half"), ("fparams", "float")]
+    outs = [("y", "__half")]
+    for label, k, r, norm, pair, res, db in [
+            ("qkv+norm", 4096, 2, 1, 0, 0, 1), ("o+res", 4096, 2, 0, 0, 1, 0),
+            ("gate/up pair+norm", 4096, 2, 1, 1, 0, 1), ("down+res", 14336, 2, 0, 0, 1, 0),
+            ("gate/up pair+norm R4", 4096, 4, 1, 1, 0, 1), ("down+res R1", 14336, 1, 0, 0, 1, 0),
+            ("down+res R4", 14336, 4, 0, 0, 1, 0)]:
+        t = [("int", "K", str(k)), ("int", "R", str(r)), ("bool", "NORM", str(bool(norm)).lower()),
+             ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower()),
+             ("bool", "DB", str(bool(db)).lower())]
+        yield f"qgemv {label}", variant("tandem_qgemv", qg._SOURCE, "", ins, outs, t)
+
+
+def attention_variants():
+    ins = [("q", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
+           ("params", "float")]
+    for ver in ("v2", "v3", "v4"):
+        for single in (True, False):
+            src = (pac._ATT_SOURCE if ver == "v2" else pac._ATT3_SOURCE) + pac._MERGE_TAIL
+            t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
+                 ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower())]
+            if ver != "v2":
+                t.append(("bool", "VPRE", str(ver == "v4").lower()))
+            outs = [("out", "T" if single else "float")]
+            yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac._HEADER, ins, outs, t)
+    ins = [("qkv", "T"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float"),
+           ("k_pool", "T"), ("v_pool", "T")]
+    for hpt in (1, 8):
+        t = [("typename", "T", "__half"), ("int", "H", "32"), ("int", "KVH", "8"), ("int", "D", "128"),
+             ("bool", "ROPE", "true"), ("bool", "TRAD", "false"), ("int", "HPT", str(hpt))]
+        yield f"write_kv_rope hpt={hpt}", variant("tandem_write_kv_rope", pac._WRITE_SOURCE, pac._HEADER,
+                                                  ins, [("q_out", "T"), ("k_out", "T")], t)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--keep", help="write the generated .cu files here")
+    args = ap.parse_args()
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        print("nvcc not found: nothing to check", file=sys.stderr)
+        return 2
+    work = Path(args.keep or tempfile.mkdtemp(prefix="tandem-cu-"))
+    work.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for i, (label, code) in enumerate([*qgemv_variants(), *attention_variants()]):
+        cu = work / f"k{i}.cu"
+        cu.write_text(code)
+        p = subprocess.run([nvcc, "-std=c++17", f"-arch={args.arch}", "-cubin", "-o", str(cu.with_suffix(".cubin")),
+                            "-Xptxas", "-v", str(cu)], capture_output=True, text=True)
+        info = p.stderr
+        if p.returncode:
+            failed += 1
+            print(f"FAIL {label}\n{info}")
+            continue
+        regs = re.search(r"Used (\d+) registers", info)
+        spill = re.search(r"(\d+) bytes spill stores", info)
+        smem = re.search(r"(\d+) bytes smem", info)
+        print(f"ok   {label:32s} regs {regs.group(1) if regs else '?':>4s}  "
+              f"spill {spill.group(1) if spill else '0':>5s} B  smem {smem.group(1) if smem else '0':>6s} B")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
