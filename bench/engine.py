@@ -171,6 +171,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--no-ablate", dest="ablate", action="store_false",
                     help="skip the engine-with-mlx-lm's-forward column (fast_forward=false)")
+    ap.add_argument("--ablate-setting", default="fast_forward", choices=("fast_forward", "q4_decode"),
+                    help="the EngineSettings switch turned off for the ablation column: fast_forward (mlx-lm's "
+                         "forward) or q4_decode (the dense-weight decode, i.e. the engine before the 4-bit step)")
     ap.add_argument("--sections", default="decode,prefill,grant,ttft",
                     help="comma list of decode, prefill, grant, ttft; a partial run writes engine-<sections>.md/json")
     args = ap.parse_args()
@@ -182,7 +185,9 @@ def main() -> int:
     vocab = int(model(mx.array([[0]])).shape[-1])
     results: dict = {"model": model_id, "path": path, "blas": tandem.BLAS, "machine": platform.machine(),
                      "prompt_len": args.prompt_len, "gen_tokens": args.gen, "repeats": args.repeats,
-                     "decode": [], "prefill": [], "ttft": {}, "loadavg_start": os.getloadavg()}
+                     "decode": [], "prefill": [], "ttft": {}, "loadavg_start": os.getloadavg(),
+                     "ablation": args.ablate_setting}
+    off = {args.ablate_setting: False}
 
     def engine_for(batch_size: int, **kw) -> Engine:
         s = EngineSettings(parallel=max(batch_size, 1), max_batch_prefill=max(batch_size, 1),
@@ -196,11 +201,11 @@ def main() -> int:
     batchgen_run(model, prompts(2, 32, vocab, 0), 8)
 
     print(f"model {model_id}  BLAS {tandem.BLAS}  prompt {args.prompt_len}  gen {args.gen}  best of {args.repeats}")
-    print(f"{'batch':>5} {'engine tok/s':>13} {'mlx-lm fwd':>11} {'BatchGen tok/s':>15} {'ratio':>6}")
+    print(f"{'batch':>5} {'engine tok/s':>13} {args.ablate_setting + ' off':>16} {'BatchGen tok/s':>15} {'ratio':>6}")
     for b in [int(x) for x in args.batches.split(",")] if "decode" in sections else []:
         batch = prompts(b, args.prompt_len, vocab, seed=b)
         eng = _started(engine_for(b))
-        plain = _started(engine_for(b, fast_forward=False)) if args.ablate else None
+        plain = _started(engine_for(b, **off)) if args.ablate else None
         e_runs, p_runs, g_runs = [], [], []
         for _ in range(args.repeats):
             e_runs.append(engine_run(eng, batch, args.gen))
@@ -216,17 +221,18 @@ def main() -> int:
                "engine_runs": [r["decode_tok_s"] for r in e_runs], "batchgen_runs": [r["decode_tok_s"] for r in g_runs],
                "plain_forward_runs": [r["decode_tok_s"] for r in p_runs], "loadavg": os.getloadavg()[0]}
         results["decode"].append(row)
-        print(f"{b:>5} {e:>13.1f} {p or 0:>11.1f} {g:>15.1f} {e / g:>5.2f}x   paired median {paired_ratio(row):.2f}x")
+        print(f"{b:>5} {e:>13.1f} {p or 0:>16.1f} {g:>15.1f} {e / g:>5.2f}x   paired median {paired_ratio(row):.2f}x"
+              + (f"   engine / {args.ablate_setting} off {e / p:.2f}x" if p else ""))
 
     print(f"\nprefill, 512-token prompts")
-    print(f"{'prompts':>7} {'engine tok/s':>13} {'mlx-lm fwd':>11} {'BatchGen tok/s':>15} {'ratio':>6}")
+    print(f"{'prompts':>7} {'engine tok/s':>13} {args.ablate_setting + ' off':>16} {'BatchGen tok/s':>15} {'ratio':>6}")
     for n in (1, 4) if "prefill" in sections else ():
         batch = prompts(n, 512, vocab, seed=100 + n)
         e_runs, p_runs, g_runs = [], [], []
         for rep in range(args.repeats):
             for fast, runs in ((True, e_runs), (False, p_runs)):
                 if fast or args.ablate:
-                    eng = _started(engine_for(n, prefill_chunk_size=512, enable_prefix_caching=False, fast_forward=fast))
+                    eng = _started(engine_for(n, prefill_chunk_size=512, enable_prefix_caching=False, **({} if fast else off)))
                     runs.append(engine_run(eng, batch, 1))
                     eng.stop()
             g_runs.append(batchgen_run(model, batch, 1))
@@ -235,7 +241,7 @@ def main() -> int:
         results["prefill"].append({"prompts": n, "engine_tok_s": e, "batchgen_tok_s": g, "ratio": e / g, "plain_forward_tok_s": p,
                                    "engine_runs": [r["prefill_tok_s"] for r in e_runs], "batchgen_runs": [r["prefill_tok_s"] for r in g_runs],
                                    "plain_forward_runs": [r["prefill_tok_s"] for r in p_runs]})
-        print(f"{n:>7} {e:>13.1f} {p or 0:>11.1f} {g:>15.1f} {e / g:>5.2f}x")
+        print(f"{n:>7} {e:>13.1f} {p or 0:>16.1f} {g:>15.1f} {e / g:>5.2f}x")
 
     print("\ngrant interval: 4 streams decoding up to 96 tokens, then a 2,048-token prompt in 512-token chunks")
     print(f"{'N':>3} {'long TTFT ms':>13} {'ticks':>6} {'decode ITL mean ms':>19} {'p95 ms':>8}")
@@ -294,7 +300,8 @@ def plot(r: dict) -> str:
     series = [("tandem engine", "#1f77b4", [d["engine_tok_s"] for d in rows]),
               ("mlx-lm BatchGenerator", "#ff7f0e", [d["batchgen_tok_s"] for d in rows])]
     if all(d.get("plain_forward_tok_s") for d in rows):
-        series.insert(1, ("engine, mlx-lm forward", "#9ecae1", [d["plain_forward_tok_s"] for d in rows]))
+        label = "engine, mlx-lm forward" if r.get("ablation", "fast_forward") == "fast_forward" else "engine, dense decode"
+        series.insert(1, (label, "#9ecae1", [d["plain_forward_tok_s"] for d in rows]))
     return bar_chart_svg(f"aggregate decode tok/s ({r['model']})", [f"batch {d['batch']}" for d in rows], series,
                          [f"{d['ratio']:.2f}x" for d in rows])
 
@@ -313,16 +320,17 @@ def render(r: dict) -> str:
         "",
         f"## Aggregate decode throughput ({r['prompt_len']}-token prompts, {r['gen_tokens']} generated tokens each)",
         "",
-        "| batch | engine tok/s | engine, mlx-lm forward tok/s | BatchGenerator tok/s | ratio (engine / BatchGenerator) | median of paired rounds |",
+        "| batch | engine tok/s | ABL tok/s | BatchGenerator tok/s | ratio (engine / BatchGenerator) | median of paired rounds |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    abl = "engine, mlx-lm forward" if r.get("ablation", "fast_forward") == "fast_forward" else "engine, dense decode (q4_decode=false)"
     for d in r["decode"]:
         lines.append(f"| {d['batch']} | {d['engine_tok_s']:.1f} | {fmt(d.get('plain_forward_tok_s'))} | {d['batchgen_tok_s']:.1f} | "
                      f"{d['ratio']:.2f}x | {paired_ratio(d):.2f}x |")
     if r["prefill"]:
         lines += ["", "## Prefill throughput (512-token prompts, prefilled together)", "",
-                  "| prompts | engine tok/s | engine, mlx-lm forward tok/s | BatchGenerator tok/s | ratio (engine / BatchGenerator) |",
+                  "| prompts | engine tok/s | ABL tok/s | BatchGenerator tok/s | ratio (engine / BatchGenerator) |",
                   "|---:|---:|---:|---:|---:|"]
     for p in r["prefill"]:
         lines.append(f"| {p['prompts']} | {p['engine_tok_s']:.1f} | {fmt(p.get('plain_forward_tok_s'))} | {p['batchgen_tok_s']:.1f} | {p['ratio']:.2f}x |")
@@ -334,14 +342,14 @@ def render(r: dict) -> str:
             lines.append(f"| {g['interval']} | {g['ttft_s'] * 1e3:.0f} | {g['ttft_ticks']} | {g['itl_mean_ms']:.1f} | {g['itl_p95_ms']:.1f} |")
     t = r["ttft"]
     if not t:
-        return "\n".join(lines + [""])
+        return "\n".join(lines + [""]).replace("ABL tok/s", abl + " tok/s")
     lines += ["", "## Time to first token with a cached 1,024-token system prompt", "",
               "| | TTFT ms |", "|---|---:|",
               f"| engine, cold | {t['engine_cold_s'] * 1e3:.1f} |",
               f"| engine, system prompt cached | {t['engine_cached_s'] * 1e3:.1f} |",
               f"| BatchGenerator (no prefix cache) | {t['batchgen_cold_s'] * 1e3:.1f} |",
               "", f"Reduction from the prefix cache: {t['reduction']:.1f}x.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines).replace("ABL tok/s", abl + " tok/s")
 
 
 if __name__ == "__main__":

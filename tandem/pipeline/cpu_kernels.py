@@ -192,17 +192,19 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _build() -> ctypes.CDLL:
+def build_library(name: str, source: str) -> ctypes.CDLL:
+    """Compile ``source`` (C) into a shared library in tandem's cache directory, once per
+    source, flags, compiler and CPU, and load it. Raises OSError or SubprocessError."""
     cc = os.environ.get("CC", "cc")
     # The CPU is part of the key: a -march=native build loaded on another CPU that shares
     # this cache (a home directory on several hosts) could stop with SIGILL.
-    tag = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + repr(_TUNING) + cc + _cpu_identity()).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"decode_attention-{tag}.so"
+    tag = hashlib.sha256((source + " ".join(_FLAGS) + repr(_TUNING) + cc + _cpu_identity()).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"{name}-{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            src = Path(tmp) / "decode_attention.c"
-            src.write_text(_SOURCE)
+            src = Path(tmp) / f"{name}.c"
+            src.write_text(source)
             built = Path(tmp) / out.name
             for i, tuning in enumerate(_TUNING):
                 try:
@@ -213,7 +215,11 @@ def _build() -> ctypes.CDLL:
                     if i == len(_TUNING) - 1:
                         raise
             os.replace(built, out)  # atomic: concurrent builders leave one whole file
-    lib = ctypes.CDLL(str(out))
+    return ctypes.CDLL(str(out))
+
+
+def _build() -> ctypes.CDLL:
+    lib = build_library("decode_attention", _SOURCE)
     fn = lib.decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 5 + [ctypes.c_float, ctypes.c_long]

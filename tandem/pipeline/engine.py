@@ -59,6 +59,8 @@ class Engine:
             self.runner = paged_runner(model, self.store, mirror=settings.decode_mirror)
             if not settings.fast_forward:
                 self.runner.fast = None
+            elif not settings.q4_decode and getattr(self.runner, "fast", None) is not None:
+                self.runner.fast.native = None
         else:
             self.store = None
             self.runner = DenseRunner(model)

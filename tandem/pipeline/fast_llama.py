@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from tandem.pipeline import cpu_kernels, cpu_math
+from tandem.pipeline import cpu_kernels, cpu_math, native_decode
 
 # Rows (batch x tokens) below which a projection runs as W @ x.T rather than x @ W.T
 # (at 2,048 rows MKL packs the weights better than the activations again).
@@ -196,6 +196,7 @@ class _Decode:
         if self.why is not None:
             return
         (eps,) = eps
+        self.eps = eps
         self.rope = layers[0].self_attn.rope
         self.D = D
         self.pre = mx.compile(partial(_decode_pre, eps=eps, Hq=Hq, Hkv=Hkv, D=D))
@@ -244,7 +245,7 @@ def _kernel_attention(q: mx.array, k: mx.array, v: mx.array, lens: np.ndarray, s
 
 
 class FastLlama:
-    def __init__(self, model):
+    def __init__(self, model, native: bool = True):
         why = supports(model)
         if why is not None:
             raise ValueError(f"FastLlama cannot run this model: {why}")
@@ -269,6 +270,12 @@ class FastLlama:
         self.decode_kernel = cpu_kernels.available()
         if self.decode_kernel:
             cpu_kernels.threads()  # a bad TANDEM_ATTENTION_THREADS fails here, not mid-step
+        # A whole decode step in one C call over the 4-bit weights, where the model was
+        # loaded from them (native_decode); None: the compiled mlx pieces below.
+        self.native = None
+        self.native_why = "off"
+        if native:
+            self.native, self.native_why = native_decode.build(model, self.fused, self.head, _tied(model), self.decode)
 
     def __call__(self, inputs: mx.array, caches, mask: mx.array | None, max_q_start: int,
                  last: mx.array | None) -> mx.array:
@@ -276,6 +283,10 @@ class FastLlama:
         mask: additive (B, 1, L, K) or None; last: (B,) index of each row's position to
         project onto the vocabulary (None: position 0, a decode) -> logits (B, V)."""
         B, L = inputs.shape
+        if L == 1 and self.native is not None and B <= native_decode.MAX_ROWS and hasattr(caches[0], "native_mirror"):
+            mirror = caches[0].native_mirror()
+            if mirror is not None:
+                return self.native.step(inputs, mirror, *self.decode.tables(caches[0].offset, B))
         x = self.inner.embed_tokens(inputs).reshape(B * L, -1)
         if L == 1 and B < self.left_below and self.decode.why is None:
             x = self._decode_layers(x, caches, mask, max_q_start)

@@ -66,7 +66,11 @@ def load_model(path: str | Path, weights: str = "auto", *, lazy: bool = False) -
         raise ModelError(f"cannot load the model in {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
     if _is_quantized(model) and weights in ("auto", "dense"):
+        packed = _packed_weights(model)
         model = dequantize_model(model)
+        # The 4-bit codes stay alongside the dense weights: the CPU decode step can multiply
+        # them directly (q4_kernels; it checks they expand to exactly these dense values).
+        model._tandem_packed = packed
         _cast_floating(model, dense_dtype())
         what = f"dense-{str(dense_dtype()).split('.')[-1]} (dequantized)"
     elif _is_quantized(model):
@@ -84,6 +88,24 @@ def load_model(path: str | Path, weights: str = "auto", *, lazy: bool = False) -
     loaded = LoadedModel(model, tokenizer, path.name, path, config, eos, what)
     log.info(loaded.describe())
     return loaded
+
+
+def _packed_weights(model: nn.Module) -> dict:
+    """name -> (weight, scales, biases, group_size, fp16 scales) of every 4- and 8-bit affine
+    layer, as numpy."""
+    import numpy as np
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.bits in (4, 8) \
+                and getattr(m, "mode", "affine") == "affine" and m.get("biases") is not None:
+            mx.eval(m.weight, m.scales, m.biases)
+            fp16 = m.scales.dtype == mx.float16
+            if m.scales.dtype not in (mx.float16, mx.float32):
+                continue
+            out[name] = (np.array(m.weight), np.array(m.scales.astype(mx.float32)),
+                         np.array(m.biases.astype(mx.float32)), m.group_size, fp16)
+    return out
 
 
 def _float_dtypes(model: nn.Module) -> set:

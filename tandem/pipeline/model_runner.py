@@ -69,6 +69,7 @@ class _Batch:
     mirror_rows: np.ndarray | None = None  # append: mirror_idx on the host, (B, H)
     kv_len: int = 0
     lens: np.ndarray | None = None  # (B,) int32: keys each row sees this step
+    slots_host: np.ndarray | None = None  # (B * L,) pool slots of the new entries
 
 
 class _Mirror:
@@ -134,17 +135,16 @@ class PagedLayerCache:
         m = runner.mirror
         B, H, _, D = keys.shape
         if batch.mirror == "rebuild":
-            kv = []
-            for new in store.gather(layer, batch.table):
-                have = new.shape[2]
-                if have < m.cap:
-                    new = mx.pad(new, [(0, 0), (0, 0), (0, m.cap - have), (0, 0)])
-                kv.append(mx.contiguous(new[:, :, : m.cap]).reshape(B * H * m.cap, D))
-            m.keys[layer], m.values[layer] = kv
+            runner.rebuild_mirror_layer(layer)
         else:
             m.keys[layer][batch.mirror_idx] = keys.reshape(B * H, D)
             m.values[layer][batch.mirror_idx] = values.reshape(B * H, values.shape[-1])
         return m.keys[layer].reshape(B, H, m.cap, D), m.values[layer].reshape(B, H, m.cap, -1)
+
+    def native_mirror(self):
+        """For a decode step that writes its new entries itself (q4_kernels.decode_step):
+        see :meth:`PagedRunner.native_mirror`."""
+        return self._runner.native_mirror()
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **_):
         if window_size is not None:
@@ -222,6 +222,7 @@ class PagedRunner:
         b = self.batch
         b.offsets = mx.array(starts)
         b.slots = mx.array(slots.reshape(-1))
+        b.slots_host = slots.reshape(-1)
         b.table = mx.array(table)
         b.mirror = None
         kv_len = int(ctx.max())
@@ -284,6 +285,39 @@ class PagedRunner:
             m.cap = -(-(int(ctx.max()) + 64) // 128) * 128
             m.rows = key
         m.lens = ctx.copy()
+
+    def rebuild_mirror_layer(self, layer: int) -> None:
+        """Fill one layer's mirror from the pool: every row's blocks, padded to the cap."""
+        m, b = self.mirror, self.batch
+        kv = []
+        for new in self.store.gather(layer, b.table):
+            B, H, have, D = new.shape
+            if have < m.cap:
+                new = mx.pad(new, [(0, 0), (0, 0), (0, m.cap - have), (0, 0)])
+            kv.append(mx.contiguous(new[:, :, : m.cap]).reshape(B * H * m.cap, D))
+        m.keys[layer], m.values[layer] = kv
+
+    def native_mirror(self):
+        """For a decode step whose kernel appends each row's new key and value itself:
+        every layer's mirror as writable host arrays ``(B * H * cap, D)`` sharing the mlx
+        buffers, complete up to each row's new position, with the (B,) key counts and the
+        cap; None for any other step. The new entries are noted for the next flush, as
+        appended entries are."""
+        b, m = self.batch, self.mirror
+        if b.mirror is None or self.store.dtype != mx.float32:
+            return None
+        if b.mirror == "rebuild":
+            # The pool does not have this step's entries yet: the kernel writes them into
+            # the mirror, and the next flush copies them to the pool as for an append.
+            for layer in range(self.store.num_layers):
+                self.rebuild_mirror_layer(layer)
+            H, B = self.store.n_kv_heads, len(b.lens)
+            starts = b.lens - 1
+            b.mirror_rows = ((np.arange(B)[:, None] * H + np.arange(H)[None, :]) * m.cap + starts[:, None]).astype(np.int32)
+            m.pending.append((b.slots_host, b.mirror_rows))
+            b.mirror = "append"
+        mx.eval(m.keys, m.values)
+        return [np.asarray(k) for k in m.keys], [np.asarray(v) for v in m.values], b.lens, m.cap
 
     def flush(self) -> None:
         """Copy the decode steps' appended KV entries from the mirror into the pool. The
