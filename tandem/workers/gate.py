@@ -37,6 +37,12 @@ class CpuGate:
         self._prefilling: set[bytes] = set()
         self._lock = threading.Lock()
         self.waits = 0  # decode steps that had to wait (for stats and tests)
+        # Prefill side: whether prompts wait in the engine for the next prefill batch. The
+        # gate stays shut between two batches, as hybrid's scheduler runs the waiting
+        # prompts before its next decode step: released after each batch, it let the decode
+        # worker's KV imports start alongside the next batch (timeline: a 1-prompt prefill
+        # 0.63 s instead of 0.5 s).
+        self.prompts_waiting = lambda: False
 
     # ---- prefill worker (engine thread) -----------------------------------------------------
     def prefill_started(self, request_ids) -> None:
@@ -52,10 +58,19 @@ class CpuGate:
                 self._release()
 
     def first_token(self, request_id: bytes) -> None:
-        """A prompt's prefill is over (first token, abort or error): let decode go once none is left."""
+        """A prompt's prefill is over (first token, abort or error): let decode go once none
+        is left and no prompt waits for the next prefill."""
         with self._lock:
             self._prefilling.discard(request_id)
-            if self.held and not self._prefilling:
+            if self.held and not self._prefilling and not self.prompts_waiting():
+                self._release()
+
+    def between_steps(self) -> None:
+        """A scheduling decision that started no prefill: let decode go if nothing is
+        prefilling and no prompt waits (prompts that waited behind the last prefill
+        batch are now in one)."""
+        with self._lock:
+            if self.held and not self._prefilling and not self.prompts_waiting():
                 self._release()
 
     def _release(self) -> None:
@@ -96,11 +111,19 @@ def install(gate: CpuGate, engine, role: str) -> bool:
     if add_hooks is None or role == "hybrid":
         return False
     if role == "prefill":
+        scheduler = getattr(engine, "scheduler", None)
+        if scheduler is not None and hasattr(scheduler, "waiting"):
+            # Read on the engine thread only (first tokens are emitted there, and the hooks
+            # run there), so the list is never seen mid-update.
+            gate.prompts_waiting = lambda: bool(scheduler.waiting)
+
         def after(plan):
             if plan is not None and plan.kind == "prefill":
                 # Every row, sampled or a chunk: a chunked prompt keeps the cores until
                 # its first token.
                 gate.prefill_started([r.seq.request_id for r in plan.rows])
+            else:
+                gate.between_steps()
         add_hooks(after=after)
     else:
         add_hooks(before=gate.before_decode_step)

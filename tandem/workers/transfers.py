@@ -16,6 +16,27 @@ from tandem.workers.local import Local
 log = logging.getLogger("tandem.worker")
 
 
+def imported_kv_not_cached(engine) -> bool:
+    """A decode worker's engine keeps no prefix cache (False for an engine without one).
+
+    Imported KV is never looked up in the cache (an import carries all of its KV), yet
+    its full blocks were registered there when the request finished. The pool hands out
+    empty blocks before it evicts cached ones, so those blocks pushed its high-water mark
+    a request's worth up per request, and the KV store grew by doubling, each time copying
+    the whole store inside a step: 0.6, 0.9 and 1.6 s stalls of the decode batch at 128,
+    256 and 512 blocks (bench/disagg.py timeline), on top of the same growth on the prefill
+    worker, where the hybrid layout pays it once. Without the cache, freed blocks go back
+    empty and lowest-first, so the store stays at the working set. Only a request the
+    decode worker runs from its prompt (a RESUME) loses prefix reuse. Call before the
+    engine thread starts."""
+    sched, pool = getattr(engine, "scheduler", None), getattr(engine, "pool", None)
+    if sched is None or pool is None or not hasattr(pool, "reset_prefix_cache"):
+        return False
+    sched.prefix_caching = False
+    pool.reset_prefix_cache()
+    return True
+
+
 class KVHandoffs:
     # ---- prefill side ---------------------------------------------------------------------
     def _hand_off(self, local: Local, snap) -> None:
@@ -73,6 +94,7 @@ class KVHandoffs:
                                   str(exc)[:500], getattr(exc, "retry_after_s", 0.0))
                 continue
             self.kv_in.reply(peer, M.KVAck(rid, complete=True))
+            self.mark("kv_ingested", rid)
 
     def _expire_transfers(self, now: float) -> None:
         """Both sides' timeouts: an unacknowledged send fails its request; a transfer whose

@@ -30,13 +30,14 @@ from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
 from tandem.wire.sockets import bound_endpoint, make_socket
 from tandem.wire.settings import TransferSettings
+from tandem.workers import export_order
 from tandem.workers import gate as G
 from tandem.workers.handoff import KVIngest
 from tandem.workers.health import Health
 from tandem.workers.local import Local
 from tandem.workers.sender import HandoffSender
 from tandem.workers.settings import WorkerSettings
-from tandem.workers.transfers import KVHandoffs
+from tandem.workers.transfers import KVHandoffs, imported_kv_not_cached
 
 log = logging.getLogger("tandem.worker")
 
@@ -96,6 +97,7 @@ class Worker(KVHandoffs, Health):
         self.on_drain = None  # called once when draining starts (systemd STOPPING=1)
         self.counters = {"refused": 0}
         self._timeline = open(TIMELINE, "a", buffering=1) if TIMELINE else None
+        self.export_order: export_order.ExportOrder | None = None
         self.gate = (G.CpuGate(settings.cpu_gate, settings.cpu_gate_max_wait_ms / 1000)
                      if settings.cpu_gate and self.role != "hybrid" else None)
 
@@ -111,11 +113,20 @@ class Worker(KVHandoffs, Health):
         if add_hooks is None:
             return
 
+        started = [0.0]
+
+        def before():
+            started[0] = time.monotonic()
+
         def traced(plan):
             if plan is not None and plan.rows:
+                store, pool = getattr(self.engine, "store", None), getattr(self.engine, "pool", None)
+                # wait_ms: from the decision's start (before the CPU gate) to the plan;
+                # cap / hw: the KV store's allocated blocks and the pool's high-water mark.
                 self.mark("tick", kind=plan.kind, rows=[r.seq.request_id.hex() for r in plan.rows],
-                          tokens=sum(r.n for r in plan.rows))
-        add_hooks(after=traced)
+                          tokens=sum(r.n for r in plan.rows), wait_ms=(time.monotonic() - started[0]) * 1e3,
+                          cap=getattr(store, "capacity", None), hw=getattr(pool, "high_water", None))
+        add_hooks(before=before, after=traced)
 
     # ---- engine side: runs on the engine thread ------------------------------------------
     def _callback(self, attempt: int):
@@ -146,11 +157,15 @@ class Worker(KVHandoffs, Health):
                            self.block_size, self.total_blocks))
 
     def run(self) -> None:
+        if self.role == "decode":
+            imported_kv_not_cached(self.engine)
+        if self._timeline is not None:
+            self._trace_ticks()  # first: its before-hook runs ahead of the gate's wait
+        if self.role == "prefill":
+            self.export_order = export_order.install(self.engine)
         if self.gate is not None and not G.install(self.gate, self.engine, self.role):
             self.gate.close()
             self.gate = None
-        if self._timeline is not None:
-            self._trace_ticks()
         self.engine.start()
         poller = zmq.Poller()
         self.sender = HandoffSender(self.ctx, secret=self.secret, node_id=self.node_id, transfer=self.transfer,

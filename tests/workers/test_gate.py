@@ -90,6 +90,41 @@ def test_more_prompts_joining_a_held_prefill_keep_it_held(tmp_path):
     assert not gate.held
 
 
+def test_the_gate_stays_shut_between_prefill_batches_while_prompts_wait(tmp_path):
+    """Hybrid's scheduler runs waiting prompts before its next decode step: the decode
+    worker must not slip in between two prefill batches of one burst."""
+    path = str(tmp_path / "cpu.gate")
+    prefill, decode = CpuGate(path), CpuGate(path)
+    waiting = [b"c"]
+    prefill.prompts_waiting = lambda: bool(waiting)
+    prefill.prefill_started([b"a", b"b"])
+    prefill.first_token(b"a")
+    prefill.first_token(b"b")  # batch over, but c waits for the next one
+    assert prefill.held
+    prefill.between_steps()  # a decision that started no prefill (c not admitted yet)
+    assert prefill.held
+    t, passed = _decode_in_thread(decode)
+    waiting.clear()
+    prefill.prefill_started([b"c"])
+    t.join(0.3)
+    assert not passed.is_set()
+    prefill.first_token(b"c")
+    assert not prefill.held
+    t.join(5)
+    assert passed.is_set()
+    # Prompts that wait but never get prefilled do not hold decode beyond a decision
+    # that finds none waiting.
+    waiting.append(b"d")
+    prefill.prefill_started([b"e"])
+    prefill.first_token(b"e")
+    assert prefill.held
+    waiting.clear()
+    prefill.between_steps()
+    assert not prefill.held
+    prefill.close()
+    decode.close()
+
+
 class _Engine:
     """Runs its schedule hooks around each plan, as Engine._tick does."""
 
@@ -117,13 +152,14 @@ def _plan(kind, *rids):
 def test_install_gates_prefill_plans_on_a_prefill_worker_and_every_step_on_a_decode_worker(tmp_path):
     calls = []
     gate = SimpleNamespace(prefill_started=lambda ids: calls.append(("prefill", ids)),
-                           before_decode_step=lambda: calls.append(("decode",)))
+                           before_decode_step=lambda: calls.append(("decode",)),
+                           between_steps=lambda: calls.append(("between",)))
     eng = _Engine([_plan("prefill", b"a", b"b"), _plan("decode", b"a"), None])
     assert install(gate, eng, "prefill")
     assert eng.tick().kind == "prefill"
     eng.tick()
     assert eng.tick() is None
-    assert calls == [("prefill", [b"a", b"b"])]
+    assert calls == [("prefill", [b"a", b"b"]), ("between",), ("between",)]
 
     calls.clear()
     eng = _Engine([_plan("decode", b"a"), None])
