@@ -1,0 +1,115 @@
+"""The 4-bit kernels against their references: the values they multiply == mx.dequantize
+bit for bit, products == numpy, and the engine's decode step through them == the dense
+decode, batched == single, and == mlx-lm at temperature 0."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tandem.kvtypes import SamplingParams
+from tandem.pipeline import fast_llama, native_decode, q4_kernels
+from tandem.pipeline.engine import Engine
+from tandem.pipeline.loader import load_model
+from tandem.pipeline.settings import EngineSettings
+from tests.pipeline.conftest import EOS, oracle, random_prompts
+
+pytestmark = pytest.mark.skipif(not q4_kernels.available(), reason="no AVX-512 C kernels: the dense path runs")
+
+
+def _quantized(n, k, bits, group, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    w = mx.array(rng.normal(size=(n, k)).astype(np.float32)).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+    dense = np.array(mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32))
+    return (np.array(wq), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), group, dtype == mx.float16), dense
+
+
+@pytest.mark.parametrize("bits,group,dtype,table", [(4, 32, mx.float16, True), (4, 32, mx.float16, False),
+                                                    (4, 64, mx.float32, True), (8, 32, mx.float16, True),
+                                                    (8, 64, mx.float32, True)])
+def test_expanded_weights_are_the_dense_weights_bit_for_bit(bits, group, dtype, table):
+    packed, dense = _quantized(70, 192, bits, group, dtype)
+    m = q4_kernels.Q4Matrix.from_mlx(*packed)
+    if not table and bits == 4:
+        m = q4_kernels.Q4Matrix(m.nib, m.dm, m.round16, 4, table=False)
+    assert np.array_equal(m.reference(), dense)
+    assert np.array_equal(m.expand(), dense)
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, mx.float16), (4, mx.float32), (8, mx.float16)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 23, 33])
+def test_product_matches_numpy(bits, dtype, rows):
+    packed, dense = _quantized(101, 320, bits, 32, dtype, seed=rows)  # odd n: the last row pair is short
+    m = q4_kernels.Q4Matrix.from_mlx(*packed)
+    x = np.random.default_rng(rows).normal(size=(rows, 320)).astype(np.float32)
+    want = x.astype(np.float64) @ dense.T.astype(np.float64)
+    for threads in (1, 2, 3):
+        np.testing.assert_allclose(m.matmul(x, threads), want, rtol=1e-4, atol=1e-4)
+
+
+def test_stacked_rows_are_the_concatenation():
+    (a, da), (b, db) = _quantized(32, 64, 4, 32, mx.float16, 1), _quantized(18, 64, 4, 32, mx.float16, 2)
+    m = q4_kernels.Q4Matrix.stack([q4_kernels.Q4Matrix.from_mlx(*a), q4_kernels.Q4Matrix.from_mlx(*b)])
+    assert np.array_equal(m.expand(), np.concatenate([da, db]))
+
+
+@pytest.fixture(scope="module")
+def dense_q4(tiny_quantized_model_dir):
+    """The tiny 4-bit model dequantized by the loader, its packed codes kept."""
+    return load_model(tiny_quantized_model_dir, "dense")
+
+
+def _engine(model, q4: bool, **kw) -> Engine:
+    return Engine(model, EngineSettings(kv_cache_budget="32MiB", q4_decode=q4, **kw), model_id="q", eos_token_ids=[EOS])
+
+
+def test_native_decode_is_built_for_a_model_loaded_from_4_bit_weights(dense_q4, tiny):
+    eng = _engine(dense_q4.model, True)
+    assert eng.runner.fast.native is not None, eng.runner.fast.native_why
+    assert _engine(dense_q4.model, False).runner.fast.native is None
+    plain = _engine(tiny, True)  # a dense checkpoint: nothing packed to run on
+    assert plain.runner.fast.native is None and "4-bit" in plain.runner.fast.native_why
+
+
+def test_engine_with_and_without_the_4_bit_decode_yields_the_same_tokens(dense_q4, monkeypatch):
+    calls = []
+    real = q4_kernels.decode_step
+    monkeypatch.setattr(q4_kernels, "decode_step", lambda *a, **kw: calls.append(a[3].shape[0]) or real(*a, **kw))
+    prompts = random_prompts(12, 1, 200, seed=21)
+    reqs = [(p, SamplingParams(max_tokens=14)) for p in prompts]
+    runs = [_engine(dense_q4.model, q4, max_batch_prefill=3).generate_many(reqs) for q4 in (True, False)]
+    assert calls and max(calls) > 1  # batched steps ran through the kernel
+    assert runs[0] == runs[1]
+    # batched == single, and == mlx-lm's own generation on the same dense weights
+    single = _engine(dense_q4.model, True)
+    assert [single.generate_many([r])[0] for r in reqs[:4]] == runs[0][:4]
+    assert runs[0][:3] == [oracle(dense_q4.model, p, 14) for p in prompts[:3]]
+
+
+def test_weights_that_no_longer_match_their_codes_keep_the_dense_path(tiny_quantized_model_dir):
+    lm = load_model(tiny_quantized_model_dir, "dense")
+    layer = lm.model.model.layers[1].mlp.down_proj
+    layer.weight = layer.weight * 1.01
+    fast = fast_llama.FastLlama(lm.model)
+    assert fast.native is None and "down_proj" in fast.native_why
+
+
+def test_without_the_kernels_the_dense_path_runs(tiny_quantized_model_dir, monkeypatch):
+    monkeypatch.setattr(q4_kernels, "available", lambda: False)
+    lm = load_model(tiny_quantized_model_dir, "dense")
+    fast = fast_llama.FastLlama(lm.model)
+    assert fast.native is None and fast.native_why.startswith("no 4-bit kernels")
+
+
+def test_rows_beyond_the_limit_take_the_dense_step(dense_q4, monkeypatch):
+    monkeypatch.setattr(native_decode, "MAX_ROWS", 2)
+    calls = []
+    real = q4_kernels.decode_step
+    monkeypatch.setattr(q4_kernels, "decode_step", lambda *a, **kw: calls.append(a[3].shape[0]) or real(*a, **kw))
+    prompts = random_prompts(5, 3, 30, seed=4)
+    reqs = [(p, SamplingParams(max_tokens=3 + 4 * i, ignore_eos=True)) for i, p in enumerate(prompts)]  # rows drop out
+    got = _engine(dense_q4.model, True, max_batch_prefill=5).generate_many(reqs)
+    assert calls and max(calls) <= 2
+    assert got == _engine(dense_q4.model, False, max_batch_prefill=5).generate_many(reqs)
