@@ -205,7 +205,7 @@ def section_attention() -> None:
         want = pac.paged_decode_attention_reference(q, kp, vp, table, lens, D**-0.5, BS) if B <= 16 else None
         kv_bytes = B * ctx * KVH * D * 2 * 2
         line = []
-        for ver in ("v2", "v3", "v4"):
+        for ver in ("v2", "v4", "v5", "v6"):
             line = []
             for part in (32, 64, 128, 256, 2048):
                 if -(-ctx // part) > 512:
@@ -332,6 +332,98 @@ def section_trace(layers: int, batches: list[int], fmt: str, steps: int, out: Pa
         del kp, vp
 
 
+def section_engine_trace(layers: int, batches: list[int], out: Path) -> None:
+    """CUPTI records of tandem's Engine itself (not the kernel loop): one profile around
+    B prompts' prefill (max_tokens 1) and one around 16 decode steps of B running
+    sequences, so the engine's own gaps and extra kernels show next to the loop's."""
+    import os
+    import threading
+
+    import mlx.nn as nn
+    from torch.profiler import ProfilerActivity, profile
+    import gpu_decode as gd
+    from mlx_lm.models import llama
+    from tandem.kernels import linear
+    from tandem.kvtypes import SamplingParams
+    from tandem.pipeline.api import EngineRequest
+    from tandem.pipeline.engine import Engine
+    from tandem.pipeline.settings import EngineSettings
+
+    _, q4 = gd.build_models(layers)
+    os.environ["TANDEM_PAGED_KERNELS"] = "cuda"
+    model = llama.Model(gd.model_args(layers))
+    nn.quantize(model, group_size=64, bits=4)
+    model.update(q4.parameters())
+    linear.prepare_model(model, "auto", memory_bytes=mx.device_info().get("memory_size"))
+    mx.eval(model.parameters())
+    mx.eval([l.self_attn.rope._freqs for l in model.model.layers if hasattr(l.self_attn.rope, "_freqs")])
+    top = max(batches)
+    st = EngineSettings(parallel=top, max_batch_size=top, max_batch_prefill=8,
+                        max_batch_prefill_tokens=linear.QUANTIZED_MAX_ROWS, prefill_chunk_size=512,
+                        kv_cache_budget="24GiB", enable_prefix_caching=False, max_queue_depth=4 * top)
+    eng = Engine(model, st, model_id="probe")
+    eng.start()
+    vocab = gd._vocab()
+    RESULTS.setdefault("engine_trace", [])
+    try:
+        for n in (1, 2, 4, 16):
+            eng.generate_many([(np.random.randint(0, vocab, 512).tolist(),
+                                SamplingParams(max_tokens=8, ignore_eos=True))] * n, timeout=300)
+        for B in batches:
+            counts: dict[bytes, int] = {}
+            lock = threading.Lock()
+            done = threading.Event()
+
+            def submit(n_tokens: int) -> None:
+                counts.clear()
+                done.clear()
+                for _ in range(B):
+                    def on_event(ev):
+                        with lock:
+                            counts[ev.request_id] = counts.get(ev.request_id, 0) + len(ev.tokens)
+                            if ev.finish_reason is not None:
+                                counts[b"done"] = counts.get(b"done", 0) + 1
+                                if counts[b"done"] == B:
+                                    done.set()
+                    eng.submit(EngineRequest(os.urandom(16), np.random.randint(0, vocab, 512).tolist(),
+                                             SamplingParams(max_tokens=n_tokens, ignore_eos=True), on_event))
+
+            mx.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                submit(1)
+                done.wait(120)
+                wall = time.perf_counter() - t0
+            path = out / f"gpu_probe_engine_prefill_b{B}.json"
+            prof.export_chrome_trace(str(path))
+            r = summarize(kernel_records(path), f"engine, {layers} layers, prefill {B} x 512 (submit -> done)", 1)
+            r.update(batch=B, phase="prefill", wall_us=wall * 1e6, tok_per_s=B * 512 / wall)
+            log(f"engine prefill wall {wall * 1e3:.1f} ms = {B * 512 / wall:,.0f} tok/s (profiled)")
+            RESULTS["engine_trace"].append(r)
+            path.unlink()
+
+            submit(64)
+            first = lambda: min((v for k, v in counts.items() if k != b"done"), default=0)  # noqa: E731
+            while len(counts) < B or first() < 8:
+                time.sleep(0.002)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                c0, t0 = first(), time.perf_counter()
+                while first() < c0 + 16 and not done.is_set():
+                    time.sleep(0.0005)
+                steps, wall = first() - c0, time.perf_counter() - t0
+            done.wait(120)
+            path = out / f"gpu_probe_engine_decode_b{B}.json"
+            prof.export_chrome_trace(str(path))
+            r = summarize(kernel_records(path), f"engine, {layers} layers, decode batch {B}", max(steps, 1))
+            r.update(batch=B, phase="decode", steps=steps, wall_us_per_step=wall / max(steps, 1) * 1e6)
+            log(f"engine decode wall {wall / max(steps, 1) * 1e6:.0f} us/step over {steps} steps (profiled)")
+            RESULTS["engine_trace"].append(r)
+            path.unlink()
+    finally:
+        eng.stop()
+        os.environ.pop("TANDEM_PAGED_KERNELS", None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="floor,trace")
@@ -352,6 +444,8 @@ def main() -> int:
         section_qgemv()
     if "attention" in secs:
         section_attention()
+    if "engine-trace" in secs:
+        section_engine_trace(args.layers, [int(b) for b in args.batches.split(",")], out)
     if "trace" in secs:
         try:
             section_trace(args.layers, [int(b) for b in args.batches.split(",")], args.format,

@@ -287,6 +287,7 @@ _ATT3_SOURCE = r"""
   const int nblk = t1 > t0 ? (t1 - 1) / BS - fb + 1 : 0;
   for (int i = tid; i < nblk; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + fb + i];
   __shared__ float sm_p[4][32][G];
+  __shared__ __align__(16) T sm_v[VSM ? 4 : 1][VSM ? 32 : 1][VSM ? D : 8];
   __syncthreads();
 
   float mx_[G], l_[G], acc[G][DPL];
@@ -303,8 +304,23 @@ _ATT3_SOURCE = r"""
     const int t = tb + lane;
     const bool valid = t < t1;
     const int nv = min(32, t1 - tb);
+    // KCO: 8 lanes per token, each two 16-byte words of its K row, so a warp-wide load
+    // reads 4 whole rows; one token per lane touched 32 rows per load instruction.
+    constexpr int KWL = KW / 8;
+    const int sub = lane & 7, quad = lane >> 3;
     uint4 kr[KW];
-    if (valid) {
+    if constexpr (KCO) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int tj = tb + quad + 4 * j;
+        if (tj < t1) {
+          const uint4* kp = reinterpret_cast<const uint4*>(
+              k_pool + (((size_t)sm_tbl[tj / BS - fb] * BS + (tj % BS)) * KVH + h) * D) + sub * KWL;
+#pragma unroll
+          for (int w = 0; w < KWL; ++w) kr[j * KWL + w] = kp[w];
+        }
+      }
+    } else if (valid) {
       const T* kp = k_pool + (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D;
 #pragma unroll
       for (int c = 0; c < KW; ++c) kr[c] = reinterpret_cast<const uint4*>(kp)[c];
@@ -313,6 +329,22 @@ _ATT3_SOURCE = r"""
     // scores), so a tile costs one memory latency instead of five (K, then V in four
     // chunks of 8 tokens).
     __align__(8) T vr[VPRE ? 32 : 1][DPL];
+    if constexpr (VSM) {
+      // VSM: the tile's V rows go to shared memory by cp.async (no registers held while
+      // in flight), 16-byte chunks, a warp-wide copy covering two whole rows.
+#pragma unroll
+      for (int k = 0; k < KW; ++k) {
+        const int ci = lane + 32 * k;
+        const int j = ci / KW, w = ci % KW;
+        if (j < nv) {
+          const int ti = tb + j;
+          const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + w * 8;
+          const unsigned dst = (unsigned)__cvta_generic_to_shared(&sm_v[warp][j][w * 8]);
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(vp));
+        }
+      }
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
     if constexpr (VPRE) {
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
@@ -333,7 +365,36 @@ _ATT3_SOURCE = r"""
     float s[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) s[g] = -INFINITY;
-    if (valid) {
+    // The token whose score this lane keeps (and whose p it writes).
+    const int own = KCO ? quad + 4 * sub : lane;
+    const bool own_valid = tb + own < t1;
+    if constexpr (KCO) {
+      // Partial dots over this lane's 16 dims, summed over the 8 lanes of the token; lane
+      // `sub` of a quad keeps its j-th token's scores.
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float4 qv[2 * KWL];   // this lane's dims of query head g, read once for the 8 tokens
+#pragma unroll
+        for (int w = 0; w < 2 * KWL; ++w) qv[w] = *reinterpret_cast<const float4*>(&sm_q[g][sub * KWL * 8 + 4 * w]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          float a = 0.f;
+#pragma unroll
+          for (int w = 0; w < KWL; ++w) {
+            const T* kh = reinterpret_cast<const T*>(&kr[j * KWL + w]);
+            const float4 qa = qv[2 * w], qb = qv[2 * w + 1];
+            a = fmaf(qa.x, pa_f(kh[0]), a); a = fmaf(qa.y, pa_f(kh[1]), a);
+            a = fmaf(qa.z, pa_f(kh[2]), a); a = fmaf(qa.w, pa_f(kh[3]), a);
+            a = fmaf(qb.x, pa_f(kh[4]), a); a = fmaf(qb.y, pa_f(kh[5]), a);
+            a = fmaf(qb.z, pa_f(kh[6]), a); a = fmaf(qb.w, pa_f(kh[7]), a);
+          }
+          a += __shfl_xor_sync(0xffffffffu, a, 1);
+          a += __shfl_xor_sync(0xffffffffu, a, 2);
+          a += __shfl_xor_sync(0xffffffffu, a, 4);
+          if (sub == j && own_valid) s[g] = a;
+        }
+      }
+    } else if (valid) {
 #pragma unroll
       for (int g = 0; g < G; ++g) s[g] = 0.f;
 #pragma unroll
@@ -360,14 +421,32 @@ _ATT3_SOURCE = r"""
       for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
       const float mn = fmaxf(mx_[g], mt);
       const float c = (mx_[g] == -INFINITY) ? 0.f : __expf(mx_[g] - mn);
-      const float p = valid ? __expf(s[g] - mn) : 0.f;
+      const float p = own_valid ? __expf(s[g] - mn) : 0.f;
       l_[g] = l_[g] * c + p;   // this lane's tokens only; summed over lanes at the end
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[g][i] *= c;
       mx_[g] = mn;
-      sm_p[warp][lane][g] = p;
+      sm_p[warp][own][g] = p;
     }
     __syncwarp();
+    if constexpr (VSM) {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+      __syncwarp();
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        if (j < nv) {
+          float vf[DPL];
+#pragma unroll
+          for (int d = 0; d < DPL; ++d) vf[d] = pa_f(sm_v[warp][j][lane * DPL + d]);
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            const float pg = sm_p[warp][j][g];
+#pragma unroll
+            for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(pg, vf[d], acc[g][d]);
+          }
+        }
+      }
+    }
     if constexpr (VPRE) {
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
@@ -383,7 +462,7 @@ _ATT3_SOURCE = r"""
     }
 #pragma unroll
     for (int i0 = 0; i0 < 32; i0 += 8) {
-      if (VPRE || i0 >= nv) break;
+      if (VPRE || VSM || i0 >= nv) break;
       float vf[8][DPL];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -432,12 +511,12 @@ _ATT3_SOURCE = r"""
 
 ATT_KERNEL = os.environ.get("TANDEM_ATT_KERNEL", "auto")
 """Which decode attention kernel runs: ``v2`` (per-token online softmax), ``v3`` (tile-wise;
-a 2-byte dtype and head_dim 64 or 128, else v2), or ``auto``: v3 from ``V3_MIN_BATCH``
-rows. H200 run 18, engine on the 8B shape, one call: batch 64 decode 6,676 tok/s with v3
-against 6,082 with v2; batch 1 222 against 232. Batches in between were not measured,
-so they keep v2."""
+a 2-byte dtype and head_dim 64 or 128, else v2), ``v4`` (v3 with each tile's V loads
+issued with its K loads), or ``auto``: v4 from ``V4_MIN_BATCH`` rows, v2 below. H200 run
+19 (bench/gpu_probe.py, CUPTI, 528-token contexts): batch 16 57-71 us with v4 against 76
+with v2; batch 64 110 against 145 (v2) and 197 (v3); batch 128 168 against 248 (v2)."""
 
-V3_MIN_BATCH = 64
+V4_MIN_BATCH = 16
 
 # Template: T, D. Inputs: part (B, H, NPART, D + 2). Output: o (B, H, D) in T.
 _REDUCE_SOURCE = r"""
@@ -601,13 +680,13 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     out_shape = ((B, H * D) if flat else (B, H, D)) if single else (B, H, npart, D + 2)
     version = kernel or ATT_KERNEL
     if version == "auto":
-        version = "v3" if B >= V3_MIN_BATCH else "v2"
-    if version in ("v3", "v4") and (q.dtype not in (mx.float16, mx.bfloat16) or D not in (64, 128)):
+        version = "v4" if B >= V4_MIN_BATCH else "v2"
+    if version in ("v3", "v4", "v5", "v6") and (q.dtype not in (mx.float16, mx.bfloat16) or D not in (64, 128)):
         version = "v2"
     template = [("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
                 ("SINGLE", single)]
     if version != "v2":
-        template.append(("VPRE", version == "v4"))
+        template += [("VPRE", version == "v4"), ("KCO", version == "v5"), ("VSM", version in ("v5", "v6"))]
     (partials,) = _attention_kernel("v2" if version == "v2" else "v3")(
         inputs=[q, k_pool, v_pool, _i32(table), _i32(lens), _params(float(scale), part)],
         template=template,

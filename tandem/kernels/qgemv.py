@@ -253,7 +253,7 @@ def rows_per_warp(n: int, k: int, pair: bool) -> int:
     return 2 if n % (4 if pair else 2) == 0 else 1
 
 
-BLOCKS_PER_SM = int(os.environ.get("TANDEM_QGEMV_BPS", "2"))
+BLOCKS_PER_SM = int(os.environ.get("TANDEM_QGEMV_BPS", "0"))
 """Persistent grid: at most this many 8-warp blocks per SM, each warp looping over row
 groups (0: one warp per row group, no loop, the kernel of H200 runs 14-18)."""
 SMS = int(os.environ.get("TANDEM_SMS", "132"))  # the H200's SM count
