@@ -54,28 +54,24 @@ def qgemv_variants():
     ins = [("x", "__half"), ("w", "uint32_t"), ("scales", "__half"), ("biases", "__half"),
            ("norm_w", "__half"), ("res", "__half"), ("fparams", "float")]
     outs = [("y", "__half")]
-    for label, k, r, norm, pair, res, db in [
-            ("qkv+norm", 4096, 2, 1, 0, 0, 1), ("o+res", 4096, 2, 0, 0, 1, 0),
-            ("gate/up pair+norm", 4096, 2, 1, 1, 0, 1), ("down+res", 14336, 2, 0, 0, 1, 0),
-            ("gate/up pair+norm R4", 4096, 4, 1, 1, 0, 1), ("down+res R1", 14336, 1, 0, 0, 1, 0),
-            ("down+res R4", 14336, 4, 0, 0, 1, 0)]:
+    for label, k, r, norm, pair, res in [
+            ("qkv", 4096, 2, 0, 0, 0), ("o+res", 4096, 2, 0, 0, 1), ("gate/up pair", 4096, 2, 0, 1, 0),
+            ("down+res", 14336, 2, 0, 0, 1), ("qkv+norm", 4096, 2, 1, 0, 0)]:
         t = [("int", "K", str(k)), ("int", "R", str(r)), ("bool", "NORM", str(bool(norm)).lower()),
-             ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower()),
-             ("bool", "DB", str(bool(db)).lower())]
+             ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower())]
         yield f"qgemv {label}", variant("tandem_qgemv", qg._SOURCE, "", ins, outs, t)
 
 
 def attention_variants():
     ins = [("q", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
            ("params", "float")]
-    for ver in ("v2", "v3", "v4", "v5", "v6"):
+    for ver in ("v2", "v4", "v6"):
         for single in (True, False):
-            src = (pac._ATT_SOURCE if ver == "v2" else pac._ATT3_SOURCE) + pac._MERGE_TAIL
+            src = (pac._ATT_SOURCE if ver == "v2" else pac._ATT_TILE_SOURCE) + pac._MERGE_TAIL
             t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
                  ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower())]
             if ver != "v2":
-                t += [("bool", "VPRE", str(ver == "v4").lower()), ("bool", "KCO", str(ver == "v5").lower()),
-                      ("bool", "VSM", str(ver in ("v5", "v6")).lower())]
+                t.append(("bool", "VSM", str(ver == "v6").lower()))
             outs = [("out", "T" if single else "float")]
             yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac._HEADER, ins, outs, t)
     ins = [("qkv", "T"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float"),

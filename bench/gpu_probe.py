@@ -132,15 +132,16 @@ def gpu_us(fn, match: str, iters: int = 20) -> float:
 
 
 def section_qgemv() -> None:
-    """The one-row 4-bit kernel at the 8B model's products: one warp per row group (bps 0,
-    the kernel of runs 14-18) against persistent grids of 1-3 blocks per SM, and the rms
-    norm staged inside the kernel against ``mx.fast.rms_norm`` first."""
+    """The one-row 4-bit kernel at the 8B model's products, 1-4 rows per warp, and the rms
+    norm staged inside the kernel against ``mx.fast.rms_norm`` first. (Run 19 also
+    measured a persistent grid, warps looping over row groups with the next group's
+    weights loading while one computes: slower everywhere, 47-68 us for gate/up against
+    44 with a warp per group, and removed.)"""
     from tandem.kernels import qgemv as qg
     RESULTS["qgemv"] = []
     log("\n== one-row 4-bit products (us per call, 50 queued; gpu: CUPTI kernel time)")
     log(f"{'product':34s} {'grid':>18s} {'wall':>8s} {'gpu':>7s} {'TB/s':>6s} {'rel err':>8s}")
     mx.random.seed(0)
-    saved = qg.BLOCKS_PER_SM
     for name, n, k, kind in [("qkv 6144x4096 +norm", 6144, 4096, "norm"),
                              ("o 4096x4096 +res", 4096, 4096, "res"),
                              ("gate/up 28672x4096 +norm swiglu", 28672, 4096, "pair"),
@@ -157,11 +158,10 @@ def section_qgemv() -> None:
                   residual=res if kind in ("res", "pair") else None)
         nbytes = wq.nbytes + sc.nbytes + bi.nbytes
         want = qg.qgemv_reference(x, wq, sc, bi, 64, pair=kind == "pair", **kw)
-        variants = [(f"bps{b} R{r}", b, r, False) for b in (0, 1, 2) for r in (2, 4)]
+        variants = [(f"R{r}", r, False) for r in (1, 2, 4)]
         if kw["norm_weight"] is not None:
-            variants += [(f"bps{b} R2 normfirst", b, 2, True) for b in (0, 1)]
-        for label, bps, rows, norm_first in variants:
-            qg.BLOCKS_PER_SM = bps
+            variants.append(("R2 normfirst", 2, True))
+        for label, rows, norm_first in variants:
             kv = dict(kw, rows_override=rows)
             if norm_first:
                 kv["norm_weight"] = None
@@ -178,14 +178,11 @@ def section_qgemv() -> None:
             except Exception as e:  # noqa: BLE001 - a failed variant must not cost the rest
                 log(f"{name:34s} {label:>18s} failed: {type(e).__name__}: {e}"[:400])
                 continue
-            RESULTS["qgemv"].append({"product": name, "grid": label, "wall_us": t * 1e6,
-                                     "gpu_us": gpu, "bytes": nbytes, "rel_err": err,
-                                     "blocks": qg.grid_blocks(n_out // (rows // 2) if kind == "pair"
-                                                              else n // rows)})
+            RESULTS["qgemv"].append({"product": name, "variant": label, "wall_us": t * 1e6,
+                                     "gpu_us": gpu, "bytes": nbytes, "rel_err": err})
             log(f"{name:34s} {label:>18s} {t * 1e6:8.1f} {gpu:7.1f} {nbytes / gpu / 1e6:6.2f} {err:8.1e}")
         del wq, sc, bi
         mx.clear_cache()
-    qg.BLOCKS_PER_SM = saved
 
 
 def section_attention() -> None:
@@ -205,7 +202,7 @@ def section_attention() -> None:
         want = pac.paged_decode_attention_reference(q, kp, vp, table, lens, D**-0.5, BS) if B <= 16 else None
         kv_bytes = B * ctx * KVH * D * 2 * 2
         line = []
-        for ver in ("v2", "v4", "v5", "v6"):
+        for ver in ("v2", "v4", "v6"):
             line = []
             for part in (32, 64, 128, 256, 2048):
                 if -(-ctx // part) > 512:

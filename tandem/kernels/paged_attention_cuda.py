@@ -255,14 +255,14 @@ _MERGE_TAIL = r"""
 """
 
 
-# Attention v3 (``TANDEM_ATT_KERNEL=v3``): the same grid, inputs and outputs as the kernel
-# above, with a tile-wise softmax. Each warp takes 32-token tiles: in the score phase a
-# lane owns one token and dots its whole K row with the group's queries (no shuffles per
-# token); the tile's max and one rescale of the accumulators follow; in the value phase
-# lanes own D/32 dims and walk the tile's tokens with coalesced V loads. The kernel above
-# rescales every accumulator with two exponentials per token and query head, and on the
-# H200 it stayed at 0.85-1.3 TB/s of KV whatever the grid (run 14).
-_ATT3_SOURCE = r"""
+# Tile-wise attention (``TANDEM_ATT_KERNEL=v4`` / ``v6``): the same grid, inputs and
+# outputs as the kernel above, with a tile-wise softmax. Each warp takes 32-token tiles:
+# in the score phase a lane owns one token and dots its whole K row with the group's
+# queries (no shuffles per token); the tile's max and one rescale of the accumulators
+# follow; in the value phase lanes own D/32 dims and walk the tile's tokens. The kernel
+# above rescales every accumulator with two exponentials per token and query head, and on
+# the H200 it stayed at 0.85-1.3 TB/s of KV whatever the grid (run 14).
+_ATT_TILE_SOURCE = r"""
   constexpr int DPL = D / 32;               // value dims per lane
   constexpr int KW = D / 8;                 // 16-byte words per K row
   const int part = blockIdx.x;
@@ -304,97 +304,48 @@ _ATT3_SOURCE = r"""
     const int t = tb + lane;
     const bool valid = t < t1;
     const int nv = min(32, t1 - tb);
-    // KCO: 8 lanes per token, each two 16-byte words of its K row, so a warp-wide load
-    // reads 4 whole rows; one token per lane touched 32 rows per load instruction.
-    constexpr int KWL = KW / 8;
-    const int sub = lane & 7, quad = lane >> 3;
     uint4 kr[KW];
-    if constexpr (KCO) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int tj = tb + quad + 4 * j;
-        if (tj < t1) {
-          const uint4* kp = reinterpret_cast<const uint4*>(
-              k_pool + (((size_t)sm_tbl[tj / BS - fb] * BS + (tj % BS)) * KVH + h) * D) + sub * KWL;
-#pragma unroll
-          for (int w = 0; w < KWL; ++w) kr[j * KWL + w] = kp[w];
-        }
-      }
-    } else if (valid) {
+    if (valid) {
       const T* kp = k_pool + (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D;
 #pragma unroll
       for (int c = 0; c < KW; ++c) kr[c] = reinterpret_cast<const uint4*>(kp)[c];
     }
-    // VPRE: the tile's V loads go out with its K loads (they do not depend on the
-    // scores), so a tile costs one memory latency instead of five (K, then V in four
-    // chunks of 8 tokens).
-    __align__(8) T vr[VPRE ? 32 : 1][DPL];
-    if constexpr (VSM) {
-      // VSM: the tile's V rows go to shared memory by cp.async (no registers held while
-      // in flight), 16-byte chunks, a warp-wide copy covering two whole rows.
+    // The tile's V loads go out with its K loads (they do not depend on the scores), so
+    // a tile costs one memory latency, not five (K, then V in four chunks of 8 tokens:
+    // the first tile-wise kernel, 197 us at batch 64 against 110). VSM: into shared
+    // memory by cp.async, 16-byte chunks, a warp-wide copy covering two whole rows, so
+    // no registers are held while they are in flight; else into registers.
+    __align__(8) T vr[VSM ? 1 : 32][DPL];
 #pragma unroll
-      for (int k = 0; k < KW; ++k) {
+    for (int k = 0; k < (VSM ? KW : 32); ++k) {
+      if constexpr (VSM) {
         const int ci = lane + 32 * k;
-        const int j = ci / KW, w = ci % KW;
-        if (j < nv) {
-          const int ti = tb + j;
+        const int jv = ci / KW, w = ci % KW;
+        if (jv < nv) {
+          const int ti = tb + jv;
           const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + w * 8;
-          const unsigned dst = (unsigned)__cvta_generic_to_shared(&sm_v[warp][j][w * 8]);
+          const unsigned dst = (unsigned)__cvta_generic_to_shared(&sm_v[warp][jv][w * 8]);
           asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(vp));
         }
-      }
-      asm volatile("cp.async.commit_group;\n" ::);
-    }
-    if constexpr (VPRE) {
+      } else if (k < nv) {
+        const int ti = tb + k;
+        const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + lane * DPL;
+        if constexpr (sizeof(T) == 2 && DPL == 4) {
+          *reinterpret_cast<uint2*>(&vr[k][0]) = *reinterpret_cast<const uint2*>(vp);
+        } else if constexpr (sizeof(T) == 2 && DPL == 2) {
+          *reinterpret_cast<uint32_t*>(&vr[k][0]) = *reinterpret_cast<const uint32_t*>(vp);
+        } else {
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        if (j < nv) {
-          const int ti = tb + j;
-          const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + lane * DPL;
-          if constexpr (sizeof(T) == 2 && DPL == 4) {
-            *reinterpret_cast<uint2*>(&vr[j][0]) = *reinterpret_cast<const uint2*>(vp);
-          } else if constexpr (sizeof(T) == 2 && DPL == 2) {
-            *reinterpret_cast<uint32_t*>(&vr[j][0]) = *reinterpret_cast<const uint32_t*>(vp);
-          } else {
-#pragma unroll
-            for (int d = 0; d < DPL; ++d) vr[j][d] = vp[d];
-          }
+          for (int d = 0; d < DPL; ++d) vr[k][d] = vp[d];
         }
       }
     }
+    if constexpr (VSM) asm volatile("cp.async.commit_group;\n" ::);
+
     float s[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) s[g] = -INFINITY;
-    // The token whose score this lane keeps (and whose p it writes).
-    const int own = KCO ? quad + 4 * sub : lane;
-    const bool own_valid = tb + own < t1;
-    if constexpr (KCO) {
-      // Partial dots over this lane's 16 dims, summed over the 8 lanes of the token; lane
-      // `sub` of a quad keeps its j-th token's scores.
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float4 qv[2 * KWL];   // this lane's dims of query head g, read once for the 8 tokens
-#pragma unroll
-        for (int w = 0; w < 2 * KWL; ++w) qv[w] = *reinterpret_cast<const float4*>(&sm_q[g][sub * KWL * 8 + 4 * w]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          float a = 0.f;
-#pragma unroll
-          for (int w = 0; w < KWL; ++w) {
-            const T* kh = reinterpret_cast<const T*>(&kr[j * KWL + w]);
-            const float4 qa = qv[2 * w], qb = qv[2 * w + 1];
-            a = fmaf(qa.x, pa_f(kh[0]), a); a = fmaf(qa.y, pa_f(kh[1]), a);
-            a = fmaf(qa.z, pa_f(kh[2]), a); a = fmaf(qa.w, pa_f(kh[3]), a);
-            a = fmaf(qb.x, pa_f(kh[4]), a); a = fmaf(qb.y, pa_f(kh[5]), a);
-            a = fmaf(qb.z, pa_f(kh[6]), a); a = fmaf(qb.w, pa_f(kh[7]), a);
-          }
-          a += __shfl_xor_sync(0xffffffffu, a, 1);
-          a += __shfl_xor_sync(0xffffffffu, a, 2);
-          a += __shfl_xor_sync(0xffffffffu, a, 4);
-          if (sub == j && own_valid) s[g] = a;
-        }
-      }
-    } else if (valid) {
+    if (valid) {
 #pragma unroll
       for (int g = 0; g < G; ++g) s[g] = 0.f;
 #pragma unroll
@@ -421,76 +372,28 @@ _ATT3_SOURCE = r"""
       for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
       const float mn = fmaxf(mx_[g], mt);
       const float c = (mx_[g] == -INFINITY) ? 0.f : __expf(mx_[g] - mn);
-      const float p = own_valid ? __expf(s[g] - mn) : 0.f;
+      const float p = valid ? __expf(s[g] - mn) : 0.f;
       l_[g] = l_[g] * c + p;   // this lane's tokens only; summed over lanes at the end
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[g][i] *= c;
       mx_[g] = mn;
-      sm_p[warp][own][g] = p;
+      sm_p[warp][lane][g] = p;
     }
+    if constexpr (VSM) asm volatile("cp.async.wait_group 0;\n" ::);
     __syncwarp();
-    if constexpr (VSM) {
-      asm volatile("cp.async.wait_group 0;\n" ::);
-      __syncwarp();
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        if (j < nv) {
-          float vf[DPL];
+    for (int j = 0; j < 32; ++j) {
+      if (j < nv) {
+        float vf[DPL];
 #pragma unroll
-          for (int d = 0; d < DPL; ++d) vf[d] = pa_f(sm_v[warp][j][lane * DPL + d]);
-#pragma unroll
-          for (int g = 0; g < G; ++g) {
-            const float pg = sm_p[warp][j][g];
-#pragma unroll
-            for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(pg, vf[d], acc[g][d]);
-          }
-        }
-      }
-    }
-    if constexpr (VPRE) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        if (j < nv) {
-#pragma unroll
-          for (int g = 0; g < G; ++g) {
-            const float pg = sm_p[warp][j][g];
-#pragma unroll
-            for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(pg, pa_f(vr[j][d]), acc[g][d]);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int i0 = 0; i0 < 32; i0 += 8) {
-      if (VPRE || VSM || i0 >= nv) break;
-      float vf[8][DPL];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int ti = tb + i0 + j;
-        if (i0 + j < nv) {
-          const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + lane * DPL;
-          if constexpr (DPL == 4 && sizeof(T) == 2) {
-            const uint2 u = *reinterpret_cast<const uint2*>(vp);
-            const T* vh = reinterpret_cast<const T*>(&u);
-#pragma unroll
-            for (int d = 0; d < 4; ++d) vf[j][d] = pa_f(vh[d]);
-          } else {
-#pragma unroll
-            for (int d = 0; d < DPL; ++d) vf[j][d] = pa_f(vp[d]);
-          }
-        } else {
-#pragma unroll
-          for (int d = 0; d < DPL; ++d) vf[j][d] = 0.f;
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
+        for (int d = 0; d < DPL; ++d) vf[d] = pa_f(VSM ? sm_v[warp][j][lane * DPL + d] : vr[j][d]);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-          const float pg = sm_p[warp][i0 + j][g];
+          const float pg = sm_p[warp][j][g];
 #pragma unroll
-          for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(pg, vf[j][d], acc[g][d]);
+          for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(pg, vf[d], acc[g][d]);
         }
+      }
     }
     __syncwarp();
   }
@@ -510,13 +413,18 @@ _ATT3_SOURCE = r"""
 """
 
 ATT_KERNEL = os.environ.get("TANDEM_ATT_KERNEL", "auto")
-"""Which decode attention kernel runs: ``v2`` (per-token online softmax), ``v3`` (tile-wise;
-a 2-byte dtype and head_dim 64 or 128, else v2), ``v4`` (v3 with each tile's V loads
-issued with its K loads), or ``auto``: v4 from ``V4_MIN_BATCH`` rows, v2 below. H200 run
-19 (bench/gpu_probe.py, CUPTI, 528-token contexts): batch 16 57-71 us with v4 against 76
-with v2; batch 64 110 against 145 (v2) and 197 (v3); batch 128 168 against 248 (v2)."""
+"""Which decode attention kernel runs: ``v2`` (per-token online softmax), ``v4`` (tile-wise,
+each tile's V loaded into registers with its K), ``v6`` (tile-wise, V by cp.async into
+shared memory: 128 registers against 226), or ``auto``: v2 below ``V4_MIN_BATCH`` rows,
+v4 below ``V6_MIN_BATCH``, v6 from there. The tile-wise kernels need a 2-byte dtype and
+head_dim 64 or 128 (else v2). H200 runs 19-21, 8B shape, 528-token contexts, CUPTI:
+batch 16 57-71 us with v4 against 76 (v2) and 95-114 (v6); batch 64 100-110 us (v4, v6)
+against 145 (v2) and 197 (v3, the tile-wise kernel with V loaded after the scores,
+removed); engine at batch 64, one call: v6 7,728 / v4 7,243 / v3 5,627 tok/s (v5, with K
+loaded 8 lanes per token, 7,557 with spilled registers: removed)."""
 
 V4_MIN_BATCH = 16
+V6_MIN_BATCH = 64
 
 # Template: T, D. Inputs: part (B, H, NPART, D + 2). Output: o (B, H, D) in T.
 _REDUCE_SOURCE = r"""
@@ -589,19 +497,19 @@ _WRITE_SOURCE = r"""
   }
 """
 
-WRITE_HEADS_PER_THREAD = int(os.environ.get("TANDEM_WRITE_HPT", "1"))
-"""Heads per thread of the RoPE + write kernel. CUPTI timed the batch-64 write at 41 us
-with 1 and 3.3 us with 8 (H200, separate runs), but the engine's batch-64 decode was
-6,176 tok/s with 1 and 5,865 with 8 in one run (run 15), so 1 stays the default."""
+WRITE_HEADS_PER_THREAD = int(os.environ.get("TANDEM_WRITE_HPT", "8"))
+"""Heads per thread of the RoPE + write kernel. Engine at batch 64, one call (run 20):
+7,518 tok/s with 8 against 6,963 with 1 (run 15 had measured the opposite, 5,865 against
+6,176, with the older attention kernel)."""
 
 
 @functools.cache
-def _attention_kernel(version: str = "v2"):
+def _attention_kernel(tile: bool):
     return mx.fast.cuda_kernel(
-        name="tandem_paged_decode" if version == "v2" else "tandem_paged_decode3",
+        name="tandem_paged_decode_tile" if tile else "tandem_paged_decode",
         input_names=["q", "k_pool", "v_pool", "table", "lens", "params"],
         output_names=["out"],
-        source=(_ATT_SOURCE if version == "v2" else _ATT3_SOURCE) + _MERGE_TAIL,
+        source=(_ATT_TILE_SOURCE if tile else _ATT_SOURCE) + _MERGE_TAIL,
         header=_HEADER,
     )
 
@@ -680,14 +588,16 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     out_shape = ((B, H * D) if flat else (B, H, D)) if single else (B, H, npart, D + 2)
     version = kernel or ATT_KERNEL
     if version == "auto":
-        version = "v4" if B >= V4_MIN_BATCH else "v2"
-    if version in ("v3", "v4", "v5", "v6") and (q.dtype not in (mx.float16, mx.bfloat16) or D not in (64, 128)):
+        version = "v2" if B < V4_MIN_BATCH else "v4" if B < V6_MIN_BATCH else "v6"
+    if version not in ("v2", "v4", "v6"):
+        raise ValueError(f"paged_decode_attention: unknown kernel {version!r} (v2, v4, v6 or auto)")
+    if version != "v2" and (q.dtype not in (mx.float16, mx.bfloat16) or D not in (64, 128)):
         version = "v2"
     template = [("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
                 ("SINGLE", single)]
     if version != "v2":
-        template += [("VPRE", version == "v4"), ("KCO", version == "v5"), ("VSM", version in ("v5", "v6"))]
-    (partials,) = _attention_kernel("v2" if version == "v2" else "v3")(
+        template.append(("VSM", version == "v6"))
+    (partials,) = _attention_kernel(version != "v2")(
         inputs=[q, k_pool, v_pool, _i32(table), _i32(lens), _params(float(scale), part)],
         template=template,
         grid=(npart * _ATT_THREADS, kvh, B),

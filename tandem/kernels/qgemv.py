@@ -22,7 +22,6 @@ fit 48 KB of static shared memory). ``qgemv_reference`` is the pure-ops definiti
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 
@@ -46,42 +45,37 @@ _SOURCE = r"""
   const int N = w_shape[0];
   const int NG = scales_shape[1];
   const int GS = K / NG;
-  // Row groups: R consecutive rows, or with PAIR R/2 gate rows j and their up rows
-  // j + N/2 (interleaved: gate, up, gate, up, ...). A warp takes groups wg, wg + W, ...:
-  // with fewer blocks than groups (persistent grid) the input is staged once per block
-  // for many groups, and the next group's weights load while this one computes (DB).
-  const int NGRP = PAIR ? (N / 2) / (R / 2) : N / R;
-  const int W = gridDim.x * NW;
+
+  // The weight loads go out first: they do not depend on the input, so they are in
+  // flight while the block stages it (issued after, each block's staging latency
+  // left the memory system idle: 1.44 TB/s for gate/up on the H200).
+  // This warp's rows: R consecutive rows, or with PAIR R/2 gate rows j and their up rows
+  // j + N/2 (interleaved: gate, up, gate, up, ...).
+  const int wg = blockIdx.x * NW + warp;
+  int rows[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    rows[r] = PAIR ? (wg * (R / 2) + r / 2) + (r % 2) * (N / 2) : wg * R + r;
+  const bool live = (PAIR ? wg * (R / 2) : wg * R) < (PAIR ? N / 2 : N);
+
   const uint4* wv = reinterpret_cast<const uint4*>(w);
-
-  auto row_of = [&](int grp, int r) {
-    return PAIR ? (grp * (R / 2) + r / 2) + (r % 2) * (N / 2) : grp * R + r;
-  };
-  auto load = [&](int grp, uint4 (&wr)[R][IT], __half (&sc)[R][IT], __half (&bi)[R][IT]) {
+  uint4 wr[R][IT];
+  __half sc[R][IT], bi[R][IT];
 #pragma unroll
-    for (int i = 0; i < IT; ++i) {
-      const int c = lane + 32 * i;
+  for (int i = 0; i < IT; ++i) {
+    const int c = lane + 32 * i;
 #pragma unroll
-      for (int r = 0; r < R; ++r) wr[r][i] = __ldcs(wv + (size_t)row_of(grp, r) * CH + c);
+    for (int r = 0; r < R; ++r) wr[r][i] = live ? __ldcs(wv + (size_t)rows[r] * CH + c) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < IT; ++i) {
+    const int g = (lane + 32 * i) * 32 / GS;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      sc[r][i] = live ? scales[(size_t)rows[r] * NG + g] : __float2half(0.f);
+      bi[r][i] = live ? biases[(size_t)rows[r] * NG + g] : __float2half(0.f);
     }
-#pragma unroll
-    for (int i = 0; i < IT; ++i) {
-      const int g = (lane + 32 * i) * 32 / GS;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        sc[r][i] = scales[(size_t)row_of(grp, r) * NG + g];
-        bi[r][i] = biases[(size_t)row_of(grp, r) * NG + g];
-      }
-    }
-  };
-
-  // The first group's weight loads go out before the staging: they do not depend on the
-  // input, so they are in flight while the block stages it (issued after, each block's
-  // staging latency left the memory system idle: 1.44 TB/s for gate/up on the H200).
-  int grp = blockIdx.x * NW + warp;
-  uint4 wa[R][IT];
-  __half sa[R][IT], ba[R][IT];
-  if (grp < NGRP) load(grp, wa, sa, ba);
+  }
 
   float rs = 1.f;
   if constexpr (NORM) {
@@ -132,92 +126,67 @@ _SOURCE = r"""
     sxs[c] = s;
   }
   __syncthreads();
-  if (grp >= NGRP) return;
+  if (!live) return;
 
   const uint4* sxv = reinterpret_cast<const uint4*>(sx);
   const int rot = lane >> 1;   // conflict-free: lanes of a quarter warp hit 8 distinct 16-byte bank groups
   const __half2 k1032 = __floats2half2_rn(1032.f, 1032.f);
-  auto compute = [&](int g0, const uint4 (&wr)[R][IT], const __half (&sc)[R][IT], const __half (&bi)[R][IT]) {
-    float acc[R];
+  float acc[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
 #pragma unroll
-    for (int i = 0; i < IT; ++i) {
-      const int c = lane + 32 * i;
-      float dots[R];
+  for (int i = 0; i < IT; ++i) {
+    const int c = lane + 32 * i;
+    float dots[R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) dots[r] = 0.f;
+    for (int r = 0; r < R; ++r) dots[r] = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int seg = (j + rot) & 3;
-        const uint4 xu = sxv[c * 4 + seg];
-        const __half2* xp = reinterpret_cast<const __half2*>(&xu);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const uint4 u = wr[r][i];
-          const uint32_t wd = seg == 0 ? u.x : seg == 1 ? u.y : seg == 2 ? u.z : u.w;
-          __half2 a;
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            uint32_t t = ((wd >> (4 * q)) & 0x000F000Fu) | 0x64006400u;
-            const __half2 qq = __hsub2(*reinterpret_cast<__half2*>(&t), k1032);  // (n_q - 8, n_{q+4} - 8)
-            a = q == 0 ? __hmul2(xp[0], qq) : __hfma2(xp[q], qq, a);
-          }
-          const float2 f = __half22float2(a);
-          dots[r] += f.x + f.y;
-        }
-      }
+    for (int j = 0; j < 4; ++j) {
+      const int seg = (j + rot) & 3;
+      const uint4 xu = sxv[c * 4 + seg];
+      const __half2* xp = reinterpret_cast<const __half2*>(&xu);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const float s = __half2float(sc[r][i]);
-        acc[r] += s * dots[r] + fmaf(8.f, s, __half2float(bi[r][i])) * sxs[c];
+        const uint4 u = wr[r][i];
+        const uint32_t wd = seg == 0 ? u.x : seg == 1 ? u.y : seg == 2 ? u.z : u.w;
+        __half2 a;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint32_t t = ((wd >> (4 * q)) & 0x000F000Fu) | 0x64006400u;
+          const __half2 qq = __hsub2(*reinterpret_cast<__half2*>(&t), k1032);  // (n_q - 8, n_{q+4} - 8)
+          a = q == 0 ? __hmul2(xp[0], qq) : __hfma2(xp[q], qq, a);
+        }
+        const float2 f = __half22float2(a);
+        dots[r] += f.x + f.y;
       }
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      const float s = __half2float(sc[r][i]);
+      acc[r] += s * dots[r] + fmaf(8.f, s, __half2float(bi[r][i])) * sxs[c];
+    }
+  }
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
-    if (lane == 0) {
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int r = 0; r < R; r += (PAIR ? 2 : 1)) {
-        const int o = row_of(g0, r);
-        float v;
-        if constexpr (PAIR) {
-          // The same roundings as the unfused path: gate and up in fp16, then swiglu.
-          const float g = __half2float(__float2half(acc[r]));
-          const float u = __half2float(__float2half(acc[r + 1]));
-          v = g / (1.f + __expf(-g)) * u;
-        } else {
-          v = acc[r];
-        }
+    for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; r += (PAIR ? 2 : 1)) {
+      if constexpr (PAIR) {
+        // The same roundings as the unfused path: gate and up in fp16, then swiglu.
+        const float g = __half2float(__float2half(acc[r]));
+        const float u = __half2float(__float2half(acc[r + 1]));
+        const int o = rows[r];
+        float v = g / (1.f + __expf(-g)) * u;
+        if (RES) v += __half2float(res[o]);
+        y[o] = __float2half(v);
+      } else {
+        const int o = rows[r];
+        float v = acc[r];
         if (RES) v += __half2float(res[o]);
         y[o] = __float2half(v);
       }
-    }
-  };
-
-  if constexpr (DB) {
-    // Two register sets in turn: group g computes while group g + W loads.
-    uint4 wb[R][IT];
-    __half sb[R][IT], bb[R][IT];
-    while (true) {
-      int nxt = grp + W;
-      if (nxt < NGRP) load(nxt, wb, sb, bb);
-      compute(grp, wa, sa, ba);
-      if (nxt >= NGRP) break;
-      grp = nxt;
-      nxt = grp + W;
-      if (nxt < NGRP) load(nxt, wa, sa, ba);
-      compute(grp, wb, sb, bb);
-      if (nxt >= NGRP) break;
-      grp = nxt;
-    }
-  } else {
-    while (true) {
-      compute(grp, wa, sa, ba);
-      grp += W;
-      if (grp >= NGRP) break;
-      load(grp, wa, sa, ba);
     }
   }
 """
@@ -253,24 +222,6 @@ def rows_per_warp(n: int, k: int, pair: bool) -> int:
     return 2 if n % (4 if pair else 2) == 0 else 1
 
 
-BLOCKS_PER_SM = int(os.environ.get("TANDEM_QGEMV_BPS", "0"))
-"""Persistent grid: at most this many 8-warp blocks per SM, each warp looping over row
-groups (0: one warp per row group, no loop, the kernel of H200 runs 14-18)."""
-SMS = int(os.environ.get("TANDEM_SMS", "132"))  # the H200's SM count
-
-
-def grid_blocks(groups: int) -> int:
-    """Blocks for ``groups`` row groups: every group its own warp, or with a persistent
-    grid the fewest blocks that give each warp the same number of groups (a ragged last
-    round would leave most of the card idle while a few warps finish)."""
-    need = -(-groups // _WARPS)
-    cap = SMS * BLOCKS_PER_SM
-    if BLOCKS_PER_SM <= 0 or need <= cap:
-        return need
-    rounds = -(-groups // (cap * _WARPS))
-    return -(-(-(-groups // rounds)) // _WARPS)
-
-
 def qgemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int = 64, *,
           norm_weight: mx.array | None = None, eps: float = 1e-5,
           residual: mx.array | None = None, pair: bool = False,
@@ -285,18 +236,15 @@ def qgemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_si
     k = words * 8
     r = rows_override or rows_per_warp(n, k, pair)
     n_out = n // 2 if pair else n
-    groups = (n_out // (r // 2) if pair else n // r)
-    blocks = grid_blocks(groups)
-    # Double-buffer only where the two register sets stay small (K = 4096 at 2 rows: 16
-    # 16-byte words a lane) and a warp gets more than one group.
-    db = blocks * _WARPS < groups and r * (k // 1024) <= 8
+    warps = (n_out // (r // 2) if pair else n // r)
+    blocks = -(-warps // _WARPS)
     (y,) = _kernel()(
         inputs=[x, w, scales, biases,
                 norm_weight if norm_weight is not None else qmm._dummy(mx.float16),
                 residual if residual is not None else qmm._dummy(mx.float16),
                 qmm._fparams(float(eps))],
         template=[("K", k), ("R", r), ("NORM", norm_weight is not None), ("PAIR", bool(pair)),
-                  ("RES", residual is not None), ("DB", bool(db))],
+                  ("RES", residual is not None)],
         grid=(blocks * _WARPS * 32, 1, 1),
         threadgroup=(_WARPS * 32, 1, 1),
         output_shapes=[(1, n_out)],

@@ -254,7 +254,7 @@ class KernelRunner(PagedRunner):
             self.warm_kernels()
             log.info("paged runner: decode kernel variants compiled in %.1f s", time.perf_counter() - t)
 
-    def warm_kernels(self, row_counts=(1, 2, 3, 4, 8, pac.V4_MIN_BATCH)) -> None:
+    def warm_kernels(self, row_counts=(1, 2, 3, 4, 8, pac.V4_MIN_BATCH, pac.V6_MIN_BATCH)) -> None:
         """Run a decode step per row-count class against the scratch block, split and
         unsplit, so every kernel variant a decode step can pick is compiled now: each is
         an NVRTC compile of ~2 s, which mid-serving is a ~2 s stall of every running

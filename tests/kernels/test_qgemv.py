@@ -74,29 +74,3 @@ def test_fusions_match_reference():
         want = qg.qgemv_reference(x, wq, s, b, 64, norm_weight=g, pair=True, residual=res)
         assert got.shape == (1, n // 2) and _rel_err(got, want) < 5e-3, r
 
-
-def test_persistent_grid_gives_every_warp_the_same_rounds():
-    for groups in (14336, 3072, 2048, 2049, 7):
-        blocks = qg.grid_blocks(groups)
-        warps = blocks * 8
-        rounds = -(-groups // warps)
-        assert warps * rounds >= groups and (warps - 8) * rounds < groups  # no idle block
-        assert blocks <= max(-(-groups // 8), qg.SMS * max(qg.BLOCKS_PER_SM, 1))
-
-
-@gpu
-@pytest.mark.gpu
-@hang_guard
-@pytest.mark.parametrize("n,k,pair", [(2056, 4096, True), (1552, 4096, False), (520, 14336, False)])
-def test_persistent_rounds_match_reference(monkeypatch, n, k, pair):
-    """A grid of 2 blocks makes every warp loop over many row groups: the double-buffered
-    (K = 4096) and the single-buffered (K = 14336) loops, with a ragged last round."""
-    monkeypatch.setattr(qg, "SMS", 2)
-    monkeypatch.setattr(qg, "BLOCKS_PER_SM", 1)
-    x, wq, s, b = _case(n, k, 64, seed=n + k + 1)
-    g = (1 + 0.1 * mx.random.normal((k,))).astype(mx.float16)
-    res = mx.random.normal((1, n // 2 if pair else n)).astype(mx.float16)
-    for kw in ({}, {"norm_weight": g, "residual": res}):
-        got = qg.qgemv(x, wq, s, b, 64, pair=pair, **kw)
-        want = qg.qgemv_reference(x, wq, s, b, 64, pair=pair, **kw)
-        assert _rel_err(got, want) < 5e-3, kw.keys()
