@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from tandem.pipeline import cpu_kernels, cpu_math, native_decode
+from tandem.pipeline import cpu_kernels, cpu_math, native_decode, q4_kernels
 
 # Rows (batch x tokens) below which a projection runs as W @ x.T rather than x @ W.T
 # (at 2,048 rows MKL packs the weights better than the activations again).
@@ -272,6 +272,9 @@ class FastLlama:
             cpu_kernels.threads()  # a bad TANDEM_ATTENTION_THREADS fails here, not mid-step
         # A whole decode step in one C call over the 4-bit weights, where the model was
         # loaded from them (native_decode); None: the compiled mlx pieces below.
+        # RoPE and SiLU of prefills (below left_below rows) in C, where the kernels build.
+        self.prefill_kernels = q4_kernels.available()
+        self._cols = None
         self.native = None
         self.native_why = "off"
         if native:
@@ -291,6 +294,14 @@ class FastLlama:
         if L == 1 and B < self.left_below and self.decode.why is None:
             x = self._decode_layers(x, caches, mask, max_q_start)
         else:
+            self._cols = None
+            if self.prefill_kernels and B * L < self.left_below and self.decode.why is None:
+                # Position tables of every token column, once per forward, for the C RoPE.
+                off = caches[0].offset
+                off = mx.full((B,), off, mx.int32) if isinstance(off, int) else off
+                pos = (off[:, None] + mx.arange(L)[None, :]).reshape(-1)
+                cos, sin = _tables(self.decode.rope, pos, self.decode.D)
+                self._cols = (np.ascontiguousarray(np.array(cos)), np.ascontiguousarray(np.array(sin)))
             for layer, cache, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, caches, self.fused.layers):
                 x = self._layer(layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start)
         x = x.reshape(B, L, -1)
@@ -326,10 +337,13 @@ class FastLlama:
         D = qkv_w.shape[0] // (Hq + 2 * Hkv)
         left = B * L < self.left_below
         h = layer.input_layernorm(x)
+        cols = self._cols if left else None
         if left:
             qkv = _left(qkv_w, h.T)  # (features, B*L)
             if qkv_b is not None:
                 qkv = qkv + qkv_b
+            if cols is not None:  # RoPE in C over the token columns (mlx's costs ~4.5 ns per value)
+                qkv = mx.array(q4_kernels.rope_cols(np.array(qkv), Hq + Hkv, D, *cols))
             q = qkv[: Hq * D].reshape(Hq, D, B, L).transpose(2, 0, 3, 1)  # (B, Hq, L, D)
             k = qkv[Hq * D : (Hq + Hkv) * D].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)
             v = qkv[(Hq + Hkv) * D :].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)
@@ -343,8 +357,9 @@ class FastLlama:
         if hasattr(attn, "q_norm"):  # qwen3 normalizes each head before RoPE
             q = attn.q_norm(q)
             k = attn.k_norm(k)
-        q = attn.rope(q, offset=cache.offset)
-        k = attn.rope(k, offset=cache.offset)
+        if cols is None:
+            q = attn.rope(q, offset=cache.offset)
+            k = attn.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(mx.contiguous(k), mx.contiguous(v))
         o = cpu_math.attention(q, k, v, attn.scale, mask, max_q_start)  # (B, Hq, L, D)
         o = o.transpose(0, 2, 1, 3).reshape(B * L, Hq * D)
@@ -353,7 +368,10 @@ class FastLlama:
             x = x + _left(attn.o_proj.weight, o.T).T
             gu = _left(gu_w, h(x).T)  # (2 * hidden, B*L): gate rows then up rows
             inter = gu.shape[0] // 2
-            a = cpu_math.silu_mul(gu[:inter], gu[inter:])
+            if cols is not None:  # in C: mlx's exp, even the cheap one, costs ~3 ns per value
+                a = mx.array(q4_kernels.silu_rows(np.array(gu)))
+            else:
+                a = cpu_math.silu_mul(gu[:inter], gu[inter:])
             return x + _left(mlp.down_proj.weight, a).T
         x = x + o @ attn.o_proj.weight.T
         gu = h(x) @ gu_w.T

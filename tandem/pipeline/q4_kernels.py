@@ -221,7 +221,8 @@ static inline __attribute__((always_inline)) void tile(const float *restrict w0,
         const __m512 u = _mm512_loadu_ps(w0 + t), v = _mm512_loadu_ps(w1 + t);
 #pragma GCC unroll 8
         for (int c = 0; c < MC; c++) {
-            const __m512 xc = _mm512_loadu_ps(x + c * k + t);
+            __m512 xc = _mm512_loadu_ps(x + c * k + t);
+            __asm__("" : "+v"(xc));  /* one load for both rows (GCC would fold it into each FMA) */
             acc[c] = _mm512_fmadd_ps(u, xc, acc[c]);
             acc[8 + c] = _mm512_fmadd_ps(v, xc, acc[8 + c]);
         }
@@ -251,12 +252,18 @@ static void mm_part(void *arg, long part, long parts) {
     float *buf = aligned_alloc(64, sizeof(float) * 2 * k);
     if (!buf) return;  /* leaves rows unwritten: cannot happen for the sizes used */
     float out[16];
+    /* Columns in blocks of COLS, so that a block of x stays in the core's L2 while every
+       row pair passes over it (a prefill's x is megabytes); a row pair is expanded once
+       per block, which costs little next to COLS columns of multiplies. */
+    enum { COLS = 64 };
+    for (long cb = 0; cb < j->m; cb += COLS)
     for (long r = lo; r < hi; r += 2) {
         const long r1 = r + 1 < n ? r + 1 : r;
+        const long ce = cb + COLS < j->m ? cb + COLS : j->m;
         expand_row(w, r, buf);
         expand_row(w, r1, buf + k);
-        for (long c0 = 0; c0 < j->m; c0 += 8) {
-            const int mc = j->m - c0 < 8 ? (int)(j->m - c0) : 8;
+        for (long c0 = cb; c0 < ce; c0 += 8) {
+            const int mc = ce - c0 < 8 ? (int)(ce - c0) : 8;
             const float *xc = j->x + c0 * k;
             switch (mc) {
                 case 8: tile(buf, buf + k, xc, k, 8, out); break;
@@ -360,6 +367,54 @@ static void at_part(void *arg, long part, long parts) {
     free(s);
 }
 
+/* ---- prefill helpers over token columns: x (rows, t) ---- */
+typedef struct { float *x; const float *cos_t, *sin_t; const float *gu; float *a; long heads, d, t, inter; } col_job;
+
+static void rope_part(void *arg, long part, long parts) {
+    const col_job *j = arg;
+    const long half = j->d / 2, pairs = j->heads * half, t = j->t;
+    for (long p = pairs * part / parts; p < pairs * (part + 1) / parts; p++) {
+        const long h = p / half, i = p % half;
+        float *x1 = j->x + (h * j->d + i) * t, *x2 = x1 + half * t;
+        const float *c = j->cos_t + i * t, *s = j->sin_t + i * t;
+        for (long k = 0; k < t; k++) {
+            const float a = x1[k], b = x2[k];
+            x1[k] = a * c[k] - b * s[k];
+            x2[k] = a * s[k] + b * c[k];
+        }
+    }
+}
+
+/* Rotate rows (h*d + i, h*d + i + d/2) of x (rows, t), heads h < heads, by the cos/sin
+   tables (d/2, t) of each column's position, in place. */
+int rope_cols(float *x, long heads, long d, long t, const float *cos_t, const float *sin_t, long threads) {
+    col_job j = {x, cos_t, sin_t, NULL, NULL, heads, d, t, 0};
+    pthread_mutex_lock(&call_mu);
+    pool_init(threads);
+    parallel(rope_part, &j, threads);
+    pthread_mutex_unlock(&call_mu);
+    return 0;
+}
+
+static void silu_part(void *arg, long part, long parts) {
+    const col_job *j = arg;
+    const long n = j->inter * j->t;
+    for (long e = n * part / parts; e < n * (part + 1) / parts; e++) {
+        const float g = j->gu[e], u = j->gu[n + e];
+        j->a[e] = g * (1.0f / (1.0f + exp_any(-g))) * u;
+    }
+}
+
+/* a (inter, t) = silu(gate) * up for gu (2 * inter, t): gate rows, then up rows. */
+int silu_rows(const float *gu, long inter, long t, float *a, long threads) {
+    col_job j = {NULL, NULL, NULL, gu, a, 0, 0, t, inter};
+    pthread_mutex_lock(&call_mu);
+    pool_init(threads);
+    parallel(silu_part, &j, threads);
+    pthread_mutex_unlock(&call_mu);
+    return 0;
+}
+
 /* x (B, hidden): the embedded tokens, overwritten; cos, sin (B, d/2); kmir, vmir: per
    layer the decode mirror (B, hkv, cap, d), the new entries go to position lens[b]-1;
    logits (B, vocab). Returns 0, or -1 without memory. */
@@ -455,7 +510,9 @@ def _build() -> ctypes.CDLL:
     lib.q4_matmul.argtypes = [P, P, L, P, L]
     lib.q4_expand.argtypes = [P, P]
     lib.q4_decode_step.argtypes = [P, L, P, P, P, L, L, L, L, L, L, P, P, P, P, P, L, F, F, P, L]
-    for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_decode_step):
+    lib.rope_cols.argtypes = [P, L, L, L, P, P, L]
+    lib.silu_rows.argtypes = [P, L, L, P, L]
+    for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_decode_step, lib.rope_cols, lib.silu_rows):
         fn.restype = ctypes.c_int
     return lib
 
@@ -619,3 +676,23 @@ def decode_step(layers, head: Q4Matrix, norm_w: np.ndarray, x: np.ndarray, dims:
     if rc != 0:
         raise MemoryError("4-bit decode step: no memory for its buffers")
     return logits
+
+
+def rope_cols(x: np.ndarray, heads: int, d: int, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x (rows, t) float32, C-contiguous: rows h*d + i and h*d + i + d/2 (h < heads)
+    rotated in place by cos, sin (d/2, t) -> x. What mlx's non-traditional RoPE computes
+    for a head laid out along rows, with the position tables of each column."""
+    assert x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable and x.shape[0] >= heads * d
+    t = x.shape[1]
+    assert cos.shape == sin.shape == (d // 2, t) and cos.flags.c_contiguous and sin.flags.c_contiguous
+    _lib.rope_cols(x.ctypes.data, heads, d, t, cos.ctypes.data, sin.ctypes.data, cpu_kernels.threads())
+    return x
+
+
+def silu_rows(gu: np.ndarray) -> np.ndarray:
+    """gu (2 * inter, t) float32: gate rows then up rows -> silu(gate) * up (inter, t)."""
+    assert gu.dtype == np.float32 and gu.flags.c_contiguous and gu.shape[0] % 2 == 0
+    inter, t = gu.shape[0] // 2, gu.shape[1]
+    a = np.empty((inter, t), np.float32)
+    _lib.silu_rows(gu.ctypes.data, inter, t, a.ctypes.data, cpu_kernels.threads())
+    return a

@@ -113,3 +113,37 @@ def test_rows_beyond_the_limit_take_the_dense_step(dense_q4, monkeypatch):
     got = _engine(dense_q4.model, True, max_batch_prefill=5).generate_many(reqs)
     assert calls and max(calls) <= 2
     assert got == _engine(dense_q4.model, False, max_batch_prefill=5).generate_many(reqs)
+
+
+def test_column_rope_and_silu_match_mlx():
+    import mlx.nn as nn
+
+    rng = np.random.default_rng(3)
+    heads, d, t = 3, 16, 37
+    x = rng.normal(size=(heads * d + 8, t)).astype(np.float32)  # 8 rows past the heads stay as they are
+    pos = mx.array(rng.integers(0, 2000, t).astype(np.int32))
+    rope = nn.RoPE(d, base=10000)
+    cos, sin = (np.ascontiguousarray(np.array(a)) for a in fast_llama._tables(rope, pos, d))
+    got = q4_kernels.rope_cols(x.copy(), heads, d, cos, sin)
+    heads_first = mx.array(x[: heads * d]).reshape(heads, d, t).transpose(2, 0, 1)[:, :, None]  # (t, H, 1, d)
+    want = rope(heads_first, offset=pos).reshape(t, heads * d).T
+    np.testing.assert_allclose(got[: heads * d], np.array(want), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(got[heads * d :], x[heads * d :])
+    gu = (rng.normal(size=(2 * 40, t)) * 6).astype(np.float32)
+    np.testing.assert_allclose(q4_kernels.silu_rows(gu), np.array(nn.silu(mx.array(gu[:40])) * mx.array(gu[40:])),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_prefill_with_and_without_the_column_kernels_agree(tiny):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from tandem.pipeline import cpu_math
+
+    prompts = mx.array(random_prompts(3, 24, 24, seed=8))
+    mask = cpu_math.additive_mask([0, 0, 0], 24, 24)
+    out = []
+    for on in (True, False):
+        fast = fast_llama.FastLlama(tiny)
+        fast.prefill_kernels = on
+        out.append(fast(prompts, make_prompt_cache(tiny), mask, 0, mx.array([23, 23, 23])))
+    assert mx.allclose(out[0], out[1], rtol=1e-5, atol=1e-5).item()
