@@ -171,9 +171,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     ap.add_argument("--no-ablate", dest="ablate", action="store_false",
                     help="skip the engine-with-mlx-lm's-forward column (fast_forward=false)")
-    ap.add_argument("--ablate-setting", default="fast_forward", choices=("fast_forward", "q4_decode"),
+    ap.add_argument("--ablate-setting", default="fast_forward", choices=("fast_forward", "native_kernels"),
                     help="the EngineSettings switch turned off for the ablation column: fast_forward (mlx-lm's "
-                         "forward) or q4_decode (the dense-weight decode, i.e. the engine before the 4-bit step)")
+                         "forward) or native_kernels (the dense-weight decode and mlx RoPE/SiLU in prefills: the engine before these kernels)")
     ap.add_argument("--sections", default="decode,prefill,grant,ttft",
                     help="comma list of decode, prefill, grant, ttft; a partial run writes engine-<sections>.md/json")
     args = ap.parse_args()
@@ -324,7 +324,7 @@ def render(r: dict) -> str:
         "|---:|---:|---:|---:|---:|---:|",
     ]
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-    abl = "engine, mlx-lm forward" if r.get("ablation", "fast_forward") == "fast_forward" else "engine, dense decode (q4_decode=false)"
+    abl = "engine, mlx-lm forward" if r.get("ablation", "fast_forward") == "fast_forward" else "engine, native_kernels=false (dense decode, mlx RoPE/SiLU)"
     for d in r["decode"]:
         lines.append(f"| {d['batch']} | {d['engine_tok_s']:.1f} | {fmt(d.get('plain_forward_tok_s'))} | {d['batchgen_tok_s']:.1f} | "
                      f"{d['ratio']:.2f}x | {paired_ratio(d):.2f}x |")

@@ -59,8 +59,9 @@ class Engine:
             self.runner = paged_runner(model, self.store, mirror=settings.decode_mirror)
             if not settings.fast_forward:
                 self.runner.fast = None
-            elif not settings.q4_decode and getattr(self.runner, "fast", None) is not None:
+            elif not settings.native_kernels and getattr(self.runner, "fast", None) is not None:
                 self.runner.fast.native = None
+                self.runner.fast.prefill_kernels = False
         else:
             self.store = None
             self.runner = DenseRunner(model)

@@ -25,5 +25,5 @@ class EngineSettings:
     kv_cache_budget: str = field(default="auto", metadata={"help": "KV pool size: auto (from free memory), none (unbounded), or a size such as 2GiB"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"})
     fast_forward: bool = field(default=True, metadata={"help": "on the CPU, run llama-family models (llama, qwen2, qwen3) through tandem's own forward (fused projections, cheaper exponentials; docs/cpu-performance.md) instead of mlx-lm's"})
-    q4_decode: bool = field(default=True, metadata={"help": "on the CPU, run decode steps of a model loaded from 4-bit weights as one C call that multiplies the packed weights directly (values identical to the dense ones; needs AVX-512 and a C compiler, else the dense path runs)"})
+    native_kernels: bool = field(default=True, metadata={"help": "on the CPU, run decode steps of a model loaded from 4-bit weights as one C call that multiplies the packed weights directly (values identical to the dense ones), and the RoPE and SiLU of prefills in C; needs AVX-512 and a C compiler, else the mlx/MKL path runs"})
     decode_mirror: bool = field(default=True, metadata={"help": "keep the decode batch's KV contiguous as well as paged (faster attention on the CPU; costs one dense copy of the batch's KV)"})

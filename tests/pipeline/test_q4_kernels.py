@@ -62,7 +62,7 @@ def dense_q4(tiny_quantized_model_dir):
 
 
 def _engine(model, q4: bool, **kw) -> Engine:
-    return Engine(model, EngineSettings(kv_cache_budget="32MiB", q4_decode=q4, **kw), model_id="q", eos_token_ids=[EOS])
+    return Engine(model, EngineSettings(kv_cache_budget="32MiB", native_kernels=q4, **kw), model_id="q", eos_token_ids=[EOS])
 
 
 def test_native_decode_is_built_for_a_model_loaded_from_4_bit_weights(dense_q4, tiny):
