@@ -216,6 +216,7 @@ class KVReceiver:
                 self.stats["rejected_" + exc.reason] += 1
                 continue
             result = self.handle(frames)
+            del frames  # the record's buffer goes now, not after the next receive: libzmq reuses it hot
             if result is not None:
                 return result
 
