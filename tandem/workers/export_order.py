@@ -29,6 +29,11 @@ class ExportOrder:
         self._held: list | None = None
         self.deferrals = 0  # scheduling decisions that held waiting prompts back (tests, stats)
 
+    def prompts_waiting(self) -> bool:
+        """Whether prompts wait for a prefill step (any thread: each list is swapped whole)."""
+        held = self._held
+        return bool(held) or bool(self.scheduler.waiting)
+
     def before(self) -> None:
         if self.export_in_flight and self.scheduler.waiting:
             self._held, self.scheduler.waiting = self.scheduler.waiting, []

@@ -7,8 +7,9 @@ the same cores have no such rule: each runs its math library on every core and b
 at about half speed, so a prompt's prefill takes up to twice as long (bench/disagg.py's
 timeline: 69 decode steps ran inside the prefills of 16 prompts). With a gate file the
 workers share, a prefill worker holds a shared ``flock`` from the step that starts a
-prefill until every prompt in it has its first token (several prefill workers may hold
-it at once), and a decode worker takes the lock exclusively, and lets go at once, before
+prefill until every prompt in it has its first token and its KV handed off, and for as
+long as more prompts wait for the next prefill step (several prefill workers may hold it
+at once), and a decode worker takes the lock exclusively, and lets go at once, before
 each of its steps: it waits while any prefill runs, for up to ``max_wait_s`` per step
 (``worker.cpu_gate_max_wait_ms``). A decode step already running finishes; no decode step
 starts during a prefill shorter than that bound. The lock is the kernel's: a worker that
@@ -57,17 +58,24 @@ class CpuGate:
             if not self._prefilling:  # finished while we waited
                 self._release()
 
-    def first_token(self, request_id: bytes) -> None:
-        """A prompt's prefill is over (first token, abort or error): let decode go once none
-        is left and no prompt waits for the next prefill."""
+    def prompt_done(self, request_id: bytes) -> None:
+        """A prompt no longer needs the cores ahead of decode: its first token is out and
+        its KV handed off (or it was aborted or failed). Lets decode go once none is left
+        and no prompt waits for the next prefill. Any thread.
+
+        The handoff counts as part of the prefill so that a co-located decode worker finds
+        the KV of every prompt of a burst in its queue when it gets the cores, and imports
+        them in one step: let go at the first token, it started on the KV that had arrived
+        and imported the rest in a second step, each step a forward pass and a rebuild of
+        its batch's contiguous KV copy."""
         with self._lock:
             self._prefilling.discard(request_id)
             if self.held and not self._prefilling and not self.prompts_waiting():
                 self._release()
 
     def between_steps(self) -> None:
-        """A scheduling decision that started no prefill: let decode go if nothing is
-        prefilling and no prompt waits (prompts that waited behind the last prefill
+        """A scheduling decision that started no prefill: let decode go if no prompt is
+        prefilling or handing off and none waits (prompts that waited behind the last prefill
         batch are now in one)."""
         with self._lock:
             if self.held and not self._prefilling and not self.prompts_waiting():
@@ -104,18 +112,15 @@ class CpuGate:
         os.close(self.fd)
 
 
-def install(gate: CpuGate, engine, role: str) -> bool:
+def install(gate: CpuGate, engine, role: str, prompts_waiting=None) -> bool:
     """Put the gate on ``engine``'s scheduling (its schedule hooks run on the engine thread
     before it queues each step). False when the engine has no hooks (the stub engine)."""
     add_hooks = getattr(engine, "add_schedule_hooks", None)
     if add_hooks is None or role == "hybrid":
         return False
     if role == "prefill":
-        scheduler = getattr(engine, "scheduler", None)
-        if scheduler is not None and hasattr(scheduler, "waiting"):
-            # Read on the engine thread only (first tokens are emitted there, and the hooks
-            # run there), so the list is never seen mid-update.
-            gate.prompts_waiting = lambda: bool(scheduler.waiting)
+        if prompts_waiting is not None:
+            gate.prompts_waiting = prompts_waiting
 
         def after(plan):
             if plan is not None and plan.kind == "prefill":

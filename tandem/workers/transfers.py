@@ -16,27 +16,6 @@ from tandem.workers.local import Local
 log = logging.getLogger("tandem.worker")
 
 
-def imported_kv_not_cached(engine) -> bool:
-    """A decode worker's engine keeps no prefix cache (False for an engine without one).
-
-    Imported KV is never looked up in the cache (an import carries all of its KV), yet
-    its full blocks were registered there when the request finished. The pool hands out
-    empty blocks before it evicts cached ones, so those blocks pushed its high-water mark
-    a request's worth up per request, and the KV store grew by doubling, each time copying
-    the whole store inside a step: 0.6, 0.9 and 1.6 s stalls of the decode batch at 128,
-    256 and 512 blocks (bench/disagg.py timeline), on top of the same growth on the prefill
-    worker, where the hybrid layout pays it once. Without the cache, freed blocks go back
-    empty and lowest-first, so the store stays at the working set. Only a request the
-    decode worker runs from its prompt (a RESUME) loses prefix reuse. Call before the
-    engine thread starts."""
-    sched, pool = getattr(engine, "scheduler", None), getattr(engine, "pool", None)
-    if sched is None or pool is None or not hasattr(pool, "reset_prefix_cache"):
-        return False
-    sched.prefix_caching = False
-    pool.reset_prefix_cache()
-    return True
-
-
 class KVHandoffs:
     # ---- prefill side ---------------------------------------------------------------------
     def _hand_off(self, local: Local, snap) -> None:
@@ -46,6 +25,8 @@ class KVHandoffs:
 
     def _handoff_outcomes(self, outcomes) -> None:
         for rid, failure in outcomes:
+            if self.gate is not None:
+                self.gate.prompt_done(rid)
             local = self.local.get(rid)
             if local is None or not local.handing_off:
                 continue

@@ -30,14 +30,14 @@ from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
 from tandem.wire.sockets import bound_endpoint, make_socket
 from tandem.wire.settings import TransferSettings
-from tandem.workers import export_order
+from tandem.workers import export_order, roles
 from tandem.workers import gate as G
 from tandem.workers.handoff import KVIngest
 from tandem.workers.health import Health
 from tandem.workers.local import Local
 from tandem.workers.sender import HandoffSender
 from tandem.workers.settings import WorkerSettings
-from tandem.workers.transfers import KVHandoffs, imported_kv_not_cached
+from tandem.workers.transfers import KVHandoffs
 
 log = logging.getLogger("tandem.worker")
 
@@ -131,8 +131,8 @@ class Worker(KVHandoffs, Health):
     # ---- engine side: runs on the engine thread ------------------------------------------
     def _callback(self, attempt: int):
         def on_event(ev: TokenEvent) -> None:
-            if self.gate is not None:
-                self.gate.first_token(ev.request_id)
+            if self.gate is not None and not (ev.snapshot is not None and ev.finish_reason is None and ev.error is None):
+                self.gate.prompt_done(ev.request_id)  # a handoff's prompt is done once it is handed off
             if self._timeline is not None:
                 self.mark("event", ev.request_id, tokens=len(ev.tokens), snapshot=ev.snapshot is not None,
                           finish=ev.finish_reason)
@@ -157,13 +157,11 @@ class Worker(KVHandoffs, Health):
                            self.block_size, self.total_blocks))
 
     def run(self) -> None:
-        if self.role == "decode":
-            imported_kv_not_cached(self.engine)
         if self._timeline is not None:
             self._trace_ticks()  # first: its before-hook runs ahead of the gate's wait
-        if self.role == "prefill":
-            self.export_order = export_order.install(self.engine)
-        if self.gate is not None and not G.install(self.gate, self.engine, self.role):
+        self.export_order = roles.set_up(self.engine, self.role, prefill_batch=self.s.prefill_batch)
+        waiting = self.export_order.prompts_waiting if self.export_order is not None else None
+        if self.gate is not None and not G.install(self.gate, self.engine, self.role, waiting):
             self.gate.close()
             self.gate = None
         self.engine.start()
@@ -296,6 +294,8 @@ class Worker(KVHandoffs, Health):
         local = self.local.pop(rid, None)
         if local is not None:
             self.engine.abort(rid)
+        if self.gate is not None:
+            self.gate.prompt_done(rid)
         if self.kv_in is not None:
             self.kv_in.discard(rid)
         if self.sender is not None:
@@ -315,6 +315,8 @@ class Worker(KVHandoffs, Health):
             self._last_progress = time.monotonic()
             local = self.local.get(ev.request_id)
             if local is None or local.attempt != attempt:
+                if self.gate is not None:
+                    self.gate.prompt_done(ev.request_id)  # no handoff will follow
                 continue  # aborted here, or an older attempt's leftovers
             if ev.snapshot is not None and ev.finish_reason is None and ev.error is None:
                 self._publish(local, ev.tokens, ev.logprobs, usage=ev.usage)  # cached-prompt count for early stoppers
@@ -335,6 +337,8 @@ class Worker(KVHandoffs, Health):
             if self.local.get(local.request_id) is local:
                 self._hand_off(local, snap)
                 self.mark("handoff_started", local.request_id)
+            elif self.gate is not None:
+                self.gate.prompt_done(local.request_id)
 
     # ---- timers ----------------------------------------------------------------------------------
     def _timers(self, poller) -> None:

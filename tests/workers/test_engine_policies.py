@@ -13,7 +13,8 @@ from tandem.pipeline.api import EngineRequest
 from tandem.pipeline.engine import Engine
 from tandem.pipeline.settings import EngineSettings
 from tandem.workers import export_order
-from tandem.workers.transfers import imported_kv_not_cached
+from tandem.workers import roles
+from tandem.workers.roles import imported_kv_not_cached
 
 EOS = 2
 
@@ -126,3 +127,41 @@ def test_a_decode_worker_keeps_its_kv_store_at_the_working_set(tiny, six_snapsho
     # takes fresh blocks: the high-water mark (and the KV store behind it) climbs.
     assert cached.pool.high_water >= 5 * (per_request - 1)
     assert not imported_kv_not_cached(object())
+
+
+def test_a_decode_worker_imports_a_burst_in_one_step(tiny, six_snapshots):
+    """Imports are one token each: all that wait go into one step (not max_batch_prefill
+    at a time), and the tokens are those of importing them one by one."""
+    _, one_by_one = _imports(tiny, six_snapshots, policy=True)
+    dst = make(tiny)
+    assert roles.set_up(dst, "decode") is None
+    plans = []
+    dst.add_schedule_hooks(after=lambda plan: plans.append((plan.kind, len(plan.rows))) if plan else None)
+    outs = [queue.Queue() for _ in six_snapshots]
+    for s, q in zip(six_snapshots, outs):  # queued before the loop starts: one burst
+        dst.import_kv(s, q.put)
+    dst.start()
+    try:
+        got = []
+        for q in outs:
+            toks = []
+            while True:
+                ev = q.get(timeout=60)
+                toks += ev.tokens
+                if ev.finish_reason:
+                    break
+            got.append(toks)
+    finally:
+        dst.stop()
+    assert plans[0] == ("prefill", 6) and all(k == "decode" for k, _ in plans[1:])
+    assert got == one_by_one
+    assert not dst.scheduler.prefix_caching
+
+
+def test_a_prefill_worker_prefills_prompt_by_prompt_by_default(tiny):
+    eng = make(tiny)
+    assert roles.set_up(eng, "prefill") is not None
+    ps = prompts(3, 30, seed=3)
+    snaps, seen = export_all(eng, ps, ordered=False)  # already ordered by set_up
+    assert seen == [([0], []), ([1], [0]), ([2], [0, 1])]
+    assert roles.set_up(make(tiny), "hybrid") is None

@@ -19,17 +19,17 @@ def _decode_in_thread(gate: CpuGate):
     return t, passed
 
 
-def test_decode_waits_until_every_prompt_of_the_prefill_has_its_first_token(tmp_path):
+def test_decode_waits_until_every_prompt_of_the_prefill_has_its_prompt_done(tmp_path):
     path = str(tmp_path / "cpu.gate")
     prefill, decode = CpuGate(path), CpuGate(path)  # two open files: flock treats them as two holders
     prefill.prefill_started([b"a", b"b"])
     assert prefill.held
     t, passed = _decode_in_thread(decode)
-    prefill.first_token(b"a")
+    prefill.prompt_done(b"a")
     assert prefill.held  # b is still prefilling
     t.join(0.3)
     assert not passed.is_set()
-    prefill.first_token(b"b")
+    prefill.prompt_done(b"b")
     assert not prefill.held
     t.join(5)
     assert passed.is_set()
@@ -44,11 +44,11 @@ def test_decode_goes_straight_through_without_a_prefill(tmp_path):
     for _ in range(3):
         decode.before_decode_step()
     prefill.prefill_started([b"x"])
-    prefill.first_token(b"x")
+    prefill.prompt_done(b"x")
     decode.before_decode_step()
     assert decode.waits == 0
     # A first token for a prompt the gate never saw (an imported or resumed request) changes nothing.
-    prefill.first_token(b"unknown")
+    prefill.prompt_done(b"unknown")
     assert not prefill.held
 
 
@@ -59,10 +59,10 @@ def test_two_prefill_workers_prefill_at_once_and_decode_waits_for_both(tmp_path)
     p2.prefill_started([b"b"])  # would hang here if prefill workers excluded each other
     assert p1.held and p2.held
     t, passed = _decode_in_thread(decode)
-    p1.first_token(b"a")
+    p1.prompt_done(b"a")
     t.join(0.3)
     assert not passed.is_set()
-    p2.first_token(b"b")
+    p2.prompt_done(b"b")
     t.join(5)
     assert passed.is_set()
 
@@ -75,7 +75,7 @@ def test_a_decode_step_waits_at_most_max_wait_then_runs_alongside(tmp_path):
     t.join(5)
     assert passed.is_set() and decode.waits == 1 and decode.overrides == 1
     assert prefill.held  # the prefill keeps its claim; only this step went ahead
-    prefill.first_token(b"long")
+    prefill.prompt_done(b"long")
     decode.before_decode_step()
     assert decode.overrides == 1
 
@@ -84,9 +84,9 @@ def test_more_prompts_joining_a_held_prefill_keep_it_held(tmp_path):
     gate = CpuGate(str(tmp_path / "g"))
     gate.prefill_started([b"a"])
     gate.prefill_started([b"b"])  # the next step's prompts, while a is still in flight
-    gate.first_token(b"a")
+    gate.prompt_done(b"a")
     assert gate.held
-    gate.first_token(b"b")
+    gate.prompt_done(b"b")
     assert not gate.held
 
 
@@ -98,8 +98,8 @@ def test_the_gate_stays_shut_between_prefill_batches_while_prompts_wait(tmp_path
     waiting = [b"c"]
     prefill.prompts_waiting = lambda: bool(waiting)
     prefill.prefill_started([b"a", b"b"])
-    prefill.first_token(b"a")
-    prefill.first_token(b"b")  # batch over, but c waits for the next one
+    prefill.prompt_done(b"a")
+    prefill.prompt_done(b"b")  # batch over, but c waits for the next one
     assert prefill.held
     prefill.between_steps()  # a decision that started no prefill (c not admitted yet)
     assert prefill.held
@@ -108,7 +108,7 @@ def test_the_gate_stays_shut_between_prefill_batches_while_prompts_wait(tmp_path
     prefill.prefill_started([b"c"])
     t.join(0.3)
     assert not passed.is_set()
-    prefill.first_token(b"c")
+    prefill.prompt_done(b"c")
     assert not prefill.held
     t.join(5)
     assert passed.is_set()
@@ -116,7 +116,7 @@ def test_the_gate_stays_shut_between_prefill_batches_while_prompts_wait(tmp_path
     # that finds none waiting.
     waiting.append(b"d")
     prefill.prefill_started([b"e"])
-    prefill.first_token(b"e")
+    prefill.prompt_done(b"e")
     assert prefill.held
     waiting.clear()
     prefill.between_steps()

@@ -253,3 +253,38 @@ def test_a_batch_of_first_tokens_is_published_before_any_handoff_starts():
         w.pub.close(0)
     finally:
         ctx.destroy(0)
+
+
+def test_a_prefill_worker_holds_the_cpu_gate_until_the_handoff_is_over(tmp_path):
+    """The co-located decode worker should find every KV of a burst queued when it gets the
+    cores (one import step), so the prompt keeps the gate until its handoff's outcome."""
+    from tandem.pipeline.api import TokenEvent
+    from tandem.workers.local import Local
+
+    ctx = zmq.Context()
+    try:
+        w = Worker(StubEngine(), settings=WorkerSettings(role="prefill", name="p-gate", cpu_gate=str(tmp_path / "g")),
+                   backend="tcp://127.0.0.1:9", stream_in="tcp://127.0.0.1:9", secret=os.urandom(32),
+                   model_id="stub", ctx=ctx)
+        w._hand_off = lambda local, snap: None
+        a, b = b"a" * 16, b"b" * 16
+        w.gate.prefill_started([a, b])
+        for rid in (a, b):
+            w.local[rid] = Local(rid, 1, 0, "prefill", 4, 0, "d0", "tcp://127.0.0.1:9")
+            w._callback(1)(TokenEvent(rid, [5], snapshot=object()))
+        w._drain_events()
+        assert w.gate.held  # first tokens out, handoffs still going
+        w._handoff_outcomes([(a, None)])
+        assert w.gate.held
+        w._handoff_outcomes([(b, "decode worker refused")])  # a failure lets go as well
+        assert not w.gate.held
+        # A prompt aborted before its handoff lets go too.
+        w.gate.prefill_started([b"c" * 16])
+        w._abort(b"c" * 16)
+        assert not w.gate.held
+        w.gate.close()
+        w.gate = None
+        w.backend.close(0)
+        w.pub.close(0)
+    finally:
+        ctx.destroy(0)

@@ -1,0 +1,58 @@
+"""What a worker's role changes in its engine's scheduling (before the engine thread starts).
+
+The engine's defaults are a hybrid worker's: it both prefills and decodes. A worker with
+one role sets its engine up for that role:
+
+* **prefill**: each prefill step's first tokens and KV exports come out before the next
+  step starts (:mod:`tandem.workers.export_order`), and ``worker.prefill_batch`` prompts
+  at most are prefilled together (default 1). Its only product is first tokens and
+  handoffs, and on the CPU a batched prefill is no cheaper per prompt (bench/disagg.py
+  timeline: 510-560 ms per 256-token prompt alone or four together), while a batch holds
+  every first token until its last prompt is done: one at a time, the first prompt of a
+  burst of eight had its first token after one prompt's prefill instead of four, and its
+  handoff overlapped the next prompt's prefill.
+* **decode**: no prefix cache (:func:`imported_kv_not_cached`) and the KV imports that
+  are waiting go into one step (``engine.parallel`` of them, not
+  ``engine.max_batch_prefill``): a burst's imports were split into two steps of four,
+  each one a forward pass and a rebuild of the decode batch's contiguous KV copy.
+"""
+
+from __future__ import annotations
+
+from tandem.workers import export_order
+
+
+def imported_kv_not_cached(engine) -> bool:
+    """A decode worker's engine keeps no prefix cache (False for an engine without one).
+
+    Imported KV is never looked up in the cache (an import carries all of its KV), yet
+    its full blocks were registered there when the request finished. The pool hands out
+    empty blocks before it evicts cached ones, so those blocks pushed its high-water mark
+    a request's worth up per request, and the KV store grew by doubling, each time copying
+    the whole store inside a step: 0.6, 0.9 and 1.6 s stalls of the decode batch at 128,
+    256 and 512 blocks (bench/disagg.py timeline), on top of the same growth on the prefill
+    worker, where the hybrid layout pays it once. Without the cache, freed blocks go back
+    empty and lowest-first, so the store stays at the working set. Only a request the
+    decode worker runs from its prompt (a RESUME) loses prefix reuse."""
+    sched, pool = getattr(engine, "scheduler", None), getattr(engine, "pool", None)
+    if sched is None or pool is None or not hasattr(pool, "reset_prefix_cache"):
+        return False
+    sched.prefix_caching = False
+    pool.reset_prefix_cache()
+    return True
+
+
+def set_up(engine, role: str, *, prefill_batch: int = 1):
+    """Apply ``role``'s policies to ``engine``; returns the prefill worker's
+    :class:`~tandem.workers.export_order.ExportOrder` (None otherwise, or for an engine
+    without schedule hooks such as the stub)."""
+    settings = getattr(engine, "settings", None)
+    if role == "prefill":
+        if settings is not None and prefill_batch:
+            settings.max_batch_prefill = prefill_batch  # the scheduler reads it per step
+        return export_order.install(engine)
+    if role == "decode":
+        imported_kv_not_cached(engine)
+        if settings is not None:
+            settings.max_batch_prefill = max(settings.max_batch_prefill, settings.parallel)
+    return None
