@@ -65,13 +65,13 @@ def qgemv_variants():
 def attention_variants():
     ins = [("q", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
            ("params", "float")]
-    for ver in ("v2", "v4", "v6", "v7"):
+    for ver in ("v2", "v4", "v6"):
         for single in (True, False):
             src = (pac._ATT_SOURCE if ver == "v2" else pac._ATT_TILE_SOURCE) + pac._MERGE_TAIL
             t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
                  ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower())]
             if ver != "v2":
-                t += [("bool", "VSM", str(ver in ("v6", "v7")).lower()), ("bool", "KSM", str(ver == "v7").lower())]
+                t.append(("bool", "VSM", str(ver == "v6").lower()))
             outs = [("out", "T" if single else "float")]
             yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac._HEADER, ins, outs, t)
     ins = [("qkv", "T"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float"),

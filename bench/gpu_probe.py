@@ -202,7 +202,7 @@ def section_attention() -> None:
         want = pac.paged_decode_attention_reference(q, kp, vp, table, lens, D**-0.5, BS) if B <= 16 else None
         kv_bytes = B * ctx * KVH * D * 2 * 2
         line = []
-        for ver in ("v2", "v4", "v6", "v7"):
+        for ver in ("v2", "v4", "v6"):
             line = []
             for part in (32, 64, 128, 256, 2048):
                 if -(-ctx // part) > 512:

@@ -96,7 +96,6 @@ __device__ __forceinline__ void pa_load(const T* p, float* f) {
 # Output: out (B, KVH*G, NPART, D + 2) float32 = per partition [acc, max, sum], or with
 # SINGLE the attention output (B, KVH*G * D) in T.
 _ATT_SOURCE = r"""
-  constexpr int NWARPS = 4;
   constexpr int DL = D / 8;                 // dims per lane
   const int part = blockIdx.x;
   const int h = blockIdx.y;
@@ -217,8 +216,8 @@ _ATT_SOURCE = r"""
     }
   }
   // Merge the 4 warps through shared memory.
-  __shared__ float sm_m[NWARPS][G], sm_l[NWARPS][G];
-  __shared__ float sm_acc[NWARPS][G][D];
+  __shared__ float sm_m[4][G], sm_l[4][G];
+  __shared__ float sm_acc[4][G][D];
   if (lane < 8) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -236,10 +235,10 @@ _MERGE_TAIL = r"""
     const int g = e / D, d = e % D;
     float mn = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < NWARPS; ++w) mn = fmaxf(mn, sm_m[w][g]);
+    for (int w = 0; w < 4; ++w) mn = fmaxf(mn, sm_m[w][g]);
     float lsum = 0.f, a = 0.f;
 #pragma unroll
-    for (int w = 0; w < NWARPS; ++w) {
+    for (int w = 0; w < 4; ++w) {
       const float c = (sm_m[w][g] == -INFINITY) ? 0.f : __expf(sm_m[w][g] - mn);
       lsum += sm_l[w][g] * c;
       a += sm_acc[w][g][d] * c;
@@ -264,7 +263,6 @@ _MERGE_TAIL = r"""
 # above rescales every accumulator with two exponentials per token and query head, and on
 # the H200 it stayed at 0.85-1.3 TB/s of KV whatever the grid (run 14).
 _ATT_TILE_SOURCE = r"""
-  constexpr int NWARPS = KSM ? 2 : 4;       // KSM: two warps, so both tiles fit 48 KB
   constexpr int DPL = D / 32;               // value dims per lane
   constexpr int KW = D / 8;                 // 16-byte words per K row
   const int part = blockIdx.x;
@@ -288,10 +286,8 @@ _ATT_TILE_SOURCE = r"""
   const int fb = t0 / BS;
   const int nblk = t1 > t0 ? (t1 - 1) / BS - fb + 1 : 0;
   for (int i = tid; i < nblk; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + fb + i];
-  __shared__ float sm_p[NWARPS][32][G];
-  __shared__ __align__(16) T sm_v[VSM ? NWARPS : 1][VSM ? 32 : 1][VSM ? D : 8];
-  // KSM: K rows padded by 16 bytes, so lane t reading row t hits a distinct bank group.
-  __shared__ __align__(16) uint4 sm_k[KSM ? NWARPS : 1][KSM ? 32 : 1][KSM ? KW + 1 : 1];
+  __shared__ float sm_p[4][32][G];
+  __shared__ __align__(16) T sm_v[VSM ? 4 : 1][VSM ? 32 : 1][VSM ? D : 8];
   __syncthreads();
 
   float mx_[G], l_[G], acc[G][DPL];
@@ -304,28 +300,12 @@ _ATT_TILE_SOURCE = r"""
   }
 
   // Warp-uniform loop: every lane of a warp runs the same tiles (full-mask shuffles).
-  for (int tb = t0 + 32 * warp; tb < t1; tb += 32 * NWARPS) {
+  for (int tb = t0 + 32 * warp; tb < t1; tb += 128) {
     const int t = tb + lane;
     const bool valid = t < t1;
     const int nv = min(32, t1 - tb);
-    uint4 kr[KSM ? 1 : KW];
-    if constexpr (KSM) {
-      // KSM: K rows by cp.async too, a warp-wide copy covering two whole rows (a lane per
-      // token reads 32 rows per load instruction), in their own group so the scores can
-      // start while V is still in flight.
-#pragma unroll
-      for (int k = 0; k < KW; ++k) {
-        const int ci = lane + 32 * k;
-        const int jk = ci / KW, w = ci % KW;
-        if (jk < nv) {
-          const int ti = tb + jk;
-          const T* kp = k_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + w * 8;
-          const unsigned dst = (unsigned)__cvta_generic_to_shared(&sm_k[warp][jk][w]);
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(kp));
-        }
-      }
-      asm volatile("cp.async.commit_group;\n" ::);
-    } else if (valid) {
+    uint4 kr[KW];
+    if (valid) {
       const T* kp = k_pool + (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D;
 #pragma unroll
       for (int c = 0; c < KW; ++c) kr[c] = reinterpret_cast<const uint4*>(kp)[c];
@@ -361,10 +341,6 @@ _ATT_TILE_SOURCE = r"""
       }
     }
     if constexpr (VSM) asm volatile("cp.async.commit_group;\n" ::);
-    if constexpr (KSM) {
-      asm volatile("cp.async.wait_group 1;\n" ::);   // K landed; V may still be in flight
-      __syncwarp();
-    }
 
     float s[G];
 #pragma unroll
@@ -374,8 +350,7 @@ _ATT_TILE_SOURCE = r"""
       for (int g = 0; g < G; ++g) s[g] = 0.f;
 #pragma unroll
       for (int c = 0; c < KW; ++c) {
-        const uint4 kc = KSM ? sm_k[warp][KSM ? lane : 0][KSM ? c : 0] : kr[KSM ? 0 : c];
-        const T* kh = reinterpret_cast<const T*>(&kc);
+        const T* kh = reinterpret_cast<const T*>(&kr[c]);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           const float4 qa = *reinterpret_cast<const float4*>(&sm_q[g][c * 8]);
@@ -427,8 +402,8 @@ _ATT_TILE_SOURCE = r"""
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) l_[g] += __shfl_xor_sync(0xffffffffu, l_[g], o);
 
-  __shared__ float sm_m[NWARPS][G], sm_l[NWARPS][G];
-  __shared__ float sm_acc[NWARPS][G][D];
+  __shared__ float sm_m[4][G], sm_l[4][G];
+  __shared__ float sm_acc[4][G][D];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
@@ -614,20 +589,19 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     version = kernel or ATT_KERNEL
     if version == "auto":
         version = "v2" if B < V4_MIN_BATCH else "v4" if B < V6_MIN_BATCH else "v6"
-    if version not in ("v2", "v4", "v6", "v7"):
-        raise ValueError(f"paged_decode_attention: unknown kernel {version!r} (v2, v4, v6, v7 or auto)")
+    if version not in ("v2", "v4", "v6"):
+        raise ValueError(f"paged_decode_attention: unknown kernel {version!r} (v2, v4, v6 or auto)")
     if version != "v2" and (q.dtype not in (mx.float16, mx.bfloat16) or D not in (64, 128)):
         version = "v2"
     template = [("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
                 ("SINGLE", single)]
     if version != "v2":
-        template += [("VSM", version in ("v6", "v7")), ("KSM", version == "v7")]
-    threads = 64 if version == "v7" else _ATT_THREADS
+        template.append(("VSM", version == "v6"))
     (partials,) = _attention_kernel(version != "v2")(
         inputs=[q, k_pool, v_pool, _i32(table), _i32(lens), _params(float(scale), part)],
         template=template,
-        grid=(npart * threads, kvh, B),
-        threadgroup=(threads, 1, 1),
+        grid=(npart * _ATT_THREADS, kvh, B),
+        threadgroup=(_ATT_THREADS, 1, 1),
         output_shapes=[out_shape],
         output_dtypes=[q.dtype if single else mx.float32],
     )
