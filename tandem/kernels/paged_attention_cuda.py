@@ -88,23 +88,16 @@ __device__ __forceinline__ void pa_load(const T* p, float* f) {
 }
 """
 
-# Template: T, D (head dim), KVH, G (query heads per KV head), BS (block size), SINGLE
-# (one partition: write the final output); shapes and the partition length stay runtime
-# (each template variant is an NVRTC compile).
-# Inputs: q (B, KVH*G, D), k_pool/v_pool (S, KVH, D), table (B, nb) int32,
-# lens (B,) int32, params (2,) float32 = [scale, partition tokens].
-# Output: out (B, KVH*G, NPART, D + 2) float32 = per partition [acc, max, sum], or with
-# SINGLE the attention output (B, KVH*G * D) in T.
-_ATT_SOURCE = r"""
-  constexpr int DL = D / 8;                 // dims per lane
+# Both attention kernels start alike: which (row, KV head, partition) this block takes,
+# the group's scaled queries and the partition's slice of the block table in shared
+# memory, and the online-softmax state (NACC accumulators per query head and lane).
+_ATT_PROLOGUE = r"""
   const int part = blockIdx.x;
   const int h = blockIdx.y;
   const int b = blockIdx.z;
   const int npart = gridDim.x;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
-  const int sub = lane & 7;                 // which D/8 slice of the head
-  const int slot = warp * 4 + (lane >> 3);  // which token this 8-lane group takes
   const int NB = table_shape[1];
   const int PART = (int)params[1];
   const int len = lens[b];
@@ -117,14 +110,6 @@ _ATT_SOURCE = r"""
   __shared__ __align__(16) float sm_q[G][D];
   for (int e = tid; e < G * D; e += blockDim.x)
     sm_q[e / D][e % D] = pa_f(q[((size_t)b * KVH * G + h * G) * D + e]) * sc;
-  float mx_[G], l_[G], acc[G][DL];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    mx_[g] = -INFINITY;
-    l_[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < DL; ++i) acc[g][i] = 0.f;
-  }
 
   // The partition's slice of the block table, read once: a table load per token would
   // put a second dependent global load in front of every K/V load.
@@ -133,6 +118,30 @@ _ATT_SOURCE = r"""
   const int fb = t0 / BS;
   const int nblk = t1 > t0 ? (t1 - 1) / BS - fb + 1 : 0;
   for (int i = tid; i < nblk; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + fb + i];
+
+  float mx_[G], l_[G], acc[G][NACC];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    mx_[g] = -INFINITY;
+    l_[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[g][i] = 0.f;
+  }
+"""
+
+# Template: T, D (head dim), KVH, G (query heads per KV head), BS (block size), SINGLE
+# (one partition: write the final output); shapes and the partition length stay runtime
+# (each template variant is an NVRTC compile).
+# Inputs: q (B, KVH*G, D), k_pool/v_pool (S, KVH, D), table (B, nb) int32,
+# lens (B,) int32, params (2,) float32 = [scale, partition tokens].
+# Output: out (B, KVH*G, NPART, D + 2) float32 = per partition [acc, max, sum], or with
+# SINGLE the attention output (B, KVH*G * D) in T.
+_ATT_SOURCE = r"""
+  constexpr int DL = D / 8;                 // dims per lane
+  constexpr int NACC = DL;
+""" + _ATT_PROLOGUE + r"""
+  const int sub = lane & 7;                 // which D/8 slice of the head
+  const int slot = warp * 4 + (lane >> 3);  // which token this 8-lane group takes
   __syncthreads();
 
   // K/V of this lane's next token are loaded one iteration ahead (raw), so the loads of
@@ -265,39 +274,11 @@ _MERGE_TAIL = r"""
 _ATT_TILE_SOURCE = r"""
   constexpr int DPL = D / 32;               // value dims per lane
   constexpr int KW = D / 8;                 // 16-byte words per K row
-  const int part = blockIdx.x;
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int npart = gridDim.x;
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31;
-  const int NB = table_shape[1];
-  const int PART = (int)params[1];
-  const int len = lens[b];
-  const int t0 = part * PART;
-  const int t1 = min(len, t0 + PART);
-  const float sc = params[0];
-
-  __shared__ __align__(16) float sm_q[G][D];
-  for (int e = tid; e < G * D; e += blockDim.x)
-    sm_q[e / D][e % D] = pa_f(q[((size_t)b * KVH * G + h * G) * D + e]) * sc;
-  constexpr int MAXB = PA_MAX_PART / BS + 2;
-  __shared__ int sm_tbl[MAXB];
-  const int fb = t0 / BS;
-  const int nblk = t1 > t0 ? (t1 - 1) / BS - fb + 1 : 0;
-  for (int i = tid; i < nblk; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + fb + i];
+  constexpr int NACC = DPL;
+""" + _ATT_PROLOGUE + r"""
   __shared__ float sm_p[4][32][G];
   __shared__ __align__(16) T sm_v[VSM ? 4 : 1][VSM ? 32 : 1][VSM ? D : 8];
   __syncthreads();
-
-  float mx_[G], l_[G], acc[G][DPL];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    mx_[g] = -INFINITY;
-    l_[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[g][i] = 0.f;
-  }
 
   // Warp-uniform loop: every lane of a warp runs the same tiles (full-mask shuffles).
   for (int tb = t0 + 32 * warp; tb < t1; tb += 128) {
