@@ -194,6 +194,23 @@ static inline void expand_row(const q4mat *w, long n, float *restrict buf) {
     }
 }
 
+/* Ask for row n's bytes ahead of time: rows are expanded between bursts of multiplies,
+   so the hardware's stream prefetch alone left the expansion waiting on memory. */
+static inline void prefetch_row(const q4mat *w, long n) {
+    if (n >= w->n) return;
+    const char *a, *b = NULL;
+    long na, nb = 0;
+    if (w->bits == 16) { a = (const char *)w->nib + n * w->k * 2; na = w->k * 2; }
+    else if (w->bits == 8) { a = (const char *)w->nib + n * w->k; na = w->k; b = (const char *)(w->dm + n * (w->k / 32) * 2); nb = w->k / 4; }
+    else {
+        a = (const char *)w->nib + n * (w->k / 2); na = w->k / 2;
+        if (w->lut) { b = (const char *)(w->lut + n * (w->k / 32) * 16); nb = w->k; }
+        else { b = (const char *)(w->dm + n * (w->k / 32) * 2); nb = w->k / 4; }
+    }
+    for (long i = 0; i < na; i += 64) _mm_prefetch(a + i, _MM_HINT_T0);
+    for (long i = 0; i < nb; i += 64) _mm_prefetch(b + i, _MM_HINT_T0);
+}
+
 /* Sums of 16 vectors, out[i] = sum of v[i]'s lanes, in 15 adds and a few shuffles. */
 static inline __m512 sum16(const __m512 *v) {
     __m512 a[8], b[4], c[2];
@@ -260,6 +277,8 @@ static void mm_part(void *arg, long part, long parts) {
     for (long r = lo; r < hi; r += 2) {
         const long r1 = r + 1 < n ? r + 1 : r;
         const long ce = cb + COLS < j->m ? cb + COLS : j->m;
+        prefetch_row(w, r + 2);
+        prefetch_row(w, r + 3);
         expand_row(w, r, buf);
         expand_row(w, r1, buf + k);
         for (long c0 = cb; c0 < ce; c0 += 8) {
