@@ -299,10 +299,20 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1k-token prompts only, one repeat, no files written")
-    ap.add_argument("--out", default="docs/benchmarks/kv_transfer", help="path prefix for .md and .json")
+    ap.add_argument("--out", help="path prefix for .md and .json (default docs/benchmarks/kv_transfer; "
+                    "a run with --caches or --headline-only writes files only when given one)")
     ap.add_argument("--baseline", metavar="GIT_REF", help="also compare sealed full/raw (1k-token caches) with this commit's, alternating")
+    ap.add_argument("--caches", metavar="SHAPE:TOKENS,...", help=f"only these caches (shapes: {', '.join(SHAPES)}), e.g. smollm2-135m:1024")
+    ap.add_argument("--headline-only", action="store_true", help="skip control messages and the strategy x option table: "
+                    "only the alternating rounds of raw ZeroMQ, raw AES-GCM and sealed full/raw")
+    ap.add_argument("--rounds", type=int, help="alternating rounds per cache (default 9, or 5 over 256 MB)")
     args = ap.parse_args()
     cases = [(s, t) for s in SHAPES for t in ((1024,) if args.quick else (1024, 8192))]
+    if args.caches:
+        cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.caches.split(",")]
+        if unknown := [s for s, _ in cases if s not in SHAPES]:
+            raise SystemExit(f"unknown cache shape {unknown[0]!r}; choose from {', '.join(SHAPES)}")
+    out = args.out or (None if args.quick or args.caches or args.headline_only else "docs/benchmarks/kv_transfer")
 
     retain_freed_memory()  # as a prefill worker should: quantized chunks are fresh buffers
     proc, eps = start_receiver()
@@ -311,7 +321,7 @@ def main() -> int:
     try:
         # Control messages first, before the multi-GB KV runs churn memory.
         control: dict[str, dict[str, float]] = {}
-        for _ in range(1 if args.quick else 5):  # alternating rounds, best of each
+        for _ in range(0 if args.headline_only else 1 if args.quick else 5):  # alternating rounds, best of each
             for name, m in control_rates(ctx, eps, 2000 if args.quick else 20000).items():
                 best = control.setdefault(name, {"msgs_per_s": 0.0, "python_us_per_msg": 1e9, "process_us_per_msg": 1e9})
                 best["msgs_per_s"] = max(best["msgs_per_s"], m["msgs_per_s"])
@@ -330,14 +340,15 @@ def main() -> int:
                      "raw_aes_gcm_gbps": aes, "raw_zmq_gbps": zq, "sealed": {}}
             print(f"\n{shape} {tokens} tokens: {snap.nbytes / 1e6:.0f} MB of {snap.dtype} KV; "
                   f"raw AES-GCM {aes:.2f} GB/s, raw ZeroMQ {zq:.2f} GB/s", flush=True)
-            for strategy in STRATEGIES:
+            for strategy in () if args.headline_only else STRATEGIES:
                 for option in OPTIONS:
                     gbps, ratio = sealed_gbps(ctx, eps[0], snap, strategy, option, repeats)
                     entry["sealed"][f"{strategy}/{option}"] = {"gbps": gbps, "wire_ratio": ratio}
                     print(f"  {strategy:15s} {option:5s} {gbps:6.2f} GB/s  (wire {ratio:.2f}x)", flush=True)
             # The headline comparison, robust to a shared machine: alternate raw ZeroMQ,
             # raw AES-GCM and sealed full/raw runs and keep the best of each.
-            rounds = 1 if args.quick else (5 if snap.nbytes > (256 << 20) else 9)
+            rounds = args.rounds or (1 if args.quick else (5 if snap.nbytes > (256 << 20) else 9))
+            entry["sealed"].setdefault("full/raw", {"gbps": 0.0, "wire_ratio": 1.0})
             senders = [KVSender(ctx, eps[0], SECRET, "prefill-bench")]
             send_snapshot(senders, snap, KVOptions(), timeout_s=300)  # warm-up
             cpu = {"raw ZeroMQ": [], "sealed full/raw": []}  # (sender, receiver) CPU seconds per run
@@ -380,19 +391,21 @@ def main() -> int:
         stop_receiver(ctx, proc, eps)
         ctx.destroy(linger=0)
     baseline = compare_baseline(args.baseline, [c for c in cases if c[1] == 1024], 2 if args.quick else 6) if args.baseline else None
-    if not args.quick:
-        write_results(Path(args.out), results, control, baseline)
+    if out:
+        write_results(Path(out), results, control, baseline)
     return 0
 
 
 def write_results(prefix: Path, results: list, control: dict, baseline: dict | None = None) -> None:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "zmq": zmq.zmq_version()}
+            "cpus": os.cpu_count(), "python": platform.python_version(), "zmq": zmq.zmq_version(),
+            "load_avg_1m_at_end": os.getloadavg()[0]}
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps({"meta": meta, "kv": results, "control": control, "baseline": baseline}, indent=2))
     lines = [
         "# KV transfer over loopback (generated by bench/kv_transfer.py)", "",
-        f"{meta['date']}, {meta['cpus']} CPUs ({meta['machine']}), Python {meta['python']}, libzmq {meta['zmq']}. "
+        f"{meta['date']}, {meta['cpus']} CPUs ({meta['machine']}), Python {meta['python']}, libzmq {meta['zmq']}, "
+        f"load average {meta['load_avg_1m_at_end']:.2f} at the end (this run's own transfers keep about 2 threads busy). "
         "GB/s = KV bytes of the snapshot / time from encoding start to the decode side's ack. "
         "Ceiling = min(raw AES-256-GCM, raw ZeroMQ) measured in the same run; target: sealed full/raw >= 60% of it. "
         "Each cell is the best of 3 runs (2 for caches over 256 MB) after one untimed warm-up transfer on the same "
@@ -450,8 +463,9 @@ def write_results(prefix: Path, results: list, control: dict, baseline: dict | N
                   f"raw AES-GCM {e['raw_aes_gcm_gbps']:.2f} GB/s, raw ZeroMQ {e['raw_zmq_gbps']:.2f} GB/s, ceiling {ceiling:.2f} GB/s", "",
                   "| strategy | " + " | ".join(OPTIONS) + " |", "|---|" + "---|" * len(OPTIONS)]
         for strategy in STRATEGIES:
-            cells = [e["sealed"][f"{strategy}/{o}"] for o in OPTIONS]
-            lines.append(f"| {strategy} | " + " | ".join(f"{c['gbps']:.2f} ({c['vs_ceiling']:.0%}, wire {c['wire_ratio']:.2f}x)" for c in cells) + " |")
+            cells = [e["sealed"].get(f"{strategy}/{o}") for o in OPTIONS]  # --headline-only: full/raw alone
+            lines.append(f"| {strategy} | " + " | ".join(f"{c['gbps']:.2f} ({c['vs_ceiling']:.0%}, wire {c['wire_ratio']:.2f}x)"
+                                                        if c else "-" for c in cells) + " |")
         lines.append("")
     if baseline:
         lines += [f"## This tree vs `{baseline['ref']}` (sealed full/raw, 1k-token caches)", "",
