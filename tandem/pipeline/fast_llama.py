@@ -295,12 +295,14 @@ class FastLlama:
             x = self._decode_layers(x, caches, mask, max_q_start)
         else:
             self._cols = None
-            if self.prefill_kernels and B * L < self.left_below and self.decode.why is None:
+            if self.prefill_kernels and self.decode.why is None:
                 # Position tables of every token column, once per forward, for the C RoPE.
                 off = caches[0].offset
                 off = mx.full((B,), off, mx.int32) if isinstance(off, int) else off
                 pos = (off[:, None] + mx.arange(L)[None, :]).reshape(-1)
                 cos, sin = _tables(self.decode.rope, pos, self.decode.D)
+                if B * L >= self.left_below:  # token rows: tables (tokens, D/2)
+                    cos, sin = cos.T, sin.T
                 self._cols = (np.ascontiguousarray(np.array(cos)), np.ascontiguousarray(np.array(sin)))
             for layer, cache, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, caches, self.fused.layers):
                 x = self._layer(layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start)
@@ -337,7 +339,7 @@ class FastLlama:
         D = qkv_w.shape[0] // (Hq + 2 * Hkv)
         left = B * L < self.left_below
         h = layer.input_layernorm(x)
-        cols = self._cols if left else None
+        cols = self._cols
         if left:
             qkv = _left(qkv_w, h.T)  # (features, B*L)
             if qkv_b is not None:
@@ -351,6 +353,8 @@ class FastLlama:
             qkv = h @ qkv_w.T  # (B*L, features)
             if qkv_b is not None:
                 qkv = qkv + qkv_b[:, 0]
+            if cols is not None:
+                qkv = mx.array(q4_kernels.rope_rows(np.array(qkv), Hq + Hkv, D, *cols))
             q = qkv[:, : Hq * D].reshape(B, L, Hq, D).transpose(0, 2, 1, 3)
             k = qkv[:, Hq * D : (Hq + Hkv) * D].reshape(B, L, Hkv, D).transpose(0, 2, 1, 3)
             v = qkv[:, (Hq + Hkv) * D :].reshape(B, L, Hkv, D).transpose(0, 2, 1, 3)
@@ -376,5 +380,8 @@ class FastLlama:
         x = x + o @ attn.o_proj.weight.T
         gu = h(x) @ gu_w.T
         inter = gu.shape[1] // 2
-        a = cpu_math.silu_mul(gu[:, :inter], gu[:, inter:])
+        if cols is not None:
+            a = mx.array(q4_kernels.silu_cols(np.array(gu)))
+        else:
+            a = cpu_math.silu_mul(gu[:, :inter], gu[:, inter:])
         return x + a @ mlp.down_proj.weight.T

@@ -415,6 +415,52 @@ int rope_cols(float *x, long heads, long d, long t, const float *cos_t, const fl
     return 0;
 }
 
+static void rope_rows_part(void *arg, long part, long parts) {
+    const col_job *j = arg;  /* x (t, ld): token rows; cos_t, sin_t (t, d/2) */
+    const long half = j->d / 2;
+    for (long r = j->t * part / parts; r < j->t * (part + 1) / parts; r++) {
+        const float *c = j->cos_t + r * half, *s = j->sin_t + r * half;
+        for (long h = 0; h < j->heads; h++) {
+            float *v = j->x + r * j->inter + h * j->d;
+            for (long i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = a * s[i] + b * c[i];
+            }
+        }
+    }
+}
+
+/* The same rotation for x (t, ld) with a token per row: columns h*d + i and h*d + i + d/2;
+   cos, sin (t, d/2). */
+int rope_rows(float *x, long heads, long d, long t, long ld, const float *cos_t, const float *sin_t, long threads) {
+    col_job j = {x, cos_t, sin_t, NULL, NULL, heads, d, t, ld};
+    pthread_mutex_lock(&call_mu);
+    pool_init(threads);
+    parallel(rope_rows_part, &j, threads);
+    pthread_mutex_unlock(&call_mu);
+    return 0;
+}
+
+static void silu_t_part(void *arg, long part, long parts) {
+    const col_job *j = arg;  /* gu (t, 2 * inter) -> a (t, inter) */
+    const long I = j->inter;
+    for (long r = j->t * part / parts; r < j->t * (part + 1) / parts; r++)
+        for (long i = 0; i < I; i++) {
+            const float g = j->gu[r * 2 * I + i], u = j->gu[r * 2 * I + I + i];
+            j->a[r * I + i] = g * (1.0f / (1.0f + exp_any(-g))) * u;
+        }
+}
+
+int silu_cols(const float *gu, long inter, long t, float *a, long threads) {
+    col_job j = {NULL, NULL, NULL, gu, a, 0, 0, t, inter};
+    pthread_mutex_lock(&call_mu);
+    pool_init(threads);
+    parallel(silu_t_part, &j, threads);
+    pthread_mutex_unlock(&call_mu);
+    return 0;
+}
+
 static void silu_part(void *arg, long part, long parts) {
     const col_job *j = arg;
     const long n = j->inter * j->t;
@@ -531,7 +577,10 @@ def _build() -> ctypes.CDLL:
     lib.q4_decode_step.argtypes = [P, L, P, P, P, L, L, L, L, L, L, P, P, P, P, P, L, F, F, P, L]
     lib.rope_cols.argtypes = [P, L, L, L, P, P, L]
     lib.silu_rows.argtypes = [P, L, L, P, L]
-    for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_decode_step, lib.rope_cols, lib.silu_rows):
+    lib.rope_rows.argtypes = [P, L, L, L, L, P, P, L]
+    lib.silu_cols.argtypes = [P, L, L, P, L]
+    for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_decode_step, lib.rope_cols, lib.silu_rows, lib.rope_rows,
+               lib.silu_cols):
         fn.restype = ctypes.c_int
     return lib
 
@@ -714,4 +763,22 @@ def silu_rows(gu: np.ndarray) -> np.ndarray:
     inter, t = gu.shape[0] // 2, gu.shape[1]
     a = np.empty((inter, t), np.float32)
     _lib.silu_rows(gu.ctypes.data, inter, t, a.ctypes.data, cpu_kernels.threads())
+    return a
+
+
+def rope_rows(x: np.ndarray, heads: int, d: int, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """:func:`rope_cols` for x (t, features) with a token per row; cos, sin (t, d/2)."""
+    assert x.dtype == np.float32 and x.flags.c_contiguous and x.flags.writeable and x.shape[1] >= heads * d
+    t = x.shape[0]
+    assert cos.shape == sin.shape == (t, d // 2) and cos.flags.c_contiguous and sin.flags.c_contiguous
+    _lib.rope_rows(x.ctypes.data, heads, d, t, x.shape[1], cos.ctypes.data, sin.ctypes.data, cpu_kernels.threads())
+    return x
+
+
+def silu_cols(gu: np.ndarray) -> np.ndarray:
+    """gu (t, 2 * inter) float32: gate columns then up columns -> silu(gate) * up (t, inter)."""
+    assert gu.dtype == np.float32 and gu.flags.c_contiguous and gu.shape[1] % 2 == 0
+    t, inter = gu.shape[0], gu.shape[1] // 2
+    a = np.empty((t, inter), np.float32)
+    _lib.silu_cols(gu.ctypes.data, inter, t, a.ctypes.data, cpu_kernels.threads())
     return a

@@ -129,12 +129,18 @@ def test_column_rope_and_silu_match_mlx():
     want = rope(heads_first, offset=pos).reshape(t, heads * d).T
     np.testing.assert_allclose(got[: heads * d], np.array(want), rtol=1e-5, atol=1e-5)
     assert np.array_equal(got[heads * d :], x[heads * d :])
+    rows = q4_kernels.rope_rows(np.ascontiguousarray(x.T), heads, d, np.ascontiguousarray(cos.T),
+                                np.ascontiguousarray(sin.T))
+    assert np.array_equal(rows, got.T)  # the same arithmetic, a token per row
     gu = (rng.normal(size=(2 * 40, t)) * 6).astype(np.float32)
-    np.testing.assert_allclose(q4_kernels.silu_rows(gu), np.array(nn.silu(mx.array(gu[:40])) * mx.array(gu[40:])),
-                               rtol=1e-5, atol=1e-6)
+    want = np.array(nn.silu(mx.array(gu[:40])) * mx.array(gu[40:]))
+    np.testing.assert_allclose(q4_kernels.silu_rows(gu), want, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(q4_kernels.silu_cols(np.ascontiguousarray(np.concatenate([gu[:40].T, gu[40:].T], 1))),
+                          q4_kernels.silu_rows(gu).T)
 
 
-def test_prefill_with_and_without_the_column_kernels_agree(tiny):
+@pytest.mark.parametrize("left_below", [10**9, 1])  # token columns / token rows
+def test_prefill_with_and_without_the_column_kernels_agree(tiny, left_below):
     from mlx_lm.models.cache import make_prompt_cache
 
     from tandem.pipeline import cpu_math
@@ -145,5 +151,6 @@ def test_prefill_with_and_without_the_column_kernels_agree(tiny):
     for on in (True, False):
         fast = fast_llama.FastLlama(tiny)
         fast.prefill_kernels = on
+        fast.left_below = left_below
         out.append(fast(prompts, make_prompt_cache(tiny), mask, 0, mx.array([23, 23, 23])))
     assert mx.allclose(out[0], out[1], rtol=1e-5, atol=1e-5).item()
