@@ -156,6 +156,8 @@ def test_a_decode_worker_imports_a_burst_in_one_step(tiny, six_snapshots):
     assert plans[0] == ("prefill", 6) and all(k == "decode" for k, _ in plans[1:])
     assert got == one_by_one
     assert not dst.scheduler.prefix_caching
+    # The store was allocated for the whole batch up front (16 MiB pool: all of it).
+    assert dst.store.capacity == min(dst.pool.num_blocks, 16 * dst.pool.blocks_for(512)) > 64
 
 
 def test_a_prefill_worker_prefills_prompt_by_prompt_by_default(tiny):
