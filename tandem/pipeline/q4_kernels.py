@@ -259,15 +259,35 @@ typedef struct {
     const float *x, *bias;
     long m, ldy, accumulate;
     float *y;
+    atomic_long next;  /* the next chunk of rows to take */
 } mm_job;
 
+/* Rows go out in chunks that each thread takes as it gets free, not in one fixed share
+   per thread: on a shared 2-core machine the other thread is often descheduled for a
+   while (the edge, the broker, MKL's spinning OpenMP threads), and a fixed share left
+   the caller waiting for it. */
+enum { CHUNKS_PER_THREAD = 8 };
+
+static void mm_rows(const mm_job *j, long lo, long hi, float *buf);
+
 static void mm_part(void *arg, long part, long parts) {
-    const mm_job *j = arg;
-    const q4mat *w = j->w;
-    const long n = w->n, k = w->k;
-    long lo = (n * part / parts) & ~1L, hi = part == parts - 1 ? n : (n * (part + 1) / parts) & ~1L;
+    mm_job *j = arg;
+    const long n = j->w->n, k = j->w->k;
+    long chunk = (n / (parts * CHUNKS_PER_THREAD) + 1) & ~1L;
+    if (chunk < 2) chunk = 2;
     float *buf = aligned_alloc(64, sizeof(float) * 2 * k);
     if (!buf) return;  /* leaves rows unwritten: cannot happen for the sizes used */
+    for (;;) {
+        const long c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (c * chunk >= n) break;
+        mm_rows(j, c * chunk, (c + 1) * chunk < n ? (c + 1) * chunk : n, buf);
+    }
+    free(buf);
+}
+
+static void mm_rows(const mm_job *j, long lo, long hi, float *buf) {
+    const q4mat *w = j->w;
+    const long n = w->n, k = w->k;
     float out[16];
     /* Columns in blocks of COLS, so that a block of x stays in the core's L2 while every
        row pair passes over it (a prefill's x is megabytes); a row pair is expanded once
@@ -304,12 +324,11 @@ static void mm_part(void *arg, long part, long parts) {
             }
         }
     }
-    free(buf);
 }
 
 static void matmul(const q4mat *w, const float *x, long m, float *y, long ldy, long accumulate,
                    const float *bias, long parts) {
-    mm_job j = {w, x, bias, m, ldy, accumulate, y};
+    mm_job j = {w, x, bias, m, ldy, accumulate, y, 0};
     parallel(mm_part, &j, parts);
 }
 
@@ -317,7 +336,7 @@ static void matmul(const q4mat *w, const float *x, long m, float *y, long ldy, l
 int q4_matmul(const q4mat *w, const float *x, long m, float *y, long threads) {
     pthread_mutex_lock(&call_mu);
     pool_init(threads);
-    mm_job j = {w, x, NULL, m, w->n, 0, y};
+    mm_job j = {w, x, NULL, m, w->n, 0, y, 0};
     parallel(mm_part, &j, threads);
     pthread_mutex_unlock(&call_mu);
     return 0;
@@ -363,17 +382,24 @@ typedef struct {
     float *const *kmir, *const *vmir;
     float *o;
     const int *lens;
-    const long *bounds;
-    long layer, hq, hkv, d, cap, ld, maxlen;
+    const long *order;  /* pairs, longest rows first */
+    long npairs, layer, hq, hkv, d, cap, ld, maxlen;
     float scale;
+    atomic_long next;
 } at_job;
 
 static void at_part(void *arg, long part, long parts) {
-    const at_job *j = arg;
+    at_job *j = arg;
     const long rep = j->hq / j->hkv, d = j->d;
     float *s = malloc(sizeof(float) * rep * (j->maxlen + d));
     if (!s) return;
-    for (long bh = j->bounds[part]; bh < j->bounds[part + 1]; bh++) {
+    (void)part; (void)parts;
+    /* (row, kv head) pairs one at a time, longest rows first (they are ordered by the
+       caller), to whichever thread is free: see mm_part */
+    for (;;) {
+        const long at = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (at >= j->npairs) break;
+        const long bh = j->order[at];
         const long b = bh / j->hkv, g = bh % j->hkv, n = j->lens[b];
         const float *K = j->kmir[j->layer] + bh * j->cap * d, *V = j->vmir[j->layer] + bh * j->cap * d;
         const float *Q = j->qkv + b * j->ld + g * rep * d;
@@ -491,22 +517,19 @@ int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const floa
     long maxlen = 1;
     for (long b = 0; b < B; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
     float *h = malloc(sizeof(float) * B * (hidden + F + hq * d + 3 * inter));
-    long *bounds = malloc(sizeof(long) * 66);
-    if (!h || !bounds) { free(h); free(bounds); return -1; }
+    long *order = malloc(sizeof(long) * B * hkv);
+    if (!h || !order) { free(h); free(order); return -1; }
     float *qkv = h + B * hidden, *o = qkv + B * F, *gu = o + B * hq * d, *a = gu + 2 * B * inter;
     pthread_mutex_lock(&call_mu);
     pool_init(threads);
-    long parts = pool_workers + 1 < threads ? pool_workers + 1 : threads;
-    if (parts < 1) parts = 1;
-    {   /* attention pairs split by key count, as decode_attention does */
-        long pairs = B * hkv, total = 0, at = 0, done = 0;
-        for (long b = 0; b < B; b++) total += (long)lens[b] * hkv;
-        if (parts > pairs) parts = pairs;
-        bounds[0] = 0;
-        for (long t = 0; t < parts; t++) {
-            long goal = total * (t + 1) / parts;
-            while (at < pairs && (t == parts - 1 || done < goal)) done += lens[at++ / hkv];
-            bounds[t + 1] = at;
+    {   /* attention pairs, longest rows first (insertion sort: B is small) */
+        long np_ = 0;
+        for (long b = 0; b < B; b++) {
+            long i = np_;
+            while (i > 0 && lens[order[i - 1] / hkv] < lens[b]) i--;
+            for (long m = np_ - 1; m >= i; m--) order[m + hkv] = order[m];
+            for (long g = 0; g < hkv; g++) order[i + g] = b * hkv + g;
+            np_ += hkv;
         }
     }
     for (long l = 0; l < nl; l++) {
@@ -529,8 +552,8 @@ int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const floa
                 memcpy(vmir[l] + ((b * hkv + g) * cap + pos) * d, qkv + b * F + (hq + hkv + g) * d, sizeof(float) * d);
             }
         }
-        at_job aj = {qkv, kmir, vmir, o, lens, bounds, l, hq, hkv, d, cap, F, maxlen, scale};
-        parallel(at_part, &aj, parts);
+        at_job aj = {qkv, kmir, vmir, o, lens, order, B * hkv, l, hq, hkv, d, cap, F, maxlen, scale, 0};
+        parallel(at_part, &aj, threads);
         matmul(&L->o, o, B, x, hidden, 1, NULL, threads);
         rms_norm(x, L->ln2, h, B, hidden, eps);
         matmul(&L->gu, h, B, gu, 2 * inter, 0, NULL, threads);
@@ -544,7 +567,7 @@ int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const floa
     rms_norm(x, norm_w, h, B, hidden, eps);
     matmul(head, h, B, logits, head->n, 0, NULL, threads);
     pthread_mutex_unlock(&call_mu);
-    free(bounds);
+    free(order);
     free(h);
     return 0;
 }
