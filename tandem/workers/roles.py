@@ -5,12 +5,12 @@ one role sets its engine up for that role:
 
 * **prefill**: each prefill step's first tokens and KV exports come out before the next
   step starts (:mod:`tandem.workers.export_order`), and ``worker.prefill_batch`` prompts
-  at most are prefilled together (default 1). Its only product is first tokens and
-  handoffs, and on the CPU a batched prefill is no cheaper per prompt (bench/disagg.py
-  timeline: 510-560 ms per 256-token prompt alone or four together), while a batch holds
-  every first token until its last prompt is done: one at a time, the first prompt of a
-  burst of eight had its first token after one prompt's prefill instead of four, and its
-  handoff overlapped the next prompt's prefill.
+  at most are prefilled together (default 2, engine default 4). A prefill worker's
+  product is first tokens and handoffs, and a batch holds every first token until its
+  last prompt is done. On this 2-core CPU (bench/disagg.py, 256-token prompts, engine
+  at c2312d3) a step has about 70 ms of fixed cost: one prompt per step took 630 ms per
+  prompt against 575 ms at four (gated layout 0.87x hybrid); two per step kept the
+  throughput (0.96x, 0.94x at four) with lower time to first token.
 * **decode**: no prefix cache (:func:`imported_kv_not_cached`), a KV store sized for its
   batch from the start (:func:`size_store_for_batch`), and the KV imports that are
   waiting go into one step (``engine.parallel`` of them, not
@@ -43,7 +43,7 @@ def imported_kv_not_cached(engine) -> bool:
     return True
 
 
-def set_up(engine, role: str, *, prefill_batch: int = 1):
+def set_up(engine, role: str, *, prefill_batch: int = 2):
     """Apply ``role``'s policies to ``engine``; returns the prefill worker's
     :class:`~tandem.workers.export_order.ExportOrder` (None otherwise, or for an engine
     without schedule hooks such as the stub)."""
