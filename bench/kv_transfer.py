@@ -373,13 +373,14 @@ def main() -> int:
             senders = [KVSender(ctx, eps[0], SECRET, "prefill-bench")]
             send_snapshot(senders, snap, KVOptions(), timeout_s=300)  # warm-up
             cpu = {"raw ZeroMQ": [], "sealed full/raw": []}  # (sender, receiver) CPU seconds per run
-            pairs = []  # (sealed, raw ZeroMQ) GB/s of each round
+            pairs = []  # (sealed, raw ZeroMQ, raw AES-GCM) GB/s of each round
             for _ in range(rounds):
                 c0 = cpu_pair(ctx, eps[1])
-                pairs.append([0.0, raw_zmq_gbps(ctx, eps[1], snap, 1)])
+                pairs.append([0.0, raw_zmq_gbps(ctx, eps[1], snap, 1), 0.0])
                 zq = max(zq, pairs[-1][1])
                 c1 = cpu_pair(ctx, eps[1])
-                aes = max(aes, raw_aes_gbps(snap, 1))
+                pairs[-1][2] = raw_aes_gbps(snap, 1)
+                aes = max(aes, pairs[-1][2])
                 c2 = cpu_pair(ctx, eps[1])
                 cell = entry["sealed"]["full/raw"]
                 pairs[-1][0] = send_snapshot(senders, snap, KVOptions(), timeout_s=300).gbps
@@ -394,16 +395,20 @@ def main() -> int:
                 for k, v in cpu.items()
             }
             entry["raw_aes_gcm_gbps"], entry["raw_zmq_gbps"] = aes, zq
-            entry["rounds"] = [{"sealed_full_gbps": a, "raw_zmq_gbps": b} for a, b in pairs]
-            ratios = sorted(a / b for a, b in pairs)
+            entry["rounds"] = [{"sealed_full_gbps": a, "raw_zmq_gbps": b, "raw_aes_gcm_gbps": c} for a, b, c in pairs]
+            ratios = sorted(a / b for a, b, _ in pairs)
             entry["round_ratio_median"] = ratios[len(ratios) // 2]
+            # Best sealed / best ceiling of the same alternating rounds only: both from one
+            # stretch of time, so a slow (or fast) spell of the shared machine between the
+            # strategy table and the rounds cannot land on one side of the ratio alone.
+            entry["round_best_ratio"] = max(a for a, _, _ in pairs) / min(max(b for _, b, _ in pairs), max(c for *_, c in pairs))
             ceiling = min(aes, zq)
             for cell in entry["sealed"].values():
                 cell["vs_ceiling"] = cell["gbps"] / ceiling
             full = entry["sealed"]["full/raw"]["gbps"]
             print(f"  interleaved best of {rounds}: raw AES-GCM {aes:.2f}, raw ZeroMQ {zq:.2f} GB/s; "
                   f"sealed full/raw = {full / ceiling:.0%} of min; median of the rounds' sealed/raw ZeroMQ "
-                  f"{entry['round_ratio_median']:.0%}", flush=True)
+                  f"{entry['round_ratio_median']:.0%}; best sealed / best ceiling of the rounds alone {entry['round_best_ratio']:.0%}", flush=True)
             for k, v in entry["cpu_s_per_gb"].items():
                 print(f"  CPU per GB, {k}: sender {v['sender']:.3f} s, receiver {v['receiver']:.3f} s", flush=True)
             results.append(entry)
@@ -444,16 +449,20 @@ def write_results(prefix: Path, results: list, control: dict, baseline: dict | N
         "The receiver is a separate process (the decode side); quantization and LZ4 run on one CPU core in numpy / python-lz4, "
         "so they pay off only on links slower than those rates.", "",
         "The ratio is best sealed / best ceiling; sealed full/raw and raw ZeroMQ are each the best of the same number of "
-        "timed transfers (3 in the strategy table, then one per alternating round). The last column is steadier: the median over the alternating "
-        "rounds of sealed full/raw over raw ZeroMQ of the same round (a round times raw ZeroMQ, raw AES-GCM, then sealed full/raw).", "",
-        "| cache | sealed full/raw | ceiling | ratio | target >= 60% | median of per-round ratios |", "|---|---|---|---|---|---|",
+        "timed transfers (3 in the strategy table, then one per alternating round). The next column is the same ratio "
+        "over the alternating rounds alone (a round times raw ZeroMQ, raw AES-GCM, then sealed full/raw), so both bests "
+        "come from the same stretch of time; the last, the steadiest, is the median over the rounds of sealed full/raw "
+        "over raw ZeroMQ of the same round.", "",
+        "| cache | sealed full/raw | ceiling | ratio | target >= 60% | best of the same rounds | median of per-round ratios |",
+        "|---|---|---|---|---|---|---|",
     ]
     for e in results:
         ceiling = min(e["raw_aes_gcm_gbps"], e["raw_zmq_gbps"])
         full = e["sealed"]["full/raw"]["gbps"]
         median = f"{e['round_ratio_median']:.0%} of {len(e['rounds'])}" if "round_ratio_median" in e else "-"
+        same = f"{e['round_best_ratio']:.0%}" if "round_best_ratio" in e else "-"
         lines.append(f"| {e['shape']} {e['tokens']} tokens | {full:.2f} GB/s | {ceiling:.2f} GB/s | {full / ceiling:.0%} | "
-                     f"{'met' if full >= 0.6 * ceiling else 'NOT met'} | {median} |")
+                     f"{'met' if full >= 0.6 * ceiling else 'NOT met'} | {same} | {median} |")
     lines += ["", "CPU seconds per GB of KV moved (lowest of the alternating rounds; sender and receiver processes, "
               "each including its libzmq I/O thread). Sealing adds one AES-GCM pass on each side to the copies loopback "
               "TCP already makes, so on a machine whose cores are busy the sealed rate is bounded by this ratio, not by "
