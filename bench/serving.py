@@ -410,7 +410,9 @@ def report(results: dict, out: Path) -> str:
         (f"Tokenizer of `{meta['model']}`; the worker runs tandem's stub engine (no model), so this measures what the "
          f"edge, broker and wire add per token: at {meta.get('stub_step_ms')} ms per engine step the ceiling is "
          f"clients x {1000 / (meta.get('stub_step_ms') or 1):.0f} tok/s. " if stub else
-         f"Model `{meta['model']}` ({meta['weights']} weights for both servers, BLAS {meta['blas']}). ")
+         f"Model `{meta['model']}` ({meta['weights']} weights for both servers, BLAS {meta['blas']}; on the CPU "
+         "tandem's decode multiplies the same values from the checkpoint's 4-bit codes, "
+         "engine.native_kernels, docs/cpu-performance.md). ")
         + "Chat prompts of "
         f"{meta['prompt_tokens']} tokens on average, {meta['max_tokens']} new tokens, temperature 0, EOS suppressed "
         f"(logit bias -100), {meta['rounds']} request(s) per client per level, streaming, the same client for both. "
