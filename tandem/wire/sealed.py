@@ -229,10 +229,10 @@ class SealedChannel:
             if len(ct) >= OUT_OF_PLACE_MIN_BYTES:
                 # Into a buffer of its own, not in place: the received one is then freed as
                 # soon as the caller drops it, and libzmq's next records land in that same
-                # cache-hot memory. Decrypting in place, every record was received into memory
-                # that had dropped out of the cache: in interleaved A/B runs of 1k-token caches
-                # (one sender, a receiver process per variant) this used 4-9% less CPU per GB,
-                # both processes together (docs/benchmarks/kv_transfer.md).
+                # cache-hot memory (decrypting in place, every record was received into memory
+                # that had dropped out of the cache). Interleaved A/B runs of 1k-token caches
+                # measured 3-9% less CPU per GB, both processes together, in four of five; the
+                # bench's --baseline comparison puts it within noise (docs/benchmarks/kv_transfer.md).
                 plain = memoryview(np.empty(len(ct) - TAG_BYTES, dtype=np.uint8))
                 self._recv.decrypt_into(_nonce(base + i), ct, head, plain)
             else:
