@@ -1,11 +1,13 @@
 """The engine: one thread owns MLX and runs admit -> schedule -> execute -> emit.
 
 Other threads only put commands on the inbox (submit, abort, import) and read
-:meth:`Engine.stats`; results go back through each request's ``on_event``. Device work
-is pipelined one step deep: step N+1's graph is built (its decode inputs are step N's
-sampled tokens, still on the device) while step N computes, then step N's tokens are read
-back and emitted, then step N+1 is queued with ``mx.async_eval``. A sequence that stopped
-at step N therefore computes one extra token in step N+1, which is dropped.
+:meth:`Engine.stats`; results go back through each request's ``on_event``. On a GPU,
+device work is pipelined one step deep: step N+1's graph is built (its decode inputs are
+step N's sampled tokens, still on the device) while step N computes, then step N's tokens
+are read back and emitted, then step N+1 is queued with ``mx.async_eval``. A sequence
+that stopped at step N therefore computes one extra token in step N+1, which is dropped.
+On the CPU, where building a step can mean running it, step N is read back and emitted
+before step N+1 is scheduled.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._by_id: dict[bytes, Sequence] = {}
         self._inflight = None
+        # On the CPU a step is read back before the next one is scheduled (see _tick).
+        self._read_back_first = mx.default_device() == mx.cpu
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats = EngineStats(total_blocks=num_blocks, free_blocks=num_blocks, block_size=bs)
@@ -233,6 +237,14 @@ class Engine:
                 return
 
     def _tick(self) -> int:
+        produced = 0
+        if self._inflight is not None and self._read_back_first:
+            # On the CPU, step N is read back and its tokens emitted before anything of
+            # step N+1 runs. Launching a step may compute it on the spot (the C decode
+            # step and a prefill's C RoPE/SiLU read their inputs back), and tokens emitted
+            # after that reached clients a step late: a whole prefill late for the first
+            # tokens of a prefill batch followed by another.
+            produced = self._read_back()
         for hook in self._before_schedule:
             hook()
         plan = self.scheduler.schedule()
@@ -255,21 +267,8 @@ class Engine:
         early = launched is not None and self.runner.last_step_in_place
         if early:
             mx.async_eval(*launched[3])
-        produced = 0
         if self._inflight is not None:
-            try:
-                # Wait for all of step N (a chunk that samples nothing has no tokens to
-                # read), so that its graph lets go of the KV arrays before N+1 runs.
-                mx.eval(*self._inflight[3])
-                # Complete N (emit its tokens) before N+1 runs: on the CPU, async_eval
-                # returns only when the step is nearly computed (mlx keeps about ten ops
-                # in flight), so completing after it would delay every token event, first
-                # tokens included, by a whole step.
-                produced = self._complete(*self._inflight[:3])
-            except Exception as exc:  # the device work of that step failed
-                log.exception("step failed")
-                for r in self._inflight[0].rows:
-                    self._finish(r.seq, "error", error=f"engine error: {exc}")
+            produced += self._read_back()
         if launched is not None and not early:
             # Otherwise queue step N+1 only now that step N has been read back: while step
             # N's graph is alive its views pin the KV arrays, so N+1's functional writes
@@ -278,6 +277,19 @@ class Engine:
             mx.async_eval(*launched[3])
         self._inflight = launched
         return produced
+
+    def _read_back(self) -> int:
+        """Wait for all of the in-flight step (a chunk that samples nothing has no tokens
+        to read, but its graph must let go of the KV arrays) and emit its tokens."""
+        inflight, self._inflight = self._inflight, None
+        try:
+            mx.eval(*inflight[3])
+            return self._complete(*inflight[:3])
+        except Exception as exc:  # the device work of that step failed
+            log.exception("step failed")
+            for r in inflight[0].rows:
+                self._finish(r.seq, "error", error=f"engine error: {exc}")
+            return 0
 
     def _launch(self, plan: Plan):
         rows = plan.rows
