@@ -51,13 +51,15 @@ typedef struct {
     float *scratch;     /* rep * maxlen scores, then rep * d sums */
 } job_t;
 
-/* e**x for x <= 0 (scores minus their maximum), as cpu_math.exp computes it: x log2(e)
-   split into an integer n and f in [-1/2, 1/2], 2**f by its Taylor polynomial, 2**n put
-   in the exponent bits (x below -87 gives about 1e-38, never a denormal). Relative error below 1e-6; a plain function so loops over it
-   vectorize (libm's expf is one call per element). */
-static inline float exp_neg(float x) {
+/* e**x as cpu_math.exp computes it: x log2(e) split into an integer n and f in
+   [-1/2, 1/2], 2**f by its Taylor polynomial, 2**n put in the exponent bits (x below -87
+   gives about 1e-38, never a denormal; above 88 the largest power of two). Relative
+   error below 1e-6; a plain function so loops over it vectorize (libm's expf is one call
+   per element). Attention uses it on scores minus their maximum, the 4-bit decode step
+   (q4_kernels) in SiLU. */
+static inline float exp_poly(float x) {
     float y = x * 1.4426950408889634f;
-    y = y < -126.0f ? -126.0f : y;
+    y = y < -126.0f ? -126.0f : (y > 127.0f ? 127.0f : y);
     /* rintf, not the add-and-subtract rounding trick: reassociation may fold that away. */
     const float nf = rintf(y);
     const float f = y - nf;
@@ -92,7 +94,7 @@ static inline __attribute__((always_inline)) void attend_pair(
     for (long r = 0; r < rep; r++) {
         float *sr = s + r * n, m = -FLT_MAX, sum = 0.0f;
         for (long t = 0; t < n; t++) m = sr[t] > m ? sr[t] : m;
-        for (long t = 0; t < n; t++) { sr[t] = exp_neg(sr[t] - m); sum += sr[t]; }
+        for (long t = 0; t < n; t++) { sr[t] = exp_poly(sr[t] - m); sum += sr[t]; }
         const float inv = 1.0f / sum;
         for (long t = 0; t < n; t++) sr[t] *= inv;
     }

@@ -359,24 +359,6 @@ static void rms_norm(const float *x, const float *wt, float *out, long b, long n
     }
 }
 
-/* e**x over the whole float range, as cpu_math.exp computes it */
-static inline float exp_any(float x) {
-    float y = x * 1.4426950408889634f;
-    y = y < -126.0f ? -126.0f : (y > 127.0f ? 127.0f : y);
-    const float nf = rintf(y);
-    const float f = y - nf;
-    float p = 1.5252733804059841e-05f;
-    p = p * f + 1.5403530393381609e-04f;
-    p = p * f + 1.3333558146428443e-03f;
-    p = p * f + 9.6181291076284772e-03f;
-    p = p * f + 5.5504108664821580e-02f;
-    p = p * f + 2.4022650695910071e-01f;
-    p = p * f + 6.9314718055994531e-01f;
-    p = p * f + 1.0f;
-    union { int i; float f; } scale = {((int)nf + 127) << 23};
-    return p * scale.f;
-}
-
 typedef struct {
     const float *qkv;
     float *const *kmir, *const *vmir;
@@ -474,7 +456,7 @@ static void silu_t_part(void *arg, long part, long parts) {
     for (long r = j->t * part / parts; r < j->t * (part + 1) / parts; r++)
         for (long i = 0; i < I; i++) {
             const float g = j->gu[r * 2 * I + i], u = j->gu[r * 2 * I + I + i];
-            j->a[r * I + i] = g * (1.0f / (1.0f + exp_any(-g))) * u;
+            j->a[r * I + i] = g * (1.0f / (1.0f + exp_poly(-g))) * u;
         }
 }
 
@@ -492,7 +474,7 @@ static void silu_part(void *arg, long part, long parts) {
     const long n = j->inter * j->t;
     for (long e = n * part / parts; e < n * (part + 1) / parts; e++) {
         const float g = j->gu[e], u = j->gu[n + e];
-        j->a[e] = g * (1.0f / (1.0f + exp_any(-g))) * u;
+        j->a[e] = g * (1.0f / (1.0f + exp_poly(-g))) * u;
     }
 }
 
@@ -560,7 +542,7 @@ int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const floa
         for (long b = 0; b < B; b++)
             for (long i = 0; i < inter; i++) {
                 const float g = gu[b * 2 * inter + i], u = gu[b * 2 * inter + inter + i];
-                a[b * inter + i] = g * (1.0f / (1.0f + exp_any(-g))) * u;
+                a[b * inter + i] = g * (1.0f / (1.0f + exp_poly(-g))) * u;
             }
         matmul(&L->down, a, B, x, hidden, 1, NULL, threads);
     }
