@@ -4,13 +4,16 @@ The engine's defaults are a hybrid worker's: it both prefills and decodes. A wor
 one role sets its engine up for that role:
 
 * **prefill**: each prefill step's first tokens and KV exports come out before the next
-  step starts (:mod:`tandem.workers.export_order`), and ``worker.prefill_batch`` prompts
-  at most are prefilled together (default 2, engine default 4). A prefill worker's
-  product is first tokens and handoffs, and a batch holds every first token until its
-  last prompt is done. On this 2-core CPU (bench/disagg.py, 256-token prompts, engine
-  at c2312d3) a step has about 70 ms of fixed cost: one prompt per step took 630 ms per
-  prompt against 575 ms at four (gated layout 0.87x hybrid); two per step kept the
-  throughput (0.96x, 0.94x at four) with lower time to first token.
+  step starts (:mod:`tandem.workers.export_order`; on the CPU the engine now does that
+  itself), and ``worker.prefill_batch`` prompts at most are prefilled together (default
+  0: the engine's ``max_batch_prefill``, as a hybrid worker). A prefill worker's product
+  is first tokens and handoffs, and a batch holds every first token until its last
+  prompt is done. On this 2-core CPU (bench/disagg.py, 256-token prompts) a step has
+  about 70 ms of fixed cost: one prompt per step took 630 ms per prompt against 575 ms
+  at four (engine at c2312d3: gated layout 0.87x hybrid). Two per step did best while
+  the engine emitted a batch's first tokens only after the next step (0.96x); once it
+  emitted them at once (1c5b4be), four per step gave 0.96x and a TTFT p50 403 ms below
+  hybrid's, against +206 ms at two (docs/benchmarks/disagg.md).
 * **decode**: no prefix cache (:func:`imported_kv_not_cached`), a KV store sized for its
   batch from the start (:func:`size_store_for_batch`), and the KV imports that are
   waiting go into one step (``engine.parallel`` of them, not
@@ -43,7 +46,7 @@ def imported_kv_not_cached(engine) -> bool:
     return True
 
 
-def set_up(engine, role: str, *, prefill_batch: int = 2):
+def set_up(engine, role: str, *, prefill_batch: int = 0):
     """Apply ``role``'s policies to ``engine``; returns the prefill worker's
     :class:`~tandem.workers.export_order.ExportOrder` (None otherwise, or for an engine
     without schedule hooks such as the stub)."""

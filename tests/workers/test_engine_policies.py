@@ -160,12 +160,15 @@ def test_a_decode_worker_imports_a_burst_in_one_step(tiny, six_snapshots):
     assert dst.store.capacity == min(dst.pool.num_blocks, 16 * dst.pool.blocks_for(512)) > 64
 
 
-def test_a_prefill_worker_prefills_two_prompts_a_step_by_default(tiny):
+def test_a_prefill_worker_batches_as_its_engine_by_default_or_as_told(tiny):
     eng = make(tiny)  # engine default: 4 a step
     assert roles.set_up(eng, "prefill") is not None
     ps = prompts(5, 30, seed=3)
     snaps, seen = export_all(eng, ps, ordered=False)  # already ordered by set_up
-    assert seen == [([0, 1], []), ([2, 3], [0, 1]), ([4], [0, 1, 2, 3])]
+    assert seen == [([0, 1, 2, 3], []), ([4], [0, 1, 2, 3])]
+    two = make(tiny)
+    roles.set_up(two, "prefill", prefill_batch=2)
+    assert export_all(two, ps, ordered=False)[1] == [([0, 1], []), ([2, 3], [0, 1]), ([4], [0, 1, 2, 3])]
     one = make(tiny)
     roles.set_up(one, "prefill", prefill_batch=1)
     assert [rows for rows, _ in export_all(one, ps[:2], ordered=False)[1]] == [[0], [1]]
