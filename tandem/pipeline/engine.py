@@ -62,8 +62,7 @@ class Engine:
             if not settings.fast_forward:
                 self.runner.fast = None
             elif not settings.native_kernels and getattr(self.runner, "fast", None) is not None:
-                self.runner.fast.native = None
-                self.runner.fast.prefill_kernels = False
+                self.runner.fast.disable_native_kernels()
         else:
             self.store = None
             self.runner = DenseRunner(model)

@@ -280,6 +280,11 @@ class FastLlama:
         if native:
             self.native, self.native_why = native_decode.build(model, self.fused, self.head, _tied(model), self.decode)
 
+    def disable_native_kernels(self) -> None:
+        """Decode and prefill through mlx/MKL only (``engine.native_kernels = false``)."""
+        self.native, self.native_why = None, "off (engine.native_kernels)"
+        self.prefill_kernels = False
+
     def __call__(self, inputs: mx.array, caches, mask: mx.array | None, max_q_start: int,
                  last: mx.array | None) -> mx.array:
         """inputs: (B, L) token ids; caches: one per layer (offset, update_and_fetch);
