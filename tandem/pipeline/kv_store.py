@@ -85,25 +85,63 @@ class KVStore:
 
     def export_blocks(self, blocks: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per-layer numpy arrays of shape (len(blocks), n_kv_heads, block_size, D)."""
-        idx = self._slots(blocks)
         n, bs = len(blocks), self.block_size
-        ks = [k[idx].reshape(n, bs, *k.shape[1:]).transpose(0, 2, 1, 3) for k in self.keys]
-        vs = [v[idx].reshape(n, bs, *v.shape[1:]).transpose(0, 2, 1, 3) for v in self.values]
+        take = self._reader(blocks)
+        ks = [take(k).reshape(n, bs, *k.shape[1:]).transpose(0, 2, 1, 3) for k in self.keys]
+        vs = [take(v).reshape(n, bs, *v.shape[1:]).transpose(0, 2, 1, 3) for v in self.values]
         mx.eval(ks, vs)
         return [_to_numpy(a) for a in ks], [_to_numpy(a) for a in vs]
 
     def import_blocks(self, blocks: list[int], keys: list[np.ndarray], values: list[np.ndarray]) -> None:
-        idx = self._slots(blocks)
+        runs = _runs(blocks)
+        idx = self._slots(blocks) if len(runs) > _MAX_RUNS else None
+        bs = self.block_size
         for i in range(self.num_layers):
             for dst, src in ((self.keys, keys[i]), (self.values, values[i])):
                 rows = _from_numpy(src, self.dtype).transpose(0, 2, 1, 3)  # (n, bs, H, D)
-                dst[i][idx] = rows.reshape(-1, *rows.shape[2:])
+                rows = rows.reshape(-1, *rows.shape[2:])
+                if idx is not None:
+                    dst[i][idx] = rows
+                    continue
+                for first, count, at in runs:
+                    s = (first + 1) * bs
+                    dst[i][s : s + count * bs] = rows[at * bs : (at + count) * bs]
         mx.eval(self.keys, self.values)
+
+    def _reader(self, blocks: list[int]):
+        """A function from a layer's array to the rows of ``blocks`` in order: slices for a
+        few runs of consecutive blocks (the usual case: a sequence's blocks are allocated
+        together), a gather otherwise. Slices copy at memory speed; mlx's CPU gather and
+        scatter go row by row (an 11.8 MB import: 19 ms by scatter, 4.5 ms by slices)."""
+        runs = _runs(blocks)
+        if len(runs) > _MAX_RUNS:
+            idx = self._slots(blocks)
+            return lambda a: a[idx]
+        bs = self.block_size
+        spans = [((first + 1) * bs, (first + 1 + count) * bs) for first, count, _ in runs]
+        if len(spans) == 1:
+            return lambda a: a[spans[0][0] : spans[0][1]]
+        return lambda a: mx.concatenate([a[s:e] for s, e in spans])
 
     def _slots(self, blocks: list[int]) -> mx.array:
         bs = self.block_size
         starts = (np.asarray(blocks, dtype=np.int64) + 1) * bs
         return mx.array((starts[:, None] + np.arange(bs)[None, :]).reshape(-1).astype(np.int32))
+
+
+_MAX_RUNS = 8  # more runs of consecutive blocks than this: one gather / scatter instead
+
+
+def _runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """(first block, count, position in ``blocks``) of each run of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for at, b in enumerate(blocks):
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            first, count, start = runs[-1]
+            runs[-1] = (first, count + 1, start)
+        else:
+            runs.append((b, 1, at))
+    return runs
 
 
 def _to_numpy(a: mx.array) -> np.ndarray:
