@@ -237,12 +237,16 @@ class Engine:
 
     def _tick(self) -> int:
         produced = 0
-        if self._inflight is not None and self._read_back_first:
+        if self._inflight is not None and (self._read_back_first or _exports(self._inflight[0])):
             # On the CPU, step N is read back and its tokens emitted before anything of
             # step N+1 runs. Launching a step may compute it on the spot (the C decode
             # step and a prefill's C RoPE/SiLU read their inputs back), and tokens emitted
             # after that reached clients a step late: a whole prefill late for the first
-            # tokens of a prefill batch followed by another.
+            # tokens of a prefill batch followed by another. On any device, a step that
+            # exports KV is read back first too: its export copies from the store arrays,
+            # which step N+1's forward replaces with its own pending writes, so exporting
+            # after the launch computed most of step N+1 first (a prefill worker's first
+            # tokens and handoffs 2.3 s late, bench/disagg.py timeline).
             produced = self._read_back()
         for hook in self._before_schedule:
             hook()
@@ -457,6 +461,11 @@ class Engine:
                 break
         if problems:
             raise ValueError("cannot import KV snapshot: " + "; ".join(problems))
+
+
+def _exports(plan: Plan) -> bool:
+    """Whether a step ends with a KV export (a prefill worker's prompt got its first token)."""
+    return any(r.samples and r.seq.export_after_prefill for r in plan.rows)
 
 
 def _reblocked(snap: KVSnapshot, block_size: int) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -3,10 +3,9 @@
 The engine's defaults are a hybrid worker's: it both prefills and decodes. A worker with
 one role sets its engine up for that role:
 
-* **prefill**: each prefill step's first tokens and KV exports come out before the next
-  step starts (:mod:`tandem.workers.export_order`; on the CPU the engine now does that
-  itself), and ``worker.prefill_batch`` prompts at most are prefilled together (default
-  0: the engine's ``max_batch_prefill``, as a hybrid worker). A prefill worker's product
+* **prefill**: ``worker.prefill_batch`` prompts at most are prefilled together (default
+  0: the engine's ``max_batch_prefill``, as a hybrid worker; the engine reads each
+  exporting step back before it starts the next). A prefill worker's product
   is first tokens and handoffs, and a batch holds every first token until its last
   prompt is done. On this 2-core CPU (bench/disagg.py, 256-token prompts) a step has
   about 70 ms of fixed cost: one prompt per step took 630 ms per prompt against 575 ms
@@ -22,8 +21,6 @@ one role sets its engine up for that role:
 """
 
 from __future__ import annotations
-
-from tandem.workers import export_order
 
 
 def imported_kv_not_cached(engine) -> bool:
@@ -46,21 +43,16 @@ def imported_kv_not_cached(engine) -> bool:
     return True
 
 
-def set_up(engine, role: str, *, prefill_batch: int = 0):
-    """Apply ``role``'s policies to ``engine``; returns the prefill worker's
-    :class:`~tandem.workers.export_order.ExportOrder` (None otherwise, or for an engine
-    without schedule hooks such as the stub)."""
+def set_up(engine, role: str, *, prefill_batch: int = 0) -> None:
+    """Apply ``role``'s policies to ``engine`` (the stub engine has none to change)."""
     settings = getattr(engine, "settings", None)
-    if role == "prefill":
-        if settings is not None and prefill_batch:
-            settings.max_batch_prefill = prefill_batch  # the scheduler reads it per step
-        return export_order.install(engine)
+    if role == "prefill" and settings is not None and prefill_batch:
+        settings.max_batch_prefill = prefill_batch  # the scheduler reads it per step
     if role == "decode":
         imported_kv_not_cached(engine)
         if settings is not None:
             settings.max_batch_prefill = max(settings.max_batch_prefill, settings.parallel)
             size_store_for_batch(engine)
-    return None
 
 
 def size_store_for_batch(engine) -> int:

@@ -30,7 +30,7 @@ from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
 from tandem.wire.sockets import bound_endpoint, make_socket
 from tandem.wire.settings import TransferSettings
-from tandem.workers import export_order, roles
+from tandem.workers import roles
 from tandem.workers import gate as G
 from tandem.workers.handoff import KVIngest
 from tandem.workers.health import Health
@@ -97,7 +97,6 @@ class Worker(KVHandoffs, Health):
         self.on_drain = None  # called once when draining starts (systemd STOPPING=1)
         self.counters = {"refused": 0}
         self._timeline = open(TIMELINE, "a", buffering=1) if TIMELINE else None
-        self.export_order: export_order.ExportOrder | None = None
         self.gate = (G.CpuGate(settings.cpu_gate, settings.cpu_gate_max_wait_ms / 1000)
                      if settings.cpu_gate and self.role != "hybrid" else None)
 
@@ -159,8 +158,9 @@ class Worker(KVHandoffs, Health):
     def run(self) -> None:
         if self._timeline is not None:
             self._trace_ticks()  # first: its before-hook runs ahead of the gate's wait
-        self.export_order = roles.set_up(self.engine, self.role, prefill_batch=self.s.prefill_batch)
-        waiting = self.export_order.prompts_waiting if self.export_order is not None else None
+        roles.set_up(self.engine, self.role, prefill_batch=self.s.prefill_batch)
+        sched = getattr(self.engine, "scheduler", None)
+        waiting = (lambda: bool(sched.waiting)) if hasattr(sched, "waiting") else None
         if self.gate is not None and not G.install(self.gate, self.engine, self.role, waiting):
             self.gate.close()
             self.gate = None

@@ -1,6 +1,6 @@
-"""What a worker changes in its engine's scheduling, against the real engine and tiny model:
-a prefill worker emits each exporting batch before it prefills the next; a decode worker
-keeps no prefix cache, so its KV store stays at the working set."""
+"""What a worker changes in its engine's scheduling, against the real engine and tiny model
+(and that the engine emits each exporting batch before it prefills the next): a decode
+worker keeps no prefix cache, so its KV store stays at the working set."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from tandem.kvtypes import SamplingParams
 from tandem.pipeline.api import EngineRequest
 from tandem.pipeline.engine import Engine
 from tandem.pipeline.settings import EngineSettings
-from tandem.workers import export_order
 from tandem.workers import roles
 from tandem.workers.roles import imported_kv_not_cached
 
@@ -39,12 +38,10 @@ def prompts(n, length, seed):
     return [[rng.randrange(3, 380) for _ in range(length)] for _ in range(n)]
 
 
-def export_all(eng, ps, *, ordered: bool):
+def export_all(eng, ps):
     """Prefill-worker style: every prompt exported after its first token. Returns the
     snapshots by prompt index and, per prefill step, which prompts had their export out
     when the step was scheduled."""
-    if ordered:
-        assert export_order.install(eng) is not None
     emitted, seen_at_prefill = [], []
     rid = {bytes([i + 1]) * 16: i for i in range(len(ps))}
 
@@ -71,18 +68,20 @@ def export_all(eng, ps, *, ordered: bool):
     return snaps, seen_at_prefill
 
 
-def test_a_prefill_worker_exports_each_batch_before_it_prefills_the_next(tiny):
+def test_an_exporting_batch_is_out_before_the_next_prefill_even_where_steps_pipeline(tiny):
     ps = prompts(6, 40, seed=1)
-    plain, plain_seen = export_all(make(tiny, max_batch_prefill=2), ps, ordered=False)
-    snaps, seen = export_all(make(tiny, max_batch_prefill=2), ps, ordered=True)
-    assert [rows for rows, _ in seen] == [[0, 1], [2, 3], [4, 5]]
-    # When each batch is scheduled, every earlier batch's first tokens and KV are out.
-    assert [done for _, done in seen] == [[], [0, 1], [0, 1, 2, 3]]
-    # On the CPU the engine itself now reads a step back before it schedules the next
-    # (it used to launch the next batch first, which the ordering fixes on a GPU).
-    assert [done for _, done in plain_seen] == [[], [0, 1], [0, 1, 2, 3]]
+    cpu, cpu_seen = export_all(make(tiny, max_batch_prefill=2), ps)
+    # As on a GPU, where the engine queues step N+1 before it reads step N back: a step
+    # that exports is still read back first (its export would compute step N+1's writes).
+    gpu_like = make(tiny, max_batch_prefill=2)
+    gpu_like._read_back_first = False
+    snaps, seen = export_all(gpu_like, ps)
+    for got in (seen, cpu_seen):
+        assert [rows for rows, _ in got] == [[0, 1], [2, 3], [4, 5]]
+        # When each batch is scheduled, every earlier batch's first tokens and KV are out.
+        assert [done for _, done in got] == [[], [0, 1], [0, 1, 2, 3]]
     for i in range(len(ps)):  # the same first token and the same KV either way
-        a, b = snaps[i], plain[i]
+        a, b = snaps[i], cpu[i]
         assert a.tokens == b.tokens and a.num_computed == b.num_computed
         for x, y in zip(a.keys + a.values, b.keys + b.values):
             assert (x == y).all()
@@ -101,7 +100,7 @@ def _import_run(eng, snap):
 
 @pytest.fixture(scope="module")
 def six_snapshots(tiny):
-    snaps, _ = export_all(make(tiny), prompts(6, 70, seed=2), ordered=False)
+    snaps, _ = export_all(make(tiny), prompts(6, 70, seed=2))
     return [snaps[i] for i in range(6)]
 
 
@@ -134,7 +133,7 @@ def test_a_decode_worker_imports_a_burst_in_one_step(tiny, six_snapshots):
     at a time), and the tokens are those of importing them one by one."""
     _, one_by_one = _imports(tiny, six_snapshots, policy=True)
     dst = make(tiny)
-    assert roles.set_up(dst, "decode") is None
+    roles.set_up(dst, "decode")
     plans = []
     dst.add_schedule_hooks(after=lambda plan: plans.append((plan.kind, len(plan.rows))) if plan else None)
     outs = [queue.Queue() for _ in six_snapshots]
@@ -162,14 +161,16 @@ def test_a_decode_worker_imports_a_burst_in_one_step(tiny, six_snapshots):
 
 def test_a_prefill_worker_batches_as_its_engine_by_default_or_as_told(tiny):
     eng = make(tiny)  # engine default: 4 a step
-    assert roles.set_up(eng, "prefill") is not None
+    roles.set_up(eng, "prefill")
     ps = prompts(5, 30, seed=3)
-    snaps, seen = export_all(eng, ps, ordered=False)  # already ordered by set_up
+    snaps, seen = export_all(eng, ps)
     assert seen == [([0, 1, 2, 3], []), ([4], [0, 1, 2, 3])]
     two = make(tiny)
     roles.set_up(two, "prefill", prefill_batch=2)
-    assert export_all(two, ps, ordered=False)[1] == [([0, 1], []), ([2, 3], [0, 1]), ([4], [0, 1, 2, 3])]
+    assert export_all(two, ps)[1] == [([0, 1], []), ([2, 3], [0, 1]), ([4], [0, 1, 2, 3])]
     one = make(tiny)
     roles.set_up(one, "prefill", prefill_batch=1)
-    assert [rows for rows, _ in export_all(one, ps[:2], ordered=False)[1]] == [[0], [1]]
-    assert roles.set_up(make(tiny), "hybrid") is None
+    assert [rows for rows, _ in export_all(one, ps[:2])[1]] == [[0], [1]]
+    hybrid = make(tiny)
+    roles.set_up(hybrid, "hybrid")  # the engine's own defaults are a hybrid worker's
+    assert hybrid.settings.max_batch_prefill == 4 and hybrid.scheduler.prefix_caching
