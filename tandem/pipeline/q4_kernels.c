@@ -1,0 +1,524 @@
+/* 4-bit weight products and a whole decode step for tandem/pipeline/q4_kernels.py.
+
+   Not compiled on its own: q4_kernels.py appends it to cpu_kernels' C source (which
+   brings <pthread.h>, <math.h>, <stdlib.h>, exp_poly and attend_pair) and builds the
+   result with cpu_kernels.build_library. */
+
+#include <stdint.h>
+#include <string.h>
+#include <stdatomic.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* bits 4: codes two per byte with, per 32 weights, either a 16-entry fp16 table of the
+   values (lut) or a scale and an offset (dm); bits 8: a byte per code with dm; bits 16:
+   the values themselves as fp16 (nib holds them). */
+typedef struct { const uint8_t *nib; const float *dm; const uint16_t *lut; long n, k, round16, bits; } q4mat;
+typedef struct { q4mat qkv, o, gu, down; const float *qkv_bias, *ln1, *ln2; } q4layer;
+
+int q4_supported(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- a persistent pool: the caller runs part 0, workers the others ---- */
+typedef void (*part_fn)(void *ctx, long part, long parts);
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;  /* one parallel caller at a time */
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static long pool_workers = 0, pool_ready = 0;
+static atomic_long pool_gen = 0, pool_left = 0;
+static part_fn pool_fn;
+static void *pool_ctx;
+static long pool_parts;
+enum { SPIN = 4000 };  /* ~0.1 ms of pause before sleeping: steps call back to back */
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void *pool_main(void *arg) {
+    const long id = (long)arg;
+    long seen = 0;  /* workers start before the first job is posted (pool_init holds call_mu) */
+    for (;;) {
+        long g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&pool_gen, memory_order_acquire)) == seen) {
+            if (++spins < SPIN) { relax(); continue; }
+            pthread_mutex_lock(&pool_mu);
+            while ((g = atomic_load(&pool_gen)) == seen) pthread_cond_wait(&pool_cv, &pool_mu);
+            pthread_mutex_unlock(&pool_mu);
+            break;
+        }
+        seen = g;
+        if (id < pool_parts) pool_fn(pool_ctx, id, pool_parts);
+        atomic_fetch_sub_explicit(&pool_left, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static void pool_forget(void) {  /* in a forked child: the workers did not come along */
+    pool_workers = 0;
+    pool_ready = 0;
+    atomic_store(&pool_gen, 0);
+    pthread_mutex_init(&call_mu, NULL);
+    pthread_mutex_init(&pool_mu, NULL);
+    pthread_cond_init(&pool_cv, NULL);
+}
+
+static void pool_init(long threads) {  /* under call_mu */
+    if (pool_ready) return;
+    pool_ready = 1;
+    pthread_atfork(NULL, NULL, pool_forget);
+    if (atomic_load(&pool_gen) != 0) return;
+    for (long i = 1; i < threads && i < 64; i++) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &attr, pool_main, (void *)i);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pool_workers = i;
+    }
+}
+
+static void parallel(part_fn fn, void *ctx, long parts) {
+    if (parts > pool_workers + 1) parts = pool_workers + 1;
+    if (parts <= 1) { fn(ctx, 0, 1); return; }
+    pool_fn = fn; pool_ctx = ctx; pool_parts = parts;
+    atomic_store(&pool_left, pool_workers);
+    pthread_mutex_lock(&pool_mu);
+    atomic_fetch_add_explicit(&pool_gen, 1, memory_order_release);
+    pthread_cond_broadcast(&pool_cv);
+    pthread_mutex_unlock(&pool_mu);
+    fn(ctx, 0, parts);
+    while (atomic_load_explicit(&pool_left, memory_order_acquire) > 0) relax();
+}
+
+#ifdef __AVX512F__
+/* ---- 4-bit rows expanded to fp32, then a 2-row x up-to-8-column register tile ---- */
+static inline __m512 round_half(__m512 v) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* Row n of w as fp32 into buf (k floats). Block b's byte j holds the codes of weights
+   32b+j (low nibble) and 32b+16+j (high); vpermps reads only an index's low 4 bits. */
+static inline void expand_row8(const q4mat *w, long n, float *restrict buf) {
+    const long nb = w->k / 32;
+    const uint8_t *codes = w->nib + n * w->k;
+    const float *dm = w->dm + n * nb * 2;
+    for (long b = 0; b < nb; b++) {
+        const __m512 d = _mm512_set1_ps(dm[2 * b]), m = _mm512_set1_ps(dm[2 * b + 1]);
+        for (int h = 0; h < 2; h++) {
+            __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 32 * b + 16 * h))));
+            v = _mm512_mul_ps(v, d);
+            if (w->round16) v = round_half(v);
+            __asm__("" : "+v"(v));
+            v = _mm512_add_ps(v, m);
+            if (w->round16) v = round_half(v);
+            _mm512_storeu_ps(buf + 32 * b + 16 * h, v);
+        }
+    }
+}
+
+static inline void expand_row(const q4mat *w, long n, float *restrict buf) {
+    if (w->bits == 8) { expand_row8(w, n, buf); return; }
+    const long nb = w->k / 32;
+    if (w->bits == 16) {
+        const uint16_t *v = (const uint16_t *)w->nib + n * w->k;
+        for (long t = 0; t < w->k; t += 16)
+            _mm512_storeu_ps(buf + t, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + t))));
+        return;
+    }
+    const uint8_t *codes = w->nib + n * (w->k / 2);
+    if (w->lut) {
+        const uint16_t *lt = w->lut + n * nb * 16;
+        for (long b = 0; b < nb; b++) {
+            const __m512 lut = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(lt + 16 * b)));
+            __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * b)));
+            _mm512_storeu_ps(buf + 32 * b, _mm512_permutexvar_ps(idx, lut));
+            _mm512_storeu_ps(buf + 32 * b + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut));
+        }
+        return;
+    }
+    const float *dm = w->dm + n * nb * 2;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (long b = 0; b < nb; b++) {
+        __m512 lut = _mm512_mul_ps(iota, _mm512_set1_ps(dm[2 * b]));
+        if (w->round16) lut = round_half(lut);
+        __asm__("" : "+v"(lut));  /* a multiply, then an add: never contracted into an FMA */
+        lut = _mm512_add_ps(lut, _mm512_set1_ps(dm[2 * b + 1]));
+        if (w->round16) lut = round_half(lut);
+        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * b)));
+        _mm512_storeu_ps(buf + 32 * b, _mm512_permutexvar_ps(idx, lut));
+        _mm512_storeu_ps(buf + 32 * b + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut));
+    }
+}
+
+/* Ask for row n's bytes ahead of time: rows are expanded between bursts of multiplies,
+   so the hardware's stream prefetch alone left the expansion waiting on memory. */
+static inline void prefetch_row(const q4mat *w, long n) {
+    if (n >= w->n) return;
+    const char *a, *b = NULL;
+    long na, nb = 0;
+    if (w->bits == 16) { a = (const char *)w->nib + n * w->k * 2; na = w->k * 2; }
+    else if (w->bits == 8) { a = (const char *)w->nib + n * w->k; na = w->k; b = (const char *)(w->dm + n * (w->k / 32) * 2); nb = w->k / 4; }
+    else {
+        a = (const char *)w->nib + n * (w->k / 2); na = w->k / 2;
+        if (w->lut) { b = (const char *)(w->lut + n * (w->k / 32) * 16); nb = w->k; }
+        else { b = (const char *)(w->dm + n * (w->k / 32) * 2); nb = w->k / 4; }
+    }
+    for (long i = 0; i < na; i += 64) _mm_prefetch(a + i, _MM_HINT_T0);
+    for (long i = 0; i < nb; i += 64) _mm_prefetch(b + i, _MM_HINT_T0);
+}
+
+/* Sums of 16 vectors, out[i] = sum of v[i]'s lanes, in 15 adds and a few shuffles. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int j = 0; j < 4; j++)
+        b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xDD));
+    for (int k = 0; k < 2; k++)
+        c[k] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * k], b[2 * k + 1]), _mm512_unpackhi_ps(b[2 * k], b[2 * k + 1]));
+    __m512 d = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]))));
+    /* d[4l + e] holds the sum of v[4e + l] */
+    const __m512i back = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(back, d);
+}
+
+/* out[c] = row0 . x_c and out[8 + c] = row1 . x_c for the MC columns x_c (rows of x). */
+static inline __attribute__((always_inline)) void tile(const float *restrict w0, const float *restrict w1,
+                                                        const float *restrict x, long k, int MC, float *out) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (long t = 0; t < k; t += 16) {
+        const __m512 u = _mm512_loadu_ps(w0 + t), v = _mm512_loadu_ps(w1 + t);
+#pragma GCC unroll 8
+        for (int c = 0; c < MC; c++) {
+            __m512 xc = _mm512_loadu_ps(x + c * k + t);
+            __asm__("" : "+v"(xc));  /* one load for both rows (GCC would fold it into each FMA) */
+            acc[c] = _mm512_fmadd_ps(u, xc, acc[c]);
+            acc[8 + c] = _mm512_fmadd_ps(v, xc, acc[8 + c]);
+        }
+    }
+    if (MC == 8) {
+        _mm512_storeu_ps(out, sum16(acc));
+    } else {
+        for (int c = 0; c < MC; c++) {
+            out[c] = _mm512_reduce_add_ps(acc[c]);
+            out[8 + c] = _mm512_reduce_add_ps(acc[8 + c]);
+        }
+    }
+}
+
+typedef struct {
+    const q4mat *w;
+    const float *x, *bias;
+    long m, ldy, accumulate;
+    float *y;
+    atomic_long next;  /* the next chunk of rows to take */
+} mm_job;
+
+/* Rows go out in chunks that each thread takes as it gets free, not in one fixed share
+   per thread: on a shared 2-core machine the other thread is often descheduled for a
+   while (the edge, the broker, MKL's spinning OpenMP threads), and a fixed share left
+   the caller waiting for it. */
+enum { CHUNKS_PER_THREAD = 8 };
+
+static void mm_rows(const mm_job *j, long lo, long hi, float *buf);
+
+static void mm_part(void *arg, long part, long parts) {
+    mm_job *j = arg;
+    const long n = j->w->n, k = j->w->k;
+    long chunk = (n / (parts * CHUNKS_PER_THREAD) + 1) & ~1L;
+    if (chunk < 2) chunk = 2;
+    float *buf = aligned_alloc(64, sizeof(float) * 2 * k);
+    if (!buf) return;  /* leaves rows unwritten: cannot happen for the sizes used */
+    for (;;) {
+        const long c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (c * chunk >= n) break;
+        mm_rows(j, c * chunk, (c + 1) * chunk < n ? (c + 1) * chunk : n, buf);
+    }
+    free(buf);
+}
+
+static void mm_rows(const mm_job *j, long lo, long hi, float *buf) {
+    const q4mat *w = j->w;
+    const long n = w->n, k = w->k;
+    float out[16];
+    /* Columns in blocks of COLS, so that a block of x stays in the core's L2 while every
+       row pair passes over it (a prefill's x is megabytes); a row pair is expanded once
+       per block, which costs little next to COLS columns of multiplies. */
+    enum { COLS = 64 };
+    for (long cb = 0; cb < j->m; cb += COLS)
+    for (long r = lo; r < hi; r += 2) {
+        const long r1 = r + 1 < n ? r + 1 : r;
+        const long ce = cb + COLS < j->m ? cb + COLS : j->m;
+        prefetch_row(w, r + 2);
+        prefetch_row(w, r + 3);
+        expand_row(w, r, buf);
+        expand_row(w, r1, buf + k);
+        for (long c0 = cb; c0 < ce; c0 += 8) {
+            const int mc = ce - c0 < 8 ? (int)(ce - c0) : 8;
+            const float *xc = j->x + c0 * k;
+            switch (mc) {
+                case 8: tile(buf, buf + k, xc, k, 8, out); break;
+                case 7: tile(buf, buf + k, xc, k, 7, out); break;
+                case 6: tile(buf, buf + k, xc, k, 6, out); break;
+                case 5: tile(buf, buf + k, xc, k, 5, out); break;
+                case 4: tile(buf, buf + k, xc, k, 4, out); break;
+                case 3: tile(buf, buf + k, xc, k, 3, out); break;
+                case 2: tile(buf, buf + k, xc, k, 2, out); break;
+                default: tile(buf, buf + k, xc, k, 1, out); break;
+            }
+            for (int c = 0; c < mc; c++) {
+                float *y = j->y + (c0 + c) * j->ldy;
+                for (int h = 0; h < 2 && r + h < n; h++) {
+                    float s = out[8 * h + c];
+                    if (j->bias) s += j->bias[r + h];
+                    y[r + h] = j->accumulate ? y[r + h] + s : s;
+                }
+            }
+        }
+    }
+}
+
+static void matmul(const q4mat *w, const float *x, long m, float *y, long ldy, long accumulate,
+                   const float *bias, long parts) {
+    mm_job j = {w, x, bias, m, ldy, accumulate, y, 0};
+    parallel(mm_part, &j, parts);
+}
+
+/* y (m, w->n) = x (m, w->k) @ w.T */
+int q4_matmul(const q4mat *w, const float *x, long m, float *y, long threads) {
+    pthread_mutex_lock(&call_mu);
+    pool_init(threads);
+    mm_job j = {w, x, NULL, m, w->n, 0, y, 0};
+    parallel(mm_part, &j, threads);
+    pthread_mutex_unlock(&call_mu);
+    return 0;
+}
+
+/* w as the fp32 values the kernel multiplies: (n, k) */
+int q4_expand(const q4mat *w, float *out) {
+    for (long r = 0; r < w->n; r++) expand_row(w, r, out + r * w->k);
+    return 0;
+}
+
+/* ---- the rest of a decode step ---- */
+static void rms_norm(const float *x, const float *wt, float *out, long b, long n, float eps) {
+    for (long r = 0; r < b; r++) {
+        const float *xr = x + r * n;
+        float ss = 0.0f;
+        for (long i = 0; i < n; i++) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (long i = 0; i < n; i++) out[r * n + i] = wt[i] * (xr[i] * inv);
+    }
+}
+
+typedef struct {
+    const float *qkv;
+    float *const *kmir, *const *vmir;
+    float *o;
+    const int *lens;
+    const long *order;  /* pairs, longest rows first */
+    long npairs, layer, hq, hkv, d, cap, ld, maxlen;
+    float scale;
+    atomic_long next;
+} at_job;
+
+static void at_part(void *arg, long part, long parts) {
+    at_job *j = arg;
+    const long rep = j->hq / j->hkv, d = j->d;
+    float *s = malloc(sizeof(float) * rep * (j->maxlen + d));
+    if (!s) return;
+    (void)part; (void)parts;
+    /* (row, kv head) pairs one at a time, longest rows first (they are ordered by the
+       caller), to whichever thread is free: see mm_part */
+    for (;;) {
+        const long at = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (at >= j->npairs) break;
+        const long bh = j->order[at];
+        const long b = bh / j->hkv, g = bh % j->hkv, n = j->lens[b];
+        const float *K = j->kmir[j->layer] + bh * j->cap * d, *V = j->vmir[j->layer] + bh * j->cap * d;
+        const float *Q = j->qkv + b * j->ld + g * rep * d;
+        float *O = j->o + b * j->hq * d + g * rep * d;
+        if (d == 64 && rep == 3) attend_pair(Q, K, V, O, n, 3, 64, j->scale, s, s + rep * j->maxlen);
+        else if (d == 64) attend_pair(Q, K, V, O, n, rep, 64, j->scale, s, s + rep * j->maxlen);
+        else if (d == 128) attend_pair(Q, K, V, O, n, rep, 128, j->scale, s, s + rep * j->maxlen);
+        else attend_pair(Q, K, V, O, n, rep, d, j->scale, s, s + rep * j->maxlen);
+    }
+    free(s);
+}
+
+/* ---- prefill helpers over token columns: x (rows, t) ---- */
+typedef struct { float *x; const float *cos_t, *sin_t; const float *gu; float *a; long heads, d, t, inter; } col_job;
+
+static void rope_part(void *arg, long part, long parts) {
+    const col_job *j = arg;
+    const long half = j->d / 2, pairs = j->heads * half, t = j->t;
+    for (long p = pairs * part / parts; p < pairs * (part + 1) / parts; p++) {
+        const long h = p / half, i = p % half;
+        float *x1 = j->x + (h * j->d + i) * t, *x2 = x1 + half * t;
+        const float *c = j->cos_t + i * t, *s = j->sin_t + i * t;
+        for (long k = 0; k < t; k++) {
+            const float a = x1[k], b = x2[k];
+            x1[k] = a * c[k] - b * s[k];
+            x2[k] = a * s[k] + b * c[k];
+        }
+    }
+}
+
+/* Rotate rows (h*d + i, h*d + i + d/2) of x (rows, t), heads h < heads, by the cos/sin
+   tables (d/2, t) of each column's position, in place. */
+int rope_cols(float *x, long heads, long d, long t, const float *cos_t, const float *sin_t, long threads) {
+    col_job j = {x, cos_t, sin_t, NULL, NULL, heads, d, t, 0};
+    pthread_mutex_lock(&call_mu);
+    pool_init(threads);
+    parallel(rope_part, &j, threads);
+    pthread_mutex_unlock(&call_mu);
+    return 0;
+}
+
+static void rope_rows_part(void *arg, long part, long parts) {
+    const col_job *j = arg;  /* x (t, ld): token rows; cos_t, sin_t (t, d/2) */
+    const long half = j->d / 2;
+    for (long r = j->t * part / parts; r < j->t * (part + 1) / parts; r++) {
+        const float *c = j->cos_t + r * half, *s = j->sin_t + r * half;
+        for (long h = 0; h < j->heads; h++) {
+            float *v = j->x + r * j->inter + h * j->d;
+            for (long i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = a * s[i] + b * c[i];
+            }
+        }
+    }
+}
+
+/* The same rotation for x (t, ld) with a token per row: columns h*d + i and h*d + i + d/2;
+   cos, sin (t, d/2). */
+int rope_rows(float *x, long heads, long d, long t, long ld, const float *cos_t, const float *sin_t, long threads) {
+    col_job j = {x, cos_t, sin_t, NULL, NULL, heads, d, t, ld};
+    pthread_mutex_lock(&call_mu);
+    pool_init(threads);
+    parallel(rope_rows_part, &j, threads);
+    pthread_mutex_unlock(&call_mu);
+    return 0;
+}
+
+static void silu_t_part(void *arg, long part, long parts) {
+    const col_job *j = arg;  /* gu (t, 2 * inter) -> a (t, inter) */
+    const long I = j->inter;
+    for (long r = j->t * part / parts; r < j->t * (part + 1) / parts; r++)
+        for (long i = 0; i < I; i++) {
+            const float g = j->gu[r * 2 * I + i], u = j->gu[r * 2 * I + I + i];
+            j->a[r * I + i] = g * (1.0f / (1.0f + exp_poly(-g))) * u;
+        }
+}
+
+int silu_cols(const float *gu, long inter, long t, float *a, long threads) {
+    col_job j = {NULL, NULL, NULL, gu, a, 0, 0, t, inter};
+    pthread_mutex_lock(&call_mu);
+    pool_init(threads);
+    parallel(silu_t_part, &j, threads);
+    pthread_mutex_unlock(&call_mu);
+    return 0;
+}
+
+static void silu_part(void *arg, long part, long parts) {
+    const col_job *j = arg;
+    const long n = j->inter * j->t;
+    for (long e = n * part / parts; e < n * (part + 1) / parts; e++) {
+        const float g = j->gu[e], u = j->gu[n + e];
+        j->a[e] = g * (1.0f / (1.0f + exp_poly(-g))) * u;
+    }
+}
+
+/* a (inter, t) = silu(gate) * up for gu (2 * inter, t): gate rows, then up rows. */
+int silu_rows(const float *gu, long inter, long t, float *a, long threads) {
+    col_job j = {NULL, NULL, NULL, gu, a, 0, 0, t, inter};
+    pthread_mutex_lock(&call_mu);
+    pool_init(threads);
+    parallel(silu_part, &j, threads);
+    pthread_mutex_unlock(&call_mu);
+    return 0;
+}
+
+/* x (B, hidden): the embedded tokens, overwritten; cos, sin (B, d/2); kmir, vmir: per
+   layer the decode mirror (B, hkv, cap, d), the new entries go to position lens[b]-1;
+   logits (B, vocab). Returns 0, or -1 without memory. */
+int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const float *norm_w,
+                   float *x, long B, long hidden, long hq, long hkv, long d, long inter,
+                   const float *cos_t, const float *sin_t, float *const *kmir, float *const *vmir,
+                   const int *lens, long cap, float eps, float scale, float *logits, long threads) {
+    const long F = (hq + 2 * hkv) * d, half = d / 2;
+    long maxlen = 1;
+    for (long b = 0; b < B; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
+    float *h = malloc(sizeof(float) * B * (hidden + F + hq * d + 3 * inter));
+    long *order = malloc(sizeof(long) * B * hkv);
+    if (!h || !order) { free(h); free(order); return -1; }
+    float *qkv = h + B * hidden, *o = qkv + B * F, *gu = o + B * hq * d, *a = gu + 2 * B * inter;
+    pthread_mutex_lock(&call_mu);
+    pool_init(threads);
+    {   /* attention pairs, longest rows first (insertion sort: B is small) */
+        long np_ = 0;
+        for (long b = 0; b < B; b++) {
+            long i = np_;
+            while (i > 0 && lens[order[i - 1] / hkv] < lens[b]) i--;
+            for (long m = np_ - 1; m >= i; m--) order[m + hkv] = order[m];
+            for (long g = 0; g < hkv; g++) order[i + g] = b * hkv + g;
+            np_ += hkv;
+        }
+    }
+    for (long l = 0; l < nl; l++) {
+        const q4layer *L = layers + l;
+        rms_norm(x, L->ln1, h, B, hidden, eps);
+        matmul(&L->qkv, h, B, qkv, F, 0, L->qkv_bias, threads);
+        for (long b = 0; b < B; b++) {
+            const float *c = cos_t + b * half, *s = sin_t + b * half;
+            for (long hh = 0; hh < hq + hkv; hh++) {
+                float *v = qkv + b * F + hh * d;
+                for (long i = 0; i < half; i++) {
+                    const float x1 = v[i], x2 = v[i + half];
+                    v[i] = x1 * c[i] - x2 * s[i];
+                    v[i + half] = x1 * s[i] + x2 * c[i];
+                }
+            }
+            const long pos = lens[b] - 1;
+            for (long g = 0; g < hkv; g++) {
+                memcpy(kmir[l] + ((b * hkv + g) * cap + pos) * d, qkv + b * F + (hq + g) * d, sizeof(float) * d);
+                memcpy(vmir[l] + ((b * hkv + g) * cap + pos) * d, qkv + b * F + (hq + hkv + g) * d, sizeof(float) * d);
+            }
+        }
+        at_job aj = {qkv, kmir, vmir, o, lens, order, B * hkv, l, hq, hkv, d, cap, F, maxlen, scale, 0};
+        parallel(at_part, &aj, threads);
+        matmul(&L->o, o, B, x, hidden, 1, NULL, threads);
+        rms_norm(x, L->ln2, h, B, hidden, eps);
+        matmul(&L->gu, h, B, gu, 2 * inter, 0, NULL, threads);
+        for (long b = 0; b < B; b++)
+            for (long i = 0; i < inter; i++) {
+                const float g = gu[b * 2 * inter + i], u = gu[b * 2 * inter + inter + i];
+                a[b * inter + i] = g * (1.0f / (1.0f + exp_poly(-g))) * u;
+            }
+        matmul(&L->down, a, B, x, hidden, 1, NULL, threads);
+    }
+    rms_norm(x, norm_w, h, B, hidden, eps);
+    matmul(head, h, B, logits, head->n, 0, NULL, threads);
+    pthread_mutex_unlock(&call_mu);
+    free(order);
+    free(h);
+    return 0;
+}
+#endif
