@@ -74,14 +74,6 @@ def attention_variants():
                 t.append(("bool", "VSM", str(ver == "v6").lower()))
             outs = [("out", "T" if single else "float")]
             yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac._HEADER, ins, outs, t)
-    for nst in (1, 2, 3):
-        for single in (True, False):
-            t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
-                 ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower()), ("int", "NST", str(nst))]
-            outs = [("out", "T" if single else "float")]
-            yield (f"attention v8 nst={nst} single={single}",
-                   variant("tandem_paged_decode_pipe", pac._ATT_PIPE_SOURCE + pac._MERGE_TAIL, pac._HEADER,
-                           ins, outs, t))
     ins = [("qkv", "T"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float"),
            ("k_pool", "T"), ("v_pool", "T")]
     for hpt in (1, 8):

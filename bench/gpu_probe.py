@@ -191,7 +191,7 @@ def section_attention() -> None:
     RESULTS["attention"] = []
     H, KVH, D, BS = 32, 8, 128, 16
     log(f"\n== paged decode attention and RoPE+write (wall per queued call / CUPTI gpu time)")
-    for B, ctx in [(1, 528), (1, 4096), (16, 528), (64, 528), (128, 528), (64, 2048)]:
+    for B, ctx in [(1, 528), (1, 4096), (16, 528), (64, 528), (128, 528)]:
         nb = -(-ctx // BS)
         kp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
         vp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
@@ -202,12 +202,9 @@ def section_attention() -> None:
         want = pac.paged_decode_attention_reference(q, kp, vp, table, lens, D**-0.5, BS) if B <= 16 else None
         kv_bytes = B * ctx * KVH * D * 2 * 2
         line = []
-        for ver in ("v2", "v4", "v6", "v8:1", "v8:2", "v8:3"):
+        for ver in ("v2", "v4", "v6"):
             line = []
-            ver, _, stages = ver.partition(":")
-            if stages:
-                pac.PIPE_STAGES = int(stages)
-            for part in (64, 128, 256, 2048):
+            for part in (32, 64, 128, 256, 2048):
                 if -(-ctx // part) > 512:
                     continue
                 fn = lambda: pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5, BS, ctx, part,  # noqa: E731
@@ -217,12 +214,11 @@ def section_attention() -> None:
                        if want is not None else float("nan"))
                 t = timed(fn)
                 g = gpu_us(fn, "tandem_paged")
-                RESULTS["attention"].append({"batch": B, "ctx": ctx, "kernel": ver + (f":{stages}" if stages else ""),
-                                             "partition": part,
+                RESULTS["attention"].append({"batch": B, "ctx": ctx, "kernel": ver, "partition": part,
                                              "us": t * 1e6, "gpu_us": g, "tb_s": kv_bytes / g / 1e6,
                                              "err": err})
                 line.append(f"p{part}: {t * 1e6:.0f}/{g:.0f}us {kv_bytes / g / 1e6:.2f}TB/s")
-            log(f"B={B:3d} ctx={ctx:5d} {ver}{':' + stages if stages else ''} (default p{pac.choose_partition(B, KVH, ctx)}): " + "  ".join(line))
+            log(f"B={B:3d} ctx={ctx:5d} {ver} (default p{pac.choose_partition(B, KVH, ctx)}): " + "  ".join(line))
         # the RoPE + in-place write for this batch
         qkv = mx.random.normal((B, (H + 2 * KVH) * D)).astype(mx.float16)
         pos = mx.full((B,), ctx - 1, mx.int32)

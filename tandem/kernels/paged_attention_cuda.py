@@ -393,141 +393,6 @@ _ATT_TILE_SOURCE = r"""
   }
 """
 
-# Pipelined tile-wise attention (``v8``): the tile-wise softmax of v4/v6, with K and V both
-# copied by cp.async into dynamic shared memory, NST stages per warp, so a warp's next
-# NST - 1 tiles are in flight while it computes on one. v4/v6 issue a tile's loads and
-# then wait for them: whatever the kernel's arithmetic, all three stayed at 1.2-1.4 TB/s
-# of KV at batch 64 (runs 19-21), which is what one latency per tile per warp allows.
-# K rows sit in shared memory XOR-swizzled by 16-byte word (word c of token j at
-# c ^ (j & 7)), so the score phase, where lane j reads word c of its own token, hits 8
-# distinct bank groups instead of one (a 32-way conflict unswizzled).
-_ATT_PIPE_SOURCE = r"""
-  constexpr int DPL = D / 32;               // value dims per lane
-  constexpr int KW = D / 8;                 // 16-byte words per row
-  constexpr int NACC = DPL;
-""" + _ATT_PROLOGUE + r"""
-  __shared__ float sm_p[4][32][G];
-  extern __shared__ __align__(16) unsigned char pa_dyn[];
-  T* const wk = reinterpret_cast<T*>(pa_dyn) + (size_t)warp * NST * 32 * D;
-  T* const wv = reinterpret_cast<T*>(pa_dyn) + (size_t)(4 + warp) * NST * 32 * D;
-  __syncthreads();
-
-  // One commit group per tile, empty past the partition's end, so wait_group counts stay
-  // uniform across the warp's loop.
-  auto issue = [&](int tb, int st) {
-    const int nv = min(32, t1 - tb);
-#pragma unroll
-    for (int k = 0; k < KW; ++k) {
-      const int ci = lane + 32 * k;
-      const int jv = ci / KW, w = ci % KW;
-      if (jv < nv) {
-        const int ti = tb + jv;
-        const size_t row = (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + w * 8;
-        const unsigned dk = (unsigned)__cvta_generic_to_shared(wk + ((size_t)st * 32 + jv) * D + ((w ^ (jv & 7)) * 8));
-        const unsigned dv = (unsigned)__cvta_generic_to_shared(wv + ((size_t)st * 32 + jv) * D + w * 8);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dk), "l"(k_pool + row));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dv), "l"(v_pool + row));
-      }
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-  };
-
-  const int tfirst = t0 + 32 * warp;
-#pragma unroll
-  for (int i = 0; i < NST - 1; ++i) issue(tfirst + 128 * i, i);
-  int st = 0;
-  // Warp-uniform loop: every lane of a warp runs the same tiles (full-mask shuffles).
-  for (int tb = tfirst; tb < t1; tb += 128) {
-    issue(tb + 128 * (NST - 1), (st + NST - 1) % NST);
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(NST - 1));
-    __syncwarp();
-    const T* kt = wk + ((size_t)st * 32 + lane) * D;
-    const T* vt = wv + (size_t)st * 32 * D;
-    const int t = tb + lane;
-    const bool valid = t < t1;
-    const int nv = min(32, t1 - tb);
-
-    float s[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) s[g] = -INFINITY;
-    if (valid) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) s[g] = 0.f;
-#pragma unroll
-      for (int c = 0; c < KW; ++c) {
-        const uint4 kw = *reinterpret_cast<const uint4*>(kt + ((c ^ (lane & 7)) * 8));
-        const T* kh = reinterpret_cast<const T*>(&kw);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float4 qa = *reinterpret_cast<const float4*>(&sm_q[g][c * 8]);
-          const float4 qb = *reinterpret_cast<const float4*>(&sm_q[g][c * 8 + 4]);
-          float a = s[g];
-          a = fmaf(qa.x, pa_f(kh[0]), a); a = fmaf(qa.y, pa_f(kh[1]), a);
-          a = fmaf(qa.z, pa_f(kh[2]), a); a = fmaf(qa.w, pa_f(kh[3]), a);
-          a = fmaf(qb.x, pa_f(kh[4]), a); a = fmaf(qb.y, pa_f(kh[5]), a);
-          a = fmaf(qb.z, pa_f(kh[6]), a); a = fmaf(qb.w, pa_f(kh[7]), a);
-          s[g] = a;
-        }
-      }
-    }
-    // One max and one rescale per tile and query head (lane 0's token is always valid).
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float mt = s[g];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
-      const float mn = fmaxf(mx_[g], mt);
-      const float c = (mx_[g] == -INFINITY) ? 0.f : __expf(mx_[g] - mn);
-      const float p = valid ? __expf(s[g] - mn) : 0.f;
-      l_[g] = l_[g] * c + p;
-#pragma unroll
-      for (int i = 0; i < DPL; ++i) acc[g][i] *= c;
-      mx_[g] = mn;
-      sm_p[warp][lane][g] = p;
-    }
-    __syncwarp();
-#pragma unroll 8
-    for (int j = 0; j < 32; ++j) {
-      if (j < nv) {
-        float vf[DPL];
-#pragma unroll
-        for (int d = 0; d < DPL; ++d) vf[d] = pa_f(vt[j * D + lane * DPL + d]);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float pg = sm_p[warp][j][g];
-#pragma unroll
-          for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(pg, vf[d], acc[g][d]);
-        }
-      }
-    }
-    // Every lane is done with this stage before the next iteration refills it.
-    __syncwarp();
-    st = (st + 1) % NST;
-  }
-  asm volatile("cp.async.wait_group 0;\n" ::);
-#pragma unroll
-  for (int g = 0; g < G; ++g)
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l_[g] += __shfl_xor_sync(0xffffffffu, l_[g], o);
-
-  __shared__ float sm_m[4][G], sm_l[4][G];
-  __shared__ float sm_acc[4][G][D];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) sm_acc[warp][g][lane * DPL + i] = acc[g][i];
-    if (lane == 0) { sm_m[warp][g] = mx_[g]; sm_l[warp][g] = l_[g]; }
-  }
-"""
-
-PIPE_STAGES = int(os.environ.get("TANDEM_ATT_STAGES", "2"))
-"""Tiles per warp in shared memory for ``v8`` (1 = no prefetch, 2, 3)."""
-
-
-def _pipe_shared_bytes(D: int, itemsize: int, stages: int) -> int:
-    return 2 * 4 * stages * 32 * D * itemsize
-
-
 ATT_KERNEL = os.environ.get("TANDEM_ATT_KERNEL", "auto")
 """Which decode attention kernel runs: ``v2`` (per-token online softmax), ``v4`` (tile-wise,
 each tile's V loaded into registers with its K), ``v6`` (tile-wise, V by cp.async into
@@ -631,18 +496,6 @@ def _attention_kernel(tile: bool):
 
 
 @functools.cache
-def _pipe_kernel(shared_bytes: int):
-    return mx.fast.cuda_kernel(
-        name="tandem_paged_decode_pipe",
-        input_names=["q", "k_pool", "v_pool", "table", "lens", "params"],
-        output_names=["out"],
-        source=_ATT_PIPE_SOURCE + _MERGE_TAIL,
-        header=_HEADER,
-        shared_memory=shared_bytes,
-    )
-
-
-@functools.cache
 def _reduce_kernel():
     return mx.fast.cuda_kernel(
         name="tandem_paged_reduce",
@@ -717,20 +570,15 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     version = kernel or ATT_KERNEL
     if version == "auto":
         version = "v2" if B < V4_MIN_BATCH else "v4" if B < V6_MIN_BATCH else "v6"
-    if version not in ("v2", "v4", "v6", "v8"):
-        raise ValueError(f"paged_decode_attention: unknown kernel {version!r} (v2, v4, v6, v8 or auto)")
+    if version not in ("v2", "v4", "v6"):
+        raise ValueError(f"paged_decode_attention: unknown kernel {version!r} (v2, v4, v6 or auto)")
     if version != "v2" and (q.dtype not in (mx.float16, mx.bfloat16) or D not in (64, 128)):
         version = "v2"
     template = [("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
                 ("SINGLE", single)]
-    if version == "v8":
-        template.append(("NST", PIPE_STAGES))
-        kernel_fn = _pipe_kernel(_pipe_shared_bytes(D, q.dtype.size, PIPE_STAGES))
-    else:
-        if version != "v2":
-            template.append(("VSM", version == "v6"))
-        kernel_fn = _attention_kernel(version != "v2")
-    (partials,) = kernel_fn(
+    if version != "v2":
+        template.append(("VSM", version == "v6"))
+    (partials,) = _attention_kernel(version != "v2")(
         inputs=[q, k_pool, v_pool, _i32(table), _i32(lens), _params(float(scale), part)],
         template=template,
         grid=(npart * _ATT_THREADS, kvh, B),
