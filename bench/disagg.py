@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, machine, pct, write_results
+from _common import ROOT, cpu_s, machine, pct, write_results
 
 
 def prompts(n, length, seed=0):
@@ -99,6 +99,17 @@ class Layout:
     def handoffs(self):
         return _handoffs(self.procs) or ([], [])
 
+    def cpu(self) -> dict:
+        """CPU seconds so far of this layout's broker and each worker (all their threads)."""
+        out = {}
+        for p in self.c.procs:
+            name = p.log.stem.rsplit("-", 1)[0].removeprefix("worker-")
+            try:
+                out[name] = out.get(name, 0.0) + cpu_s(p.p.pid)
+            except OSError:
+                pass
+        return out
+
     def close(self):
         self.c.close()
 
@@ -106,9 +117,13 @@ class Layout:
 def run_loaded(layout: Layout, args, ps, with_timeline: bool) -> dict:
     before = len(layout.handoffs()[0])
     marks = []
+    cpu0 = layout.cpu()
     t_start = time.monotonic()
     result = layout.drive(ps, args.concurrency, args.max_tokens, marks)
     t_end = time.monotonic()
+    cpu1 = layout.cpu()
+    # CPU seconds per process during the round (against 2 cores x wall_s available).
+    result["cpu_s"] = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
     ms, nbytes = (x[before:] for x in layout.handoffs())
     if ms:
         result["handoff_p50_ms"] = statistics.median(ms)
@@ -232,6 +247,7 @@ def main() -> int:
         out["rounds"] = rs
         if "timeline" in rs[0]:
             out["timeline"] = rs[0]["timeline"]
+            out["timeline_file"] = str(next(lay.timeline for lay in live if lay.key == key))
         if pairs[key]:
             ttfts = [t for t, _ in pairs[key]]
             out["unloaded"] = {"requests": len(ttfts), "ttft_ms": ttfts, "ttft_p50_ms": statistics.median(ttfts),
@@ -272,6 +288,21 @@ def main() -> int:
                   f"{r['ttft_p90_ms']:.0f} ms | " + ("" if r is hybrid else f"{r['ttft_overhead_p50_ms']:+.0f} ms") + " | "
                   + (f"{r['handoff_p50_ms']:.1f} ms | {r['handoff_mean_bytes'] / 1e6:.2f} MB |"
                      if "handoff_p50_ms" in r else "- | - |"))
+    md += ["\nPer round (the same prompts for every layout; the headline compares the layouts' median rounds), "
+           "aggregate tok/s and, for the others, the ratio to hybrid's same round; then CPU seconds per round "
+           f"(median of rounds; 2 cores x wall time are available):\n",
+           "| layout | " + " | ".join(f"round {i + 1}" for i in range(args.rounds)) + " | CPU s per round, by process |",
+           "|---|" + "---:|" * args.rounds + "---|"]
+    for name, key, r in layouts:
+        cells = []
+        for rr, hh in zip(r["rounds"], hybrid["rounds"]):
+            cells.append(f"{rr['tok_s']:.1f}" + ("" if r is hybrid else f" ({rr['tok_s'] / hh['tok_s']:.2f}x)"))
+        r["round_ratios"] = [rr["tok_s"] / hh["tok_s"] for rr, hh in zip(r["rounds"], hybrid["rounds"])]
+        procs = r["rounds"][0].get("cpu_s", {})
+        r["cpu_s_per_round"] = {k: statistics.median(rr["cpu_s"][k] for rr in r["rounds"]) for k in procs}
+        wall = statistics.median(rr["wall_s"] for rr in r["rounds"])
+        cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s_per_round"].items())
+        md.append(f"| {name} | " + " | ".join(cells) + f" | {cpu} (wall {wall:.2f} s) |")
     if args.unloaded:
         md += [f"\nUnloaded: {args.unloaded} fresh prompts one at a time (concurrency 1), each sent to every layout "
                "in turn (all layouts are up; the others idle), so each prompt gives a pair:\n",

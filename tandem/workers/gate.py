@@ -11,7 +11,7 @@ prefill until every prompt in it has its first token and its KV handed off, and 
 long as more prompts wait for the next prefill step (several prefill workers may hold it
 at once), and a decode worker takes the lock exclusively, and lets go at once, before
 each of its steps: it waits while any prefill runs, for up to ``max_wait_s`` per step
-(``worker.cpu_gate_max_wait_ms``). A decode step already running finishes; no decode step
+(``worker.cpu_gate_max_wait_ms``), asleep in the kernel until the last prefill lets go. A decode step already running finishes; no decode step
 starts during a prefill shorter than that bound. The lock is the kernel's: a worker that
 dies releases it.
 
@@ -23,10 +23,6 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-import time
-
-
-WAIT_POLL_S = 0.001
 
 
 class CpuGate:
@@ -38,6 +34,7 @@ class CpuGate:
         self._prefilling: set[bytes] = set()
         self._lock = threading.Lock()
         self.waits = 0  # decode steps that had to wait (for stats and tests)
+        self._free: threading.Event | None = None  # set once a waiting decode step may go
         # Prefill side: whether prompts wait in the engine for the next prefill batch. The
         # gate stays shut between two batches, as hybrid's scheduler runs the waiting
         # prompts before its next decode step: released after each batch, it let the decode
@@ -90,23 +87,42 @@ class CpuGate:
         """Wait while a co-located prefill runs, but at most ``max_wait_s`` per step: a long
         run of prefills (a very long prompt, a burst of them) must not starve decoding into
         the worker's stall timeout, the way hybrid's scheduler grants decode ticks to a
-        parked long prompt."""
+        parked long prompt.
+
+        The wait is a blocking ``flock`` on a helper thread (flock has no timeout), so the
+        kernel wakes the decode worker as the last prefill lets go, and nothing runs while
+        it waits. It used to poll every millisecond: a thousand wake-ups a second of the
+        decode worker, each able to preempt one of the prefill's two MKL threads in the
+        middle of a product, for the whole of every prefill."""
+        if self._free is None:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+                return
+            except BlockingIOError:
+                pass
+            self._free = threading.Event()
+            # Its own descriptor of the same open file (the same flock owner), so that
+            # close() cannot hand its number to another file while it waits.
+            threading.Thread(target=self._wait_free, args=(os.dup(self.fd), self._free), name="tandem-cpu-gate",
+                             daemon=True).start()
+        if self._free.is_set():
+            self._free = None
+            return
+        self.waits += 1
+        if self._free.wait(self.max_wait_s):
+            self._free = None
+        else:
+            self.overrides += 1  # decode this step alongside the prefill; the helper keeps waiting
+
+    @staticmethod
+    def _wait_free(fd: int, free: threading.Event) -> None:
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.waits += 1
-            deadline = time.monotonic() + self.max_wait_s
-            while True:
-                # flock has no timeout: poll. A millisecond is small next to a decode step.
-                time.sleep(WAIT_POLL_S)
-                try:
-                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        self.overrides += 1
-                        return  # decode this step alongside the prefill
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # sleeps in the kernel while any prefill holds it
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+            free.set()
 
     def close(self) -> None:
         os.close(self.fd)

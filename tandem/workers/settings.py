@@ -17,5 +17,6 @@ class WorkerSettings:
     engine: str = field(default="mlx", metadata={"choices": ("mlx", "stub"), "help": "mlx: the real engine; stub: model-free deterministic tokens (benchmarks, tests)"})
     cpu_gate: str = field(default="", metadata={"help": "a lock file shared by a prefill and a decode worker on the same cores: no decode step starts while a prefill runs (the hybrid scheduler's prefill-first); empty = off"})
     cpu_gate_max_wait_ms: int = field(default=10_000, metadata={"min": 1, "help": "cpu_gate: longest a decode step waits for prefills; then it runs alongside them (keep it under stall_timeout_s)"})
+    omp_blocktime_ms: int = field(default=-1, metadata={"min": -1, "help": "how long MKL's OpenMP threads spin after a parallel region (KMP_BLOCKTIME); -1 = auto: 0 for a prefill or decode worker with cpu_gate (an idle spinning thread holds a core the other worker was just given), the runtime's own otherwise or when KMP_BLOCKTIME is set"})
     prefill_batch: int = field(default=0, metadata={"min": 0, "help": "prefill role: prompts prefilled together in one step (its first tokens wait for the whole step); 0 = engine.max_batch_prefill, as a hybrid worker batches"})
     stub_step_ms: float = field(default=0.0, metadata={"min": 0, "help": "stub engine: sleep per step"})

@@ -32,6 +32,7 @@ from tandem.wire.sockets import bound_endpoint, make_socket
 from tandem.wire.settings import TransferSettings
 from tandem.workers import roles
 from tandem.workers import gate as G
+from tandem.workers import openmp
 from tandem.workers.handoff import KVIngest
 from tandem.workers.health import Health
 from tandem.workers.local import Local
@@ -164,6 +165,9 @@ class Worker(KVHandoffs, Health):
         if self.gate is not None and not G.install(self.gate, self.engine, self.role, waiting):
             self.gate.close()
             self.gate = None
+        blocktime = openmp.blocktime_for(self.role, self.gate is not None, self.s.omp_blocktime_ms)
+        if blocktime is not None and hasattr(self.engine, "scheduler"):  # not for the stub engine
+            openmp.set_blocktime(blocktime)
         self.engine.start()
         poller = zmq.Poller()
         self.sender = HandoffSender(self.ctx, secret=self.secret, node_id=self.node_id, transfer=self.transfer,

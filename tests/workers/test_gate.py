@@ -170,3 +170,46 @@ def test_install_gates_prefill_plans_on_a_prefill_worker_and_every_step_on_a_dec
 
     assert not install(gate, SimpleNamespace(), "decode")  # the stub engine has no hooks
     assert not install(gate, _Engine([]), "hybrid")
+
+
+def test_a_waiting_decode_step_sleeps_until_the_prefill_lets_go_and_is_then_woken(tmp_path):
+    """The wait is a blocking flock on a helper thread: the waiting step is woken by the
+    release itself (no polling), and the helper's descriptor is its own."""
+    path = str(tmp_path / "cpu.gate")
+    prefill, decode = CpuGate(path), CpuGate(path)
+    prefill.prefill_started([b"a"])
+    t, passed = _decode_in_thread(decode)
+    t.join(0.2)
+    assert not passed.is_set()
+    helpers = [th for th in threading.enumerate() if th.name == "tandem-cpu-gate"]
+    assert len(helpers) == 1  # one waiter, asleep in the kernel
+    prefill.prompt_done(b"a")
+    t.join(5)
+    assert passed.is_set() and decode.waits == 1 and decode.overrides == 0
+    helpers[0].join(5)
+    assert not helpers[0].is_alive()
+    decode.before_decode_step()  # free again: straight through, no helper
+    assert decode.waits == 1
+    assert not [th for th in threading.enumerate() if th.name == "tandem-cpu-gate"]
+    prefill.close()
+    decode.close()
+
+
+def test_after_an_override_the_next_step_waits_on_the_same_helper(tmp_path):
+    path = str(tmp_path / "cpu.gate")
+    prefill, decode = CpuGate(path), CpuGate(path, max_wait_s=0.05)
+    prefill.prefill_started([b"long"])
+    decode.before_decode_step()  # waits 50 ms, then runs alongside
+    decode.before_decode_step()  # still held: waits again, on the helper already waiting
+    assert decode.overrides == 2 and decode.waits == 2
+    assert len([th for th in threading.enumerate() if th.name == "tandem-cpu-gate"]) == 1
+    decode.close()  # closing the gate while its helper waits leaves the helper's own descriptor alone
+    prefill.prompt_done(b"long")
+    for th in [th for th in threading.enumerate() if th.name == "tandem-cpu-gate"]:
+        th.join(5)
+        assert not th.is_alive()
+    other = CpuGate(path)
+    other.before_decode_step()  # the file is free: nothing was left locked
+    assert other.waits == 0
+    prefill.close()
+    other.close()
