@@ -52,3 +52,23 @@ def test_import_then_export_moves_exactly_those_blocks(blocks):
         slots = np.concatenate([np.arange((b + 1) * BS, (b + 2) * BS) for b in blocks])
         want = ks[i].transpose(0, 2, 1, 3).reshape(-1, H, D)
         assert np.array_equal(np.array(st.keys[i])[slots], want)
+
+
+def test_growing_keeps_every_row_and_adds_zeroed_blocks():
+    st = KVStore(L, H, D, mx.float32, BS, 256)
+    assert st.capacity == 64
+    rng = np.random.default_rng(7)
+    for i in range(L):
+        st.keys[i] = mx.array(rng.standard_normal(st.keys[i].shape, dtype=np.float32))
+        st.values[i] = mx.array(rng.standard_normal(st.values[i].shape, dtype=np.float32))
+    old_k, old_v = [np.array(k) for k in st.keys], [np.array(v) for v in st.values]
+    st.ensure_capacity(100)  # doubles (to 128), within the pool
+    assert st.capacity == 128
+    st.ensure_capacity(300)  # never beyond the pool
+    assert st.capacity == 256
+    for i in range(L):
+        k, v = np.array(st.keys[i]), np.array(st.values[i])
+        assert k.shape == ((256 + 1) * BS, H, D) and v.shape == k.shape
+        n = old_k[i].shape[0]
+        assert np.array_equal(k[:n], old_k[i]) and np.array_equal(v[:n], old_v[i])
+        assert not k[n:].any() and not v[n:].any()
