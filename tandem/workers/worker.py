@@ -32,7 +32,7 @@ from tandem.wire.sockets import bound_endpoint, make_socket
 from tandem.wire.settings import TransferSettings
 from tandem.workers import roles
 from tandem.workers import gate as G
-from tandem.workers import openmp
+from tandem.workers import openmp, priority
 from tandem.workers.handoff import KVIngest
 from tandem.workers.health import Health
 from tandem.workers.local import Local
@@ -169,6 +169,10 @@ class Worker(KVHandoffs, Health):
         if blocktime is not None and hasattr(self.engine, "scheduler"):  # not for the stub engine
             openmp.set_blocktime(blocktime)
         self.engine.start()
+        # After the engine thread started: threads inherit their creator's nice value.
+        nice = priority.nice_for(self.role, self.gate is not None, self.s.io_nice)
+        if nice is not None:
+            priority.lower_socket_threads(nice)
         poller = zmq.Poller()
         self.sender = HandoffSender(self.ctx, secret=self.secret, node_id=self.node_id, transfer=self.transfer,
                                     timeout_s=self.s.transfer_timeout_s, poller=poller)

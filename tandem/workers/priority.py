@@ -1,0 +1,64 @@
+"""Co-located workers: a worker's socket threads yield the cores to compute.
+
+Under the CPU gate a prefill worker's next prefill batch runs while its IO thread seals
+and sends the previous batch's KV (about 12 ms of CPU per 11.8 MB request) and the decode
+worker's IO thread opens and assembles it, with ZeroMQ's I/O threads copying it through
+loopback TCP on both sides. The prefill's matrix products use both cores, and a third
+runnable thread takes a core from one of MKL's two threads in the middle of a product,
+which stalls the other at the next barrier. Measured (bench/disagg.py timeline, 4-prompt
+batches): a burst's second prefill batch, the one with handoffs alongside, took 145 ms
+more than its first on the gated prefill worker and 44 ms more on hybrid.
+
+A prefill step leaves gaps, though: about a fifth of it runs on one core (mlx's own
+ops between the products), and with the OpenMP blocktime at 0 (:mod:`openmp`) the other
+core is then idle. With a high nice value the socket threads run in those gaps instead
+of preempting MKL; with nothing else runnable (a handoff after the last batch, an
+unloaded request) they run at full speed, so first tokens and handoffs are not delayed
+there. The engine thread and the math library's threads keep their priority.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger("tandem.workers.priority")
+
+# libzmq names its background threads so ("ZMQbg/IO/0", "ZMQbg/Reaper").
+_ZMQ_THREAD_PREFIX = "ZMQbg/"
+
+
+def nice_for(role: str, gated: bool, setting: int) -> int | None:
+    """The nice value for this worker's socket threads (None: leave them). ``setting`` is
+    ``worker.io_nice``: -1 = auto (19 for a prefill or decode worker under the CPU gate)."""
+    if setting >= 0:
+        return setting
+    if role in ("prefill", "decode") and gated:
+        return 19
+    return None
+
+
+def lower_socket_threads(nice: int) -> list[int]:
+    """Give the calling thread (the worker's IO thread) and ZeroMQ's background threads of
+    this process ``nice`` (Linux: a nice value belongs to a thread). Returns the thread ids
+    changed; raising a nice value needs no privilege."""
+    tids = [threading.get_native_id()]
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().startswith(_ZMQ_THREAD_PREFIX):
+                        tids.append(int(tid))
+            except OSError:
+                continue  # a thread that just ended
+    except OSError:
+        pass
+    done = []
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+            done.append(tid)
+        except OSError as exc:
+            log.warning("could not set nice %d on thread %d: %s", nice, tid, exc)
+    return done
