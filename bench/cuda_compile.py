@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandem.kernels import paged_attention_cuda as pac  # noqa: E402
+from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels import qgemv as qg  # noqa: E402
 
 PRELUDE = """
@@ -73,13 +74,13 @@ def attention_variants():
             if ver != "v2":
                 t.append(("bool", "VSM", str(ver == "v6").lower()))
             outs = [("out", "T" if single else "float")]
-            yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac._HEADER, ins, outs, t)
+            yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac.HEADER, ins, outs, t)
     ins = [("qkv", "T"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float"),
            ("k_pool", "T"), ("v_pool", "T")]
     for hpt in (1, 8):
         t = [("typename", "T", "__half"), ("int", "H", "32"), ("int", "KVH", "8"), ("int", "D", "128"),
              ("bool", "ROPE", "true"), ("bool", "TRAD", "false"), ("int", "HPT", str(hpt))]
-        yield f"write_kv_rope hpt={hpt}", variant("tandem_write_kv_rope", pac._WRITE_SOURCE, pac._HEADER,
+        yield f"write_kv_rope hpt={hpt}", variant("tandem_write_kv_rope", kvw._WRITE_SOURCE, pac.HEADER,
                                                   ins, [("q_out", "T"), ("k_out", "T")], t)
 
 

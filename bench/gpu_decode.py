@@ -40,6 +40,7 @@ import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tandem.kernels import linear, paged_attention as pa, paged_attention_cuda as pac  # noqa: E402
+from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels import quantized_matmul as qm  # noqa: E402
 
 LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -400,7 +401,7 @@ class KernelLoop:
         mx.eval(self.head.parameters())
         self.eps = fp16.args.rms_norm_eps
         self.F = fp16.args.intermediate_size
-        self.inv_freq = pac.rope_inv_freq(fp16.model.layers[0].self_attn.rope, self.D)
+        self.inv_freq = kvw.rope_inv_freq(fp16.model.layers[0].self_attn.rope, self.D)
         self.scale = self.D ** -0.5
         mx.eval(self.inv_freq)
         seen = set()
@@ -420,7 +421,7 @@ class KernelLoop:
         for li, (ln1, qkv, o, ln2, gu, down) in enumerate(self.layers):
             # fused(): one multirow launch each for decode rows, the plain ops otherwise.
             y = qkv.fused(h, norm_weight=ln1, eps=self.eps)
-            q, k = pac.write_kv_rope(y, pos, slots, self.inv_freq, kp[li], vp[li], H, KVH)
+            q, k = kvw.write_kv_rope(y, pos, slots, self.inv_freq, kp[li], vp[li], H, KVH)
             a = attn(li, q, k, y)
             h = o.fused(a.reshape(N, H * D), residual=h)
             g = gu.fused_swiglu(h, norm_weight=ln2, eps=self.eps)

@@ -188,6 +188,7 @@ def section_qgemv() -> None:
 def section_attention() -> None:
     """Paged decode attention (8B shapes, block 16) at several partition sizes, and the write."""
     from tandem.kernels import paged_attention_cuda as pac
+    from tandem.kernels import kv_write_cuda as kvw
     RESULTS["attention"] = []
     H, KVH, D, BS = 32, 8, 128, 16
     log(f"\n== paged decode attention and RoPE+write (wall per queued call / CUPTI gpu time)")
@@ -226,13 +227,13 @@ def section_attention() -> None:
         inv = mx.ones((D // 2,), mx.float32) * 0.01
         mx.eval(qkv, pos, slots, inv)
         for hpt in (1, 8):
-            pac.WRITE_HEADS_PER_THREAD = hpt
-            fn = lambda: pac.write_kv_rope(qkv, pos, slots, inv, kp, vp, H, KVH)[0]  # noqa: E731
+            kvw.WRITE_HEADS_PER_THREAD = hpt
+            fn = lambda: kvw.write_kv_rope(qkv, pos, slots, inv, kp, vp, H, KVH)[0]  # noqa: E731
             t = timed(fn)
             g = gpu_us(fn, "tandem_write")
             RESULTS["attention"].append({"batch": B, "write_hpt": hpt, "write_us": t * 1e6, "write_gpu_us": g})
             log(f"          write_kv_rope hpt {hpt}: {t * 1e6:.1f} us wall, {g:.1f} us gpu")
-        pac.WRITE_HEADS_PER_THREAD = 1
+        kvw.WRITE_HEADS_PER_THREAD = 1
         del kp, vp
         mx.clear_cache()
 

@@ -39,6 +39,7 @@ from mlx.utils import tree_flatten
 from tandem.kernels import linear
 from tandem.kernels import paged_attention as pa
 from tandem.kernels import paged_attention_cuda as pac
+from tandem.kernels import kv_write_cuda as kvw
 from tandem.kernels.quantized_matmul import cuda_available
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.model_runner import PagedRunner
@@ -89,7 +90,7 @@ def unsupported(model, store: KVStore) -> str:
     if store.head_dim != store.v_head_dim or store.head_dim % 8 or store.head_dim > 256:
         return f"head dims {store.head_dim}/{store.v_head_dim}"
     try:
-        pac.rope_inv_freq(attn.rope, store.head_dim)
+        kvw.rope_inv_freq(attn.rope, store.head_dim)
     except (ValueError, AttributeError) as exc:
         return str(exc)
     if store.dtype not in (mx.float16, mx.bfloat16, mx.float32):
@@ -128,7 +129,7 @@ class _CudaOps:
     ``attend`` returns (B, H * D): the o-projection's input, with no reshape op between."""
 
     def write(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool):
-        q, k = pac.write_kv_rope(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH, traditional=trad)
+        q, k = kvw.write_kv_rope(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH, traditional=trad)
         return q, k, kp, vp
 
     def attend(self, q, step: _Step, kp, vp, scale: float, block_size: int):
@@ -141,7 +142,7 @@ class _ReferenceOps:
     ``write`` returns new pools instead of modifying its inputs."""
 
     def write(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool):
-        return pac.write_kv_rope_reference(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH,
+        return kvw.write_kv_rope_reference(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH,
                                            traditional=trad)
 
     def attend(self, q, step: _Step, kp, vp, scale: float, block_size: int):
@@ -170,7 +171,7 @@ class FusedBlock(nn.Module):
         self.scale = float(attn.scale)
         self.ffn = mlp.gate_proj.output_dims
         self.traditional = bool(getattr(attn.rope, "traditional", False))
-        self.inv_freq = pac.rope_inv_freq(attn.rope, head_dim)
+        self.inv_freq = kvw.rope_inv_freq(attn.rope, head_dim)
         self.freeze()
 
     def __call__(self, x, mask=None, cache=None):

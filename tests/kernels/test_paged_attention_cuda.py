@@ -8,6 +8,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from tandem.kernels import paged_attention as pa
 from tandem.kernels import paged_attention_cuda as pac
+from tandem.kernels import kv_write_cuda as kvw
 from tandem.kernels.quantized_matmul import cuda_available
 
 gpu = pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
@@ -43,12 +44,12 @@ def _pool_case(B, H, KVH, D, bs, lens, seed, dtype=mx.float16):
 def test_rope_reference_matches_mlx_rope(rope_scaling, traditional):
     D = 64
     rope = initialize_rope(D, 500000.0, traditional, rope_scaling, 131072)
-    inv = pac.rope_inv_freq(rope, D)
+    inv = kvw.rope_inv_freq(rope, D)
     mx.random.seed(0)
     x = mx.random.normal((1, 3, 9, D))  # (B, heads, L, D)
     want = rope(x, offset=37)
     tok = x[0].transpose(1, 0, 2)  # (L, heads, D)
-    got = pac.rope_reference(tok, mx.arange(37, 46), inv, traditional)
+    got = kvw.rope_reference(tok, mx.arange(37, 46), inv, traditional)
     assert mx.allclose(got, want[0].transpose(1, 0, 2), atol=1e-4).item()
 
 
@@ -65,10 +66,10 @@ def test_write_reference_scatters_rotated_keys_and_skips_negative_slots():
     H, KVH, D = 4, 2, 16
     mx.random.seed(2)
     qkv = mx.random.normal((3, (H + 2 * KVH) * D))
-    inv = pac.rope_inv_freq(initialize_rope(D, 10000.0, False, None, 4096), D)
+    inv = kvw.rope_inv_freq(initialize_rope(D, 10000.0, False, None, 4096), D)
     pos, slots = mx.array([0, 7, 3]), mx.array([5, -1, 2])
     kp, vp = mx.zeros((8, KVH, D)), mx.zeros((8, KVH, D))
-    q, k, kp2, vp2 = pac.write_kv_rope_reference(qkv, pos, slots, inv, kp, vp, H, KVH)
+    q, k, kp2, vp2 = kvw.write_kv_rope_reference(qkv, pos, slots, inv, kp, vp, H, KVH)
     x = qkv.reshape(3, H + 2 * KVH, D)
     assert mx.allclose(q[0], x[0, :H]).item()  # position 0: rotation is the identity
     assert mx.allclose(kp2[5], k[0]).item() and mx.allclose(vp2[2], x[2, H + KVH:]).item()
@@ -132,16 +133,16 @@ def test_cuda_write_kv_rope_matches_reference(traditional):
     H, KVH, D, N = 32, 8, 128, 5
     mx.random.seed(3)
     qkv = mx.random.normal((N, (H + 2 * KVH) * D)).astype(mx.float16)
-    inv = pac.rope_inv_freq(initialize_rope(D, 500000.0, traditional, LLAMA31, 131072), D)
+    inv = kvw.rope_inv_freq(initialize_rope(D, 500000.0, traditional, LLAMA31, 131072), D)
     pos = mx.array([0, 511, 12, 4000, 77], dtype=mx.int32)
     slots = mx.array([3, 9, -1, 0, 17], dtype=mx.int32)
     kp = mx.random.normal((20, KVH, D)).astype(mx.float16)
     vp = mx.random.normal((20, KVH, D)).astype(mx.float16)
     mx.eval(kp, vp)
-    q_r, k_r, kp_r, vp_r = pac.write_kv_rope_reference(qkv, pos, slots, inv, kp, vp, H, KVH,
+    q_r, k_r, kp_r, vp_r = kvw.write_kv_rope_reference(qkv, pos, slots, inv, kp, vp, H, KVH,
                                                        traditional=traditional)
     mx.eval(q_r, k_r, kp_r, vp_r)
-    q, k = pac.write_kv_rope(qkv, pos, slots, inv, kp, vp, H, KVH, traditional=traditional)
+    q, k = kvw.write_kv_rope(qkv, pos, slots, inv, kp, vp, H, KVH, traditional=traditional)
     mx.eval(q, k)
     assert mx.allclose(q, q_r, atol=2e-2).item() and mx.allclose(k, k_r, atol=2e-2).item()
     assert mx.allclose(kp, kp_r, atol=2e-2).item()
