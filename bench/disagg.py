@@ -28,6 +28,12 @@ from pathlib import Path
 from _common import ROOT, cpu_s, machine, pct, write_results
 
 
+# A pause before each layout's turn: the layout that ran last may still have MKL's OpenMP
+# threads spinning (200 ms by default after a parallel region; a hybrid worker keeps the
+# default), which took a core from the first prefill of the next layout's request.
+SETTLE_S = 0.3
+
+
 def prompts(n, length, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
@@ -92,6 +98,30 @@ class Layout:
         cl = self.c.client(timeout_s=60)
         self.c.wait_workers(cl, timeout=600, **{r: self.roles.count(r) for r in set(self.roles)})
         self.drive(warm, args.concurrency, 4)  # compile / warm both sides
+        self.filled = self.fill(cl, args)
+
+    def fill(self, cl, args) -> int:
+        """Run enough distinct one-token requests through the layout that every worker's KV
+        store has grown to its pool (``--kv-budget``) before anything is measured. A store
+        starts at 64 blocks and doubles when the pool's high-water mark passes it, and the
+        high-water mark creeps up by a request's blocks per request (the prefix cache keeps
+        finished requests' blocks; the pool hands out empty ones first), so with the
+        engine's auto budget every layout's rounds 2 and 4 carried a doubling: 0.9-1.0 s at
+        512 -> 1024 blocks and 2.2-2.7 s at 1024 -> 2048 in the workers' logs, a 12 s round's
+        time moved by up to 20% in one layout or the other. Returns the requests run."""
+        if args.fill == 0:
+            return 0
+        n = args.fill
+        if n < 0:
+            total = max((w.get("total_blocks", 0) for w in cl.stats().get("workers", [])), default=0)
+            per_request = -(-(args.prompt_tokens + 1) // 16)
+            n = -(-total // per_request) + args.concurrency if total else 0
+            if n > 200:
+                print(f"{self.name}: a pool of {total} blocks takes {n} requests to fill; filling 200 (set --kv-budget)")
+                n = 200
+        ps = prompts(n, args.prompt_tokens, seed=1000)
+        self.drive(ps, args.concurrency, 1)
+        return n
 
     def drive(self, ps, concurrency, max_tokens, marks=None):
         return asyncio.run(drive(self.c.endpoints, self.c.secret, ps, concurrency, max_tokens, marks))
@@ -201,7 +231,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="loaded runs per layout, rotating the order (medians reported)")
     p.add_argument("--unloaded", type=int, default=8, metavar="N",
                    help="then N fresh prompts one at a time (concurrency 1), each to every layout in turn; 0 = skip")
-    p.add_argument("--kv-budget", default="", help="each worker's engine.kv_cache_budget (default: the engine's own, auto)")
+    p.add_argument("--kv-budget", default="256MiB",
+                   help="each worker's engine.kv_cache_budget (default 256MiB: 364 blocks of the default model, over "
+                        "twice what 8 requests in flight hold); '' = the engine's own (auto: half the free memory)")
+    p.add_argument("--fill", type=int, default=-1,
+                   help="before measuring, N one-token requests per layout so its KV stores have grown to the pool "
+                        "(-1 = enough for the pool the workers report, at most 200; 0 = none)")
     p.add_argument("--gate", choices=("both", "on", "off"), default="both",
                    help="disaggregated runs with worker.cpu_gate (prefill first across the two workers), without, or both")
     p.add_argument("--timeline", action="store_true",
@@ -229,10 +264,12 @@ def main() -> int:
             ps = prompts(args.requests, args.prompt_tokens, seed=10 + rnd)
             order = live[rnd % len(live):] + live[:rnd % len(live)]
             for lay in order:
+                time.sleep(SETTLE_S)
                 runs[lay.key].append(run_loaded(lay, args, ps, args.timeline and rnd == 0))
         # Unloaded: one request at a time, the same fresh prompt to each layout in turn.
         for p in unloaded:
             for lay in live:
+                time.sleep(SETTLE_S)
                 before = len(lay.handoffs()[0])
                 one = lay.drive([p], 1, args.max_tokens)
                 ms = lay.handoffs()[0][before:]
@@ -256,6 +293,7 @@ def main() -> int:
             if hs:
                 out["unloaded"]["handoff_p50_ms"] = statistics.median(hs)
         return out
+    live_fill = ", ".join(sorted({str(lay.filled) for lay in live}))
     hybrid = summary("hybrid")
     ungated = summary("disaggregated") if "disaggregated" in runs else None
     gated = summary("disaggregated_gated") if "disaggregated_gated" in runs else None
@@ -268,14 +306,16 @@ def main() -> int:
     cmd = (f"python bench/disagg.py --requests {args.requests} --concurrency {args.concurrency} "
            f"--prompt-tokens {args.prompt_tokens} --max-tokens {args.max_tokens} --rounds {args.rounds} "
            f"--unloaded {args.unloaded}"
-           + (f" --gate {args.gate}" if args.gate != "both" else "") + (" --timeline" if args.timeline else ""))
+           + (f" --gate {args.gate}" if args.gate != "both" else "")
+           + (f" --kv-budget '{args.kv_budget}'" if args.kv_budget != "256MiB" else "")
+           + (f" --fill {args.fill}" if args.fill != -1 else "") + (" --timeline" if args.timeline else ""))
     md = [
         "# Hybrid vs disaggregated serving on one machine\n",
         f"{result['when']}, {result['cpus']} cores shared by every process (1-minute load average "
         f"{result['load_avg_1m']:.1f} at the end), default model unless --model. {args.requests} requests, "
         f"{args.concurrency} in flight, {args.prompt_tokens}-token prompts, {args.max_tokens} generated tokens each, "
         f"temperature 0. Each layout has its own broker and workers, all started at once (KV pool "
-        f"{args.kv_budget or 'auto'}); loaded rows are medians of {args.rounds} rounds (fresh prompts per round, layout order rotated). "
+        f"{args.kv_budget or 'auto'}, each store grown to it first by {live_fill} one-token requests); loaded rows are medians of {args.rounds} rounds (fresh prompts per round, layout order rotated). "
         "TTFT is submit -> first token at the client.\n",
         f"Command: `{cmd}`\n",
         "| layout | aggregate tok/s | vs hybrid | TTFT p50 | TTFT p90 | TTFT p50 overhead | KV handoff p50 | KV bytes/request |",

@@ -11,7 +11,15 @@ Measured (bench/disagg.py timeline): the decode worker's import step took 217-25
 under load against 66-133 ms for hybrid's first decode step after a prefill (the same
 mirror rebuild), and its first decode steps after an unloaded handoff 101/64/42 ms
 against 13-18 ms; a process that has run one matrix product burns 200 ms of CPU in the
-next 300 ms of idleness, and none with a blocktime of 0.
+next 300 ms of idleness, and none with a blocktime of 0 (the import step came down to
+112-140 ms).
+
+The blocktime is not 0 but :data:`AUTO_BLOCKTIME_MS`: within a prefill step the products
+are a few milliseconds apart, and at 0 each one woke a sleeping thread: a one-prompt
+prefill took 670 ms against 583 at the default, and 573 at 2 or 5 ms (median of 8,
+alternating in one process); at 0 the unloaded time to first token of the gated layout
+was 33 ms above hybrid's (bench/disagg.py). A few milliseconds of spinning after a step
+cost the other worker nothing measurable.
 
 A hybrid worker keeps the runtime's default (docs/cpu-performance.md: blocktime 0 made
 its serving slower, decode steps paying for the wake-ups).
@@ -24,6 +32,8 @@ import logging
 import os
 
 log = logging.getLogger("tandem.workers.openmp")
+
+AUTO_BLOCKTIME_MS = 5
 
 
 def _runtime():
@@ -45,12 +55,13 @@ def _runtime():
 
 def blocktime_for(role: str, gated: bool, setting_ms: int) -> int | None:
     """The blocktime to set for this worker (None: leave the runtime's own). ``setting_ms``
-    is ``worker.omp_blocktime_ms``: -1 = auto (0 for a prefill or decode worker that
-    shares the cores through the CPU gate, unless ``KMP_BLOCKTIME`` is set)."""
+    is ``worker.omp_blocktime_ms``: -1 = auto (:data:`AUTO_BLOCKTIME_MS` for a prefill or
+    decode worker that shares the cores through the CPU gate, unless ``KMP_BLOCKTIME`` is
+    set)."""
     if setting_ms >= 0:
         return setting_ms
     if role in ("prefill", "decode") and gated and "KMP_BLOCKTIME" not in os.environ:
-        return 0
+        return AUTO_BLOCKTIME_MS
     return None
 
 

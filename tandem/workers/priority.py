@@ -9,12 +9,12 @@ which stalls the other at the next barrier. Measured (bench/disagg.py timeline, 
 batches): a burst's second prefill batch, the one with handoffs alongside, took 145 ms
 more than its first on the gated prefill worker and 44 ms more on hybrid.
 
-A prefill step leaves gaps, though: about a fifth of it runs on one core (mlx's own
-ops between the products), and with the OpenMP blocktime at 0 (:mod:`openmp`) the other
-core is then idle. With a high nice value the socket threads run in those gaps instead
-of preempting MKL; with nothing else runnable (a handoff after the last batch, an
-unloaded request) they run at full speed, so first tokens and handoffs are not delayed
-there. The engine thread and the math library's threads keep their priority.
+With a high nice value the socket threads yield to MKL's threads while those run and
+take the cores when they are idle (the one-core parts of a step, the moments between
+steps, OpenMP's threads asleep again a few ms after a step: :mod:`openmp`); with nothing
+else runnable (a handoff after the last batch, an unloaded request) they run at full
+speed, so first tokens and handoffs are not delayed there. The engine thread and the
+math library's threads keep their priority.
 """
 
 from __future__ import annotations

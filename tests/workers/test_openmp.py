@@ -38,18 +38,18 @@ def _idle_cpu_ms(blocktime: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def test_blocktime_zero_stops_the_spinning_after_the_runtime_started():
+def test_the_auto_blocktime_stops_the_spinning_after_the_runtime_started():
     if openmp._runtime() is None:
         pytest.skip("not Intel's OpenMP runtime (no MKL here)")
-    spinning, stopped = _idle_cpu_ms("default"), _idle_cpu_ms("0")
+    spinning, stopped = _idle_cpu_ms("default"), _idle_cpu_ms(str(openmp.AUTO_BLOCKTIME_MS))
     assert stopped < 40, stopped  # no thread spins through the 300 ms
     assert spinning > stopped + 50, (spinning, stopped)
 
 
 def test_auto_is_zero_only_for_gated_prefill_and_decode_workers(monkeypatch):
     monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
-    assert openmp.blocktime_for("prefill", True, -1) == 0
-    assert openmp.blocktime_for("decode", True, -1) == 0
+    assert openmp.blocktime_for("prefill", True, -1) == openmp.AUTO_BLOCKTIME_MS
+    assert openmp.blocktime_for("decode", True, -1) == openmp.AUTO_BLOCKTIME_MS
     assert openmp.blocktime_for("decode", False, -1) is None
     assert openmp.blocktime_for("hybrid", True, -1) is None
     assert openmp.blocktime_for("hybrid", False, 5) == 5  # an explicit setting applies to any role
