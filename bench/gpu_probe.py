@@ -259,6 +259,19 @@ def summarize(records: list[dict], label: str, steps: int) -> dict:
     log(f"\n== {label}: {len(records)} kernels over {steps} steps; span {(end - start) / steps:.0f} us/step, "
         f"busy {busy / steps:.0f} us/step ({busy / (end - start):.0%}), "
         f"gap p50 {np.median(gaps):.1f} us, mean {np.mean(gaps):.1f} us")
+    # Copies and idle stretches by their neighbours: what launched them is not in the record.
+    seen = 0
+    for i, e in enumerate(records):
+        if e["name"].startswith("Memcpy") and seen < 6:
+            seen += 1
+            before = records[i - 1]["name"][:50] if i else "-"
+            after = records[i + 1]["name"][:50] if i + 1 < len(records) else "-"
+            log(f"  {e['name'][:28]} {e['dur']:.0f} us ({e.get('args', {}).get('bytes', '?')} B) "
+                f"after {before} | before {after}")
+    idle = sorted(((b["ts"] - (a["ts"] + a["dur"]), a["name"][:50], b["name"][:50])
+                   for a, b in zip(records, records[1:])), reverse=True)[:6]
+    for gap, a, b in idle:
+        log(f"  idle {gap:.0f} us between {a} | {b}")
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
     log(f"{'kernel':60s} {'n/step':>7s} {'us each':>8s} {'us/step':>8s}")
     table = []
