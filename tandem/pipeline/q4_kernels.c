@@ -36,6 +36,14 @@ static part_fn pool_fn;
 static void *pool_ctx;
 static long pool_parts;
 enum { SPIN = 4000 };  /* ~0.1 ms of pause before sleeping: steps call back to back */
+/* The caller's wait for the workers at the end of a job: spin this many pauses, then
+   sleep until the last worker wakes it. A worker that still owes its last chunk after
+   that long has been descheduled (the edge, the broker or the client took its core),
+   and a caller spinning on the other core left the worker no core to finish on (the
+   scheduler moves it over when that core goes idle). */
+enum { JOIN_SPIN = 2000 };
+static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER;
+static atomic_int caller_asleep = 0;
 
 static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -58,7 +66,12 @@ static void *pool_main(void *arg) {
         }
         seen = g;
         if (id < pool_parts) pool_fn(pool_ctx, id, pool_parts);
-        atomic_fetch_sub_explicit(&pool_left, 1, memory_order_release);
+        /* seq_cst here and in join(): the last worker sees caller_asleep, or the caller sees 0 */
+        if (atomic_fetch_sub(&pool_left, 1) == 1 && atomic_load(&caller_asleep)) {
+            pthread_mutex_lock(&pool_mu);
+            pthread_cond_signal(&done_cv);
+            pthread_mutex_unlock(&pool_mu);
+        }
     }
     return NULL;
 }
@@ -70,6 +83,8 @@ static void pool_forget(void) {  /* in a forked child: the workers did not come 
     pthread_mutex_init(&call_mu, NULL);
     pthread_mutex_init(&pool_mu, NULL);
     pthread_cond_init(&pool_cv, NULL);
+    pthread_cond_init(&done_cv, NULL);
+    atomic_store(&caller_asleep, 0);
 }
 
 static void pool_init(long threads) {  /* under call_mu */
@@ -89,6 +104,18 @@ static void pool_init(long threads) {  /* under call_mu */
     }
 }
 
+static void join(void) {
+    for (int spins = 0; atomic_load_explicit(&pool_left, memory_order_acquire) > 0; spins++) {
+        if (spins < JOIN_SPIN) { relax(); continue; }
+        pthread_mutex_lock(&pool_mu);
+        atomic_store(&caller_asleep, 1);
+        while (atomic_load(&pool_left) > 0) pthread_cond_wait(&done_cv, &pool_mu);
+        atomic_store(&caller_asleep, 0);
+        pthread_mutex_unlock(&pool_mu);
+        return;
+    }
+}
+
 static void parallel(part_fn fn, void *ctx, long parts) {
     if (parts > pool_workers + 1) parts = pool_workers + 1;
     if (parts <= 1) { fn(ctx, 0, 1); return; }
@@ -99,7 +126,7 @@ static void parallel(part_fn fn, void *ctx, long parts) {
     pthread_cond_broadcast(&pool_cv);
     pthread_mutex_unlock(&pool_mu);
     fn(ctx, 0, parts);
-    while (atomic_load_explicit(&pool_left, memory_order_acquire) > 0) relax();
+    join();
 }
 
 #ifdef __AVX512F__

@@ -325,3 +325,42 @@ def test_schedule_hooks_run_around_every_plan_on_the_engine_thread(tiny, mixed):
     assert all(a[0] == "before" and b[0] == "after" for a, b in zip(seen[::2], seen[1::2]))
     assert "prefill" in afters and "decode" in afters
     assert all(name != threading.main_thread().name for _, name in befores)
+
+
+def _first_prefill_rows(tiny, mixed, gap_s: float, **kw) -> tuple[list[int], list[list[int]]]:
+    """Start an idle engine, submit 4 prompts ``gap_s`` apart from this thread; return the
+    row counts of its prefill plans and what each request generated."""
+    prompts, _ = mixed
+    eng = make(tiny, **kw)
+    prefills = []
+    eng.add_schedule_hooks(after=lambda plan: prefills.append(len(plan.rows)) if plan and plan.kind == "prefill" else None)
+    eng.start()
+    done: queue.Queue = queue.Queue()
+    out: dict[bytes, list[int]] = {}
+    ids = [bytes([i]) * 16 for i in range(4)]
+    try:
+        for rid, p in zip(ids, prompts[:4]):
+            out[rid] = []
+            eng.submit(EngineRequest(rid, p, greedy(), done.put))
+            threading.Event().wait(gap_s)
+        finished = 0
+        while finished < 4:
+            ev = done.get(timeout=60)
+            out[ev.request_id].extend(ev.tokens)
+            finished += ev.finish_reason is not None
+    finally:
+        eng.stop()
+    return prefills, [out[rid] for rid in ids]
+
+
+def test_an_idle_engine_gathers_a_burst_into_its_first_prefill(tiny, mixed):
+    # Prompts 20 ms apart: within a 10 s window the first prefill waits for all four
+    # (max_batch_prefill), and the tokens are still each prompt's own.
+    _, expected = mixed
+    rows, got = _first_prefill_rows(tiny, mixed, 0.02, admit_wait_ms=10_000, max_batch_prefill=4)
+    assert rows == [4]
+    assert got == expected[:4]
+    # Without the window the engine starts on the first arrival.
+    rows, got = _first_prefill_rows(tiny, mixed, 0.2, admit_wait_ms=0, max_batch_prefill=4)
+    assert rows[0] == 1 and sum(rows) == 4
+    assert got == expected[:4]
