@@ -267,8 +267,10 @@ def main() -> int:
                 time.sleep(SETTLE_S)
                 runs[lay.key].append(run_loaded(lay, args, ps, args.timeline and rnd == 0))
         # Unloaded: one request at a time, the same fresh prompt to each layout in turn.
-        for p in unloaded:
-            for lay in live:
+        # The order rotates per prompt, as the rounds' does: whichever layout goes first
+        # after the others ran is not always the same one.
+        for i, p in enumerate(unloaded):
+            for lay in live[i % len(live):] + live[:i % len(live)]:
                 time.sleep(SETTLE_S)
                 before = len(lay.handoffs()[0])
                 one = lay.drive([p], 1, args.max_tokens)
@@ -345,7 +347,7 @@ def main() -> int:
         md.append(f"| {name} | " + " | ".join(cells) + f" | {cpu} (wall {wall:.2f} s) |")
     if args.unloaded:
         md += [f"\nUnloaded: {args.unloaded} fresh prompts one at a time (concurrency 1), each sent to every layout "
-               "in turn (all layouts are up; the others idle), so each prompt gives a pair:\n",
+               "in turn, the order rotated per prompt (all layouts are up; the others idle), so each prompt gives a pair:\n",
                "| layout | TTFT p50 | TTFT p90 | overhead, median of pairs | KV handoff p50 |", "|---|---:|---:|---:|---:|"]
         for name, key, r in layouts:
             u = r["unloaded"]
