@@ -32,6 +32,7 @@ from _common import ROOT, cpu_s, machine, pct, write_results
 # threads spinning (200 ms by default after a parallel region; a hybrid worker keeps the
 # default), which took a core from the first prefill of the next layout's request.
 SETTLE_S = 0.3
+FILL_TOKENS = 4
 
 
 def prompts(n, length, seed=0):
@@ -101,7 +102,7 @@ class Layout:
         self.filled = self.fill(cl, args)
 
     def fill(self, cl, args) -> int:
-        """Run enough distinct one-token requests through the layout that every worker's KV
+        """Run enough distinct short requests through the layout that every worker's KV
         store has grown to its pool (``--kv-budget``) before anything is measured. A store
         starts at 64 blocks and doubles when the pool's high-water mark passes it, and the
         high-water mark creeps up by a request's blocks per request (the prefix cache keeps
@@ -120,7 +121,11 @@ class Layout:
                 print(f"{self.name}: a pool of {total} blocks takes {n} requests to fill; filling 200 (set --kv-budget)")
                 n = 200
         ps = prompts(n, args.prompt_tokens, seed=1000)
-        self.drive(ps, args.concurrency, 1)
+        # Four tokens, not one: a one-token request ends on the prefill worker, and the
+        # first loaded burst then paid the handoff path's and the decode worker's one-off
+        # costs at batch 8 (first handoff 164 ms instead of 26-41, decode phase 1,351 ms
+        # instead of 980-1,110: the gated layout's first round 0.94x, the others 0.96-1.01x).
+        self.drive(ps, args.concurrency, FILL_TOKENS)
         return n
 
     def drive(self, ps, concurrency, max_tokens, marks=None):
@@ -235,7 +240,7 @@ def main() -> int:
                    help="each worker's engine.kv_cache_budget (default 256MiB: 364 blocks of the default model, over "
                         "twice what 8 requests in flight hold); '' = the engine's own (auto: half the free memory)")
     p.add_argument("--fill", type=int, default=-1,
-                   help="before measuring, N one-token requests per layout so its KV stores have grown to the pool "
+                   help="before measuring, N 4-token requests per layout so its KV stores have grown to the pool "
                         "(-1 = enough for the pool the workers report, at most 200; 0 = none)")
     p.add_argument("--gate", choices=("both", "on", "off"), default="both",
                    help="disaggregated runs with worker.cpu_gate (prefill first across the two workers), without, or both")
@@ -317,7 +322,7 @@ def main() -> int:
         f"{result['load_avg_1m']:.1f} at the end), default model unless --model. {args.requests} requests, "
         f"{args.concurrency} in flight, {args.prompt_tokens}-token prompts, {args.max_tokens} generated tokens each, "
         f"temperature 0. Each layout has its own broker and workers, all started at once (KV pool "
-        f"{args.kv_budget or 'auto'}, each store grown to it first by {live_fill} one-token requests); loaded rows are medians of {args.rounds} rounds (fresh prompts per round, layout order rotated). "
+        f"{args.kv_budget or 'auto'}, each store grown to it first by {live_fill} {FILL_TOKENS}-token requests); loaded rows are medians of {args.rounds} rounds (fresh prompts per round, layout order rotated). "
         "TTFT is submit -> first token at the client.\n",
         f"Command: `{cmd}`\n",
         "| layout | aggregate tok/s | vs hybrid | TTFT p50 | TTFT p90 | TTFT p50 overhead | KV handoff p50 | KV bytes/request |",
