@@ -5,8 +5,10 @@ back to back (prompts of about ``--prompt-tokens`` tokens under the chat templat
 ``--max-tokens`` new tokens, temperature 0, EOS suppressed with a -100 logit bias on
 every EOS id, which both servers honour). Measured per level: aggregate generated
 tokens per second over the level's wall time, time to first token (mean, p95),
-inter-token latency (mean gap between streamed tokens; p95), and errors (non-200,
-broken streams, or fewer tokens than asked).
+inter-token latency (mean gap between streamed tokens; p95), errors (non-200,
+broken streams, or fewer tokens than asked), and the CPU seconds each server process
+group (tandem: broker, worker, edge with its gunicorn workers) and this client used
+during the level: on a 2-core machine every process competes with the model's threads.
 
 The servers run one after the other on the same machine (never both at once), on the
 same model directory and weight format: with ``--weights dense`` (the default, the
@@ -90,6 +92,22 @@ class Server:
                 pass
             self.p.wait(5)
         self._err.close()
+
+
+def group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid`` (a
+    server started in its own session, with its children: gunicorn's workers)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def free_port() -> int:
@@ -267,8 +285,14 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-async def run_level(port: int, bodies: list[dict], clients: int, rounds: int, max_tokens: int, timeout: float) -> dict:
+async def run_level(port: int, bodies: list[dict], clients: int, rounds: int, max_tokens: int, timeout: float,
+                    groups: dict[str, int] | None = None) -> dict:
+    """One level; ``groups`` (name -> process group) are the server's processes whose CPU
+    seconds during the level go into the row, next to this client's own."""
     samples: list[Sample] = []
+    groups = groups or {}
+    cpu0 = {name: group_cpu_s(g) for name, g in groups.items()}
+    client0 = time.process_time()
 
     async def client(i: int) -> None:
         for r in range(rounds):
@@ -280,6 +304,8 @@ async def run_level(port: int, bodies: list[dict], clients: int, rounds: int, ma
     t0 = time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(clients)))
     wall = time.perf_counter() - t0
+    cpu = {name: group_cpu_s(g) - cpu0[name] for name, g in groups.items()}
+    cpu["client"] = time.process_time() - client0
     good = [s for s in samples if s.ok]
     ttfts = [s.ttft for s in good]
     gaps = [g for s in good for g in s.gaps]
@@ -297,6 +323,7 @@ async def run_level(port: int, bodies: list[dict], clients: int, rounds: int, ma
         "ttft_p95_s": pct(ttfts, 0.95),
         "itl_mean_ms": 1000 * statistics.fmean(itl) if itl else float("nan"),
         "itl_p95_ms": 1000 * pct(gaps, 0.95),
+        "cpu_s": cpu,
     }
 
 
@@ -326,16 +353,17 @@ def build_bodies(model: Path, prompt_tokens: int, max_tokens: int, count: int) -
 
 
 def sweep(name: str, port: int, model_id: str, bodies: list[dict], levels: list[int], rounds: int,
-          max_tokens: int, timeout: float) -> list[dict]:
+          max_tokens: int, timeout: float, groups: dict[str, int] | None = None) -> list[dict]:
     bodies = [dict(b, model=model_id) for b in bodies]
     asyncio.run(run_level(port, bodies[-1:], 1, 1, max_tokens, timeout))  # warm-up, not measured
     rows = []
     for n in levels:
-        row = asyncio.run(run_level(port, bodies, n, rounds, max_tokens, timeout))
+        row = asyncio.run(run_level(port, bodies, n, rounds, max_tokens, timeout, groups))
         row["server"] = name
         rows.append(row)
         print(f"  {name:14s} {n:3d} clients: {row['tok_per_s']:7.1f} tok/s  TTFT mean {row['ttft_mean_s']:.2f} s "
-              f"p95 {row['ttft_p95_s']:.2f} s  ITL {row['itl_mean_ms']:.1f} ms  errors {row['errors']}", flush=True)
+              f"p95 {row['ttft_p95_s']:.2f} s  ITL {row['itl_mean_ms']:.1f} ms  errors {row['errors']}  CPU s "
+              + " ".join(f"{k} {v:.2f}" for k, v in row["cpu_s"].items()), flush=True)
     return rows
 
 
@@ -396,6 +424,14 @@ def report(results: dict, out: Path) -> str:
             cells.append(f"{a['ttft_p95_s'] / b['ttft_p95_s']:.2f}x" if b["ttft_p95_s"] else "-")
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
+    cpu_rows = [r for n in sorted(by) for r in by[n].values() if r.get("cpu_s")]
+    if cpu_rows:
+        table += ("\n\nCPU seconds each process group used during the level (user + system, all threads and "
+                  "children; client = this benchmark's own process; the machine has "
+                  f"{os.cpu_count()} cores, so a level of W seconds offers {os.cpu_count()} x W):\n\n"
+                  "| clients | server | wall s | CPU s per process |\n|---|---|---|---|\n")
+        table += "\n".join(f"| {r['clients']} | {r['server']} | {r['wall_s']:.2f} | "
+                            + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s"].items()) + " |" for r in cpu_rows)
     meta = results["meta"]
     stub = meta["engine"] == "stub"
     md = [
@@ -491,7 +527,8 @@ def main() -> int:
                                        args.engine, args.stub_step_ms, args.topology)
             try:
                 model_id = json.loads(asyncio.run(http_get(port, "/v1/models"))[1])["data"][0]["id"]
-                rows += sweep("tandem", port, model_id, bodies, levels, args.rounds, args.max_tokens, args.timeout)
+                groups = {proc.name: proc.p.pid for proc in procs}  # each in its own session
+                rows += sweep("tandem", port, model_id, bodies, levels, args.rounds, args.max_tokens, args.timeout, groups)
             finally:
                 for proc in reversed(procs):
                     proc.stop()
@@ -500,7 +537,8 @@ def main() -> int:
             served = dense_copy(model, tmp / "dense") if args.weights == "dense" else model
             procs, port = start_mlx_lm(served, tmp, env)
             try:
-                rows += sweep("mlx_lm.server", port, "default_model", bodies, levels, args.rounds, args.max_tokens, args.timeout)
+                rows += sweep("mlx_lm.server", port, "default_model", bodies, levels, args.rounds, args.max_tokens,
+                              args.timeout, {proc.name: proc.p.pid for proc in procs})
             finally:
                 for proc in procs:
                     proc.stop()
