@@ -180,9 +180,9 @@ class RawZmq:
     process, over ONE connection kept for every timed transfer of a cache and warmed up with
     one untimed full-size transfer, as the sealed measurements keep and warm theirs (a fresh
     connection per timed run, as this bench had until 2026-11-30 17:41 UTC, starts with
-    small kernel socket buffers and cost raw ZeroMQ ~10-15% on 1k-token caches, which
-    flattered sealed/raw). Socket options are the KV sockets' (kvchannel.KV_HWM, the
-    factory's defaults)."""
+    small kernel socket buffers; it was slower for the 8B-shaped 1k cache in every run, by
+    7-12% in medians, mixed for the others: docs/benchmarks/kv_transfer.md). Socket options
+    are the KV sockets' (kvchannel.KV_HWM, the factory's defaults)."""
 
     def __init__(self, ctx, endpoint: str, snap: KVSnapshot):
         self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, hwm=kvchannel.KV_HWM)
