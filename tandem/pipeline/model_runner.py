@@ -72,6 +72,11 @@ class _Batch:
     slots_host: np.ndarray | None = None  # (B * L,) pool slots of the new entries
 
 
+MIRROR_AHEAD = 512
+"""Most tokens past the longest row a decode mirror is sized for (its memory and a
+rebuild's copy grow with it)."""
+
+
 class _Mirror:
     """The decode batch's KV, contiguous ``(B, H, cap, D)`` per layer (stored flat).
 
@@ -282,7 +287,14 @@ class PagedRunner:
             b.mirror_idx = mx.array(b.mirror_rows.reshape(-1))
         else:
             b.mirror = "rebuild"
-            m.cap = -(-(int(ctx.max()) + 64) // 128) * 128
+            # Room for the tokens these rows may still generate (up to MIRROR_AHEAD more
+            # than now): a rebuild is a gather of every row's blocks (150-350 ms for 16
+            # rows of the default model on 2 cores), and +64 had cost a second one within
+            # a 128-token request. The mirror is read only up to each row's length.
+            now = int(ctx.max())
+            reach = max(int(c) + r.seq.sampling.max_tokens - r.seq.num_generated - r.seq.pending
+                        for c, r in zip(ctx, rows))
+            m.cap = -(-min(max(reach, now + 1), now + MIRROR_AHEAD) // 128) * 128
             m.rows = key
         m.lens = ctx.copy()
 

@@ -364,3 +364,18 @@ def test_an_idle_engine_gathers_a_burst_into_its_first_prefill(tiny, mixed):
     rows, got = _first_prefill_rows(tiny, mixed, 0.2, admit_wait_ms=0, max_batch_prefill=4)
     assert rows[0] == 1 and sum(rows) == 4
     assert got == expected[:4]
+
+
+def test_decode_mirror_is_sized_for_the_rows_remaining_tokens(tiny):
+    """A rebuild of the decode mirror gathers every row's blocks: the mirror is sized for
+    what its rows may still generate, so a batch that runs to max_tokens rebuilds it once
+    (with room for only 64 more tokens it rebuilt every ~128), and stays == alone."""
+    prompts = random_prompts(3, 5, 9, seed=31)
+    eng = make(tiny)
+    rebuilds = []
+    real = eng.runner.rebuild_mirror_layer
+    eng.runner.rebuild_mirror_layer = lambda layer: (rebuilds.append(layer), real(layer))[1]
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    got = eng.generate_many([(p, params) for p in prompts])
+    assert got == [oracle(tiny, p, 150, eos=()) for p in prompts]
+    assert rebuilds.count(0) == 1
