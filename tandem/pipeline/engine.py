@@ -72,6 +72,10 @@ class Engine:
         self._inflight = None
         # On the CPU a step is read back before the next one is scheduled (see _tick).
         self._read_back_first = mx.default_device() == mx.cpu
+        wait_ms = settings.admit_wait_ms
+        if wait_ms is None:  # unset: 5 ms is noise next to a CPU prefill, a third of a GPU one
+            wait_ms = 5.0 if self._read_back_first else 0.0
+        self._admit_wait_s = wait_ms / 1000
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats = EngineStats(total_blocks=num_blocks, free_blocks=num_blocks, block_size=bs)
@@ -219,7 +223,7 @@ class Engine:
         over 4-12 ms through the edge and broker), and a prompt prefilled alone costs more
         per prompt than one in a batch of four (425 vs ~290 ms, bench/serving.py timeline),
         so starting on the first arrival delayed every prompt of the burst behind it."""
-        deadline = time.monotonic() + self.settings.admit_wait_ms / 1000
+        deadline = time.monotonic() + self._admit_wait_s
         while not self._stopping and len(self.scheduler.waiting) < self.settings.max_batch_prefill:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -16,7 +16,7 @@ class EngineSettings:
     parallel: int = field(default=16, metadata={"min": 1, "max": 4096, "help": "maximum active (admitted) sequences"})
     max_batch_size: int = field(default=0, metadata={"min": 0, "help": "sequences decoded together in one step; 0 = parallel"})
     max_batch_prefill: int = field(default=4, metadata={"min": 1, "help": "prompts batched into one prefill pass"})
-    admit_wait_ms: float = field(default=5.0, metadata={"min": 0, "help": "an idle engine that receives a request waits up to this long for max_batch_prefill of them before its first prefill (a burst's prompts arrive a few ms apart; one prefilled alone costs more per prompt); 0 = start at once"})
+    admit_wait_ms: float | None = field(default=None, metadata={"min": 0, "help": "an idle engine that receives a request waits up to this long for max_batch_prefill of them before its first prefill (a burst's prompts arrive a few ms apart; one prefilled alone costs more per prompt); 0 = start at once; unset = 5 on the CPU, 0 on a GPU (where a prompt's whole prefill takes ~15 ms)"})
     max_batch_prefill_tokens: int | None = field(default=None, metadata={"min": 0, "help": "padded-token cap on one batched prefill; unset = 2 x max_batch_prefill x prefill_chunk_size, 0 = uncapped"})
     max_queue_depth: int = field(default=64, metadata={"min": 0, "help": "queued (not yet admitted) requests beyond which a submit is refused"})
     prefill_chunk_size: int = field(default=512, metadata={"min": 16, "help": "tokens per prefill chunk"})
