@@ -11,9 +11,9 @@ prefill until every prompt in it has its first token and its KV handed off, and 
 long as more prompts wait for the next prefill step (several prefill workers may hold it
 at once), and a decode worker takes the lock exclusively, and lets go at once, before
 each of its steps: it waits while any prefill runs, for up to ``max_wait_s`` per step
-(``worker.cpu_gate_max_wait_ms``), asleep in the kernel until the last prefill lets go. A decode step already running finishes; no decode step
-starts during a prefill shorter than that bound. The lock is the kernel's: a worker that
-dies releases it.
+(``worker.cpu_gate_max_wait_ms``), asleep in the kernel until the last prefill lets go.
+A decode step already running finishes; no decode step starts during a prefill shorter
+than that bound. The lock is the kernel's: a worker that dies releases it.
 
 Off unless ``worker.cpu_gate`` names a file; only for workers that share cores.
 """
