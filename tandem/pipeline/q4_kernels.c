@@ -130,6 +130,14 @@ static void parallel(part_fn fn, void *ctx, long parts) {
 }
 
 #ifdef __AVX512F__
+/* One job from an exported entry point: callers from several threads take turns. */
+static void run_job(part_fn fn, void *ctx, long threads) {
+    pthread_mutex_lock(&call_mu);
+    pool_init(threads);
+    parallel(fn, ctx, threads);
+    pthread_mutex_unlock(&call_mu);
+}
+
 /* ---- 4-bit rows expanded to fp32, then a 2-row x up-to-8-column register tile ---- */
 static inline __m512 round_half(__m512 v) {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -329,11 +337,8 @@ static void matmul(const q4mat *w, const float *x, long m, float *y, long ldy, l
 
 /* y (m, w->n) = x (m, w->k) @ w.T */
 int q4_matmul(const q4mat *w, const float *x, long m, float *y, long threads) {
-    pthread_mutex_lock(&call_mu);
-    pool_init(threads);
     mm_job j = {w, x, NULL, m, w->n, 0, y, 0};
-    parallel(mm_part, &j, threads);
-    pthread_mutex_unlock(&call_mu);
+    run_job(mm_part, &j, threads);
     return 0;
 }
 
@@ -411,10 +416,7 @@ static void rope_part(void *arg, long part, long parts) {
    tables (d/2, t) of each column's position, in place. */
 int rope_cols(float *x, long heads, long d, long t, const float *cos_t, const float *sin_t, long threads) {
     col_job j = {x, cos_t, sin_t, NULL, NULL, heads, d, t, 0};
-    pthread_mutex_lock(&call_mu);
-    pool_init(threads);
-    parallel(rope_part, &j, threads);
-    pthread_mutex_unlock(&call_mu);
+    run_job(rope_part, &j, threads);
     return 0;
 }
 
@@ -438,10 +440,7 @@ static void rope_rows_part(void *arg, long part, long parts) {
    cos, sin (t, d/2). */
 int rope_rows(float *x, long heads, long d, long t, long ld, const float *cos_t, const float *sin_t, long threads) {
     col_job j = {x, cos_t, sin_t, NULL, NULL, heads, d, t, ld};
-    pthread_mutex_lock(&call_mu);
-    pool_init(threads);
-    parallel(rope_rows_part, &j, threads);
-    pthread_mutex_unlock(&call_mu);
+    run_job(rope_rows_part, &j, threads);
     return 0;
 }
 
@@ -457,10 +456,7 @@ static void silu_t_part(void *arg, long part, long parts) {
 
 int silu_cols(const float *gu, long inter, long t, float *a, long threads) {
     col_job j = {NULL, NULL, NULL, gu, a, 0, 0, t, inter};
-    pthread_mutex_lock(&call_mu);
-    pool_init(threads);
-    parallel(silu_t_part, &j, threads);
-    pthread_mutex_unlock(&call_mu);
+    run_job(silu_t_part, &j, threads);
     return 0;
 }
 
@@ -476,10 +472,7 @@ static void silu_part(void *arg, long part, long parts) {
 /* a (inter, t) = silu(gate) * up for gu (2 * inter, t): gate rows, then up rows. */
 int silu_rows(const float *gu, long inter, long t, float *a, long threads) {
     col_job j = {NULL, NULL, NULL, gu, a, 0, 0, t, inter};
-    pthread_mutex_lock(&call_mu);
-    pool_init(threads);
-    parallel(silu_part, &j, threads);
-    pthread_mutex_unlock(&call_mu);
+    run_job(silu_part, &j, threads);
     return 0;
 }
 
