@@ -109,9 +109,8 @@ class KVStore:
         return [_to_numpy(a) for a in ks], [_to_numpy(a) for a in vs]
 
     def import_blocks(self, blocks: list[int], keys: list[np.ndarray], values: list[np.ndarray]) -> None:
-        runs = _runs(blocks)
-        idx = self._slots(blocks) if len(runs) > _MAX_RUNS else None
-        bs = self.block_size
+        spans = self._spans(blocks)
+        idx = self._slots(blocks) if spans is None else None
         for i in range(self.num_layers):
             for dst, src in ((self.keys, keys[i]), (self.values, values[i])):
                 rows = _from_numpy(src, self.dtype).transpose(0, 2, 1, 3)  # (n, bs, H, D)
@@ -119,25 +118,32 @@ class KVStore:
                 if idx is not None:
                     dst[i][idx] = rows
                     continue
-                for first, count, at in runs:
-                    s = (first + 1) * bs
-                    dst[i][s : s + count * bs] = rows[at * bs : (at + count) * bs]
+                for s, e, at in spans:
+                    dst[i][s:e] = rows[at : at + e - s]
         mx.eval(self.keys, self.values)
 
     def _reader(self, blocks: list[int]):
-        """A function from a layer's array to the rows of ``blocks`` in order: slices for a
-        few runs of consecutive blocks (the usual case: a sequence's blocks are allocated
-        together), a gather otherwise. Slices copy at memory speed; mlx's CPU gather and
-        scatter go row by row (an 11.8 MB import: 19 ms by scatter, 4.5 ms by slices)."""
-        runs = _runs(blocks)
-        if len(runs) > _MAX_RUNS:
+        """A function from a layer's array to the rows of ``blocks`` in order (see
+        :meth:`_spans`)."""
+        spans = self._spans(blocks)
+        if spans is None:
             idx = self._slots(blocks)
             return lambda a: a[idx]
-        bs = self.block_size
-        spans = [((first + 1) * bs, (first + 1 + count) * bs) for first, count, _ in runs]
         if len(spans) == 1:
             return lambda a: a[spans[0][0] : spans[0][1]]
-        return lambda a: mx.concatenate([a[s:e] for s, e in spans])
+        return lambda a: mx.concatenate([a[s:e] for s, e, _ in spans])
+
+    def _spans(self, blocks: list[int]) -> list[tuple[int, int, int]] | None:
+        """(store row start, end, row in ``blocks``' order) of each run of consecutive
+        blocks, or None past _MAX_RUNS runs (then a gather / scatter). The usual case is a
+        few runs (a sequence's blocks are allocated together); slices copy at memory speed,
+        where mlx's CPU gather and scatter go row by row (an 11.8 MB import: 19 ms by
+        scatter, 4.5 ms by slices)."""
+        runs = _runs(blocks)
+        if len(runs) > _MAX_RUNS:
+            return None
+        bs = self.block_size
+        return [((first + 1) * bs, (first + 1 + count) * bs, at * bs) for first, count, at in runs]
 
     def _slots(self, blocks: list[int]) -> mx.array:
         bs = self.block_size
