@@ -162,7 +162,9 @@ class StubEngine:
                                   list(s.tokens), len(s.tokens) - 1, s.prompt_len,
                                   [_encode_kv(s.tokens[:-1], self.BLOCK)], [_encode_kv(s.tokens[:-1], self.BLOCK)],
                                   sp, num_generated=s.generated)
-                s.req.on_event(TokenEvent(rid, [tok], snapshot=snap))
+                # As the engine does: the first token, then the KV in a final event without tokens.
+                s.req.on_event(TokenEvent(rid, [tok], usage=self._usage(s)))
+                s.req.on_event(TokenEvent(rid, [], usage=self._usage(s), snapshot=snap))
                 done.append(rid)
                 continue
             usage = self._usage(s) if finish else None

@@ -129,10 +129,12 @@ class Worker(KVHandoffs, Health):
         add_hooks(before=before, after=traced)
 
     # ---- engine side: runs on the engine thread ------------------------------------------
-    def _callback(self, attempt: int):
+    def _callback(self, attempt: int, export: bool = False):
         def on_event(ev: TokenEvent) -> None:
-            if self.gate is not None and not (ev.snapshot is not None and ev.finish_reason is None and ev.error is None):
-                self.gate.prompt_done(ev.request_id)  # a handoff's prompt is done once it is handed off
+            # A prompt whose KV is handed off is done once it is handed off (the first token
+            # comes in an event of its own before the one with the KV).
+            if self.gate is not None and not (export and ev.finish_reason is None and ev.error is None):
+                self.gate.prompt_done(ev.request_id)
             if self._timeline is not None:
                 self.mark("event", ev.request_id, tokens=len(ev.tokens), snapshot=ev.snapshot is not None,
                           finish=ev.finish_reason)
@@ -284,7 +286,7 @@ class Worker(KVHandoffs, Health):
         self.tombstones.pop(rid, None)
         self.local[rid] = local
         try:
-            self.engine.submit(EngineRequest(rid, list(prompt), sampling, self._callback(local.attempt),
+            self.engine.submit(EngineRequest(rid, list(prompt), sampling, self._callback(local.attempt, export),
                                              local.priority, export_after_prefill=export))
         except EngineRefused as exc:
             del self.local[rid]
@@ -327,7 +329,8 @@ class Worker(KVHandoffs, Health):
                     self.gate.prompt_done(ev.request_id)  # no handoff will follow
                 continue  # aborted here, or an older attempt's leftovers
             if ev.snapshot is not None and ev.finish_reason is None and ev.error is None:
-                self._publish(local, ev.tokens, ev.logprobs, usage=ev.usage)  # cached-prompt count for early stoppers
+                if ev.tokens:  # the engine sends the first token in an event before this one
+                    self._publish(local, ev.tokens, ev.logprobs, usage=ev.usage)
                 local.handing_off = True  # (aborts in between are seen below)
                 handoffs.append((local, ev.snapshot))
                 continue

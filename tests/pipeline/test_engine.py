@@ -140,10 +140,14 @@ def test_export_import_continues_token_identically(tiny):
     src.start()
     try:
         src.submit(EngineRequest(b"x" * 16, prompt, greedy(), events.put, export_after_prefill=True))
-        ev = events.get(timeout=30)
+        first, ev = events.get(timeout=30), events.get(timeout=30)
     finally:
         src.stop()
-    assert ev.finish_reason is None and ev.snapshot is not None and ev.tokens == expected[:1]
+    # The first token comes out before the export, in an event of its own; then the KV.
+    assert first.tokens == expected[:1] and first.snapshot is None and first.finish_reason is None
+    assert first.usage.prompt_tokens == len(prompt) and first.usage.completion_tokens == 1
+    assert ev.finish_reason is None and ev.snapshot is not None and ev.tokens == []
+    assert events.empty()
     snap = ev.snapshot
     assert snap.num_computed == len(prompt) and snap.tokens == prompt + expected[:1]
     assert snap.keys[0].shape == (3, 2, 16, 16)
@@ -187,7 +191,8 @@ def test_sampled_export_import_matches_single_engine(tiny):
     q1: queue.Queue = queue.Queue()
     src.start()
     src.submit(EngineRequest(b"y" * 16, prompt, sp, q1.put, export_after_prefill=True))
-    snap = q1.get(timeout=30).snapshot
+    first, snap = q1.get(timeout=30).tokens, q1.get(timeout=30).snapshot
+    assert first == whole[:1]
     src.stop()
     q2: queue.Queue = queue.Queue()
     dst.start()

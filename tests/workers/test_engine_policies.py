@@ -52,17 +52,23 @@ def export_all(eng, ps):
     out: queue.Queue = queue.Queue()
 
     def on_event(ev):
-        emitted.append(rid[ev.request_id])
+        if ev.snapshot is not None:  # (the first token came in an event before it)
+            emitted.append(rid[ev.request_id])
         out.put(ev)
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for r, i in rid.items():  # all queued before the loop starts: batches of two
         eng.submit(EngineRequest(r, ps[i], sp, on_event, export_after_prefill=True))
     eng.start()
     try:
-        snaps = {}
-        for _ in ps:
+        snaps, firsts = {}, {}
+        while len(snaps) < len(ps):
             ev = out.get(timeout=60)
-            snaps[rid[ev.request_id]] = ev.snapshot
+            if ev.snapshot is None:
+                assert rid[ev.request_id] not in snaps and len(ev.tokens) == 1  # the first token, before its KV
+                firsts[rid[ev.request_id]] = ev.tokens
+            else:
+                assert ev.tokens == [] and firsts[rid[ev.request_id]] == ev.snapshot.tokens[-1:]
+                snaps[rid[ev.request_id]] = ev.snapshot
     finally:
         eng.stop()
     return snaps, seen_at_prefill

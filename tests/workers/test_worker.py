@@ -271,7 +271,10 @@ def test_a_prefill_worker_holds_the_cpu_gate_until_the_handoff_is_over(tmp_path)
         w.gate.prefill_started([a, b])
         for rid in (a, b):
             w.local[rid] = Local(rid, 1, 0, "prefill", 4, 0, "d0", "tcp://127.0.0.1:9")
-            w._callback(1)(TokenEvent(rid, [5], snapshot=object()))
+            on_event = w._callback(1, export=True)
+            on_event(TokenEvent(rid, [5]))  # the engine's first token, then the KV
+            assert w.gate.held
+            on_event(TokenEvent(rid, [], snapshot=object()))
         w._drain_events()
         assert w.gate.held  # first tokens out, handoffs still going
         w._handoff_outcomes([(a, None)])
