@@ -293,6 +293,10 @@ class Worker(KVHandoffs, Health):
             self.counters["refused"] += 1
             self._send(M.Refused(rid, "at_capacity", str(exc)[:500], exc.retry_after_s))
             return
+        except ValueError as exc:  # a request this model cannot run (token ids past its vocabulary, ...)
+            del self.local[rid]
+            self._send(M.Failed(rid, str(exc)[:1000], retryable=False))
+            return
         for h in prefix_hashes(list(prompt))[:32]:
             self.recent_prefixes[h] = None
             self.recent_prefixes.move_to_end(h)

@@ -291,3 +291,26 @@ def test_a_prefill_worker_holds_the_cpu_gate_until_the_handoff_is_over(tmp_path)
         w.pub.close(0)
     finally:
         ctx.destroy(0)
+
+
+def test_a_request_the_engine_rejects_fails_without_stopping_the_worker():
+    """engine.submit raises ValueError for a request the model cannot run (token ids past
+    its vocabulary): the request fails; the IO thread, which runs _dispatch, goes on."""
+    class Picky(StubEngine):
+        def submit(self, req):
+            raise ValueError("prompt token ids must be in [0, 385)")
+
+    ctx = zmq.Context()
+    try:
+        w = Worker(Picky(), settings=WorkerSettings(role="hybrid", name="h-picky"), backend="tcp://127.0.0.1:9",
+                   stream_in="tcp://127.0.0.1:9", secret=os.urandom(32), model_id="stub", ctx=ctx)
+        sent = []
+        w._send = sent.append
+        rid = os.urandom(16)
+        w._dispatch(M.Dispatch(rid, "hybrid", [40000], SamplingParams(max_tokens=2), attempt=1))
+        assert [type(m) for m in sent] == [M.Failed] and sent[0].request_id == rid and not sent[0].retryable
+        assert "385" in sent[0].error and rid not in w.local
+        w.backend.close(0)
+        w.pub.close(0)
+    finally:
+        ctx.destroy(0)
