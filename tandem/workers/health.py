@@ -62,7 +62,7 @@ class Health:
                                kv_received_bytes=self.kv_in.bytes_in if self.kv_in is not None else 0))
         # Proves to the broker that this PUB's connection to its XSUB is up: it only
         # dispatches to workers whose tokens it can actually receive.
-        self.pub.send_multipart([STREAM_PING_TOPIC, self.node_id.encode()])
+        self._pub_send([STREAM_PING_TOPIC, self.node_id.encode()])
 
     def _finish_drain(self) -> None:
         for rid, local in list(self.local.items()):

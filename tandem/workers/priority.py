@@ -14,7 +14,9 @@ take the cores when they are idle (the one-core parts of a step, the moments bet
 steps, OpenMP's threads asleep again a few ms after a step: :mod:`openmp`); with nothing
 else runnable (a handoff after the last batch, an unloaded request) they run at full
 speed, so first tokens and handoffs are not delayed there. The engine thread and the
-math library's threads keep their priority.
+math library's threads keep their priority, and so do the threads of a context from
+:func:`context_keeping_priority` (a prefill worker's token stream, whose first tokens the
+engine thread publishes: worker.py).
 """
 
 from __future__ import annotations
@@ -23,10 +25,24 @@ import logging
 import os
 import threading
 
+import zmq
+
 log = logging.getLogger("tandem.workers.priority")
 
-# libzmq names its background threads so ("ZMQbg/IO/0", "ZMQbg/Reaper").
+# libzmq names its background threads so ("ZMQbg/IO/0", "ZMQbg/Reaper"), or with a
+# context's thread name prefix (an integer in libzmq 4.3) before it: "1/ZMQbg/IO/0".
 _ZMQ_THREAD_PREFIX = "ZMQbg/"
+_KEEP_PRIORITY_PREFIX = 1
+
+
+def context_keeping_priority() -> zmq.Context:
+    """A ZeroMQ context whose threads :func:`lower_socket_threads` leaves alone (their
+    names carry a prefix): for the sockets on a latency path, such as a prefill worker's
+    token stream, whose first tokens would otherwise leave through an I/O thread at nice
+    19 competing with the math library's threads for the cores."""
+    ctx = zmq.Context(io_threads=1)
+    ctx.set(zmq.THREAD_NAME_PREFIX, _KEEP_PRIORITY_PREFIX)
+    return ctx
 
 
 def nice_for(role: str, gated: bool, setting: int) -> int | None:

@@ -314,3 +314,66 @@ def test_a_request_the_engine_rejects_fails_without_stopping_the_worker():
         w.pub.close(0)
     finally:
         ctx.destroy(0)
+
+
+def test_a_prefill_worker_publishes_first_tokens_from_the_engine_thread(tmp_path):
+    """The first token of a handed-off request goes out from the engine's callback (the IO
+    thread, at a low priority under the CPU gate, is not woken for it), on the same PUB
+    socket and sequence as the rest; the KV event that follows publishes nothing and the
+    handoff continues the stream at sequence 1. The token socket's I/O thread keeps its
+    priority when the worker lowers its socket threads."""
+    from tandem.pipeline.api import TokenEvent, Usage
+    from tandem.wire.sockets import make_socket
+    from tandem.workers import priority
+    from tandem.workers.local import Local
+
+    ctx = zmq.Context()
+    secret = os.urandom(32)
+    sub = make_socket(ctx, zmq.SUB, bind="tcp://127.0.0.1:*", security=secret, subscribe=[b""])
+    try:
+        w = Worker(StubEngine(), settings=WorkerSettings(role="prefill", name="p-first", cpu_gate=str(tmp_path / "g")),
+                   backend="tcp://127.0.0.1:9", stream_in=sub.getsockopt(zmq.LAST_ENDPOINT).decode(), secret=secret,
+                   model_id="stub", ctx=ctx)
+        deadline = time.monotonic() + 10
+        while not sub.poll(50):  # a PUB drops messages until the subscription has reached it
+            assert time.monotonic() < deadline
+            w._pub_send([STREAM_PING_TOPIC, b"p"])
+        while sub.poll(100):
+            sub.recv_multipart()
+        handed = []
+        w._hand_off = lambda local, snap: handed.append((local.request_id, local.seq))
+        rid = os.urandom(16)
+        w.local[rid] = Local(rid, 2, 0, "prefill", 3, 0, "d0", "tcp://127.0.0.1:9")
+        w.gate.prefill_started([rid])
+        on_event = w._callback(2, export=True)
+        on_event(TokenEvent(rid, [7], usage=Usage(3, 1)))
+        assert w._events.empty()  # nothing for the IO thread to publish
+        assert sub.poll(5000)
+        topic, head = sub.recv_multipart()
+        msg = codec.decode_tokens([topic[:16], head])
+        assert topic == rid + bytes((2,)) and (msg.seq, msg.tokens, msg.usage.completion_tokens) == (0, [7], 1)
+        assert w.gate.held  # the prompt keeps the cores until its handoff
+        on_event(TokenEvent(rid, [], snapshot=object()))
+        w._drain_events()
+        assert handed == [(rid, 1)] and not sub.poll(200)  # the KV event published nothing
+
+        def lowered():
+            done.extend(priority.lower_socket_threads(19))
+        done: list[int] = []
+        t = threading.Thread(target=lowered)
+        t.start()
+        t.join()
+        names = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names[int(tid)] = f.read().strip()
+        kept = [tid for tid, n in names.items() if n.endswith("ZMQbg/IO/0") and not n.startswith("ZMQbg/")]
+        assert kept and all(os.getpriority(os.PRIO_PROCESS, tid) == 0 for tid in kept) and not set(kept) & set(done)
+        w.gate.close()
+        w.gate = None
+        w.backend.close(0)
+        w.pub.close(0)
+        w._pub_ctx.term()
+    finally:
+        sub.close(0)
+        ctx.destroy(0)
