@@ -7,8 +7,20 @@ by the block ids handed out here. Every block is in exactly one of three states:
 * **free, cached**: count 0 but it holds a full block of computed tokens whose chained hash
   is registered, so a later prompt with the same prefix can take it back instead of
   recomputing it; evicted least-recently-freed first when a fresh block is needed;
-* **free, empty**: count 0, no hash; handed out lowest id first so the store's tensors
-  only grow as far as the working set needs.
+* **free, empty**: count 0, no hash.
+
+A fresh block is, in this order: the lowest empty block the KV store already holds
+(``addressable``: the store's capacity, which the engine keeps current), the oldest
+cached block (evicted), then the lowest empty block past the store. So the store, which
+grows by doubling and copies itself to do so (a 1024 -> 2048-block growth of the default
+model took 0.5-2.7 s inside an engine step), grows only when every block it holds is in
+use. (vLLM's free queue hands out the least recently freed block, cached or not, with
+the never-used ones at its head, which costs it nothing: its KV memory is allocated up
+front. Here a block past the store costs a growth, so those come last.) Handing out
+never-used blocks before evicting cached ones, as this pool did, let a long-lived
+worker's high-water mark creep up by a request's blocks per request until the store had
+doubled up to the whole budget (docs/benchmarks/disagg.md). The prefix cache holds what
+the store has room for beyond the blocks in use.
 
 A full block's hash chains its parent's hash with its own tokens, so equal hashes mean equal
 prefixes up to a hash collision, which the stored tokens rule out on every hit.
@@ -52,6 +64,9 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self.counters = PoolCounters()
         self.high_water = 0  # one past the highest block id ever handed out
+        # Blocks 0 .. addressable-1 are backed by the KV store already (all of them for
+        # a pool without one); past it a fresh block is taken only when no cached one is left.
+        self.addressable = num_blocks
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -110,7 +125,7 @@ class BlockPool:
 
     def allocate(self) -> int:
         """A block with one reference and no contents. Raises MemoryError when none is free."""
-        if self._empty:
+        if self._empty and (self._empty[0] < self.addressable or not self._cached):
             block = heapq.heappop(self._empty)
         elif self._cached:
             block, _ = self._cached.popitem(last=False)

@@ -58,6 +58,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, bs)
         if sh.pageable:
             self.store = KVStore(sh.num_layers, sh.n_kv_heads, sh.head_dim, sh.dtype, bs, num_blocks, sh.v_head_dim)
+            self.pool.addressable = self.store.capacity
             self.runner = paged_runner(model, self.store, mirror=settings.decode_mirror)
             if not settings.fast_forward:
                 self.runner.fast = None
@@ -318,6 +319,7 @@ class Engine:
         rows = plan.rows
         if self.store is not None:
             self.store.ensure_capacity(self.pool.high_water)
+            self.pool.addressable = self.store.capacity  # evict cached blocks before growing it again
             if plan.copies or any(r.seq.imported is not None for r in rows):
                 self.runner.flush()  # blocks may have changed owner since the mirror's last entries
             for src, dst in plan.copies:

@@ -68,4 +68,5 @@ def size_store_for_batch(engine) -> int:
     if store is None or pool is None or s is None or not hasattr(store, "ensure_capacity"):
         return 0
     store.ensure_capacity(min(pool.num_blocks, s.parallel * pool.blocks_for(s.prefill_chunk_size)))
+    pool.addressable = store.capacity
     return store.capacity

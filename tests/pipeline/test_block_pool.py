@@ -88,6 +88,17 @@ def test_random_operations_never_leak():
     """10,000 random submits / finishes / aborts / preemptions / forks; then everything drains."""
     rng = random.Random(1234)
     pool = BlockPool(64, 4)
+    # A KV store that starts at 4 blocks and doubles as the engine grows it: a block past
+    # it is handed out only while every block it holds is in use.
+    pool.addressable = 4
+    allocate = pool.allocate
+
+    def checked_allocate():
+        b = allocate()
+        if b >= pool.addressable:
+            assert all(pool.ref_count[x] > 0 for x in range(pool.addressable)), "the store grew with blocks to spare"
+        return b
+    pool.allocate = checked_allocate
     vocab = [0, 1, 2]  # tiny vocabulary: lots of shared prefixes
     live: dict[int, tuple[list[int], list[int], int]] = {}  # id -> (tokens, blocks, parent hash)
     next_id = 0
@@ -130,10 +141,37 @@ def test_random_operations_never_leak():
         elif live:  # finish, abort or preempt: all release every block
             sid = rng.choice(list(live))
             pool.release_all(live.pop(sid)[1])
+        if pool.high_water > pool.addressable:
+            pool.addressable = min(pool.num_blocks, max(pool.high_water, 2 * pool.addressable))
         if step % 500 == 0:
             pool.check()
+    assert pool.counters.evictions > 0
     for _, blocks, _ in live.values():
         pool.release_all(blocks)
     pool.check()
     assert all(c == 0 for c in pool.ref_count)
     assert pool.num_free == pool.num_blocks
+
+
+def test_cached_blocks_are_evicted_before_a_block_past_the_store():
+    """Blocks past ``addressable`` (the KV store's capacity) would make the store grow:
+    they come after the empty blocks it holds and after every cached block, oldest first."""
+    pool = BlockPool(8, 2)
+    pool.addressable = 6
+    a = fill(pool, list(range(8)))  # blocks 0-3, all registered
+    assert a == [0, 1, 2, 3]
+    pool.release_all(a)  # tail first: 3 is the oldest cached block, 0 the newest
+    assert pool.num_cached == 4
+    assert [pool.allocate(), pool.allocate()] == [4, 5]  # empty and inside the store: no eviction
+    assert pool.counters.evictions == 0
+    assert [pool.allocate() for _ in range(3)] == [3, 2, 1]  # then the cached ones, oldest first
+    assert pool.counters.evictions == 3 and pool.high_water == 6
+    assert pool.match_prefix(list(range(8)))[0] == [0]  # the newest (the prefix's first block) is still cached
+    assert pool.allocate() == 0  # the last cached block goes before the store would grow ...
+    assert pool.allocate() == 6 and pool.high_water == 7  # ... and only then a block past it
+    pool.check()
+    # Once the store holds them, blocks past the old capacity are ordinary empty blocks.
+    pool.addressable = 8
+    for b in (6, 5, 4):
+        pool.release(b)
+    assert pool.allocate() == 4 and pool.counters.evictions == 4

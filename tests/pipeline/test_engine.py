@@ -384,3 +384,25 @@ def test_decode_mirror_is_sized_for_the_rows_remaining_tokens(tiny):
     got = eng.generate_many([(p, params) for p in prompts])
     assert got == [oracle(tiny, p, 150, eos=()) for p in prompts]
     assert rebuilds.count(0) == 1
+
+
+def test_a_long_lived_engine_keeps_its_kv_store_at_the_working_set(tiny):
+    """Distinct prompts one after another, each leaving its full blocks in the prefix
+    cache: the pool evicts cached blocks before it hands out one past the KV store, so the
+    store stays at its first 64 blocks (the pool handed out never-used blocks first, and
+    the store doubled as the high-water mark crept up a request per request), and the
+    latest prompt still hits the cache."""
+    eng = make(tiny)
+    ps = random_prompts(20, 70, 70, seed=21)  # 5 blocks each with their 8 tokens: 100 in all
+    sp = greedy(8, ignore_eos=True)
+    assert eng.store.capacity == 64 and eng.pool.num_blocks > 128
+    eng.start()
+    try:
+        outs = [eng.generate_many([(p, sp)])[0] for p in ps]
+        hits = eng.pool.counters.prefix_hits
+        again = eng.generate_many([(ps[-1], sp)])[0]
+    finally:
+        eng.stop()
+    assert eng.store.capacity == 64 and eng.pool.high_water <= 64 and eng.pool.counters.evictions > 0
+    assert eng.pool.counters.prefix_hits == hits + 1 and again == outs[-1]
+    assert outs[0] == oracle(tiny, ps[0], 8, eos=()) and outs[-1] == oracle(tiny, ps[-1], 8, eos=())
