@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import statistics
@@ -42,7 +43,6 @@ def prompts(n, length, seed=0):
 
 async def drive(endpoints, secret, ps, concurrency, max_tokens, marks=None):
     """``marks``: a list to append (rid hex, submit, first token) monotonic times to."""
-    import os
 
     from tandem.kvtypes import SamplingParams
     from tandem.wire.client import AsyncClient
@@ -105,14 +105,16 @@ class Layout:
         self.filled = self.fill(cl, args)
 
     def fill(self, cl, args) -> int:
-        """Run enough distinct short requests through the layout that every worker's KV
-        store has grown to its pool (``--kv-budget``) before anything is measured. A store
-        starts at 64 blocks and doubles when the pool's high-water mark passes it, and the
-        high-water mark creeps up by a request's blocks per request (the prefix cache keeps
-        finished requests' blocks; the pool hands out empty ones first), so with the
-        engine's auto budget every layout's rounds 2 and 4 carried a doubling: 0.9-1.0 s at
-        512 -> 1024 blocks and 2.2-2.7 s at 1024 -> 2048 in the workers' logs, a 12 s round's
-        time moved by up to 20% in one layout or the other. Returns the requests run."""
+        """Run distinct short requests through the layout (at the loaded concurrency)
+        before anything is measured, so that every worker's KV store has grown to what the
+        rounds need and the handoff path is warm. A store starts at 64 blocks and doubles
+        when the pool's high-water mark passes it. Until 0a23b43 the high-water mark crept
+        up by a request's blocks per request (the pool handed out never-used blocks before
+        evicting cached ones), so with the engine's auto budget every layout's rounds 2 and
+        4 carried a doubling: 0.9-1.0 s at 512 -> 1024 blocks and 2.2-2.7 s at 1024 -> 2048
+        in the workers' logs, a 12 s round's time moved by up to 20% in one layout or the
+        other. Now a store grows only for blocks in use, and the fill takes it to the
+        working set of ``--concurrency`` requests. Returns the requests run."""
         if args.fill == 0:
             return 0
         n = args.fill
@@ -152,16 +154,37 @@ class Layout:
         self.c.close()
 
 
-def run_loaded(layout: Layout, args, ps, with_timeline: bool) -> dict:
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, stolen) CPU seconds of the whole machine so far, all cores (/proc/stat)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = f
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+def ours_cpu_s(live) -> float:
+    """CPU seconds so far of every process this benchmark runs (itself included)."""
+    return time.process_time() + sum(sum(lay.cpu().values()) for lay in live)
+
+
+def run_loaded(layout: Layout, args, ps, with_timeline: bool, live=()) -> dict:
     before = len(layout.handoffs()[0])
     marks = []
     cpu0 = layout.cpu()
+    (busy0, steal0), ours0 = machine_cpu_s(), ours_cpu_s(live)
     t_start = time.monotonic()
     result = layout.drive(ps, args.concurrency, args.max_tokens, marks)
     t_end = time.monotonic()
     cpu1 = layout.cpu()
+    (busy1, steal1), ours1 = machine_cpu_s(), ours_cpu_s(live)
     # CPU seconds per process during the round (against 2 cores x wall_s available).
     result["cpu_s"] = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
+    # Work outside the benchmark on the same cores (the CPU lock keeps out only those who
+    # take it): rounds 55-65% as fast as the rest of their run had their decode steps at
+    # 68-75 ms instead of 30 and a 4-prompt prefill at 3.15 s instead of 2.1, in every
+    # layout that ran at that moment (bench timeline, 21:08).
+    result["other_cpu_s"] = (busy1 - busy0) - (ours1 - ours0)
+    result["stolen_cpu_s"] = steal1 - steal0
     ms, nbytes = (x[before:] for x in layout.handoffs())
     if ms:
         result["handoff_p50_ms"] = statistics.median(ms)
@@ -270,8 +293,8 @@ def main() -> int:
                    help="each worker's engine.kv_cache_budget (default 256MiB: 364 blocks of the default model, over "
                         "twice what 8 requests in flight hold); '' = the engine's own (auto: half the free memory)")
     p.add_argument("--fill", type=int, default=-1,
-                   help="before measuring, N 4-token requests per layout so its KV stores have grown to the pool "
-                        "(-1 = enough for the pool the workers report, at most 200; 0 = none)")
+                   help="before measuring, N 4-token requests per layout so its KV stores have grown to what the "
+                        "rounds need (-1 = as many as the pool the workers report has room for, at most 200; 0 = none)")
     p.add_argument("--gate", choices=("both", "on", "off"), default="both",
                    help="disaggregated runs with worker.cpu_gate (prefill first across the two workers), without, or both")
     p.add_argument("--timeline", action="store_true",
@@ -300,7 +323,7 @@ def main() -> int:
             order = live[rnd % len(live):] + live[:rnd % len(live)]
             for lay in order:
                 time.sleep(SETTLE_S)
-                runs[lay.key].append(run_loaded(lay, args, ps, args.timeline and rnd == 0))
+                runs[lay.key].append(run_loaded(lay, args, ps, args.timeline and rnd == 0, live))
         # Unloaded: one request at a time, the same fresh prompt to each layout in turn.
         # The order rotates per prompt, as the rounds' does: whichever layout goes first
         # after the others ran is not always the same one.
@@ -352,7 +375,7 @@ def main() -> int:
         f"{result['load_avg_1m']:.1f} at the end), default model unless --model. {args.requests} requests, "
         f"{args.concurrency} in flight, {args.prompt_tokens}-token prompts, {args.max_tokens} generated tokens each, "
         f"temperature 0. Each layout has its own broker and workers, all started at once (KV pool "
-        f"{args.kv_budget or 'auto'}, each store grown to it first by {live_fill} {FILL_TOKENS}-token requests); loaded rows are medians of {args.rounds} rounds (fresh prompts per round, layout order rotated). "
+        f"{args.kv_budget or 'auto'}, every layout warmed first by {live_fill} {FILL_TOKENS}-token requests at the loaded concurrency); loaded rows are medians of {args.rounds} rounds (fresh prompts per round, layout order rotated). "
         "TTFT is submit -> first token at the client.\n",
         f"Command: `{cmd}`\n",
     ]
@@ -390,6 +413,13 @@ def main() -> int:
         wall = statistics.median(rr["wall_s"] for rr in r["rounds"])
         cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s_per_round"].items())
         md.append(f"| {name} | " + " | ".join(cells) + f" | {cpu} (wall {wall:.2f} s) |")
+    md += ["\nCPU seconds used on the machine during each round by processes outside this benchmark "
+           "(all cores' busy time from /proc/stat minus this benchmark's processes; and time stolen by the "
+           "hypervisor). A round with seconds of it shared the cores with other work:\n",
+           "| layout | " + " | ".join(f"round {i + 1}" for i in range(args.rounds)) + " |", "|---|" + "---:|" * args.rounds]
+    for name, key, r in layouts:
+        md.append(f"| {name} | " + " | ".join(f"{rr['other_cpu_s']:.1f}" + (f" (+{rr['stolen_cpu_s']:.1f} stolen)" if rr['stolen_cpu_s'] >= 0.05 else "")
+                                              for rr in r["rounds"]) + " |")
     if args.unloaded:
         md += [f"\nUnloaded: {args.unloaded} fresh prompts one at a time (concurrency 1), each sent to every layout "
                "in turn, the order rotated per prompt (all layouts are up; the others idle), so each prompt gives a pair:\n",
