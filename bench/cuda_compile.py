@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tandem.kernels import paged_attention_cuda as pac  # noqa: E402
 from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels import qgemv as qg  # noqa: E402
+from tandem.kernels import w4mma  # noqa: E402
 
 PRELUDE = """
 #include <cuda_fp16.h>
@@ -84,6 +85,18 @@ def attention_variants():
                                                   ins, [("q_out", "T"), ("k_out", "T")], t)
 
 
+def w4mma_variants():
+    ins = [("x", "__half"), ("w", "uint32_t"), ("scales", "__half"), ("biases", "__half"), ("res", "__half")]
+    for mt in (1, 2, 4, 8):
+        for atomic in (False, True):
+            t = [("int", "MT", str(mt)), ("int", "RT", str(w4mma.row_tiles(mt))), ("int", "NW", "4"),
+                 ("int", "ST", str(w4mma.stages(mt))), ("int", "GS", "64"),
+                 ("bool", "ATOMIC", str(atomic).lower()), ("bool", "RES", "true"), ("bool", "LOADS_ONLY", "false")]
+            outs = [("y", "float" if atomic else "__half")]
+            yield (f"w4mma mt={mt} atomic={atomic}",
+                   variant("tandem_w4mma", w4mma._SOURCE, w4mma._HEADER, ins, outs, t))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
@@ -96,7 +109,7 @@ def main() -> int:
     work = Path(args.keep or tempfile.mkdtemp(prefix="tandem-cu-"))
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for i, (label, code) in enumerate([*qgemv_variants(), *attention_variants()]):
+    for i, (label, code) in enumerate([*qgemv_variants(), *attention_variants(), *w4mma_variants()]):
         cu = work / f"k{i}.cu"
         cu.write_text(code)
         p = subprocess.run([nvcc, "-std=c++17", f"-arch={args.arch}", "-cubin", "-o", str(cu.with_suffix(".cubin")),
