@@ -111,7 +111,7 @@ def timed(fn, iters: int = 50) -> float:
     return best
 
 
-def gpu_us(fn, match: str, iters: int = 20) -> float:
+def gpu_us(fn, match: str, iters: int = 20, serial: bool = False) -> float:
     """GPU time per call (CUPTI, us): the kernels whose name contains ``match``, summed
     over ``iters`` calls, divided by ``iters``; nan without torch. Wall time per queued call includes MLX's per-op
     cost (~7 us for a custom kernel, ``floor``), which hides a small kernel's own time."""
@@ -122,8 +122,11 @@ def gpu_us(fn, match: str, iters: int = 20) -> float:
     mx.eval(fn())
     mx.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        outs = [fn() for _ in range(iters)]
-        mx.eval(outs)
+        if serial:  # one call at a time: independent calls in one graph may overlap
+            for _ in range(iters):
+                mx.eval(fn())
+        else:
+            mx.eval([fn() for _ in range(iters)])
         mx.synchronize()
     path = Path("/tmp/gpu_probe_kernel_trace.json")
     prof.export_chrome_trace(str(path))
@@ -182,6 +185,55 @@ def section_qgemv() -> None:
                                      "gpu_us": gpu, "bytes": nbytes, "rel_err": err})
             log(f"{name:34s} {label:>18s} {t * 1e6:8.1f} {gpu:7.1f} {nbytes / gpu / 1e6:6.2f} {err:8.1e}")
         del wq, sc, bi
+        mx.clear_cache()
+
+
+def section_w4mma(rows_list=(8, 16, 32, 64), products: str = "qkv,o,gate/up,down") -> None:
+    """The tensor-core 4-bit product against the dense fp16 GEMM it would replace and MLX's
+    own 4-bit GEMM, at the 8B model's products and decode batch sizes; and its K split."""
+    from tandem.kernels import w4mma
+    RESULTS["w4mma"] = []
+    log("\n== 4-bit tensor-core products (us per call, 50 queued; gpu: CUPTI time of all kernels, one call at a time)")
+    log(f"{'product':22s} {'rows':>4s} {'variant':>10s} {'wall':>8s} {'gpu':>7s} {'TB/s':>6s} {'rel err':>8s}")
+    mx.random.seed(0)
+    for name, n, k in [("qkv 6144x4096", 6144, 4096), ("o 4096x4096", 4096, 4096),
+                       ("gate/up 28672x4096", 28672, 4096), ("down 4096x14336", 4096, 14336)]:
+        if name.split()[0] not in products.split(","):
+            continue
+        w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
+        wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
+        wd = mx.dequantize(wq, sc, bi, group_size=64, bits=4).astype(mx.float16)
+        del w
+        mx.eval(wq, sc, bi, wd)
+        qbytes = wq.nbytes + sc.nbytes + bi.nbytes
+        for m in rows_list:
+            x = mx.random.normal((m, k)).astype(mx.float16)
+            mx.eval(x)
+            want = w4mma.w4_matmul_reference(x, wq, sc, bi, 64)
+            ks = w4mma.k_splits(n, k, next(b for b in (1, 2, 4, 8) if 8 * b >= m))
+            variants = [("fp16", lambda x=x: x @ wd.T, wd.nbytes),
+                        ("mlx4bit", lambda x=x: mx.quantized_matmul(x, wq, sc, bi, transpose=True,
+                                                                   group_size=64, bits=4), qbytes)]
+            for split in sorted({1, max(1, ks // 2), ks, ks * 2}):
+                variants.append((f"w4 ks{split}", lambda x=x, split=split: w4mma.w4_matmul(
+                    x, wq, sc, bi, 64, splits=split), qbytes))
+            variants.append((f"loads ks{ks}", lambda x=x: w4mma.w4_matmul(
+                x, wq, sc, bi, 64, splits=ks, loads_only=True), qbytes))
+            for label, fn, nbytes in variants:
+                try:
+                    got = fn()
+                    err = float("nan") if label.startswith("loads") else (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
+                           / (mx.abs(want.astype(mx.float32)).max() + 1e-6)).item()
+                    t = timed(fn)
+                    gpu = gpu_us(fn, "", serial=True)  # every kernel of a call: fill and cast too
+                except Exception as e:  # noqa: BLE001 - a failed variant must not cost the rest
+                    log(f"{name:22s} {m:4d} {label:>10s} failed: {type(e).__name__}: {e}"[:600])
+                    continue
+                RESULTS["w4mma"].append({"product": name, "rows": m, "variant": label, "wall_us": t * 1e6,
+                                         "gpu_us": gpu, "bytes": nbytes, "rel_err": err})
+                bw = nbytes / gpu / 1e6
+                log(f"{name:22s} {m:4d} {label:>10s} {t * 1e6:8.1f} {gpu:7.1f} {bw:6.2f} {err:8.1e}")
+        del wq, sc, bi, wd
         mx.clear_cache()
 
 
@@ -442,6 +494,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--format", default="dual")
+    ap.add_argument("--w4-rows", default="8,16,32,64")
+    ap.add_argument("--w4-products", default="qkv,o,gate/up,down")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
     args = ap.parse_args()
@@ -455,6 +509,8 @@ def main() -> int:
         section_qgemv()
     if "attention" in secs:
         section_attention()
+    if "w4mma" in secs:
+        section_w4mma(tuple(int(r) for r in args.w4_rows.split(",")), args.w4_products)
     if "engine-trace" in secs:
         section_engine_trace(args.layers, [int(b) for b in args.batches.split(",")], out)
     if "trace" in secs:

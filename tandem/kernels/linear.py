@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from tandem.kernels import qgemv as qg
 from tandem.kernels import quantized_matmul as qmm
+from tandem.kernels import w4mma
 
 try:  # the same compiled activation the mlx-lm models use, so results match them exactly
     from mlx_lm.models.activations import swiglu as _swiglu
@@ -60,6 +61,13 @@ QGEMV_FUSE_NORM = os.environ.get("TANDEM_QGEMV_FUSE_NORM", "0") == "1"
 shape, engine batch 1, two alternating rounds): 223 / 189 tok/s fused, 241 / 235 with the
 separate norm. CUPTI put the fused-norm qkv product at 26 us against 7 us for the
 same-sized o product."""
+
+W4MMA_MAX_ROWS = int(os.environ.get("TANDEM_W4MMA_MAX_ROWS", "8"))
+"""Most rows for which a layer holding 4-bit weights multiplies them on the tensor cores
+(``w4mma``, large products only) rather than with the dense fp16 GEMM; 0 turns the kernel
+off (A/B runs). H200 engine, 8B shape, alternating processes: batch 6 1,034 / 1,067 tok/s
+against 984 / 945 off, batch 8 1,219 / 1,355 against 1,212 / 1,238; at batch 16 the
+kernel lost (1,912 / 1,880 against 2,157 / 1,953), so 16 rows stay on the dense GEMM."""
 
 QUANTIZED_MAX_ROWS = 4096
 """Most rows handed to one quantized matmul (4,096 = 8 x 512 ran in the H200 measurements;
@@ -120,6 +128,21 @@ class FlatLinear(nn.Module):
     def output_dims(self) -> int:
         return (self["weight"] if self.has_dense else self["qweight"]).shape[0]
 
+    def _w4mma_applies(self, x2: mx.array) -> bool:
+        # Against a dense copy the kernel wins only for large products up to W4MMA_MAX_ROWS;
+        # without one its alternative is MLX's 4-bit GEMM, which it beats up to its limit.
+        rows = x2.shape[0]
+        limit = W4MMA_MAX_ROWS if self.has_dense else w4mma.MAX_ROWS
+        return (W4MMA_MAX_ROWS > 0 and self.small_rows < rows <= limit and self.has_quantized
+                and "bias" not in self and qmm.cuda_available()
+                and w4mma.supports(rows, self["qweight"], self["scales"], self.get("biases"), x2.dtype,
+                                   self.group_size, self.bits, self.mode, against_dense=self.has_dense))
+
+    def _w4mma(self, x2: mx.array, residual: mx.array | None = None) -> mx.array:
+        _note_path("cuda-w4mma-4bit")
+        return w4mma.w4_matmul(x2, self["qweight"], self["scales"], self["biases"], self.group_size,
+                               residual=residual)
+
     def _quantized(self, x2: mx.array) -> mx.array:
         rows = x2.shape[0]
         w, s, b = self["qweight"], self["scales"], self.get("biases")
@@ -127,6 +150,8 @@ class FlatLinear(nn.Module):
                 and qmm.kernel_supports(rows, w, s, x2.dtype, self.group_size, self.bits, self.mode)):
             _note_path(f"cuda-multirow-{self.bits}bit")
             return qmm.quantized_matmul_cuda(x2, w, s, b, self.group_size, self.bits)
+        if self._w4mma_applies(x2):
+            return self._w4mma(x2)
         _note_path(f"mlx-quantized-{self.bits}bit")
         outs = []
         for i in range(0, rows, QUANTIZED_MAX_ROWS):
@@ -170,6 +195,8 @@ class FlatLinear(nn.Module):
             x2 = _swiglu(x2[:, :k], x2[:, k:])
         if norm_weight is not None:
             x2 = mx.fast.rms_norm(x2, norm_weight, eps)
+        if self._w4mma_applies(x2):
+            return self._w4mma(x2, residual)
         if (residual is not None and "bias" not in self and self.has_dense
                 and not (self.has_quantized and rows <= self.small_rows)):
             # One GEMM with the residual as its C operand: one op less per call (MLX's
@@ -208,7 +235,8 @@ class FlatLinear(nn.Module):
         lead = x.shape[:-1]
         rows = math.prod(lead)
         x2 = x.reshape(rows, x.shape[-1])
-        if self.has_quantized and (not self.has_dense or rows <= self.small_rows):
+        if self.has_quantized and (not self.has_dense or rows <= self.small_rows
+                                   or self._w4mma_applies(x2)):
             y = self._quantized(x2)
         else:
             w = self["weight"]

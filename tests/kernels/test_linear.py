@@ -7,7 +7,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
-from tandem.kernels import linear
+from tandem.kernels import linear, w4mma
 from tandem.kernels.linear import FlatLinear, flatten_linears, fuse_linears, choose_weight_format
 
 
@@ -116,7 +116,8 @@ def test_fused_call_falls_back_to_the_separate_ops():
 @pytest.mark.timeout(120, method="thread")
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])
 def test_cuda_dual_layer_matches_dequantized_product(rows):
-    """dual: the multirow kernel (<= 4 rows) and the dense GEMM (more) give the same product."""
+    """dual: the multirow kernel (<= 4 rows), the tensor-core 4-bit kernel (up to
+    W4MMA_MAX_ROWS) and the dense GEMM (more) give the same product."""
     mx.random.seed(rows)
     w = (mx.random.normal((512, 1024)) / 32).astype(mx.float16)
     q = nn.QuantizedLinear.from_linear(_linear_with(w), group_size=64, bits=4)
@@ -130,7 +131,9 @@ def test_cuda_dual_layer_matches_dequantized_product(rows):
            / mx.abs(want.astype(mx.float32)).max()).item()
     assert err < 5e-3
     used = linear.paths_used()
-    assert ("cuda-multirow-4bit" if rows <= 4 else "dense-float16") in used
+    want_path = ("cuda-multirow-4bit" if rows <= 4 else "cuda-w4mma-4bit"
+                 if rows <= linear.W4MMA_MAX_ROWS and w4mma.MIN_WEIGHTS <= 512 * 1024 else "dense-float16")
+    assert want_path in used
 
 
 def _linear_with(w):
@@ -167,3 +170,25 @@ def test_cuda_fused_layer_matches_separate_ops(rows):
     gf = gu.astype(mx.float32)
     act = gf[:, :K] * mx.sigmoid(gf[:, :K]) * gf[:, K:]
     assert rel(flat.fused(gu, swiglu=True, residual=res), act @ wd.T + res.astype(mx.float32)) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not linear.qmm.cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(120, method="thread")
+def test_cuda_dual_layer_uses_the_tensor_core_kernel_between_multirow_and_dense(monkeypatch):
+    monkeypatch.setattr(w4mma, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(linear, "W4MMA_MAX_ROWS", 8)
+    mx.random.seed(12)
+    w = (mx.random.normal((512, 1024)) / 32).astype(mx.float16)
+    q = nn.QuantizedLinear.from_linear(_linear_with(w), group_size=64, bits=4)
+    flat = linear._from_module(q, "dual", mx.float16, 4)
+    rows = min(linear.W4MMA_MAX_ROWS, 7)
+    x = mx.random.normal((rows, 1024)).astype(mx.float16)
+    res = mx.random.normal((rows, 512)).astype(mx.float16)
+    wd = mx.dequantize(q.weight, q.scales, q.biases, group_size=64, bits=4).astype(mx.float32)
+    want = (x.astype(mx.float32) @ wd.T + res.astype(mx.float32)).astype(mx.float16)
+    got = flat.fused(x, residual=res)
+    err = (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
+           / mx.abs(want.astype(mx.float32)).max()).item()
+    assert err < 5e-3
+    assert "cuda-w4mma-4bit" in linear.paths_used()
