@@ -72,10 +72,6 @@ __device__ __forceinline__ void w4_cp(void* smem, const void* gmem, bool valid) 
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" :: "r"(s), "l"(gmem), "n"(BYTES), "r"(valid ? BYTES : 0));
 }
-// Packed layout (``pack``): the 64 rows x one 128-wide chunk of a tile are contiguous.
-__device__ __forceinline__ size_t w4_tile_row(int row, int c, int chunks) {
-  return (((size_t)(row >> 6) * chunks + c) << 6) + (row & 63);
-}
 __device__ __forceinline__ void w4_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int LEFT>
 __device__ __forceinline__ void w4_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(LEFT)); }
@@ -83,8 +79,7 @@ __device__ __forceinline__ void w4_cp_wait() { asm volatile("cp.async.wait_group
 
 # Templates: MT (tiles of 8 input rows), RT (tiles of 16 weight rows per warp), NW (warps),
 # ST (pipeline stages), GS (group size, 32 or 64), ATOMIC (fp32 result added into by every
-# K split), RES (+ residual), PACKED (weights, scales and biases in ``pack``'s tile order),
-# LOADS_ONLY (bench/gpu_probe.py: the loads without the math).
+# K split), RES (+ residual), LOADS_ONLY (bench/gpu_probe.py: the loads without the math).
 #
 # Every 128-wide chunk of K goes through shared memory by cp.async: the input rows, the
 # block's weight pieces and its scales and biases, ST - 1 chunks ahead of the one the warps
@@ -122,13 +117,11 @@ _SOURCE = r"""
     }
     for (int i = threadIdx.x; i < WP; i += NW * 32) {
       const int r = i >> 2, pc = i & 3;
-      const size_t piece = PACKED ? w4_tile_row(brow + r, c, chunks) * 4 + pc : (size_t)(brow + r) * WV + c * 4 + pc;
-      w4_cp<16>(&ws[st][r][pc], reinterpret_cast<const uint4*>(w) + piece, true);
+      w4_cp<16>(&ws[st][r][pc], reinterpret_cast<const uint4*>(w) + (size_t)(brow + r) * WV + c * 4 + pc, true);
     }
     for (int i = threadIdx.x; i < 2 * ROWS; i += NW * 32) {
       const int r = i % ROWS;
-      const size_t at = PACKED ? w4_tile_row(brow + r, c, chunks) * (128 / GS) : (size_t)(brow + r) * G + c * (128 / GS);
-      const __half* src = (i < ROWS ? scales : biases) + at;
+      const __half* src = (i < ROWS ? scales : biases) + (size_t)(brow + r) * G + c * (128 / GS);
       w4_cp<SB>(i < ROWS ? (void*)&ss[st][r] : (void*)&bs[st][r], src, true);
     }
   };
@@ -281,12 +274,11 @@ def k_splits(n: int, k: int, mt: int) -> int:
 
 def w4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
               group_size: int = 64, *, residual: mx.array | None = None,
-              splits: int | None = None, packed: bool = False, loads_only: bool = False) -> mx.array:
+              splits: int | None = None, loads_only: bool = False) -> mx.array:
     """``x @ dequantize(w).T [+ residual]`` for fp16 ``x`` of 1-64 rows (see ``supports``).
 
-    x: (M, K); w: (N, K/8) uint32; scales, biases: (N, K/group_size) fp16, in MLX's
-    layout or, with ``packed``, as ``pack`` returns them; residual: (M, N) or None.
-    Returns (M, N) fp16.
+    x: (M, K); w: (N, K/8) uint32; scales, biases: (N, K/group_size) fp16;
+    residual: (M, N) or None. Returns (M, N) fp16.
     """
     m, k = x.shape
     n = w.shape[0]
@@ -303,7 +295,7 @@ def w4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
     (y,) = _kernel(shared_bytes(mt, rt, st))(
         inputs=[x, w, scales, biases, residual if residual is not None else qmm._dummy(mx.float16)],
         template=[("MT", mt), ("RT", rt), ("NW", _WARPS), ("ST", st), ("GS", group_size), ("ATOMIC", atomic),
-                  ("PACKED", packed), ("LOADS_ONLY", loads_only),
+                  ("LOADS_ONLY", loads_only),
                   ("RES", residual is not None)],
         grid=(n // (_WARPS * rt * 16) * _WARPS * 32, ks, 1),
         threadgroup=(_WARPS * 32, 1, 1),
@@ -312,20 +304,6 @@ def w4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
         **kw,
     )
     return y.astype(mx.float16) if atomic else y
-
-
-def pack(w: mx.array, scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """The weights, scales and biases reordered so that each 64-row x 128-column tile is
-    contiguous (shapes unchanged): a block's chunk is then one 4 KB run of memory instead
-    of 64 pieces of 64 bytes a row length apart."""
-    n, words = w.shape
-    chunks = words // 16
-    per = scales.shape[1] // chunks
-
-    def tiles(a, width):
-        return mx.contiguous(a.reshape(n // 64, 64, chunks, width).transpose(0, 2, 1, 3)).reshape(n, -1)
-
-    return tiles(w, 16), tiles(scales, per), tiles(biases, per)
 
 
 def w4_matmul_reference(x, w, scales, biases, group_size: int = 64, *, residual=None):
