@@ -35,7 +35,8 @@ import mlx.core as mx
 from tandem.kernels import quantized_matmul as qmm
 
 MAX_ROWS = 64
-"""At 128 rows the double-buffered input (64 KB) would not fit static shared memory."""
+"""Input rows one call takes: at 128 the accumulators of two row tiles alone would take 128
+registers a thread, and from 32 rows on the dense GEMM is faster anyway."""
 _WARPS = int(os.environ.get("TANDEM_W4MMA_WARPS", "4"))
 TARGET_BLOCKS = int(os.environ.get("TANDEM_W4MMA_BLOCKS", "528"))
 """Blocks a product should spread over (4 per SM of an H200); fewer row blocks than this
@@ -245,10 +246,8 @@ def stages(mt: int) -> int:
 
 def row_tiles(mt: int) -> int:
     """Weight-row tiles per warp: 2 reuses each input read for 32 rows; up to 16 input rows
-    1, for twice the warps (their loads in flight, not the arithmetic, bound them)."""
+    1, for twice the warps and their loads in flight."""
     return 1 if mt <= 2 else 2
-
-
 
 
 def supports(rows: int, w: mx.array, scales: mx.array, biases, x_dtype, group_size: int,
