@@ -165,7 +165,7 @@ static void run_job(part_fn fn, void *ctx, long threads) {
     pthread_mutex_unlock(&call_mu);
 }
 
-/* ---- 4-bit rows expanded to fp32, then a 2-row x up-to-8-column register tile ---- */
+/* ---- 4-bit rows expanded to fp32, then a 3-row x up-to-8-column register tile ---- */
 static inline __m512 round_half(__m512 v) {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
@@ -271,33 +271,44 @@ static inline __m512 sum16(const __m512 *v) {
     return _mm512_permutexvar_ps(back, d);
 }
 
-/* out[c] = row0 . x_c and out[8 + c] = row1 . x_c for the MC columns x_c (rows of x).
-   Each step of 16 weights also asks for pf->per lines of the next row pair's bytes,
-   from line `line`: spread over the multiplies, the next expansion finds its bytes in
-   L1 (asked for all at once before the expansion, as before, a 16-row product of
-   weights streamed from memory ran ~20% slower than on weights in cache). */
-static inline __attribute__((always_inline)) void tile(const float *restrict w0, const float *restrict w1,
-                                                        const float *restrict x, long k, int MC, float *out,
-                                                        const pfspan *pf, long line) {
-    __m512 acc[16];
+/* out[8 * i + c] = row i . x_c for the R = 3 rows of w (k floats each) and the MC
+   columns x_c (rows of x): 24 accumulators, each x vector loaded once for three rows
+   (two rows: 16, and 30 layers' products single-threaded took 64 instead of 55 ms,
+   the loads of x from L2 being the limit at 1,536 columns). Each step of 16 weights
+   also asks for pf->per lines of the next rows' bytes, from line `line`: spread over
+   the multiplies, the next expansion finds its bytes in L1 (asked for all at once
+   before the expansion, a 16-row product of weights streamed from memory ran ~20%
+   slower than on weights in cache). */
+enum { R = 3 };  /* the tile below is written for 3 */
+static inline __attribute__((always_inline)) void tile(const float *restrict w, const float *restrict x, long k,
+                                                        int MC, float *out, const pfspan *pf, long line) {
+    __m512 acc[16], acc2[8];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < 8; i++) acc2[i] = _mm512_setzero_ps();
     for (long t = 0; t < k; t += 16, line += pf->per) {
         for (long p = 0; p < pf->per; p++) prefetch_line(pf, line + p);
-        const __m512 u = _mm512_loadu_ps(w0 + t), v = _mm512_loadu_ps(w1 + t);
+        const __m512 u = _mm512_loadu_ps(w + t), v = _mm512_loadu_ps(w + k + t), z = _mm512_loadu_ps(w + 2 * k + t);
 #pragma GCC unroll 8
         for (int c = 0; c < MC; c++) {
             __m512 xc = _mm512_loadu_ps(x + c * k + t);
-            __asm__("" : "+v"(xc));  /* one load for both rows (GCC would fold it into each FMA) */
+            __asm__("" : "+v"(xc));  /* one load for every row (GCC would fold it into each FMA) */
             acc[c] = _mm512_fmadd_ps(u, xc, acc[c]);
             acc[8 + c] = _mm512_fmadd_ps(v, xc, acc[8 + c]);
+            acc2[c] = _mm512_fmadd_ps(z, xc, acc2[c]);
         }
     }
+    /* Each sum is the same tree of its 16 lanes whichever way it is taken (sum16 sums each
+       vector on its own; _mm512_reduce_add_ps takes the same halves in the same order). */
     if (MC == 8) {
         _mm512_storeu_ps(out, sum16(acc));
+        __m512 v2[16];
+        for (int c = 0; c < 8; c++) v2[c] = v2[8 + c] = acc2[c];
+        _mm512_storeu_ps(out + 16, sum16(v2));  /* out has room for the second copy */
     } else {
         for (int c = 0; c < MC; c++) {
             out[c] = _mm512_reduce_add_ps(acc[c]);
             out[8 + c] = _mm512_reduce_add_ps(acc[8 + c]);
+            out[16 + c] = _mm512_reduce_add_ps(acc2[c]);
         }
     }
 }
@@ -321,9 +332,8 @@ static void mm_rows(const mm_job *j, long lo, long hi, float *buf);
 static void mm_part(void *arg, long part, long parts) {
     mm_job *j = arg;
     const long n = j->w->n, k = j->w->k;
-    long chunk = (n / (parts * CHUNKS_PER_THREAD) + 1) & ~1L;
-    if (chunk < 2) chunk = 2;
-    float *buf = aligned_alloc(64, sizeof(float) * 2 * k);
+    long chunk = (n / (parts * CHUNKS_PER_THREAD) + R) / R * R;
+    float *buf = aligned_alloc(64, sizeof(float) * R * k);
     if (!buf) return;  /* leaves rows unwritten: cannot happen for the sizes used */
     for (;;) {
         const long c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
@@ -336,42 +346,40 @@ static void mm_part(void *arg, long part, long parts) {
 static void mm_rows(const mm_job *j, long lo, long hi, float *buf) {
     const q4mat *w = j->w;
     const long n = w->n, k = w->k;
-    float out[16];
+    float out[8 * R + 8];
     /* Columns in blocks of COLS, so that a block of x stays in the core's L2 while every
-       row pair passes over it (a prefill's x is megabytes); a row pair is expanded once
+       row group passes over it (a prefill's x is megabytes); a row group is expanded once
        per block, which costs little next to COLS columns of multiplies. */
     enum { COLS = 64 };
     for (long cb = 0; cb < j->m; cb += COLS)
-    for (long r = lo; r < hi; r += 2) {
-        const long r1 = r + 1 < n ? r + 1 : r;
+    for (long r = lo; r < hi; r += R) {
         const long ce = cb + COLS < j->m ? cb + COLS : j->m;
-        /* the next pair's bytes, spread over this pair's steps of 16 weights */
-        pfspan pf = row_bytes(w, r + 2, 2);
+        /* the next rows' bytes, spread over these rows' steps of 16 weights */
+        pfspan pf = row_bytes(w, r + R, R);
         const long steps = (ce - cb + 7) / 8 * (k / 16);
         pf.per = ((pf.na + pf.nb + 63) / 64 + steps - 1) / steps;
-        if (r == lo) {  /* the first pair of a chunk was asked for by nobody */
-            const pfspan first = row_bytes(w, r, 2);
+        if (r == lo) {  /* the first rows of a chunk were asked for by nobody */
+            const pfspan first = row_bytes(w, r, R);
             for (long i = 0; i * 64 < first.na + first.nb; i++) prefetch_line(&first, i);
         }
-        expand_row(w, r, buf);
-        expand_row(w, r1, buf + k);
+        for (int i = 0; i < R; i++) expand_row(w, r + i < n ? r + i : n - 1, buf + i * k);
         for (long c0 = cb; c0 < ce; c0 += 8) {
             const int mc = ce - c0 < 8 ? (int)(ce - c0) : 8;
             const float *xc = j->x + c0 * k;
             const long line = (c0 - cb) / 8 * (k / 16) * pf.per;
             switch (mc) {
-                case 8: tile(buf, buf + k, xc, k, 8, out, &pf, line); break;
-                case 7: tile(buf, buf + k, xc, k, 7, out, &pf, line); break;
-                case 6: tile(buf, buf + k, xc, k, 6, out, &pf, line); break;
-                case 5: tile(buf, buf + k, xc, k, 5, out, &pf, line); break;
-                case 4: tile(buf, buf + k, xc, k, 4, out, &pf, line); break;
-                case 3: tile(buf, buf + k, xc, k, 3, out, &pf, line); break;
-                case 2: tile(buf, buf + k, xc, k, 2, out, &pf, line); break;
-                default: tile(buf, buf + k, xc, k, 1, out, &pf, line); break;
+                case 8: tile(buf, xc, k, 8, out, &pf, line); break;
+                case 7: tile(buf, xc, k, 7, out, &pf, line); break;
+                case 6: tile(buf, xc, k, 6, out, &pf, line); break;
+                case 5: tile(buf, xc, k, 5, out, &pf, line); break;
+                case 4: tile(buf, xc, k, 4, out, &pf, line); break;
+                case 3: tile(buf, xc, k, 3, out, &pf, line); break;
+                case 2: tile(buf, xc, k, 2, out, &pf, line); break;
+                default: tile(buf, xc, k, 1, out, &pf, line); break;
             }
             for (int c = 0; c < mc; c++) {
                 float *y = j->y + (c0 + c) * j->ldy;
-                for (int h = 0; h < 2 && r + h < n; h++) {
+                for (int h = 0; h < R && r + h < n; h++) {
                     float s = out[8 * h + c];
                     if (j->bias) s += j->bias[r + h];
                     y[r + h] = j->accumulate ? y[r + h] + s : s;
