@@ -420,15 +420,25 @@ static void rms_norm(const float *x, const float *wt, float *out, long b, long n
 }
 
 typedef struct {
-    const float *qkv;
+    float *qkv;
     float *const *kmir, *const *vmir;
     float *o;
     const int *lens;
     const long *order;  /* pairs, longest rows first */
     long npairs, layer, hq, hkv, d, cap, ld, maxlen;
     float scale;
+    const float *cos_t, *sin_t;  /* (B, d/2) */
     atomic_long next;
 } at_job;
+
+/* RoPE of one head (d values) by a row's cos/sin (d/2 each), in place. */
+static inline void rope_head(float *v, const float *c, const float *s, long half) {
+    for (long i = 0; i < half; i++) {
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c[i] - x2 * s[i];
+        v[i + half] = x1 * s[i] + x2 * c[i];
+    }
+}
 
 static void at_part(void *arg, long part, long parts) {
     at_job *j = arg;
@@ -442,9 +452,16 @@ static void at_part(void *arg, long part, long parts) {
         const long at = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (at >= j->npairs) break;
         const long bh = j->order[at];
-        const long b = bh / j->hkv, g = bh % j->hkv, n = j->lens[b];
-        const float *K = j->kmir[j->layer] + bh * j->cap * d, *V = j->vmir[j->layer] + bh * j->cap * d;
-        const float *Q = j->qkv + b * j->ld + g * rep * d;
+        const long b = bh / j->hkv, g = bh % j->hkv, n = j->lens[b], half = d / 2;
+        float *K = j->kmir[j->layer] + bh * j->cap * d, *V = j->vmir[j->layer] + bh * j->cap * d;
+        float *row = j->qkv + b * j->ld, *Q = row + g * rep * d, *newk = row + (j->hq + g) * d;
+        /* this pair's RoPE and KV append here, in parallel, rather than for every row
+           on the caller's thread before the job */
+        const float *c = j->cos_t + b * half, *sn = j->sin_t + b * half;
+        for (long r = 0; r < rep; r++) rope_head(Q + r * d, c, sn, half);
+        rope_head(newk, c, sn, half);
+        memcpy(K + (n - 1) * d, newk, sizeof(float) * d);
+        memcpy(V + (n - 1) * d, row + (j->hq + j->hkv + g) * d, sizeof(float) * d);
         float *O = j->o + b * j->hq * d + g * rep * d;
         if (d == 64 && rep == 3) attend_pair(Q, K, V, O, n, 3, 64, j->scale, s, s + rep * j->maxlen);
         else if (d == 64) attend_pair(Q, K, V, O, n, rep, 64, j->scale, s, s + rep * j->maxlen);
@@ -543,7 +560,7 @@ int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const floa
                    float *x, long B, long hidden, long hq, long hkv, long d, long inter,
                    const float *cos_t, const float *sin_t, float *const *kmir, float *const *vmir,
                    const int *lens, long cap, float eps, float scale, float *logits, long threads) {
-    const long F = (hq + 2 * hkv) * d, half = d / 2;
+    const long F = (hq + 2 * hkv) * d;
     long maxlen = 1;
     for (long b = 0; b < B; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
     float *h = malloc(sizeof(float) * B * (hidden + F + hq * d + 3 * inter));
@@ -569,24 +586,8 @@ int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const floa
         PROF(0);
         matmul(&L->qkv, h, B, qkv, F, 0, L->qkv_bias, threads);
         PROF(1);
-        for (long b = 0; b < B; b++) {
-            const float *c = cos_t + b * half, *s = sin_t + b * half;
-            for (long hh = 0; hh < hq + hkv; hh++) {
-                float *v = qkv + b * F + hh * d;
-                for (long i = 0; i < half; i++) {
-                    const float x1 = v[i], x2 = v[i + half];
-                    v[i] = x1 * c[i] - x2 * s[i];
-                    v[i + half] = x1 * s[i] + x2 * c[i];
-                }
-            }
-            const long pos = lens[b] - 1;
-            for (long g = 0; g < hkv; g++) {
-                memcpy(kmir[l] + ((b * hkv + g) * cap + pos) * d, qkv + b * F + (hq + g) * d, sizeof(float) * d);
-                memcpy(vmir[l] + ((b * hkv + g) * cap + pos) * d, qkv + b * F + (hq + hkv + g) * d, sizeof(float) * d);
-            }
-        }
         PROF(2);
-        at_job aj = {qkv, kmir, vmir, o, lens, order, B * hkv, l, hq, hkv, d, cap, F, maxlen, scale, 0};
+        at_job aj = {qkv, kmir, vmir, o, lens, order, B * hkv, l, hq, hkv, d, cap, F, maxlen, scale, cos_t, sin_t, 0};
         parallel(at_part, &aj, threads);
         PROF(3);
         matmul(&L->o, o, B, x, hidden, 1, NULL, threads);
@@ -595,11 +596,8 @@ int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const floa
         PROF(0);
         matmul(&L->gu, h, B, gu, 2 * inter, 0, NULL, threads);
         PROF(5);
-        for (long b = 0; b < B; b++)
-            for (long i = 0; i < inter; i++) {
-                const float g = gu[b * 2 * inter + i], u = gu[b * 2 * inter + inter + i];
-                a[b * inter + i] = g * (1.0f / (1.0f + exp_poly(-g))) * u;
-            }
+        col_job sj = {NULL, NULL, NULL, gu, a, 0, 0, B, inter};
+        parallel(silu_t_part, &sj, threads);
         PROF(6);
         matmul(&L->down, a, B, x, hidden, 1, NULL, threads);
         PROF(7);
