@@ -274,7 +274,9 @@ class FastLlama:
         # loaded from them (native_decode); None: the compiled mlx pieces below.
         # RoPE and SiLU of prefills (below left_below rows) in C, where the kernels build.
         self.prefill_kernels = q4_kernels.available()
-        self._cols = None
+        # The attention of those prefills in C too, on every core (q4_kernels.prefill_attention).
+        self.prefill_attention = True
+        self._cols = self._starts = None
         self.native = None
         self.native_why = "off"
         if native:
@@ -299,11 +301,14 @@ class FastLlama:
         if L == 1 and B < self.left_below and self.decode.why is None:
             x = self._decode_layers(x, caches, mask, max_q_start)
         else:
-            self._cols = None
+            self._cols = self._starts = None
             if self.prefill_kernels and self.decode.why is None:
                 # Position tables of every token column, once per forward, for the C RoPE.
                 off = caches[0].offset
                 off = mx.full((B,), off, mx.int32) if isinstance(off, int) else off
+                # Each row's first position, for the C attention (the mask is the causal
+                # one from these offsets: additive_mask(offsets, L, K)).
+                self._starts = np.array(off, np.int32).reshape(B) if self.prefill_attention else None
                 pos = (off[:, None] + mx.arange(L)[None, :]).reshape(-1)
                 cos, sin = _tables(self.decode.rope, pos, self.decode.D)
                 if B * L >= self.left_below:  # token rows: tables (tokens, D/2)
@@ -345,12 +350,14 @@ class FastLlama:
         left = B * L < self.left_below
         h = layer.input_layernorm(x)
         cols = self._cols
+        qkv_np = None  # the features on the host after the C RoPE, for the C attention
         if left:
             qkv = _left(qkv_w, h.T)  # (features, B*L)
             if qkv_b is not None:
                 qkv = qkv + qkv_b
             if cols is not None:  # RoPE in C over the token columns (mlx's costs ~4.5 ns per value)
-                qkv = mx.array(q4_kernels.rope_cols(np.array(qkv), Hq + Hkv, D, *cols))
+                qkv_np = q4_kernels.rope_cols(np.array(qkv), Hq + Hkv, D, *cols)
+                qkv = mx.array(qkv_np)
             q = qkv[: Hq * D].reshape(Hq, D, B, L).transpose(2, 0, 3, 1)  # (B, Hq, L, D)
             k = qkv[Hq * D : (Hq + Hkv) * D].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)
             v = qkv[(Hq + Hkv) * D :].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)
@@ -359,7 +366,8 @@ class FastLlama:
             if qkv_b is not None:
                 qkv = qkv + qkv_b[:, 0]
             if cols is not None:
-                qkv = mx.array(q4_kernels.rope_rows(np.array(qkv), Hq + Hkv, D, *cols))
+                qkv_np = q4_kernels.rope_rows(np.array(qkv), Hq + Hkv, D, *cols)
+                qkv = mx.array(qkv_np)
             q = qkv[:, : Hq * D].reshape(B, L, Hq, D).transpose(0, 2, 1, 3)
             k = qkv[:, Hq * D : (Hq + Hkv) * D].reshape(B, L, Hkv, D).transpose(0, 2, 1, 3)
             v = qkv[:, (Hq + Hkv) * D :].reshape(B, L, Hkv, D).transpose(0, 2, 1, 3)
@@ -370,11 +378,21 @@ class FastLlama:
             q = attn.rope(q, offset=cache.offset)
             k = attn.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(mx.contiguous(k), mx.contiguous(v))
-        o = cpu_math.attention(q, k, v, attn.scale, mask, max_q_start)  # (B, Hq, L, D)
-        o = o.transpose(0, 2, 1, 3).reshape(B * L, Hq * D)
+        if qkv_np is not None and self._starts is not None:
+            # In C on both cores, in the features' own layout (mlx's ran on one: ~200 of
+            # a 1,300 ms 4 x 170-token prefill)
+            qf = qkv_np[: Hq * D] if left else np.ascontiguousarray(qkv_np[:, : Hq * D])
+            o = mx.array(q4_kernels.prefill_attention(qf, np.ascontiguousarray(np.asarray(k)),
+                                                      np.ascontiguousarray(np.asarray(v)), self._starts, L,
+                                                      float(attn.scale), columns=left))
+            ot = o if left else None  # (Hq*D, B*L) in token columns, else (B*L, Hq*D)
+        else:
+            o = cpu_math.attention(q, k, v, attn.scale, mask, max_q_start)  # (B, Hq, L, D)
+            o = o.transpose(0, 2, 1, 3).reshape(B * L, Hq * D)
+            ot = o.T
         h = layer.post_attention_layernorm
         if left:
-            x = x + _left(attn.o_proj.weight, o.T).T
+            x = x + _left(attn.o_proj.weight, ot).T
             gu = _left(gu_w, h(x).T)  # (2 * hidden, B*L): gate rows then up rows
             inter = gu.shape[0] // 2
             if cols is not None:  # in C: mlx's exp, even the cheap one, costs ~3 ns per value

@@ -471,6 +471,69 @@ static void at_part(void *arg, long part, long parts) {
     free(s);
 }
 
+/* ---- prefill attention over token columns ---- */
+typedef struct {
+    const float *q;        /* query head h's value e of token c at q[(h * d + e) * qf + c * qt] */
+    const float *k, *v;    /* (B, hkv, K, d) */
+    float *o;              /* as q, with strides of and ot */
+    const int *starts;     /* (B,): the position of row b's first query (token b * L) */
+    long B, L, qf, qt, of, ot, hq, hkv, d, K, maxn, blocks;
+    float scale;
+    atomic_long next;
+} pa_job;
+
+enum { PA_QB = 16 };  /* queries per task: in token columns, 16 share each 64-byte line of q and o */
+
+static void pa_part(void *arg, long part, long parts) {
+    pa_job *j = arg;
+    const long rep = j->hq / j->hkv, d = j->d;
+    float *s = malloc(sizeof(float) * rep * (j->maxn + 3 * d));
+    if (!s) return;
+    float *qb = s + rep * (j->maxn + d), *ob = qb + rep * d;
+    (void)part; (void)parts;
+    const long tasks = j->B * j->hkv * j->blocks;
+    for (;;) {
+        const long at = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (at >= tasks) break;
+        /* the last query blocks first: they see the most keys */
+        const long blk = j->blocks - 1 - at / (j->B * j->hkv), bg = at % (j->B * j->hkv);
+        const long b = bg / j->hkv, g = bg % j->hkv;
+        const float *K = j->k + bg * j->K * d, *V = j->v + bg * j->K * d;
+        const long i1 = (blk + 1) * PA_QB < j->L ? (blk + 1) * PA_QB : j->L;
+        for (long i = blk * PA_QB; i < i1; i++) {
+            const long col = b * j->L + i;
+            long n = j->starts[b] + i + 1;  /* keys 0 .. its own position (the causal mask) */
+            if (n > j->K) n = j->K;
+            for (long e = 0; e < rep * d; e++) qb[e] = j->q[(g * rep * d + e) * j->qf + col * j->qt];
+            if (d == 64 && rep == 3) attend_pair(qb, K, V, ob, n, 3, 64, j->scale, s, s + rep * j->maxn);
+            else if (d == 64) attend_pair(qb, K, V, ob, n, rep, 64, j->scale, s, s + rep * j->maxn);
+            else if (d == 128) attend_pair(qb, K, V, ob, n, rep, 128, j->scale, s, s + rep * j->maxn);
+            else attend_pair(qb, K, V, ob, n, rep, d, j->scale, s, s + rep * j->maxn);
+            for (long e = 0; e < rep * d; e++) j->o[(g * rep * d + e) * j->of + col * j->ot] = ob[e];
+        }
+    }
+    free(s);
+}
+
+/* Causal attention of a prefill batch: B rows of L queries each (token c = b * L + i;
+   strides: token columns qf = B * L, qt = 1; token rows qf = 1, qt = the row length);
+   query i of row b sees keys 0 .. starts[b] + i of its row (at most K), as
+   cpu_math.attention with additive_mask(starts, L, K). Tasks of a (row, kv head) pair
+   and 16 queries go to the pool's threads as they get free (the mlx formulation ran
+   on one core). Returns 0. */
+int prefill_attention(const float *q, const float *k, const float *v, float *o, const int *starts,
+                      long B, long L, long hq, long hkv, long d, long K, float scale,
+                      long qf, long qt, long of, long ot, long threads) {
+    long maxn = 1;
+    for (long b = 0; b < B; b++) {
+        const long n = starts[b] + L < K ? starts[b] + L : K;
+        maxn = n > maxn ? n : maxn;
+    }
+    pa_job j = {q, k, v, o, starts, B, L, qf, qt, of, ot, hq, hkv, d, K, maxn, (L + PA_QB - 1) / PA_QB, scale, 0};
+    run_job(pa_part, &j, threads);
+    return 0;
+}
+
 /* ---- prefill helpers over token columns: x (rows, t) ---- */
 typedef struct { float *x; const float *cos_t, *sin_t; const float *gu; float *a; long heads, d, t, inter; } col_job;
 

@@ -70,8 +70,9 @@ def _build() -> ctypes.CDLL:
     lib.silu_rows.argtypes = [P, L, L, P, L]
     lib.rope_rows.argtypes = [P, L, L, L, L, P, P, L]
     lib.silu_cols.argtypes = [P, L, L, P, L]
+    lib.prefill_attention.argtypes = [P, P, P, P, P, L, L, L, L, L, L, F, L, L, L, L, L]
     for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_decode_step, lib.rope_cols, lib.silu_rows, lib.rope_rows,
-               lib.silu_cols):
+               lib.silu_cols, lib.prefill_attention):
         fn.restype = ctypes.c_int
     return lib
 
@@ -273,3 +274,29 @@ def silu_cols(gu: np.ndarray) -> np.ndarray:
     a = np.empty((t, inter), np.float32)
     _lib.silu_cols(gu.ctypes.data, inter, t, a.ctypes.data, cpu_kernels.threads())
     return a
+
+
+def prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, starts: np.ndarray, L: int, scale: float,
+                      columns: bool) -> np.ndarray:
+    """Causal attention of a prefill batch, on the kernels' threads.
+
+    q: the Hq*D query features of B*L tokens (row b's queries are tokens b*L .. b*L+L-1),
+    float32, C-contiguous: (Hq*D, B*L) with ``columns`` (a token per column, head h's
+    features in rows h*D .. h*D+D-1), else (B*L, Hq*D) (a token per row); k, v
+    (B, Hkv, K, D) float32, C-contiguous; starts (B,): the position of each row's first
+    query. Query i of row b attends to its row's keys 0 .. starts[b] + i (at most K),
+    query head h to kv head h // (Hq / Hkv) -> o in q's layout: what
+    :func:`cpu_math.attention` computes with ``additive_mask(starts, L, K)``."""
+    B, Hkv, K, D = k.shape
+    assert v.shape == k.shape and k.dtype == v.dtype == q.dtype == np.float32
+    assert q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous and q.ndim == 2
+    T = B * L
+    feats = q.shape[0] if columns else q.shape[1]
+    assert (q.shape[1] if columns else q.shape[0]) == T and feats % D == 0
+    starts = np.ascontiguousarray(starts, np.int32)
+    assert starts.shape == (B,) and starts.min() >= 0
+    o = np.empty(q.shape, np.float32)
+    qf, qt = (T, 1) if columns else (1, feats)
+    _lib.prefill_attention(q.ctypes.data, k.ctypes.data, v.ctypes.data, o.ctypes.data, starts.ctypes.data,
+                           B, L, feats // D, Hkv, D, K, scale, qf, qt, qf, qt, cpu_kernels.threads())
+    return o

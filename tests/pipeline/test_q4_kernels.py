@@ -154,3 +154,22 @@ def test_prefill_with_and_without_the_column_kernels_agree(tiny, left_below):
         fast.left_below = left_below
         out.append(fast(prompts, make_prompt_cache(tiny), mask, 0, mx.array([23, 23, 23])))
     assert mx.allclose(out[0], out[1], rtol=1e-5, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("columns", [True, False])
+def test_prefill_attention_matches_the_masked_mlx_attention(columns):
+    from tandem.pipeline import cpu_math
+
+    B, L, Hq, Hkv, D, K = 3, 37, 6, 2, 64, 96  # 37 queries: a last block of 5; K beyond every row's reach
+    rng = np.random.default_rng(4)
+    starts = np.array([0, 20, 59], np.int32)
+    q = rng.normal(size=(B, Hq, L, D)).astype(np.float32)
+    k = rng.normal(size=(B, Hkv, K, D)).astype(np.float32)
+    v = rng.normal(size=(B, Hkv, K, D)).astype(np.float32)
+    want = cpu_math.attention(mx.array(q), mx.array(k), mx.array(v), 0.125, cpu_math.additive_mask(starts, L, K),
+                              int(starts.max()))
+    want = np.array(want).transpose(0, 2, 1, 3).reshape(B * L, Hq * D)  # a token per row
+    tokens = np.ascontiguousarray(q.transpose(0, 2, 1, 3).reshape(B * L, Hq * D))
+    qin = np.ascontiguousarray(tokens.T) if columns else tokens
+    got = q4_kernels.prefill_attention(qin, k, v, starts, L, 0.125, columns=columns)
+    np.testing.assert_allclose(got.T if columns else got, want, rtol=1e-5, atol=1e-5)
