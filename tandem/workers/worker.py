@@ -253,9 +253,12 @@ class Worker(KVHandoffs, Health):
             log.warning("broker pipe full; dropped %s", type(msg).__name__)
 
     def _publish(self, local: Local, tokens, logprobs=None, finish=None, usage=None, error=None) -> None:
-        msg = M.TokenMessage(local.request_id, local.seq, list(tokens), logprobs, finish, usage, error)
-        local.seq += 1
-        self._pub_send([local.request_id + bytes((local.attempt,)), codec.pack_header(msg)])
+        # Numbered and sent under one lock: with a prefill worker's engine thread publishing
+        # first tokens too, a request's numbers must go out once each and in order.
+        with self._pub_lock:
+            msg = M.TokenMessage(local.request_id, local.seq, list(tokens), logprobs, finish, usage, error)
+            local.seq += 1
+            self.pub.send_multipart([local.request_id + bytes((local.attempt,)), codec.pack_header(msg)])
         if self._timeline is not None:
             self.mark("publish", local.request_id, seq=msg.seq, tokens=len(msg.tokens))
 
