@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -229,16 +230,32 @@ def test_prefill_handoff_to_a_silent_decode_worker_times_out_and_is_reported(env
         silent.close(0)
 
 
+@contextlib.contextmanager
+def offline_worker(engine, **settings):
+    """A Worker that is never started and whose sockets lead nowhere, for driving its
+    methods directly; its sockets and contexts are closed afterwards."""
+    ctx = zmq.Context()
+    try:
+        w = Worker(engine, settings=WorkerSettings(**settings), backend="tcp://127.0.0.1:9",
+                   stream_in="tcp://127.0.0.1:9", secret=os.urandom(32), model_id="stub", ctx=ctx)
+        try:
+            yield w
+        finally:
+            w.backend.close(0)
+            w.pub.close(0)
+            if w._pub_ctx is not ctx:
+                w._pub_ctx.term()
+    finally:
+        ctx.destroy(0)
+
+
 def test_a_batch_of_first_tokens_is_published_before_any_handoff_starts():
     """Starting a handoff seals megabytes on the IO thread: the other prompts of the same
     prefill batch must not wait for it to see their first token."""
     from tandem.pipeline.api import TokenEvent
     from tandem.workers.local import Local
 
-    ctx = zmq.Context()
-    try:
-        w = Worker(StubEngine(), settings=WorkerSettings(role="prefill", name="p-test"), backend="tcp://127.0.0.1:9",
-                   stream_in="tcp://127.0.0.1:9", secret=os.urandom(32), model_id="stub", ctx=ctx)
+    with offline_worker(StubEngine(), role="prefill", name="p-test") as w:
         order = []
         w._publish = lambda local, tokens, *a, **k: order.append(("publish", local.request_id))
         w._hand_off = lambda local, snap: order.append(("handoff", local.request_id))
@@ -249,12 +266,6 @@ def test_a_batch_of_first_tokens_is_published_before_any_handoff_starts():
         w._drain_events()
         assert order == [("publish", r) for r in rids] + [("handoff", r) for r in rids]
         assert all(w.local[r].handing_off for r in rids)
-        w.backend.close(0)
-        w.pub.close(0)
-        if w._pub_ctx is not ctx:
-            w._pub_ctx.term()
-    finally:
-        ctx.destroy(0)
 
 
 def test_a_prefill_worker_holds_the_cpu_gate_until_the_handoff_is_over(tmp_path):
@@ -263,11 +274,7 @@ def test_a_prefill_worker_holds_the_cpu_gate_until_the_handoff_is_over(tmp_path)
     from tandem.pipeline.api import TokenEvent
     from tandem.workers.local import Local
 
-    ctx = zmq.Context()
-    try:
-        w = Worker(StubEngine(), settings=WorkerSettings(role="prefill", name="p-gate", cpu_gate=str(tmp_path / "g")),
-                   backend="tcp://127.0.0.1:9", stream_in="tcp://127.0.0.1:9", secret=os.urandom(32),
-                   model_id="stub", ctx=ctx)
+    with offline_worker(StubEngine(), role="prefill", name="p-gate", cpu_gate=str(tmp_path / "g")) as w:
         w._hand_off = lambda local, snap: None
         a, b = b"a" * 16, b"b" * 16
         w.gate.prefill_started([a, b])
@@ -289,12 +296,6 @@ def test_a_prefill_worker_holds_the_cpu_gate_until_the_handoff_is_over(tmp_path)
         assert not w.gate.held
         w.gate.close()
         w.gate = None
-        w.backend.close(0)
-        w.pub.close(0)
-        if w._pub_ctx is not ctx:
-            w._pub_ctx.term()
-    finally:
-        ctx.destroy(0)
 
 
 def test_a_request_the_engine_rejects_fails_without_stopping_the_worker():
@@ -304,22 +305,13 @@ def test_a_request_the_engine_rejects_fails_without_stopping_the_worker():
         def submit(self, req):
             raise ValueError("prompt token ids must be in [0, 385)")
 
-    ctx = zmq.Context()
-    try:
-        w = Worker(Picky(), settings=WorkerSettings(role="hybrid", name="h-picky"), backend="tcp://127.0.0.1:9",
-                   stream_in="tcp://127.0.0.1:9", secret=os.urandom(32), model_id="stub", ctx=ctx)
+    with offline_worker(Picky(), role="hybrid", name="h-picky") as w:
         sent = []
         w._send = sent.append
         rid = os.urandom(16)
         w._dispatch(M.Dispatch(rid, "hybrid", [40000], SamplingParams(max_tokens=2), attempt=1))
         assert [type(m) for m in sent] == [M.Failed] and sent[0].request_id == rid and not sent[0].retryable
         assert "385" in sent[0].error and rid not in w.local
-        w.backend.close(0)
-        w.pub.close(0)
-        if w._pub_ctx is not ctx:
-            w._pub_ctx.term()
-    finally:
-        ctx.destroy(0)
 
 
 def test_a_prefill_worker_publishes_first_tokens_from_the_engine_thread(tmp_path):
