@@ -150,8 +150,6 @@ class FlatLinear(nn.Module):
                 and qmm.kernel_supports(rows, w, s, x2.dtype, self.group_size, self.bits, self.mode)):
             _note_path(f"cuda-multirow-{self.bits}bit")
             return qmm.quantized_matmul_cuda(x2, w, s, b, self.group_size, self.bits)
-        if self._w4mma_applies(x2):
-            return self._w4mma(x2)
         _note_path(f"mlx-quantized-{self.bits}bit")
         outs = []
         for i in range(0, rows, QUANTIZED_MAX_ROWS):
@@ -235,8 +233,9 @@ class FlatLinear(nn.Module):
         lead = x.shape[:-1]
         rows = math.prod(lead)
         x2 = x.reshape(rows, x.shape[-1])
-        if self.has_quantized and (not self.has_dense or rows <= self.small_rows
-                                   or self._w4mma_applies(x2)):
+        if self._w4mma_applies(x2):
+            y = self._w4mma(x2)
+        elif self.has_quantized and (not self.has_dense or rows <= self.small_rows):
             y = self._quantized(x2)
         else:
             w = self["weight"]
