@@ -565,14 +565,7 @@ static void rope_rows_part(void *arg, long part, long parts) {
     const long half = j->d / 2;
     for (long r = j->t * part / parts; r < j->t * (part + 1) / parts; r++) {
         const float *c = j->cos_t + r * half, *s = j->sin_t + r * half;
-        for (long h = 0; h < j->heads; h++) {
-            float *v = j->x + r * j->inter + h * j->d;
-            for (long i = 0; i < half; i++) {
-                const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] - b * s[i];
-                v[i + half] = a * s[i] + b * c[i];
-            }
-        }
+        for (long h = 0; h < j->heads; h++) rope_head(j->x + r * j->inter + h * j->d, c, s, half);
     }
 }
 
