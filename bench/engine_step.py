@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from tandem.pipeline import cpu_kernels, fast_llama, q4_kernels  # noqa: E402
 
-PARTS = ["rms_norm", "qkv", "rope+append", "attention", "o_proj", "gate_up", "silu", "down", "head", "final norm"]
+PARTS = ["rms_norm", "qkv", "attn+rope+kv", "o_proj", "gate_up", "silu", "down", "head", "final norm"]
 
 
 def _lib_from(path: Path, profile: bool):

@@ -642,28 +642,27 @@ int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const floa
         PROF(0);
         matmul(&L->qkv, h, B, qkv, F, 0, L->qkv_bias, threads);
         PROF(1);
-        PROF(2);
         at_job aj = {qkv, kmir, vmir, o, lens, order, B * hkv, l, hq, hkv, d, cap, F, maxlen, scale, cos_t, sin_t, 0};
         parallel(at_part, &aj, threads);
-        PROF(3);
+        PROF(2);
         matmul(&L->o, o, B, x, hidden, 1, NULL, threads);
-        PROF(4);
+        PROF(3);
         rms_norm(x, L->ln2, h, B, hidden, eps);
         PROF(0);
         matmul(&L->gu, h, B, gu, 2 * inter, 0, NULL, threads);
-        PROF(5);
+        PROF(4);
         col_job sj = {NULL, NULL, NULL, gu, a, 0, 0, B, inter};
         parallel(silu_t_part, &sj, threads);
-        PROF(6);
+        PROF(5);
         matmul(&L->down, a, B, x, hidden, 1, NULL, threads);
-        PROF(7);
+        PROF(6);
     }
     {
         PROF_T;
         rms_norm(x, norm_w, h, B, hidden, eps);
-        PROF(9);
-        matmul(head, h, B, logits, head->n, 0, NULL, threads);
         PROF(8);
+        matmul(head, h, B, logits, head->n, 0, NULL, threads);
+        PROF(7);
     }
     pthread_mutex_unlock(&call_mu);
     free(order);
