@@ -164,8 +164,8 @@ class Worker(KVHandoffs, Health):
         order: after this event comes only the one with its KV (the IO thread publishes
         nothing for it). False when the request is no longer ours (the IO thread then
         sees the event and drops it)."""
-        if self._pub_ctx is self.ctx:
-            return False  # not a prefill worker: the IO thread publishes everything
+        if self.role != "prefill":
+            return False  # the IO thread publishes everything
         local = self.local.get(ev.request_id)
         if local is None or local.attempt != attempt or local.handing_off:
             return False
