@@ -43,3 +43,45 @@ def preload_blas() -> str:
     if choice == "mkl":
         raise SystemExit("TANDEM_BLAS=mkl but libmkl_rt was not found: pip install mkl")
     return "reference"
+
+
+# numpy's wheels bundle OpenBLAS (64-bit sizes, symbols prefixed scipy_ and suffixed 64_;
+# some builds 32-bit sizes without the suffix): tried in this order.
+_OPENBLAS_SYMBOLS = (("scipy_cblas_sgemm64_", "scipy_openblas_set_num_threads64_", True),
+                     ("scipy_cblas_sgemm", "scipy_openblas_set_num_threads", False))
+_openblas: tuple[int, bool] | None | bool = False  # False: not looked for yet
+
+
+def openblas_sgemm() -> tuple[int, bool] | None:
+    """The address of numpy's bundled OpenBLAS ``cblas_sgemm`` and whether it takes 64-bit
+    sizes, or None where numpy has no bundled OpenBLAS (or ``TANDEM_PREFILL_BLAS=mkl``).
+
+    Prefill products call it from tandem's own thread pool, one single-threaded call per
+    thread (``q4_kernels.blas_rows``), so this sets the library to one thread: numpy's
+    own matrix products in this process then run on one core as well. On the 2-core
+    EPYC (Zen 4) its SkylakeX kernels ran the prefill shapes of the default model at
+    ~200 GFLOP/s where MKL (which takes its generic code path on AMD CPUs) ran at
+    ~165-180 (docs/cpu-performance.md)."""
+    global _openblas
+    if _openblas is not False:
+        return _openblas
+    _openblas = None
+    if os.environ.get("TANDEM_PREFILL_BLAS", "auto").strip().lower() in ("mkl", "mlx", "off", "0"):
+        return None
+    import numpy
+
+    libdir = os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy.libs")
+    for path in sorted(glob.glob(os.path.join(libdir, "libscipy_openblas*.so*"))):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for sgemm, set_threads, ilp64 in _OPENBLAS_SYMBOLS:
+            fn, threads = getattr(lib, sgemm, None), getattr(lib, set_threads, None)
+            if fn is None or threads is None:
+                continue
+            threads.argtypes = [ctypes.c_int]
+            threads(1)
+            _openblas = (ctypes.cast(fn, ctypes.c_void_p).value, ilp64)
+            return _openblas
+    return None

@@ -36,11 +36,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from tandem import _blas
 from tandem.pipeline import cpu_kernels, cpu_math, native_decode, q4_kernels
 
 # Rows (batch x tokens) below which a projection runs as W @ x.T rather than x @ W.T
 # (at 2,048 rows MKL packs the weights better than the activations again).
 LEFT_BELOW = 1024
+
+# From this many rows (batch x tokens) a prefill below LEFT_BELOW multiplies through
+# numpy's OpenBLAS on the kernels' pool (q4_kernels.blas_rows) rather than mlx's MKL.
+BLAS_ROWS_FROM = 64
 
 # From 16 (padded) columns the vocabulary projection runs as row blocks of about this
 # many rows, with the same results bit for bit: MKL does the default model's
@@ -277,6 +282,10 @@ class FastLlama:
         # The attention of those prefills in C too, on every core (q4_kernels.prefill_attention).
         self.prefill_attention = True
         self._cols = self._starts = None
+        # Prefill products (left_below > rows >= BLAS_ROWS_FROM) through numpy's OpenBLAS
+        # on the kernels' pool, with the RoPE, attention and SiLU in C between them.
+        self.prefill_sgemm = _blas.openblas_sgemm() if self.prefill_kernels else None
+        self._np_weights = None
         self.native = None
         self.native_why = "off"
         if native:
@@ -286,6 +295,7 @@ class FastLlama:
         """Decode and prefill through mlx/MKL only (``engine.native_kernels = false``)."""
         self.native, self.native_why = None, "off (engine.native_kernels)"
         self.prefill_kernels = False
+        self.prefill_sgemm = None
 
     def __call__(self, inputs: mx.array, caches, mask: mx.array | None, max_q_start: int,
                  last: mx.array | None) -> mx.array:
@@ -314,8 +324,14 @@ class FastLlama:
                 if B * L >= self.left_below:  # token rows: tables (tokens, D/2)
                     cos, sin = cos.T, sin.T
                 self._cols = (np.ascontiguousarray(np.array(cos)), np.ascontiguousarray(np.array(sin)))
-            for layer, cache, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, caches, self.fused.layers):
-                x = self._layer(layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start)
+            blas = (self._cols is not None and self._starts is not None and self.prefill_sgemm is not None
+                    and BLAS_ROWS_FROM <= B * L < self.left_below
+                    and not hasattr(self.inner.layers[0].self_attn, "q_norm"))
+            for i, (layer, cache, (qkv_w, qkv_b, gu_w)) in enumerate(zip(self.inner.layers, caches, self.fused.layers)):
+                if blas:
+                    x = self._layer_blas(layer, cache, x, B, L, self._host_weights(i), qkv_b)
+                else:
+                    x = self._layer(layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start)
         x = x.reshape(B, L, -1)
         x = x[:, 0] if last is None else x[mx.arange(B), last]
         h = self.inner.norm(x)
@@ -342,6 +358,41 @@ class FastLlama:
             x = dec.post(x, o, attn.o_proj.weight, layer.post_attention_layernorm.weight, gu_w,
                          layer.mlp.down_proj.weight)
         return x
+
+    def _host_weights(self, i: int) -> tuple[np.ndarray, ...]:
+        """Layer i's QKV, output, gate/up and down weights as numpy views of the mlx arrays
+        (no copies; made on first use)."""
+        if self._np_weights is None:
+            self._np_weights = [
+                tuple(np.asarray(w) for w in (qkv_w, layer.self_attn.o_proj.weight, gu_w, layer.mlp.down_proj.weight))
+                for layer, (qkv_w, _, gu_w) in zip(self.inner.layers, self.fused.layers)]
+            assert all(w.flags.c_contiguous for ws in self._np_weights for w in ws)
+        return self._np_weights[i]
+
+    def _layer_blas(self, layer, cache, x, B, L, weights, qkv_b):
+        """One prefill layer in token columns with its products through OpenBLAS on the
+        kernels' pool: the features stay on the host from the QKV product to the down
+        product, and only the residual, the norms and the KV cache live in mlx."""
+        attn = layer.self_attn
+        Hq, Hkv = attn.n_heads, attn.n_kv_heads
+        qkv_w, o_w, gu_w, down_w = weights
+        D = qkv_w.shape[0] // (Hq + 2 * Hkv)
+        sg = self.prefill_sgemm
+        qkv = q4_kernels.blas_rows(sg, qkv_w, np.asarray(layer.input_layernorm(x)), True)  # (features, B*L)
+        if qkv_b is not None:
+            qkv += np.asarray(qkv_b)
+        q4_kernels.rope_cols(qkv, Hq + Hkv, D, *self._cols)
+        kv = mx.array(qkv[Hq * D :])
+        k = kv[: Hkv * D].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)  # (B, Hkv, L, D)
+        v = kv[Hkv * D :].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)
+        k, v = cache.update_and_fetch(mx.contiguous(k), mx.contiguous(v))
+        o = q4_kernels.prefill_attention(qkv[: Hq * D], np.ascontiguousarray(np.asarray(k)),
+                                         np.ascontiguousarray(np.asarray(v)), self._starts, L, float(attn.scale),
+                                         columns=True)  # (Hq*D, B*L)
+        x = x + mx.array(q4_kernels.blas_rows(sg, o_w, o, False)).T
+        gu = q4_kernels.blas_rows(sg, gu_w, np.asarray(layer.post_attention_layernorm(x)), True)
+        a = q4_kernels.silu_rows(gu)
+        return x + mx.array(q4_kernels.blas_rows(sg, down_w, a, False)).T
 
     def _layer(self, layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start):
         attn, mlp = layer.self_attn, layer.mlp

@@ -609,6 +609,44 @@ int silu_rows(const float *gu, long inter, long t, float *a, long threads) {
     return 0;
 }
 
+/* ---- prefill products through an external BLAS, one single-threaded call per pool thread ---- */
+/* cblas_sgemm with 64-bit (ILP64, numpy's OpenBLAS) or 32-bit sizes. */
+typedef void (*sgemm64_fn)(int, int, int, long, long, long, float, const float *, long, const float *, long,
+                           float, float *, long);
+typedef void (*sgemm32_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
+                           float, float *, int);
+typedef struct { void *fn; long ilp64; const float *w, *x; float *y; long n, k, m, xt, chunk; atomic_long next; } bl_job;
+
+static void bl_part(void *arg, long part, long parts) {
+    bl_job *j = arg;
+    (void)part; (void)parts;
+    for (;;) {
+        const long lo = atomic_fetch_add(&j->next, j->chunk);
+        if (lo >= j->n) return;
+        const long rows = lo + j->chunk < j->n ? j->chunk : j->n - lo;
+        /* row-major, w rows [lo, lo + rows) (k wide) times x: (m, k) transposed or (k, m) */
+        if (j->ilp64)
+            ((sgemm64_fn)j->fn)(101, 111, j->xt ? 112 : 111, rows, j->m, j->k, 1.0f, j->w + lo * j->k, j->k, j->x,
+                                j->xt ? j->k : j->m, 0.0f, j->y + lo * j->m, j->m);
+        else
+            ((sgemm32_fn)j->fn)(101, 111, j->xt ? 112 : 111, (int)rows, (int)j->m, (int)j->k, 1.0f, j->w + lo * j->k,
+                                (int)j->k, j->x, (int)(j->xt ? j->k : j->m), 0.0f, j->y + lo * j->m, (int)j->m);
+    }
+}
+
+/* y (n, m) = w (n, k) @ x^T for x (m, k) (xt = 1) or w @ x for x (k, m) (xt = 0), all
+   row-major: blocks of `chunk` rows of w go to the pool's threads as they get free, each
+   one call of `fn` (a cblas_sgemm that must run single-threaded). A BLAS's own threads
+   wait for each other at every call's end, and stall for a scheduler tick whenever
+   another process takes a core (measured: 2-8x slower calls); the pool's threads take
+   the next block instead. */
+int blas_rows(void *fn, long ilp64, const float *w, long n, long k, const float *x, long m, long xt, float *y,
+              long chunk, long threads) {
+    bl_job j = {fn, ilp64, w, x, y, n, k, m, xt, chunk, 0};
+    run_job(bl_part, &j, threads);
+    return 0;
+}
+
 /* x (B, hidden): the embedded tokens, overwritten; cos, sin (B, d/2); kmir, vmir: per
    layer the decode mirror (B, hkv, cap, d), the new entries go to position lens[b]-1;
    logits (B, vocab). Returns 0, or -1 without memory. */

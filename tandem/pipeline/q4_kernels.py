@@ -71,8 +71,9 @@ def _build() -> ctypes.CDLL:
     lib.rope_rows.argtypes = [P, L, L, L, L, P, P, L]
     lib.silu_cols.argtypes = [P, L, L, P, L]
     lib.prefill_attention.argtypes = [P, P, P, P, P, L, L, L, L, L, L, F, L, L, L, L, L]
+    lib.blas_rows.argtypes = [P, L, P, L, L, P, L, L, P, L, L]
     for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_decode_step, lib.rope_cols, lib.silu_rows, lib.rope_rows,
-               lib.silu_cols, lib.prefill_attention):
+               lib.silu_cols, lib.prefill_attention, lib.blas_rows):
         fn.restype = ctypes.c_int
     return lib
 
@@ -300,3 +301,22 @@ def prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, starts: np.nd
     _lib.prefill_attention(q.ctypes.data, k.ctypes.data, v.ctypes.data, o.ctypes.data, starts.ctypes.data,
                            B, L, feats // D, Hkv, D, K, scale, qf, qt, qf, qt, cpu_kernels.threads())
     return o
+
+
+def blas_rows(sgemm: tuple[int, bool], w: np.ndarray, x: np.ndarray, transposed: bool) -> np.ndarray:
+    """w (n, k) @ x.T for x (m, k) (``transposed``), else w @ x for x (k, m) -> (n, m),
+    through ``sgemm`` (an address and whether it takes 64-bit sizes, from
+    :func:`tandem._blas.openblas_sgemm`), one single-threaded call per pool thread on
+    blocks of w's rows taken as threads get free."""
+    assert w.dtype == x.dtype == np.float32 and w.flags.c_contiguous and x.flags.c_contiguous
+    n, k = w.shape
+    m = x.shape[0] if transposed else x.shape[1]
+    assert (x.shape[1] if transposed else x.shape[0]) == k
+    y = np.empty((n, m), np.float32)
+    threads = cpu_kernels.threads()
+    # Two blocks per thread: fewer calls pack x fewer times; more let a thread that lost
+    # its core to another process leave the rest to the other one.
+    chunk = max(16, -(-n // (2 * threads) // 16) * 16)
+    _lib.blas_rows(sgemm[0], int(sgemm[1]), w.ctypes.data, n, k, x.ctypes.data, m, int(transposed), y.ctypes.data,
+                   chunk, threads)
+    return y

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tandem import _blas
 from tandem.kvtypes import SamplingParams
 from tandem.pipeline import fast_llama, native_decode, q4_kernels
 from tandem.pipeline.engine import Engine
@@ -140,20 +141,44 @@ def test_column_rope_and_silu_match_mlx():
 
 
 @pytest.mark.parametrize("left_below", [10**9, 1])  # token columns / token rows
-def test_prefill_with_and_without_the_column_kernels_agree(tiny, left_below):
+def test_prefill_with_and_without_the_column_kernels_agree(tiny, left_below, monkeypatch):
     from mlx_lm.models.cache import make_prompt_cache
+
+    calls = []
+    blas_rows = q4_kernels.blas_rows
+    monkeypatch.setattr(q4_kernels, "blas_rows", lambda *a: calls.append(1) or blas_rows(*a))
 
     from tandem.pipeline import cpu_math
 
     prompts = mx.array(random_prompts(3, 24, 24, seed=8))
     mask = cpu_math.additive_mask([0, 0, 0], 24, 24)
     out = []
-    for on in (True, False):
+    # kernels with the products through OpenBLAS (72 rows: from BLAS_ROWS_FROM, in token
+    # columns), kernels with mlx's products, no kernels
+    for on, blas in ((True, True), (True, False), (False, False)):
         fast = fast_llama.FastLlama(tiny)
         fast.prefill_kernels = on
         fast.left_below = left_below
+        if not blas:
+            fast.prefill_sgemm = None
         out.append(fast(prompts, make_prompt_cache(tiny), mask, 0, mx.array([23, 23, 23])))
-    assert mx.allclose(out[0], out[1], rtol=1e-5, atol=1e-5).item()
+    assert mx.allclose(out[0], out[2], rtol=1e-5, atol=1e-5).item()
+    assert mx.allclose(out[1], out[2], rtol=1e-5, atol=1e-5).item()
+    # 4 products per layer, in token columns only
+    assert len(calls) == (4 * len(tiny.model.layers) if left_below > 72 and _blas.openblas_sgemm() else 0)
+
+
+@pytest.mark.skipif(_blas.openblas_sgemm() is None, reason="numpy has no bundled OpenBLAS")
+@pytest.mark.parametrize("n,k,m", [(1, 24, 1), (17, 40, 5), (100, 576, 70), (960, 576, 33), (576, 1536, 154)])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_blas_rows_matches_numpy(n, k, m, transposed):
+    rng = np.random.default_rng(n + k + m)
+    w = rng.normal(size=(n, k)).astype(np.float32)
+    x = rng.normal(size=(m, k) if transposed else (k, m)).astype(np.float32)
+    got = q4_kernels.blas_rows(_blas.openblas_sgemm(), w, x, transposed)
+    want = w.astype(np.float64) @ (x.T if transposed else x).astype(np.float64)
+    assert got.shape == (n, m)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
 @pytest.mark.parametrize("columns", [True, False])
