@@ -327,13 +327,14 @@ class FastLlama:
             blas = (self._cols is not None and self._starts is not None and self.prefill_sgemm is not None
                     and BLAS_ROWS_FROM <= B * L < self.left_below
                     and not hasattr(self.inner.layers[0].self_attn, "q_norm"))
-            for i, (layer, cache, (qkv_w, qkv_b, gu_w)) in enumerate(zip(self.inner.layers, caches, self.fused.layers)):
-                if blas:
-                    x = self._layer_blas(layer, cache, x, B, L, self._host_weights(i), qkv_b)
-                else:
+            if blas:
+                x = self._layers_blas(x, caches, B, L, last)
+            else:
+                for layer, cache, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, caches, self.fused.layers):
                     x = self._layer(layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start)
-        x = x.reshape(B, L, -1)
-        x = x[:, 0] if last is None else x[mx.arange(B), last]
+        if x.shape[0] != B:  # every token's hidden state: keep each row's last (or first)
+            x = x.reshape(B, L, -1)
+            x = x[:, 0] if last is None else x[mx.arange(B), last]
         h = self.inner.norm(x)
         if B >= self.left_below:
             return h @ self.head.T
@@ -360,27 +361,39 @@ class FastLlama:
         return x
 
     def _host_weights(self, i: int) -> tuple[np.ndarray, ...]:
-        """Layer i's QKV, output, gate/up and down weights as numpy views of the mlx arrays
-        (no copies; made on first use)."""
+        """Layer i's QKV, output, gate/up and down weights, QKV bias (or None) and norm
+        weights as numpy views of the mlx arrays (no copies; made on first use)."""
         if self._np_weights is None:
             self._np_weights = [
-                tuple(np.asarray(w) for w in (qkv_w, layer.self_attn.o_proj.weight, gu_w, layer.mlp.down_proj.weight))
-                for layer, (qkv_w, _, gu_w) in zip(self.inner.layers, self.fused.layers)]
-            assert all(w.flags.c_contiguous for ws in self._np_weights for w in ws)
+                tuple(None if w is None else np.asarray(w) for w in (
+                    qkv_w, layer.self_attn.o_proj.weight, gu_w, layer.mlp.down_proj.weight, qkv_b,
+                    layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
+                for layer, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, self.fused.layers)]
+            assert all(w is None or w.flags.c_contiguous for ws in self._np_weights for w in ws)
         return self._np_weights[i]
 
-    def _layer_blas(self, layer, cache, x, B, L, weights, qkv_b):
-        """One prefill layer in token columns with its products through OpenBLAS on the
-        kernels' pool: the features stay on the host from the QKV product to the down
-        product, and only the residual, the norms and the KV cache live in mlx."""
+    def _layers_blas(self, x: mx.array, caches, B: int, L: int, last: mx.array | None) -> mx.array:
+        """Every layer of a prefill on the host, token columns, the products through
+        OpenBLAS on the kernels' pool and everything else in C; only the KV cache is
+        mlx's. x (B*L, hidden) embedded tokens -> (B, hidden) hidden states of each row's
+        ``last`` token (position 0 without it)."""
+        xc = np.ascontiguousarray(np.asarray(x).T)  # the residual stream, (hidden, B*L)
+        for i, (layer, cache) in enumerate(zip(self.inner.layers, caches)):
+            self._layer_blas(layer, cache, xc, B, L, self._host_weights(i))
+        pick = np.arange(B) * L + (np.zeros(B, np.int64) if last is None else np.array(last, np.int64))
+        return mx.array(np.ascontiguousarray(xc[:, pick].T))
+
+    def _layer_blas(self, layer, cache, xc: np.ndarray, B: int, L: int, weights) -> None:
+        """One layer over the residual stream xc (hidden, B*L), updated in place: the
+        products add straight into it (sgemm's beta = 1)."""
         attn = layer.self_attn
         Hq, Hkv = attn.n_heads, attn.n_kv_heads
-        qkv_w, o_w, gu_w, down_w = weights
+        qkv_w, o_w, gu_w, down_w, qkv_b, ln1, ln2 = weights
         D = qkv_w.shape[0] // (Hq + 2 * Hkv)
-        sg = self.prefill_sgemm
-        qkv = q4_kernels.blas_rows(sg, qkv_w, np.asarray(layer.input_layernorm(x)), True)  # (features, B*L)
+        sg, eps = self.prefill_sgemm, self.decode.eps
+        qkv = q4_kernels.blas_rows(sg, qkv_w, q4_kernels.rms_norm_cols(xc, ln1, eps), False)  # (features, B*L)
         if qkv_b is not None:
-            qkv += np.asarray(qkv_b)
+            qkv += qkv_b
         q4_kernels.rope_cols(qkv, Hq + Hkv, D, *self._cols)
         kv = mx.array(qkv[Hq * D :])
         k = kv[: Hkv * D].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)  # (B, Hkv, L, D)
@@ -389,10 +402,9 @@ class FastLlama:
         o = q4_kernels.prefill_attention(qkv[: Hq * D], np.ascontiguousarray(np.asarray(k)),
                                          np.ascontiguousarray(np.asarray(v)), self._starts, L, float(attn.scale),
                                          columns=True)  # (Hq*D, B*L)
-        x = x + mx.array(q4_kernels.blas_rows(sg, o_w, o, False)).T
-        gu = q4_kernels.blas_rows(sg, gu_w, np.asarray(layer.post_attention_layernorm(x)), True)
-        a = q4_kernels.silu_rows(gu)
-        return x + mx.array(q4_kernels.blas_rows(sg, down_w, a, False)).T
+        q4_kernels.blas_rows(sg, o_w, o, False, add_to=xc)
+        gu = q4_kernels.blas_rows(sg, gu_w, q4_kernels.rms_norm_cols(xc, ln2, eps), False)
+        q4_kernels.blas_rows(sg, down_w, q4_kernels.silu_rows(gu), False, add_to=xc)
 
     def _layer(self, layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start):
         attn, mlp = layer.self_attn, layer.mlp

@@ -615,7 +615,7 @@ typedef void (*sgemm64_fn)(int, int, int, long, long, long, float, const float *
                            float, float *, long);
 typedef void (*sgemm32_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
                            float, float *, int);
-typedef struct { void *fn; long ilp64; const float *w, *x; float *y; long n, k, m, xt, chunk; atomic_long next; } bl_job;
+typedef struct { void *fn; long ilp64; const float *w, *x; float *y; long n, k, m, xt, chunk; float beta; atomic_long next; } bl_job;
 
 static void bl_part(void *arg, long part, long parts) {
     bl_job *j = arg;
@@ -627,23 +627,53 @@ static void bl_part(void *arg, long part, long parts) {
         /* row-major, w rows [lo, lo + rows) (k wide) times x: (m, k) transposed or (k, m) */
         if (j->ilp64)
             ((sgemm64_fn)j->fn)(101, 111, j->xt ? 112 : 111, rows, j->m, j->k, 1.0f, j->w + lo * j->k, j->k, j->x,
-                                j->xt ? j->k : j->m, 0.0f, j->y + lo * j->m, j->m);
+                                j->xt ? j->k : j->m, j->beta, j->y + lo * j->m, j->m);
         else
             ((sgemm32_fn)j->fn)(101, 111, j->xt ? 112 : 111, (int)rows, (int)j->m, (int)j->k, 1.0f, j->w + lo * j->k,
-                                (int)j->k, j->x, (int)(j->xt ? j->k : j->m), 0.0f, j->y + lo * j->m, (int)j->m);
+                                (int)j->k, j->x, (int)(j->xt ? j->k : j->m), j->beta, j->y + lo * j->m, (int)j->m);
     }
 }
 
-/* y (n, m) = w (n, k) @ x^T for x (m, k) (xt = 1) or w @ x for x (k, m) (xt = 0), all
-   row-major: blocks of `chunk` rows of w go to the pool's threads as they get free, each
+/* y (n, m) = w (n, k) @ x^T for x (m, k) (xt = 1) or w @ x for x (k, m) (xt = 0), plus
+   beta * y (beta 0 or 1: a residual added in place), all row-major: blocks of `chunk` rows of w go to the pool's threads as they get free, each
    one call of `fn` (a cblas_sgemm that must run single-threaded). A BLAS's own threads
    wait for each other at every call's end, and stall for a scheduler tick whenever
    another process takes a core (measured: 2-8x slower calls); the pool's threads take
    the next block instead. */
 int blas_rows(void *fn, long ilp64, const float *w, long n, long k, const float *x, long m, long xt, float *y,
-              long chunk, long threads) {
-    bl_job j = {fn, ilp64, w, x, y, n, k, m, xt, chunk, 0};
+              float beta, long chunk, long threads) {
+    bl_job j = {fn, ilp64, w, x, y, n, k, m, xt, chunk, beta, 0};
     run_job(bl_part, &j, threads);
+    return 0;
+}
+
+/* RMSNorm of each column (token) of x (n, t): out = x * w / sqrt(mean(x^2) + eps), 16
+   columns at a time (the mean in one pass down the rows, then the scaling). */
+typedef struct { const float *x, *w; float *out; long n, t; float eps; } nc_job;
+
+static void nc_part(void *arg, long part, long parts) {
+    const nc_job *j = arg;
+    const long nb = (j->t + 15) / 16, t = j->t;
+    for (long cb = nb * part / parts; cb < nb * (part + 1) / parts; cb++) {
+        const long c0 = cb * 16, cnt = t - c0 < 16 ? t - c0 : 16;
+        const __mmask16 mk = (__mmask16)((1u << cnt) - 1);
+        __m512 ss = _mm512_setzero_ps();
+        for (long r = 0; r < j->n; r++) {
+            const __m512 v = _mm512_maskz_loadu_ps(mk, j->x + r * t + c0);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_sqrt_ps(_mm512_add_ps(
+            _mm512_div_ps(ss, _mm512_set1_ps((float)j->n)), _mm512_set1_ps(j->eps))));
+        for (long r = 0; r < j->n; r++) {
+            const __m512 v = _mm512_maskz_loadu_ps(mk, j->x + r * t + c0);
+            _mm512_mask_storeu_ps(j->out + r * t + c0, mk, _mm512_mul_ps(_mm512_mul_ps(v, inv), _mm512_set1_ps(j->w[r])));
+        }
+    }
+}
+
+int rms_norm_cols(const float *x, const float *w, float *out, long n, long t, float eps, long threads) {
+    nc_job j = {x, w, out, n, t, eps};
+    run_job(nc_part, &j, threads);
     return 0;
 }
 

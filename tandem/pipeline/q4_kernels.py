@@ -71,9 +71,10 @@ def _build() -> ctypes.CDLL:
     lib.rope_rows.argtypes = [P, L, L, L, L, P, P, L]
     lib.silu_cols.argtypes = [P, L, L, P, L]
     lib.prefill_attention.argtypes = [P, P, P, P, P, L, L, L, L, L, L, F, L, L, L, L, L]
-    lib.blas_rows.argtypes = [P, L, P, L, L, P, L, L, P, L, L]
+    lib.blas_rows.argtypes = [P, L, P, L, L, P, L, L, P, F, L, L]
+    lib.rms_norm_cols.argtypes = [P, P, P, L, L, F, L]
     for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_decode_step, lib.rope_cols, lib.silu_rows, lib.rope_rows,
-               lib.silu_cols, lib.prefill_attention, lib.blas_rows):
+               lib.silu_cols, lib.prefill_attention, lib.blas_rows, lib.rms_norm_cols):
         fn.restype = ctypes.c_int
     return lib
 
@@ -303,20 +304,39 @@ def prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, starts: np.nd
     return o
 
 
-def blas_rows(sgemm: tuple[int, bool], w: np.ndarray, x: np.ndarray, transposed: bool) -> np.ndarray:
+# Blocks of weight rows per pool thread in blas_rows: fewer calls pack x fewer times;
+# more let a thread that lost its core to another process leave the rest to the others.
+BLAS_BLOCKS = 2
+
+
+def blas_rows(sgemm: tuple[int, bool], w: np.ndarray, x: np.ndarray, transposed: bool,
+              add_to: np.ndarray | None = None) -> np.ndarray:
     """w (n, k) @ x.T for x (m, k) (``transposed``), else w @ x for x (k, m) -> (n, m),
     through ``sgemm`` (an address and whether it takes 64-bit sizes, from
     :func:`tandem._blas.openblas_sgemm`), one single-threaded call per pool thread on
-    blocks of w's rows taken as threads get free."""
+    blocks of w's rows taken as threads get free. With ``add_to`` (n, m) the product is
+    added to it in place (and it is returned)."""
     assert w.dtype == x.dtype == np.float32 and w.flags.c_contiguous and x.flags.c_contiguous
     n, k = w.shape
     m = x.shape[0] if transposed else x.shape[1]
     assert (x.shape[1] if transposed else x.shape[0]) == k
-    y = np.empty((n, m), np.float32)
+    if add_to is None:
+        y, beta = np.empty((n, m), np.float32), 0.0
+    else:
+        assert add_to.shape == (n, m) and add_to.dtype == np.float32 and add_to.flags.c_contiguous
+        y, beta = add_to, 1.0
     threads = cpu_kernels.threads()
-    # Two blocks per thread: fewer calls pack x fewer times; more let a thread that lost
-    # its core to another process leave the rest to the other one.
-    chunk = max(16, -(-n // (2 * threads) // 16) * 16)
+    chunk = max(16, -(-n // (BLAS_BLOCKS * threads) // 16) * 16)
     _lib.blas_rows(sgemm[0], int(sgemm[1]), w.ctypes.data, n, k, x.ctypes.data, m, int(transposed), y.ctypes.data,
-                   chunk, threads)
+                   beta, chunk, threads)
     return y
+
+
+def rms_norm_cols(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of each column (token) of x (n, t) with weight w (n,) -> (n, t)."""
+    assert x.dtype == w.dtype == np.float32 and x.flags.c_contiguous and w.flags.c_contiguous
+    assert w.shape == (x.shape[0],)
+    out = np.empty_like(x)
+    _lib.rms_norm_cols(x.ctypes.data, w.ctypes.data, out.ctypes.data, x.shape[0], x.shape[1], eps,
+                       cpu_kernels.threads())
+    return out
