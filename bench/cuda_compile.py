@@ -64,6 +64,20 @@ def qgemv_variants():
         yield f"qgemv {label}", variant("tandem_qgemv", qg._SOURCE, "", ins, outs, t)
 
 
+def qgemv_stream_variants():
+    ins = [("x", "__half"), ("w", "uint32_t"), ("scales", "__half"), ("biases", "__half"), ("res", "__half")]
+    outs = [("y", "__half")]
+    for label, k, pair, res in [("qkv", 4096, 0, 0), ("o+res", 4096, 0, 1), ("gate/up pair", 4096, 1, 0),
+                                ("down+res", 14336, 0, 1)]:
+        for cpl, h, p in [(1, 8, 1), (1, 8, 2), (1, 16, 1), (1, 4, 4), (1, 4, 1), (2, 8, 1), (2, 4, 2)]:
+            if (k // 32) % (32 * cpl):
+                continue
+            t = [("int", "K", str(k)), ("int", "CPL", str(cpl)), ("int", "H", str(h)), ("int", "P", str(p)),
+                 ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower())]
+            yield (f"qgemv-stream {label} c{cpl} h{h} p{p}",
+                   variant("tandem_qgemv_stream", qg._STREAM_SOURCE, "", ins, outs, t))
+
+
 def attention_variants():
     ins = [("q", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
            ("params", "float")]
@@ -109,7 +123,7 @@ def main() -> int:
     work = Path(args.keep or tempfile.mkdtemp(prefix="tandem-cu-"))
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for i, (label, code) in enumerate([*qgemv_variants(), *attention_variants(), *w4mma_variants()]):
+    for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *w4mma_variants()]):
         cu = work / f"k{i}.cu"
         cu.write_text(code)
         p = subprocess.run([nvcc, "-std=c++17", f"-arch={args.arch}", "-cubin", "-o", str(cu.with_suffix(".cubin")),

@@ -188,6 +188,54 @@ def section_qgemv() -> None:
         mx.clear_cache()
 
 
+def section_qgemv_stream(shapes_spec: str) -> None:
+    """The streaming one-row kernel (lane-fixed K chunks, P passes of H rows per block)
+    against the staged kernel, at the 8B model's products. Inputs arrive normalized (the
+    engine runs ``mx.fast.rms_norm`` first), so only the kernels are timed."""
+    from tandem.kernels import qgemv as qg
+    RESULTS["qgemv_stream"] = []
+    shapes = [tuple(int(v) for v in spec.split("x")) for spec in shapes_spec.split(",")]
+    log("\n== one-row 4-bit products: staged vs streaming (us; gpu: CUPTI kernel time, one call at a time)")
+    log(f"{'product':26s} {'variant':>12s} {'wall':>8s} {'gpu':>7s} {'TB/s':>6s} {'rel err':>8s}")
+    mx.random.seed(0)
+    for name, n, k, kind in [("qkv 6144x4096", 6144, 4096, "plain"),
+                             ("o 4096x4096 +res", 4096, 4096, "res"),
+                             ("gate/up 28672x4096 swiglu", 28672, 4096, "pair"),
+                             ("down 4096x14336 +res", 4096, 14336, "res")]:
+        w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
+        wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
+        del w
+        x = mx.random.normal((1, k)).astype(mx.float16)
+        n_out = n // 2 if kind == "pair" else n
+        res = mx.random.normal((1, n_out)).astype(mx.float16) if kind == "res" else None
+        mx.eval(wq, sc, bi, x)
+        nbytes = wq.nbytes + sc.nbytes + bi.nbytes
+        pair = kind == "pair"
+        want = qg.qgemv_reference(x, wq, sc, bi, 64, pair=pair, residual=res)
+        variants = [("staged R2", lambda: qg.qgemv(x, wq, sc, bi, 64, pair=pair, residual=res, rows_override=2))]
+        for cpl, h, passes in shapes:
+            if (k // 32) % (32 * cpl) or (pair and h < 2):
+                continue
+            variants.append((f"c{cpl} h{h} p{passes}",
+                             lambda shape=(cpl, h, passes): qg.qgemv_stream(x, wq, sc, bi, pair=pair,
+                                                                             residual=res, shape=shape)))
+        for label, fn in variants:
+            try:
+                got = fn()
+                err = (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
+                       / (mx.abs(want.astype(mx.float32)).max() + 1e-6)).item()
+                t = timed(fn)
+                gpu = gpu_us(fn, "tandem_qgemv", serial=True)
+            except Exception as e:  # noqa: BLE001 - a failed variant must not cost the rest
+                log(f"{name:26s} {label:>12s} failed: {type(e).__name__}: {e}"[:400])
+                continue
+            RESULTS["qgemv_stream"].append({"product": name, "variant": label, "wall_us": t * 1e6,
+                                            "gpu_us": gpu, "bytes": nbytes, "rel_err": err})
+            log(f"{name:26s} {label:>12s} {t * 1e6:8.1f} {gpu:7.1f} {nbytes / gpu / 1e6:6.2f} {err:8.1e}")
+        del wq, sc, bi
+        mx.clear_cache()
+
+
 def section_w4mma(rows_list=(8, 16, 32, 64), products: str = "qkv,o,gate/up,down") -> None:
     """The tensor-core 4-bit product against the dense fp16 GEMM it would replace and MLX's
     own 4-bit GEMM, at the 8B model's products and decode batch sizes; and its K split."""
@@ -497,6 +545,8 @@ def main() -> int:
     ap.add_argument("--w4-rows", default="8,16,32,64")
     ap.add_argument("--w4-products", default="qkv,o,gate/up,down")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--stream-shapes", default="1x8x1,1x8x2,1x16x1,1x4x4,1x8x4,2x8x1,2x4x2,1x4x1",
+                    help="qgemv-stream: CPLxHxP block shapes to time")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -507,6 +557,8 @@ def main() -> int:
         section_floor(args.chain)
     if "qgemv" in secs:
         section_qgemv()
+    if "qgemv-stream" in secs:
+        section_qgemv_stream(args.stream_shapes)
     if "attention" in secs:
         section_attention()
     if "w4mma" in secs:

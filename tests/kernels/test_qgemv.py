@@ -74,3 +74,54 @@ def test_fusions_match_reference():
         want = qg.qgemv_reference(x, wq, s, b, 64, norm_weight=g, pair=True, residual=res)
         assert got.shape == (1, n // 2) and _rel_err(got, want) < 5e-3, r
 
+
+
+def _stream_shapes(k):
+    shapes = [(1, 8, 1), (1, 4, 2), (1, 16, 1), (1, 2, 3)]
+    if (k // 32) % 64 == 0:
+        shapes.append((2, 8, 1))
+    return shapes
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+@pytest.mark.parametrize("n,k,gs", [(6144, 4096, 64), (4096, 14336, 64), (1000, 2048, 32),
+                                    (516, 1024, 128)])
+def test_stream_matches_reference(n, k, gs):
+    """Every block shape, including row counts that leave a block's last passes past N."""
+    x, wq, s, b = _case(n, k, gs, seed=3 * n + k)
+    res = mx.random.normal((1, n)).astype(mx.float16)
+    for shape in _stream_shapes(k):
+        got = qg.qgemv_stream(x, wq, s, b, shape=shape)
+        assert got.shape == (1, n) and _rel_err(got, qg.qgemv_reference(x, wq, s, b, gs)) < 5e-3, shape
+        got = qg.qgemv_stream(x, wq, s, b, residual=res, shape=shape)
+        assert _rel_err(got, qg.qgemv_reference(x, wq, s, b, gs, residual=res)) < 5e-3, shape
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+@pytest.mark.parametrize("n,k", [(28672 // 4, 4096), (2 * 250, 1024)])
+def test_stream_pair_matches_reference(n, k):
+    x, wq, s, b = _case(n, k, 64, seed=n + 2 * k)
+    res = mx.random.normal((1, n // 2)).astype(mx.float16)
+    for shape in _stream_shapes(k):
+        if shape[1] < 2:
+            continue
+        got = qg.qgemv_stream(x, wq, s, b, pair=True, residual=res, shape=shape)
+        want = qg.qgemv_reference(x, wq, s, b, 64, pair=True, residual=res)
+        assert got.shape == (1, n // 2) and _rel_err(got, want) < 5e-3, shape
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+def test_dispatch_to_the_stream_kernel_normalizes_first(monkeypatch):
+    n, k = 2048, 4096
+    x, wq, s, b = _case(n, k, 64, seed=11)
+    g = (1 + 0.1 * mx.random.normal((k,))).astype(mx.float16)
+    monkeypatch.setattr(qg, "KERNEL", "stream")
+    got = qg.qgemv(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5, pair=True)
+    want = qg.qgemv_reference(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5, pair=True)
+    assert _rel_err(got, want) < 5e-3
