@@ -90,6 +90,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=154, help="new tokens per row (after the prefix)")
     ap.add_argument("--prefix", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--left-below", type=int, default=None, help="FastLlama.left_below (token columns below it)")
     ap.add_argument("--gemm", action="store_true", help="also time each product shape alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -100,6 +101,8 @@ def main() -> int:
     lm = load_model(model_store.resolve_model(args.model))
     fast = fast_llama.FastLlama(lm.model)
     sg = fast.prefill_sgemm
+    if args.left_below:
+        fast.left_below = args.left_below
     if sg is None:
         print("no OpenBLAS prefill products here (numpy without its bundled OpenBLAS, or no C kernels)")
         return 1

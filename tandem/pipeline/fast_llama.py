@@ -395,12 +395,15 @@ class FastLlama:
         if qkv_b is not None:
             qkv += qkv_b
         q4_kernels.rope_cols(qkv, Hq + Hkv, D, *self._cols)
-        kv = mx.array(qkv[Hq * D :])
-        k = kv[: Hkv * D].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)  # (B, Hkv, L, D)
-        v = kv[Hkv * D :].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)
-        k, v = cache.update_and_fetch(mx.contiguous(k), mx.contiguous(v))
-        o = q4_kernels.prefill_attention(qkv[: Hq * D], np.ascontiguousarray(np.asarray(k)),
-                                         np.ascontiguousarray(np.asarray(v)), self._starts, L, float(attn.scale),
+        host = getattr(cache, "prefill_kv_host", None)
+        kv = host(qkv[Hq * D : (Hq + Hkv) * D], qkv[(Hq + Hkv) * D :], self._starts, L) if host else None
+        if kv is None:  # through mlx: another cache (mlx-lm's), or a pool the C code cannot write
+            kv = mx.array(qkv[Hq * D :])
+            k = kv[: Hkv * D].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)  # (B, Hkv, L, D)
+            v = kv[Hkv * D :].reshape(Hkv, D, B, L).transpose(2, 0, 3, 1)
+            k, v = cache.update_and_fetch(mx.contiguous(k), mx.contiguous(v))
+            kv = np.ascontiguousarray(np.asarray(k)), np.ascontiguousarray(np.asarray(v))
+        o = q4_kernels.prefill_attention(qkv[: Hq * D], *kv, self._starts, L, float(attn.scale),
                                          columns=True)  # (Hq*D, B*L)
         q4_kernels.blas_rows(sg, o_w, o, False, add_to=xc)
         gu = q4_kernels.blas_rows(sg, gu_w, q4_kernels.rms_norm_cols(xc, ln2, eps), False)

@@ -534,6 +534,57 @@ int prefill_attention(const float *q, const float *k, const float *v, float *o, 
     return 0;
 }
 
+/* ---- a prefill's new keys and values into the paged pool, and each row's keys out of it ---- */
+typedef struct {
+    const float *kc, *vc;  /* (hkv * d, t): the new keys and values in token columns */
+    float *kp, *vp;        /* the pool (S, hkv, d), written in place */
+    float *ko, *vo;        /* (B, hkv, K, d) */
+    const int *slots, *table, *starts;
+    long t, hkv, d, nb, bs, B, L, K;
+} kv_job;
+
+static void kv_write_part(void *arg, long part, long parts) {
+    const kv_job *j = arg;
+    const long w = j->hkv * j->d, blocks = (j->t + 15) / 16;
+    for (long cb = blocks * part / parts; cb < blocks * (part + 1) / parts; cb++) {
+        const long c0 = cb * 16, c1 = c0 + 16 < j->t ? c0 + 16 : j->t;
+        for (long e = 0; e < w; e++)
+            for (long c = c0; c < c1; c++) {
+                const long at = (long)j->slots[c] * w + e;
+                j->kp[at] = j->kc[e * j->t + c];
+                j->vp[at] = j->vc[e * j->t + c];
+            }
+    }
+}
+
+static void kv_gather_part(void *arg, long part, long parts) {
+    const kv_job *j = arg;
+    const long pairs = j->B * j->hkv, w = j->hkv * j->d;
+    for (long bg = pairs * part / parts; bg < pairs * (part + 1) / parts; bg++) {
+        const long b = bg / j->hkv, g = bg % j->hkv;
+        /* keys past a row's last query are never read (the causal limit) */
+        const long n = j->starts[b] + j->L < j->K ? j->starts[b] + j->L : j->K;
+        float *ko = j->ko + bg * j->K * j->d, *vo = j->vo + bg * j->K * j->d;
+        for (long p = 0; p < n; p++) {
+            const long at = ((long)j->table[b * j->nb + p / j->bs] * j->bs + p % j->bs) * w + g * j->d;
+            memcpy(ko + p * j->d, j->kp + at, sizeof(float) * j->d);
+            memcpy(vo + p * j->d, j->vp + at, sizeof(float) * j->d);
+        }
+    }
+}
+
+/* Write the new entries (column c to pool slot slots[c]) into the pool in place, then
+   copy each row's keys and values 0 .. min(starts[b] + L, K) out of it into ko, vo
+   (B, hkv, K, d) through its block table (B, nb) of pool blocks of bs slots. Returns 0. */
+int prefill_kv(const float *kc, const float *vc, long t, float *kp, float *vp, const int *slots, const int *table,
+               long nb, long bs, const int *starts, long B, long L, long hkv, long d, long K, float *ko, float *vo,
+               long threads) {
+    kv_job j = {kc, vc, kp, vp, ko, vo, slots, table, starts, t, hkv, d, nb, bs, B, L, K};
+    run_job(kv_write_part, &j, threads);
+    run_job(kv_gather_part, &j, threads);
+    return 0;
+}
+
 /* ---- prefill helpers over token columns: x (rows, t) ---- */
 typedef struct { float *x; const float *cos_t, *sin_t; const float *gu; float *a; long heads, d, t, inter; } col_job;
 

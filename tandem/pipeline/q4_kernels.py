@@ -73,8 +73,9 @@ def _build() -> ctypes.CDLL:
     lib.prefill_attention.argtypes = [P, P, P, P, P, L, L, L, L, L, L, F, L, L, L, L, L]
     lib.blas_rows.argtypes = [P, L, P, L, L, P, L, L, P, F, L, L]
     lib.rms_norm_cols.argtypes = [P, P, P, L, L, F, L]
+    lib.prefill_kv.argtypes = [P, P, L, P, P, P, P, L, L, P, L, L, L, L, L, P, P, L]
     for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_decode_step, lib.rope_cols, lib.silu_rows, lib.rope_rows,
-               lib.silu_cols, lib.prefill_attention, lib.blas_rows, lib.rms_norm_cols):
+               lib.silu_cols, lib.prefill_attention, lib.blas_rows, lib.rms_norm_cols, lib.prefill_kv):
         fn.restype = ctypes.c_int
     return lib
 
@@ -340,3 +341,28 @@ def rms_norm_cols(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     _lib.rms_norm_cols(x.ctypes.data, w.ctypes.data, out.ctypes.data, x.shape[0], x.shape[1], eps,
                        cpu_kernels.threads())
     return out
+
+
+def prefill_kv(kc: np.ndarray, vc: np.ndarray, kpool: np.ndarray, vpool: np.ndarray, slots: np.ndarray,
+               table: np.ndarray, block_size: int, starts: np.ndarray, L: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """A prefill's new keys and values, kc and vc (hkv * d, B * L) in token columns, written
+    into the pool arrays (S, hkv, d) **in place** at ``slots`` (B * L,); then each row's
+    keys and values 0 .. min(starts[b] + L, K) gathered from the pool through its block
+    ``table`` (B, nb) -> (B, hkv, K, d) each (entries past that are left unset: the
+    causal limit never reads them)."""
+    S, hkv, d = kpool.shape
+    B, nb = table.shape
+    assert kc.shape == vc.shape == (hkv * d, B * L) and vpool.shape == kpool.shape
+    for a in (kc, vc, kpool, vpool):
+        assert a.dtype == np.float32 and a.flags.c_contiguous
+    assert kpool.flags.writeable and vpool.flags.writeable
+    slots = np.ascontiguousarray(slots, np.int32)
+    table = np.ascontiguousarray(table, np.int32)
+    starts = np.ascontiguousarray(starts, np.int32)
+    assert slots.shape == (B * L,) and 0 <= slots.min() and slots.max() < S and (table.max() + 1) * block_size <= S
+    ko = np.empty((B, hkv, K, d), np.float32)
+    vo = np.empty((B, hkv, K, d), np.float32)
+    _lib.prefill_kv(kc.ctypes.data, vc.ctypes.data, B * L, kpool.ctypes.data, vpool.ctypes.data, slots.ctypes.data,
+                    table.ctypes.data, nb, block_size, starts.ctypes.data, B, L, hkv, d, K, ko.ctypes.data,
+                    vo.ctypes.data, cpu_kernels.threads())
+    return ko, vo
