@@ -585,6 +585,58 @@ int prefill_kv(const float *kc, const float *vc, long t, float *kp, float *vp, c
     return 0;
 }
 
+/* ---- a decode mirror filled from the paged pool ---- */
+typedef struct { float *const *kp, *const *vp, *const *km, *const *vm; const int *table; long nl, B, nb, bs, hkv, d, cap; } mf_job;
+
+static void mf_part(void *arg, long part, long parts) {
+    const mf_job *j = arg;
+    const long tasks = j->nl * j->B, n = j->nb * j->bs < j->cap ? j->nb * j->bs : j->cap, w = j->hkv * j->d;
+    for (long at = tasks * part / parts; at < tasks * (part + 1) / parts; at++) {
+        const long layer = at / j->B, b = at % j->B;
+        for (long p = 0; p < n; p++) {
+            const long src = ((long)j->table[b * j->nb + p / j->bs] * j->bs + p % j->bs) * w;
+            for (long h = 0; h < j->hkv; h++) {
+                const long dst = ((b * j->hkv + h) * j->cap + p) * j->d;
+                memcpy(j->km[layer] + dst, j->kp[layer] + src + h * j->d, sizeof(float) * j->d);
+                memcpy(j->vm[layer] + dst, j->vp[layer] + src + h * j->d, sizeof(float) * j->d);
+            }
+        }
+    }
+}
+
+/* For each of nl layers: the mirror (B, hkv, cap, d) gets row b's pool entries at
+   positions 0 .. min(nb * bs, cap) through its block table (B, nb), from the pool
+   (S, hkv, d). Returns 0. */
+int mirror_fill(float *const *kp, float *const *vp, float *const *km, float *const *vm, long nl, const int *table,
+                long B, long nb, long bs, long hkv, long d, long cap, long threads) {
+    mf_job j = {kp, vp, km, vm, table, nl, B, nb, bs, hkv, d, cap};
+    run_job(mf_part, &j, threads);
+    return 0;
+}
+
+/* ---- a decode mirror's appended entries back into the paged pool ---- */
+typedef struct { float *const *kp, *const *vp; const float *const *km, *const *vm; const int *slots, *rows; long nl, n, hkv, d; } fl_job;
+
+static void fl_part(void *arg, long part, long parts) {
+    const fl_job *j = arg;
+    for (long layer = j->nl * part / parts; layer < j->nl * (part + 1) / parts; layer++)
+        for (long i = 0; i < j->n; i++)
+            for (long h = 0; h < j->hkv; h++) {
+                const long dst = ((long)j->slots[i] * j->hkv + h) * j->d, src = (long)j->rows[i * j->hkv + h] * j->d;
+                memcpy(j->kp[layer] + dst, j->km[layer] + src, sizeof(float) * j->d);
+                memcpy(j->vp[layer] + dst, j->vm[layer] + src, sizeof(float) * j->d);
+            }
+}
+
+/* For each of nl layers: pool (S, hkv, d) slot slots[i], head h <- mirror row rows[i, h]
+   (the mirror flat, (rows, d)), in place. Returns 0. */
+int mirror_flush(float *const *kp, float *const *vp, const float *const *km, const float *const *vm, long nl,
+                 const int *slots, const int *rows, long n, long hkv, long d, long threads) {
+    fl_job j = {kp, vp, km, vm, slots, rows, nl, n, hkv, d};
+    run_job(fl_part, &j, threads);
+    return 0;
+}
+
 /* ---- prefill helpers over token columns: x (rows, t) ---- */
 typedef struct { float *x; const float *cos_t, *sin_t; const float *gu; float *a; long heads, d, t, inter; } col_job;
 

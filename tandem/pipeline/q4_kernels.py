@@ -73,9 +73,11 @@ def _build() -> ctypes.CDLL:
     lib.prefill_attention.argtypes = [P, P, P, P, P, L, L, L, L, L, L, F, L, L, L, L, L]
     lib.blas_rows.argtypes = [P, L, P, L, L, P, L, L, P, F, L, L]
     lib.rms_norm_cols.argtypes = [P, P, P, L, L, F, L]
+    lib.mirror_flush.argtypes = [P, P, P, P, L, P, P, L, L, L, L]
+    lib.mirror_fill.argtypes = [P, P, P, P, L, P, L, L, L, L, L, L, L]
     lib.prefill_kv.argtypes = [P, P, L, P, P, P, P, L, L, P, L, L, L, L, L, P, P, L]
     for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_decode_step, lib.rope_cols, lib.silu_rows, lib.rope_rows,
-               lib.silu_cols, lib.prefill_attention, lib.blas_rows, lib.rms_norm_cols, lib.prefill_kv):
+               lib.silu_cols, lib.prefill_attention, lib.blas_rows, lib.rms_norm_cols, lib.prefill_kv, lib.mirror_fill, lib.mirror_flush):
         fn.restype = ctypes.c_int
     return lib
 
@@ -366,3 +368,39 @@ def prefill_kv(kc: np.ndarray, vc: np.ndarray, kpool: np.ndarray, vpool: np.ndar
                     table.ctypes.data, nb, block_size, starts.ctypes.data, B, L, hkv, d, K, ko.ctypes.data,
                     vo.ctypes.data, cpu_kernels.threads())
     return ko, vo
+
+
+def mirror_fill(kpools: list[np.ndarray], vpools: list[np.ndarray], kmir: list[np.ndarray], vmir: list[np.ndarray],
+                table: np.ndarray, block_size: int, cap: int) -> None:
+    """Fill each layer's decode mirror (B * hkv * cap, d) from its pool (S, hkv, d): row
+    b's entries at positions 0 .. min(nb * block_size, cap) through its block ``table``
+    (B, nb), in place (positions past that are left as they are)."""
+    table = np.ascontiguousarray(table, np.int32)
+    B, nb = table.shape
+    S, hkv, d = kpools[0].shape
+    assert len(kpools) == len(vpools) == len(kmir) == len(vmir) and (table.max() + 1) * block_size <= S
+    for a in kpools + vpools:
+        assert a.shape == (S, hkv, d) and a.dtype == np.float32 and a.flags.c_contiguous
+    for a in kmir + vmir:
+        assert a.shape == (B * hkv * cap, d) and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+    ptrs = [(ctypes.c_void_p * len(arrs))(*(a.ctypes.data for a in arrs)) for arrs in (kpools, vpools, kmir, vmir)]
+    _lib.mirror_fill(*ptrs, len(kpools), table.ctypes.data, B, nb, block_size, hkv, d, cap, cpu_kernels.threads())
+
+
+def mirror_flush(kpools: list[np.ndarray], vpools: list[np.ndarray], kmir: list[np.ndarray], vmir: list[np.ndarray],
+                 slots: np.ndarray, rows: np.ndarray) -> None:
+    """Copy mirror entries into the pools **in place**: for each layer, pool (S, hkv, d)
+    slot ``slots[i]``, head h <- mirror row ``rows[i, h]`` (mirrors flat, (rows, d))."""
+    slots = np.ascontiguousarray(slots, np.int32)
+    rows = np.ascontiguousarray(rows, np.int32)
+    S, hkv, d = kpools[0].shape
+    assert rows.shape == (len(slots), hkv) and len(kpools) == len(vpools) == len(kmir) == len(vmir)
+    assert 0 <= slots.min() and slots.max() < S
+    for a in kpools + vpools:
+        assert a.shape == (S, hkv, d) and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+    for a in kmir + vmir:
+        assert a.ndim == 2 and a.shape[1] == d and a.dtype == np.float32 and a.flags.c_contiguous
+        assert 0 <= rows.min() and rows.max() < a.shape[0]
+    ptrs = [(ctypes.c_void_p * len(arrs))(*(a.ctypes.data for a in arrs)) for arrs in (kpools, vpools, kmir, vmir)]
+    _lib.mirror_flush(*ptrs, len(kpools), slots.ctypes.data, rows.ctypes.data, len(slots), hkv, d,
+                      cpu_kernels.threads())
