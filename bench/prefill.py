@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--left-below", type=int, default=None, help="FastLlama.left_below (token columns below it)")
+    ap.add_argument("--blocks", default=None, help="comma list: also alternate q4_kernels.BLAS_BLOCKS values")
     ap.add_argument("--gemm", action="store_true", help="also time each product shape alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -108,17 +109,21 @@ def main() -> int:
         return 1
     rng = np.random.default_rng(0)
     tokens = rng.integers(100, 40000, (args.rows, args.prefix + args.tokens)).astype(np.int32)
-    paths = {"mlx (MKL)": None, "OpenBLAS on the pool": sg}
+    paths = {"mlx (MKL)": (None, None), "OpenBLAS on the pool": (sg, None)}
+    for b in (args.blocks.split(",") if args.blocks else []):
+        paths[f"OpenBLAS, {b} blocks per thread"] = (sg, int(b))
     times = {k: [] for k in paths}
     logits = {}
+    default_blocks = q4_kernels.BLAS_BLOCKS
     for r in range(args.repeats + 1):
-        for name, s in paths.items():
+        for name, (s, blocks) in paths.items():
             fast.prefill_sgemm = s
+            q4_kernels.BLAS_BLOCKS = blocks or default_blocks
             time.sleep(0.25)
             logits[name], t = _forward(fast, tokens, args.prefix)
             if r:  # the first round warms up
                 times[name].append(t * 1e3)
-    a, b = logits.values()
+    a, b = list(logits.values())[:2]
     diff = float(np.abs(a - b).max())
     same = float(np.mean(a.argmax(-1) == b.argmax(-1)))
     M = args.rows * args.tokens

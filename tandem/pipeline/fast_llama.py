@@ -285,7 +285,7 @@ class FastLlama:
         # Prefill products (left_below > rows >= BLAS_ROWS_FROM) through numpy's OpenBLAS
         # on the kernels' pool, with the RoPE, attention and SiLU in C between them.
         self.prefill_sgemm = _blas.openblas_sgemm() if self.prefill_kernels else None
-        self._np_weights = None
+        self._np_weights = self._np_head = None
         self.native = None
         self.native_why = "off"
         if native:
@@ -303,6 +303,7 @@ class FastLlama:
         mask: additive (B, 1, L, K) or None; last: (B,) index of each row's position to
         project onto the vocabulary (None: position 0, a decode) -> logits (B, V)."""
         B, L = inputs.shape
+        blas = False
         if L == 1 and self.native is not None and B <= native_decode.MAX_ROWS and hasattr(caches[0], "native_mirror"):
             mirror = caches[0].native_mirror()
             if mirror is not None:
@@ -336,6 +337,8 @@ class FastLlama:
             x = x.reshape(B, L, -1)
             x = x[:, 0] if last is None else x[mx.arange(B), last]
         h = self.inner.norm(x)
+        if L > 1 and blas:
+            return mx.array(self._head_host(np.asarray(h)))
         if B >= self.left_below:
             return h @ self.head.T
         if _padded(B) < HEAD_CHUNK_FROM:
@@ -359,6 +362,20 @@ class FastLlama:
             x = dec.post(x, o, attn.o_proj.weight, layer.post_attention_layernorm.weight, gu_w,
                          layer.mlp.down_proj.weight)
         return x
+
+    def _head_host(self, h: np.ndarray) -> np.ndarray:
+        """The vocabulary projection of a host prefill's last rows h (B, hidden) -> (B, V),
+        on the kernels' pool: through the decode step's packed vocabulary matrix (the same
+        values, half the bytes) where there is one, else OpenBLAS. Not MKL: its OpenMP
+        threads spin for 200 ms after a call (KMP_BLOCKTIME) and took a core from the
+        next prefill's pool threads (a 4 x 154-token prefill right after another: min
+        758-776 ms with KMP_BLOCKTIME=0 against 777-827 without)."""
+        if self.native is not None:
+            return self.native.head.matmul(h)
+        if self._np_head is None:
+            self._np_head = np.asarray(self.head)
+        return np.ascontiguousarray(q4_kernels.blas_rows(self.prefill_sgemm, self._np_head,
+                                                         np.ascontiguousarray(h, np.float32), True).T)
 
     def _host_weights(self, i: int) -> tuple[np.ndarray, ...]:
         """Layer i's QKV, output, gate/up and down weights, QKV bias (or None) and norm
