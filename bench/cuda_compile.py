@@ -65,15 +65,21 @@ def qgemv_variants():
 
 
 def qgemv_stream_variants():
-    ins = [("x", "__half"), ("w", "uint32_t"), ("scales", "__half"), ("biases", "__half"), ("res", "__half")]
+    ins = [("x", "__half"), ("w", "uint32_t"), ("scales", "__half"), ("biases", "__half"), ("norm_w", "__half"),
+           ("res", "__half"), ("fparams", "float")]
     outs = [("y", "__half")]
-    for label, k, pair, res in [("qkv", 4096, 0, 0), ("o+res", 4096, 0, 1), ("gate/up pair", 4096, 1, 0),
-                                ("down+res", 14336, 0, 1)]:
-        for cpl, h, p in [(1, 8, 1), (1, 8, 2), (1, 16, 1), (1, 4, 4), (1, 4, 1), (2, 8, 1), (2, 4, 2)]:
+    for label, k, pair, res, norm, unpack, lo in [
+            ("qkv", 4096, 0, 0, 0, 0, 0), ("o+res", 4096, 0, 1, 0, 0, 0), ("gate/up pair", 4096, 1, 0, 0, 0, 0),
+            ("down+res", 14336, 0, 1, 0, 0, 0), ("qkv+norm", 4096, 0, 0, 1, 0, 0),
+            ("gate/up pair+norm unpack1", 4096, 1, 0, 1, 1, 0), ("down+res unpack1", 14336, 0, 1, 0, 1, 0),
+            ("gate/up loads-only", 4096, 1, 0, 0, 0, 1)]:
+        for cpl, h, p in [(1, 8, 1), (1, 4, 4)]:
             if (k // 32) % (32 * cpl):
                 continue
             t = [("int", "K", str(k)), ("int", "CPL", str(cpl)), ("int", "H", str(h)), ("int", "P", str(p)),
-                 ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower())]
+                 ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower()),
+                 ("bool", "NORM", str(bool(norm)).lower()), ("int", "UNPACK", str(unpack)),
+                 ("bool", "LOADS_ONLY", str(bool(lo)).lower())]
             yield (f"qgemv-stream {label} c{cpl} h{h} p{p}",
                    variant("tandem_qgemv_stream", qg._STREAM_SOURCE, "", ins, outs, t))
 

@@ -219,13 +219,27 @@ def section_qgemv_stream(shapes_spec: str) -> None:
             variants.append((f"c{cpl} h{h} p{passes}",
                              lambda shape=(cpl, h, passes): qg.qgemv_stream(x, wq, sc, bi, pair=pair,
                                                                              residual=res, shape=shape)))
-        for label, fn in variants:
+        variants += [
+            ("default u1", lambda: qg.qgemv_stream(x, wq, sc, bi, pair=pair, residual=res, unpack=1)),
+            ("loads only", lambda: qg.qgemv_stream(x, wq, sc, bi, pair=pair, residual=res, loads_only=True)),
+        ]
+        norm_cases = []
+        if kind in ("plain", "pair"):
+            g = (1 + 0.1 * mx.random.normal((k,))).astype(mx.float16)
+            want_n = qg.qgemv_reference(x, wq, sc, bi, 64, pair=pair, norm_weight=g)
+            norm_cases = [
+                ("norm first", lambda: qg.qgemv_stream(mx.fast.rms_norm(x, g, 1e-5), wq, sc, bi, pair=pair)),
+                ("norm fused", lambda: qg.qgemv_stream(x, wq, sc, bi, pair=pair, norm_weight=g)),
+                ("norm fused u1", lambda: qg.qgemv_stream(x, wq, sc, bi, pair=pair, norm_weight=g, unpack=1)),
+            ]
+        for label, fn in variants + norm_cases:
             try:
                 got = fn()
-                err = (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max()
-                       / (mx.abs(want.astype(mx.float32)).max() + 1e-6)).item()
+                ref = want_n if label.startswith("norm") else want
+                err = (mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max()
+                       / (mx.abs(ref.astype(mx.float32)).max() + 1e-6)).item()
                 t = timed(fn)
-                gpu = gpu_us(fn, "tandem_qgemv", serial=True)
+                gpu = gpu_us(fn, "", serial=True) if label == "norm first" else gpu_us(fn, "tandem_qgemv", serial=True)
             except Exception as e:  # noqa: BLE001 - a failed variant must not cost the rest
                 log(f"{name:26s} {label:>12s} failed: {type(e).__name__}: {e}"[:400])
                 continue

@@ -220,24 +220,72 @@ _STREAM_SOURCE = r"""
   // Zero at run time, unknown to the compiler (N < 2^30): see the dependency below.
   const uint32_t zero = (uint32_t)N >> 30;
 
+  // The input (normalized first when NORM) goes into registers before any weight load.
+  // Deferring it until the first pass's weights were in flight, so that the norm's
+  // barrier overlapped their latency, made the fused-norm kernel slower (H200 run 41,
+  // CUPTI: qkv 17.4 against 12.1 us; 125 registers against 91) and the engine lost its
+  // gain.
+  uint4 xr[CPL][4];
+#pragma unroll
+  for (int j = 0; j < CPL; ++j)
+#pragma unroll
+    for (int w4 = 0; w4 < 4; ++w4)
+      xr[j][w4] = *reinterpret_cast<const uint4*>(x + (tid + j * NT) * 32 + w4 * 8);
   __half2 xp[CPL][16];
   float xs[CPL];
+  __shared__ float sred[NW];
+  auto prep_x = [&]() {
+    float rs = 1.f;
+    if constexpr (NORM) {
+      // rms_norm fused: the block already reads all of x (one chunk per lane), so its
+      // sum of squares costs one block reduction, not a launch of its own.
+      float ss = 0.f;
 #pragma unroll
-  for (int j = 0; j < CPL; ++j) {
-    const int c = tid + j * NT;
-    float s = 0.f;
+      for (int j = 0; j < CPL; ++j)
 #pragma unroll
-    for (int w4 = 0; w4 < 4; ++w4) {
-      const uint4 u = *reinterpret_cast<const uint4*>(x + c * 32 + w4 * 8);
-      const __half* h = reinterpret_cast<const __half*>(&u);
+        for (int w4 = 0; w4 < 4; ++w4) {
+          const __half2* h = reinterpret_cast<const __half2*>(&xr[j][w4]);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        xp[j][w4 * 4 + q] = __halves2half2(h[q], h[q + 4]);
-        s += __half2float(h[q]) + __half2float(h[q + 4]);
-      }
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __half22float2(h[i]);
+            ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
+          }
+        }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) sred[warp] = ss;
+      __syncthreads();
+      float t = 0.f;
+#pragma unroll
+      for (int i = 0; i < NW; ++i) t += sred[i];
+      rs = rsqrtf(t / K + fparams[0]);
     }
-    xs[j] = s;
-  }
+#pragma unroll
+    for (int j = 0; j < CPL; ++j) {
+      const int c = tid + j * NT;
+      float s = 0.f;
+#pragma unroll
+      for (int w4 = 0; w4 < 4; ++w4) {
+        __half h[8];
+        *reinterpret_cast<uint4*>(h) = xr[j][w4];
+        if constexpr (NORM) {
+          // The reference's roundings: x * rs to fp16, times the weight, to fp16.
+          const uint4 v = *reinterpret_cast<const uint4*>(norm_w + c * 32 + w4 * 8);
+          const __half* g = reinterpret_cast<const __half*>(&v);
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            h[i] = __float2half(__half2float(__float2half(__half2float(h[i]) * rs)) * __half2float(g[i]));
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          xp[j][w4 * 4 + q] = __halves2half2(h[q], h[q + 4]);
+          s += __half2float(h[q]) + __half2float(h[q + 4]);
+        }
+      }
+      xs[j] = s;
+    }
+  };
+  prep_x();
 
   const uint4* wv = reinterpret_cast<const uint4*>(w);
 #pragma unroll 1
@@ -269,14 +317,16 @@ _STREAM_SOURCE = r"""
     for (int r = 0; r < H; ++r)
 #pragma unroll
       for (int j = 0; j < CPL; ++j)
-        dep |= wb[r][j].x ^ (uint32_t)__half_as_ushort(sb[r][j]) ^ ((uint32_t)__half_as_ushort(bb[r][j]) << 16);
+        dep |= wb[r][j].x ^ (uint32_t)__half_as_ushort(sb[r][j]) ^ ((uint32_t)__half_as_ushort(bb[r][j]) << 16)
+               ^ (LOADS_ONLY ? wb[r][j].y ^ wb[r][j].z ^ wb[r][j].w : 0u);
     uint32_t kbits = 0x64086408u ^ (dep & zero);   // fp16 1032 twice
     const __half2 k1032 = *reinterpret_cast<const __half2*>(&kbits);
+    const __half2 k16th = __floats2half2_rn(1.f / 16.f, 1.f / 16.f), k72 = __floats2half2_rn(-72.f, -72.f);
 
     float acc[H];
 #pragma unroll
     for (int r = 0; r < H; ++r) {
-      float a_r = 0.f;
+      float a_r = LOADS_ONLY ? __uint_as_float(dep & 0x3u) : 0.f;
 #pragma unroll
       for (int j = 0; j < CPL; ++j) {
         const uint4 u = wb[r][j];
@@ -285,15 +335,32 @@ _STREAM_SOURCE = r"""
 #pragma unroll
         for (int w4 = 0; w4 < 4; ++w4) {
           __half2 a;
+          if constexpr (UNPACK == 1) {
+            // Low nibbles of each byte pair masked in place (1024 + n), high nibbles too
+            // (1024 + 16 n, scaled back by an fma): one shift per word instead of three.
+            const uint32_t wd = wd4[w4], wd8 = wd >> 8;
+            uint32_t t0 = (wd & 0x000F000Fu) | 0x64006400u, t1 = (wd & 0x00F000F0u) | 0x64006400u;
+            uint32_t t2 = (wd8 & 0x000F000Fu) | 0x64006400u, t3 = (wd8 & 0x00F000F0u) | 0x64006400u;
+            const __half2 q0 = __hsub2(*reinterpret_cast<__half2*>(&t0), k1032);
+            const __half2 q1 = __hfma2(*reinterpret_cast<__half2*>(&t1), k16th, k72);
+            const __half2 q2 = __hsub2(*reinterpret_cast<__half2*>(&t2), k1032);
+            const __half2 q3 = __hfma2(*reinterpret_cast<__half2*>(&t3), k16th, k72);
+            a = __hmul2(xp[j][w4 * 4], q0);
+            a = __hfma2(xp[j][w4 * 4 + 1], q1, a);
+            a = __hfma2(xp[j][w4 * 4 + 2], q2, a);
+            a = __hfma2(xp[j][w4 * 4 + 3], q3, a);
+          } else {
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            uint32_t t = ((wd4[w4] >> (4 * q)) & 0x000F000Fu) | 0x64006400u;
-            const __half2 qq = __hsub2(*reinterpret_cast<__half2*>(&t), k1032);  // (n_q - 8, n_{q+4} - 8)
-            a = q == 0 ? __hmul2(xp[j][w4 * 4], qq) : __hfma2(xp[j][w4 * 4 + q], qq, a);
+            for (int q = 0; q < 4; ++q) {
+              uint32_t t = ((wd4[w4] >> (4 * q)) & 0x000F000Fu) | 0x64006400u;
+              const __half2 qq = __hsub2(*reinterpret_cast<__half2*>(&t), k1032);  // (n_q - 8, n_{q+4} - 8)
+              a = q == 0 ? __hmul2(xp[j][w4 * 4], qq) : __hfma2(xp[j][w4 * 4 + q], qq, a);
+            }
           }
           const float2 f = __half22float2(a);
           dot += f.x + f.y;
         }
+        if constexpr (LOADS_ONLY) dot = 0.f;
         const float s = live[r] ? __half2float(sb[r][j]) : 0.f;
         const float b = live[r] ? __half2float(bb[r][j]) : 0.f;
         a_r += s * dot + fmaf(8.f, s, b) * xs[j];
@@ -362,7 +429,7 @@ def _kernel():
 def _stream_kernel():
     return mx.fast.cuda_kernel(
         name="tandem_qgemv_stream",
-        input_names=["x", "w", "scales", "biases", "res"],
+        input_names=["x", "w", "scales", "biases", "norm_w", "res", "fparams"],
         output_names=["y"],
         source=_STREAM_SOURCE,
     )
@@ -390,11 +457,27 @@ STREAM_SHAPE = tuple(int(v) for v in os.environ["TANDEM_QGEMV_SHAPE"].split("x")
 """``CPLxHxP`` for every product (measurements)."""
 
 
+STREAM_NORM = os.environ.get("TANDEM_QGEMV_STREAM_NORM", "0") == "1"
+"""Whether the streaming kernel applies a preceding rms_norm itself (one block reduction
+per block) instead of ``mx.fast.rms_norm`` running first as its own launch (the default).
+The fused kernel is slower alone (H200 run 40, CUPTI: qkv 12.1 us against 10.1 for norm +
+kernel, gate/up 34.4 against 28.5) and saves two launches a layer; in the engine at
+batch 1 (runs 40 and 42) it gave 271 / 260 / 293 / 212 tok/s against 279 / 277 / 247 /
+245 / 276 with the norm first, machine to machine: no gain shown, so it stays off."""
+
+STREAM_UNPACK = int(os.environ.get("TANDEM_QGEMV_UNPACK", "1"))
+"""Nibble unpacking in the streaming kernel: 0 shifts each word three times, 1 masks the
+high nibbles in place and rescales them with an fma (one shift a word). Run 40, CUPTI:
+gate/up 25.1 against 26.7 us, down 14.8 against 16.2, qkv 7.7 against 8.1."""
+
+
 def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *,
+                 norm_weight: mx.array | None = None, eps: float = 1e-5,
                  residual: mx.array | None = None, pair: bool = False,
-                 shape: tuple[int, int, int] | None = None) -> mx.array:
-    """The streaming kernel (no norm: callers normalize first). shape overrides
-    ``stream_shape`` (measurements)."""
+                 shape: tuple[int, int, int] | None = None, unpack: int | None = None,
+                 loads_only: bool = False) -> mx.array:
+    """The streaming kernel. shape overrides ``stream_shape``, unpack ``STREAM_UNPACK``
+    (measurements); loads_only skips the arithmetic (a bandwidth probe, wrong results)."""
     n, words = w.shape
     k = words * 8
     cpl, h, p = shape or stream_shape(n, k, pair)
@@ -404,9 +487,13 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     blocks = -(-n_out // (rows_per_block // 2 if pair else rows_per_block))
     (y,) = _stream_kernel()(
         inputs=[x, w, scales, biases,
-                residual if residual is not None else qmm._dummy(mx.float16)],
+                norm_weight if norm_weight is not None else qmm._dummy(mx.float16),
+                residual if residual is not None else qmm._dummy(mx.float16),
+                qmm._fparams(float(eps))],
         template=[("K", k), ("CPL", cpl), ("H", h), ("P", p), ("PAIR", bool(pair)),
-                  ("RES", residual is not None)],
+                  ("RES", residual is not None), ("NORM", norm_weight is not None),
+                  ("UNPACK", STREAM_UNPACK if unpack is None else unpack),
+                  ("LOADS_ONLY", bool(loads_only))],
         grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(1, n_out)],
@@ -434,6 +521,11 @@ def _stream_fits(k: int, pair: bool) -> bool:
     return threads % 32 == 0 and threads <= 1024 and (not pair or h % 2 == 0)
 
 
+def stream_fuses_norm(k: int, pair: bool) -> bool:
+    """Whether ``qgemv`` given a norm weight runs it inside the streaming kernel."""
+    return KERNEL == "stream" and STREAM_NORM and _stream_fits(k, pair)
+
+
 def rows_per_warp(n: int, k: int, pair: bool) -> int:
     """Rows whose loads a warp issues together. Two measured best or tied for every 8B
     product on the H200 (run 14, CUPTI: gate/up 38.8 us at 2 vs 47.6 at 4; down 28.4 at 2
@@ -454,9 +546,10 @@ def qgemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_si
     n, words = w.shape
     k = words * 8
     if KERNEL == "stream" and rows_override is None and _stream_fits(k, pair):
-        if norm_weight is not None:
-            x = mx.fast.rms_norm(x, norm_weight, eps)
-        return qgemv_stream(x, w, scales, biases, residual=residual, pair=pair)
+        if norm_weight is not None and not STREAM_NORM:
+            x, norm_weight = mx.fast.rms_norm(x, norm_weight, eps), None
+        return qgemv_stream(x, w, scales, biases, norm_weight=norm_weight, eps=eps,
+                            residual=residual, pair=pair)
     r = rows_override or rows_per_warp(n, k, pair)
     n_out = n // 2 if pair else n
     warps = (n_out // (r // 2) if pair else n // r)

@@ -125,3 +125,19 @@ def test_dispatch_to_the_stream_kernel_normalizes_first(monkeypatch):
     got = qg.qgemv(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5, pair=True)
     want = qg.qgemv_reference(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5, pair=True)
     assert _rel_err(got, want) < 5e-3
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+@pytest.mark.parametrize("unpack", [0, 1])
+@pytest.mark.parametrize("n,k,pair", [(6144, 4096, False), (2048, 4096, True), (1000, 14336, False)])
+def test_stream_fused_norm_and_unpacking_match_reference(n, k, pair, unpack):
+    x, wq, s, b = _case(n, k, 64, seed=5 * n + k)
+    g = (1 + 0.1 * mx.random.normal((k,))).astype(mx.float16)
+    for shape in [(1, 8, 1), (1, 4, 4)]:
+        got = qg.qgemv_stream(3 * x, wq, s, b, norm_weight=g, eps=1e-5, pair=pair, shape=shape, unpack=unpack)
+        want = qg.qgemv_reference(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5, pair=pair)
+        assert _rel_err(got, want) < 5e-3, shape
+        got = qg.qgemv_stream(x, wq, s, b, pair=pair, shape=shape, unpack=unpack)
+        assert _rel_err(got, qg.qgemv_reference(x, wq, s, b, 64, pair=pair)) < 5e-3, shape
