@@ -61,7 +61,7 @@ def qgemv_variants():
             ("down+res", 14336, 2, 0, 0, 1), ("qkv+norm", 4096, 2, 1, 0, 0)]:
         t = [("int", "K", str(k)), ("int", "R", str(r)), ("bool", "NORM", str(bool(norm)).lower()),
              ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower())]
-        yield f"qgemv {label}", variant("tandem_qgemv", qg._SOURCE, "", ins, outs, t)
+        yield f"qgemv {label}", variant("tandem_qgemv", qg._SOURCE, qg._HEADER, ins, outs, t)
 
 
 def qgemv_stream_variants():
@@ -81,7 +81,7 @@ def qgemv_stream_variants():
                  ("bool", "NORM", str(bool(norm)).lower()), ("int", "UNPACK", str(unpack)),
                  ("bool", "LOADS_ONLY", str(bool(lo)).lower())]
             yield (f"qgemv-stream {label} c{cpl} h{h} p{p}",
-                   variant("tandem_qgemv_stream", qg._STREAM_SOURCE, "", ins, outs, t))
+                   variant("tandem_qgemv_stream", qg._STREAM_SOURCE, qg._HEADER, ins, outs, t))
 
 
 def attention_variants():

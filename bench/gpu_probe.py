@@ -134,6 +134,16 @@ def gpu_us(fn, match: str, iters: int = 20, serial: bool = False) -> float:
     return float(sum(durs)) / iters if durs else float("nan")
 
 
+def one_row_case(n: int, k: int) -> tuple[mx.array, ...]:
+    """Random 4-bit (group 64) weights (n, k), their byte count, and one fp16 input row."""
+    w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
+    wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
+    del w
+    x = mx.random.normal((1, k)).astype(mx.float16)
+    mx.eval(wq, sc, bi, x)
+    return wq, sc, bi, x, wq.nbytes + sc.nbytes + bi.nbytes
+
+
 def section_qgemv() -> None:
     """The one-row 4-bit kernel at the 8B model's products, 1-4 rows per warp, and the rms
     norm staged inside the kernel against ``mx.fast.rms_norm`` first. (Run 19 also
@@ -149,17 +159,12 @@ def section_qgemv() -> None:
                              ("o 4096x4096 +res", 4096, 4096, "res"),
                              ("gate/up 28672x4096 +norm swiglu", 28672, 4096, "pair"),
                              ("down 4096x14336 +res", 4096, 14336, "res")]:
-        w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
-        wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
-        del w
-        x = mx.random.normal((1, k)).astype(mx.float16)
+        wq, sc, bi, x, nbytes = one_row_case(n, k)
         g = (1 + 0.1 * mx.random.normal((k,))).astype(mx.float16)
         n_out = n // 2 if kind == "pair" else n
         res = mx.random.normal((1, n_out)).astype(mx.float16)
-        mx.eval(wq, sc, bi, x, g, res)
         kw = dict(norm_weight=g if kind in ("norm", "pair") else None,
                   residual=res if kind in ("res", "pair") else None)
-        nbytes = wq.nbytes + sc.nbytes + bi.nbytes
         want = qg.qgemv_reference(x, wq, sc, bi, 64, pair=kind == "pair", **kw)
         variants = [(f"R{r}", r, False) for r in (1, 2, 4)]
         if kw["norm_weight"] is not None:
@@ -190,8 +195,9 @@ def section_qgemv() -> None:
 
 def section_qgemv_stream(shapes_spec: str) -> None:
     """The streaming one-row kernel (lane-fixed K chunks, P passes of H rows per block)
-    against the staged kernel, at the 8B model's products. Inputs arrive normalized (the
-    engine runs ``mx.fast.rms_norm`` first), so only the kernels are timed."""
+    against the staged kernel, at the 8B model's products; its nibble unpackings, a
+    loads-only variant (the bandwidth this structure reaches), and for the products after
+    a norm, ``mx.fast.rms_norm`` + the kernel (both kernels' times) against the norm fused."""
     from tandem.kernels import qgemv as qg
     RESULTS["qgemv_stream"] = []
     shapes = [tuple(int(v) for v in spec.split("x")) for spec in shapes_spec.split(",")]
@@ -202,14 +208,9 @@ def section_qgemv_stream(shapes_spec: str) -> None:
                              ("o 4096x4096 +res", 4096, 4096, "res"),
                              ("gate/up 28672x4096 swiglu", 28672, 4096, "pair"),
                              ("down 4096x14336 +res", 4096, 14336, "res")]:
-        w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
-        wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
-        del w
-        x = mx.random.normal((1, k)).astype(mx.float16)
+        wq, sc, bi, x, nbytes = one_row_case(n, k)
         n_out = n // 2 if kind == "pair" else n
         res = mx.random.normal((1, n_out)).astype(mx.float16) if kind == "res" else None
-        mx.eval(wq, sc, bi, x)
-        nbytes = wq.nbytes + sc.nbytes + bi.nbytes
         pair = kind == "pair"
         want = qg.qgemv_reference(x, wq, sc, bi, 64, pair=pair, residual=res)
         variants = [("staged R2", lambda: qg.qgemv(x, wq, sc, bi, 64, pair=pair, residual=res, rows_override=2))]
