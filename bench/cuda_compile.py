@@ -96,6 +96,11 @@ def attention_variants():
                 t.append(("bool", "VSM", str(ver == "v6").lower()))
             outs = [("out", "T" if single else "float")]
             yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac.HEADER, ins, outs, t)
+    for label, src, extra in [("serial", pac._REDUCE_SOURCE, []),
+                              ("parallel", pac._REDUCE_PAR_SOURCE, [("int", "MAXP", str(pac.MERGE_MAX_PARTS))])]:
+        t = [("typename", "T", "__half"), ("int", "D", "128")] + extra
+        yield f"attention merge {label}", variant("tandem_paged_reduce", src, pac.HEADER, [("part", "float")],
+                                                  [("o", "T")], t)
     ins = [("qkv", "T"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float"),
            ("k_pool", "T"), ("v_pool", "T")]
     for hpt in (1, 8):

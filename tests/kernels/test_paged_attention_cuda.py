@@ -107,6 +107,10 @@ def test_cuda_decode_matches_reference(dtype, lens, bs, part):
         got = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, bs, max(lens), part, kernel=kernel)
         err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
         assert err < (3e-2 if dtype == mx.bfloat16 else 5e-3), kernel
+        par = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, bs, max(lens), part, kernel=kernel,
+                                         merge="parallel")
+        err = mx.abs(par.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        assert err < (3e-2 if dtype == mx.bfloat16 else 5e-3), (kernel, "parallel merge")
         flat = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, bs, max(lens), part, flat=True,
                                           kernel=kernel)
         assert flat.shape == (B, H * D) and mx.array_equal(flat, got.reshape(B, H * D)).item(), kernel
