@@ -90,7 +90,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=154, help="new tokens per row (after the prefix)")
     ap.add_argument("--prefix", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--left-below", type=int, default=None, help="FastLlama.left_below (token columns below it)")
+    ap.add_argument("--left-below", type=int, default=None,
+                    help="FastLlama.left_below for the OpenBLAS path (the host layers run below it); the mlx path "
+                         "keeps the default")
     ap.add_argument("--blocks", default=None, help="comma list: also alternate q4_kernels.BLAS_BLOCKS values")
     ap.add_argument("--gemm", action="store_true", help="also time each product shape alone")
     ap.add_argument("--out", default=None)
@@ -102,8 +104,7 @@ def main() -> int:
     lm = load_model(model_store.resolve_model(args.model))
     fast = fast_llama.FastLlama(lm.model)
     sg = fast.prefill_sgemm
-    if args.left_below:
-        fast.left_below = args.left_below
+    default_left = fast.left_below
     if sg is None:
         print("no OpenBLAS prefill products here (numpy without its bundled OpenBLAS, or no C kernels)")
         return 1
@@ -118,6 +119,7 @@ def main() -> int:
     for r in range(args.repeats + 1):
         for name, (s, blocks) in paths.items():
             fast.prefill_sgemm = s
+            fast.left_below = (args.left_below or default_left) if s is not None else default_left
             q4_kernels.BLAS_BLOCKS = blocks or default_blocks
             time.sleep(0.25)
             logits[name], t = _forward(fast, tokens, args.prefix)

@@ -140,33 +140,33 @@ def test_column_rope_and_silu_match_mlx():
                           q4_kernels.silu_rows(gu).T)
 
 
-@pytest.mark.parametrize("left_below", [10**9, 1])  # token columns / token rows
+@pytest.mark.parametrize("left_below", [10**9, 1])  # token columns / token rows (mlx's products)
 def test_prefill_with_and_without_the_column_kernels_agree(tiny, left_below, monkeypatch):
     from mlx_lm.models.cache import make_prompt_cache
+
+    from tandem.pipeline import cpu_math
 
     calls = []
     blas_rows = q4_kernels.blas_rows
     monkeypatch.setattr(q4_kernels, "blas_rows", lambda *a, **kw: calls.append(1) or blas_rows(*a, **kw))
-
-    from tandem.pipeline import cpu_math
-
     prompts = mx.array(random_prompts(3, 24, 24, seed=8))
     mask = cpu_math.additive_mask([0, 0, 0], 24, 24)
     out = []
-    # kernels with the products through OpenBLAS (72 rows: from BLAS_ROWS_FROM, in token
-    # columns), kernels with mlx's products, no kernels
+    # the host layers (72 rows: from BLAS_ROWS_FROM, token columns whatever left_below
+    # says), the kernels with mlx's products in left_below's layout, no kernels
     for on, blas in ((True, True), (True, False), (False, False)):
         fast = fast_llama.FastLlama(tiny)
         fast.prefill_kernels = on
         fast.left_below = left_below
         if not blas:
             fast.prefill_sgemm = None
+        calls.clear()
         out.append(fast(prompts, make_prompt_cache(tiny), mask, 0, mx.array([23, 23, 23])))
+        # 4 products per layer and the vocabulary's (no packed weights here)
+        assert len(calls) == (4 * len(tiny.model.layers) + 1 if on and blas and _blas.openblas_sgemm() else 0)
     # logits up to ~15; the products and norms sum in other orders (differences ~3e-5)
     assert mx.allclose(out[0], out[2], rtol=1e-5, atol=1e-4).item()
     assert mx.allclose(out[1], out[2], rtol=1e-5, atol=1e-4).item()
-    # 4 products per layer and the vocabulary's (no packed weights here), in token columns only
-    assert len(calls) == (4 * len(tiny.model.layers) + 1 if left_below > 72 and _blas.openblas_sgemm() else 0)
 
 
 @pytest.mark.skipif(_blas.openblas_sgemm() is None, reason="numpy has no bundled OpenBLAS")
