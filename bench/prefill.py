@@ -8,8 +8,8 @@ bench's chat prompts: ~170 tokens of which the first 16-token block is prefix-ca
 alternating between the prefill products through mlx (MKL) and through numpy's OpenBLAS
 on the kernels' pool (``q4_kernels.blas_rows``), and reports min and median per path and
 how far their logits are apart. ``--gemm`` also times each product shape alone through
-both paths (and MKL called directly, without mlx). Writes ``<out>.md``/``<out>.json``
-with ``--out``.
+both paths (and MKL called directly, without mlx). With ``--out DIR`` writes
+``DIR/prefill-<rows>x<tokens>.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main() -> int:
                          "keeps the default")
     ap.add_argument("--blocks", default=None, help="comma list: also alternate q4_kernels.BLAS_BLOCKS values")
     ap.add_argument("--gemm", action="store_true", help="also time each product shape alone")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="a folder: writes prefill-<rows>x<tokens>.md and .json there")
     args = ap.parse_args()
 
     from tandem.pipeline import model_store
@@ -150,7 +150,7 @@ def main() -> int:
     if args.out:
         from bench._common import write_results
 
-        write_results(args.out, "prefill", md, result)
+        write_results(args.out, f"prefill-{args.rows}x{args.tokens}", md, result)
     else:
         print(md)
     return 0
