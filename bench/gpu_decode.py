@@ -257,8 +257,25 @@ def section_stock(models: dict, batches: list[int], prompt_len: int, steps: int,
 
 
 # ---------------------------------------------------------------------------------------
+def prefill_alone(eng, B: int, prompt_len: int, reps: int) -> list[float]:
+    """Prefill tok/s of ``reps`` rounds of B fresh prompts, each asking for one token, one
+    round at a time (submit to last token). The ``prefill_tps`` column is one such
+    measurement taken at the start of the decode run, which moved 20k-39k at batch 1
+    between processes of the same code; the median of several says more."""
+    from tandem.kvtypes import SamplingParams
+
+    out = []
+    for _ in range(reps):
+        prompts = [(np.random.randint(0, _vocab(), prompt_len).tolist(),
+                    SamplingParams(max_tokens=1, ignore_eos=True)) for _ in range(B)]
+        t = time.perf_counter()
+        eng.generate_many(prompts, timeout=300)
+        out.append(B * prompt_len / (time.perf_counter() - t))
+    return out
+
+
 def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_len: int,
-                   steps: int, kernels: str = "cuda", weights: str = "auto") -> None:
+                   steps: int, kernels: str = "cuda", weights: str = "auto", prefill_reps: int = 5) -> None:
     """tandem's Engine on the 8B-shape model. ``kernels``: ``cuda`` = the CUDA runner
     (``pipeline/cuda_runner.py``), ``off`` = the portable PagedRunner (same flattened
     weights): the pair shows what the decode kernels move."""
@@ -307,6 +324,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                                 SamplingParams(max_tokens=12, ignore_eos=True))] * n, timeout=300)
         record(name, what="warm-up (compiles)", seconds=time.perf_counter() - t, runner=runner)
         for B in batches:
+            prefill_runs = prefill_alone(eng, B, prompt_len, prefill_reps)
             gen_tokens = (steps if B > 4 else 3 * steps) + 2
             marks: dict[bytes, list] = {}
             done = []
@@ -341,6 +359,8 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                     if a[0] >= first]
             gap = np.percentile(gaps, [50, 90]).tolist() + [max(gaps)] if gaps else None
             record(name, fmt=fmt, batch=B, runner=runner, prefill_tps=B * prompt_len / (first - t0),
+                   prefill_tps_alone=(float(np.median(prefill_runs)) if prefill_runs else None),
+                   prefill_tps_alone_runs=prefill_runs,
                    decode_tps=dec, step_ms=(1e3 * B / dec) if dec else None,
                    gap_ms_p50_p90_max=gap, compiled=getattr(eng.runner, "compiled", None),
                    tokens=sum(n for evs in marks.values() for (_, n) in evs),
@@ -599,6 +619,8 @@ def write_docs(out_dir: Path, meta: dict) -> None:
             pf = r.get("prefill_tps")
             dec = r.get("decode_tps")
             note = r.get("mode", "") or r.get("skipped", "") or r.get("error", "")
+            if r.get("prefill_tps_alone"):
+                note = f"prefill alone, median of {len(r['prefill_tps_alone_runs'])}: {r['prefill_tps_alone']:,.0f} {note}"
             lines.append(f"| {r['section']} | {r.get('fmt')} | {r.get('batch')} | "
                          f"{pf:,.0f} | {dec:,.0f} | {note} |" if pf and dec else
                          f"| {r['section']} | {r.get('fmt')} | {r.get('batch')} | - | - | {note} {r.get('error', '')} |")
@@ -619,6 +641,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,16,64,128")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prefill-reps", type=int, default=5,
+                    help="engine: rounds of prefill alone (one token each) per batch size; the median is reported")
     ap.add_argument("--stock-steps", type=int, default=8)
     ap.add_argument("--stock-max-batch-4bit", type=int, default=64)
     ap.add_argument("--stock-formats", default="4bit,fp16",
@@ -688,7 +712,8 @@ def main() -> int:
                     args.loop_formats.split(","))
         elif sec in ("engine", "engine-off"):
             guarded(sec, section_engine, fp16, q4, args.layers, batches, args.prompt,
-                    args.steps, "cuda" if sec == "engine" else "off", args.engine_weights)
+                    args.steps, "cuda" if sec == "engine" else "off", args.engine_weights,
+                    args.prefill_reps)
     log(f"total {time.perf_counter() - t_all:.1f} s")
     write_docs(out_dir, meta)
     summary(RESULTS)
@@ -731,7 +756,8 @@ def summary(res: dict) -> None:
         if r["section"] in ("stock", "engine", "engine-off", "loop") and "batch" in r:
             log(f"{r['section']:7s} {str(r.get('fmt')):6s} B={str(r.get('batch')):4s} "
                 f"prefill={r.get('prefill_tps') or 0:10.0f} decode={r.get('decode_tps') or 0:9.0f} "
-                f"{r.get('mode', '')}{r.get('error', '')}")
+                + (f"prefill alone (median)={r['prefill_tps_alone']:8.0f} " if r.get("prefill_tps_alone") else "")
+                + f"{r.get('mode', '')}{r.get('error', '')}")
 
 
 if __name__ == "__main__":
