@@ -309,7 +309,10 @@ def prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, starts: np.nd
 
 # Blocks of weight rows per pool thread in blas_rows: fewer calls pack x fewer times;
 # more let a thread that lost its core to another process leave the rest to the others.
-BLAS_BLOCKS = 2
+# The engine on 16 prompts of 165 uncached tokens (1 new token each, alternating in one
+# process, both orders): 1 block 3201-3432 ms, 2 blocks 3295-3525 (-2.3% and -4.5% by
+# median); 4 blocks were slower again in a forward alone.
+BLAS_BLOCKS = 1
 
 
 def blas_rows(sgemm: tuple[int, bool], w: np.ndarray, x: np.ndarray, transposed: bool,
