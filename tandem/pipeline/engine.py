@@ -57,7 +57,13 @@ class Engine:
         num_blocks = budget.num_blocks(settings.kv_cache_budget, per_block)
         self.pool = BlockPool(num_blocks, bs)
         if sh.pageable:
-            self.store = KVStore(sh.num_layers, sh.n_kv_heads, sh.head_dim, sh.dtype, bs, num_blocks, sh.v_head_dim)
+            initial = settings.kv_initial_tokens
+            if initial is None:
+                initial = settings.parallel * settings.prefill_chunk_size // 2
+            self.store = KVStore(sh.num_layers, sh.n_kv_heads, sh.head_dim, sh.dtype, bs, num_blocks, sh.v_head_dim,
+                                 initial_blocks=max(64, -(-initial // bs)))
+            log.info("KV store: %d of %d blocks allocated at start (%.0f MB)", self.store.capacity, num_blocks,
+                     self.store.nbytes / 1e6)
             self.pool.addressable = self.store.capacity
             self.runner = paged_runner(model, self.store, mirror=settings.decode_mirror)
             if not settings.fast_forward:

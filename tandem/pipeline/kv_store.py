@@ -26,7 +26,8 @@ log = logging.getLogger("tandem.kv_store")
 
 
 class KVStore:
-    def __init__(self, num_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int, num_blocks: int, v_head_dim: int | None = None):
+    def __init__(self, num_layers: int, n_kv_heads: int, head_dim: int, dtype: mx.Dtype, block_size: int, num_blocks: int,
+                 v_head_dim: int | None = None, initial_blocks: int = 64):
         self.num_layers = num_layers
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
@@ -37,7 +38,7 @@ class KVStore:
         self.capacity = 0
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
-        self.ensure_capacity(min(num_blocks, 64))
+        self.ensure_capacity(max(1, min(num_blocks, initial_blocks)))
 
     @staticmethod
     def bytes_per_block(num_layers: int, n_kv_heads: int, head_dim: int, v_head_dim: int, dtype: mx.Dtype, block_size: int) -> int:

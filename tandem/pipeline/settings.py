@@ -24,6 +24,7 @@ class EngineSettings:
     enable_preemption: bool = field(default=True, metadata={"help": "recompute the lowest-priority sequence under KV pressure"})
     block_size: int = field(default=16, metadata={"min": 1, "max": 1024, "help": "tokens per KV block"})
     kv_cache_budget: str = field(default="auto", metadata={"help": "KV pool size: auto (from free memory), none (unbounded), or a size such as 2GiB"})
+    kv_initial_tokens: int | None = field(default=None, metadata={"min": 0, "help": "KV store allocated at start, in tokens (within the pool size); it grows by doubling past that, each growth a copy of the whole store inside an engine step; unset = parallel x prefill_chunk_size / 2, a full engine of mid-length prompts, so a burst does not grow it on its way in"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"})
     fast_forward: bool = field(default=True, metadata={"help": "on the CPU, run llama-family models (llama, qwen2, qwen3) through tandem's own forward (fused projections, cheaper exponentials; docs/cpu-performance.md) instead of mlx-lm's"})
     native_kernels: bool = field(default=True, metadata={"help": "on the CPU, run decode steps of a model loaded from 4-bit weights as one C call that multiplies the packed weights directly (values identical to the dense ones), and the RoPE and SiLU of prefills in C; needs AVX-512 and a C compiler, else the mlx/MKL path runs"})

@@ -392,7 +392,7 @@ def test_a_long_lived_engine_keeps_its_kv_store_at_the_working_set(tiny):
     store stays at its first 64 blocks (the pool handed out never-used blocks first, and
     the store doubled as the high-water mark crept up a request per request), and the
     latest prompt still hits the cache."""
-    eng = make(tiny)
+    eng = make(tiny, kv_initial_tokens=0)  # the store's smallest start, 64 blocks
     ps = random_prompts(20, 70, 70, seed=21)  # 5 blocks each with their 8 tokens: 100 in all
     sp = greedy(8, ignore_eos=True)
     assert eng.store.capacity == 64 and eng.pool.num_blocks > 128
@@ -406,3 +406,22 @@ def test_a_long_lived_engine_keeps_its_kv_store_at_the_working_set(tiny):
     assert eng.store.capacity == 64 and eng.pool.high_water <= 64 and eng.pool.counters.evictions > 0
     assert eng.pool.counters.prefix_hits == hits + 1 and again == outs[-1]
     assert outs[0] == oracle(tiny, ps[0], 8, eos=()) and outs[-1] == oracle(tiny, ps[-1], 8, eos=())
+
+
+def test_the_kv_store_starts_at_a_full_engine_of_mid_length_prompts(tiny):
+    """Unset, kv_initial_tokens is parallel x prefill_chunk_size / 2, so a burst of that
+    many mid-length prompts never grows the store (each growth copies it inside a step);
+    the pool's budget caps it, and a small setting keeps the old 64-block start."""
+    big = make(tiny, parallel=8, prefill_chunk_size=256, block_size=8, kv_cache_budget="64MiB")
+    assert big.store.capacity == 8 * 256 // 2 // 8 < big.pool.num_blocks
+    capped = make(tiny, parallel=64, prefill_chunk_size=4096, block_size=8, kv_cache_budget="1MiB")
+    assert capped.store.capacity == capped.pool.num_blocks
+    small = make(tiny, kv_initial_tokens=100, block_size=8)
+    assert small.store.capacity == 64
+    prompts = random_prompts(8, 96, 104, seed=5)  # with 4 new tokens at most 14 blocks each: 112 of 128
+    big.start()
+    try:
+        got = big.generate_many([(p, greedy(4, ignore_eos=True)) for p in prompts])
+    finally:
+        big.stop()
+    assert big.store.capacity == 128 and got == [oracle(tiny, p, 4, eos=()) for p in prompts]
