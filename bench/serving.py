@@ -110,6 +110,16 @@ def group_cpu_s(pgid: int) -> float:
     return total
 
 
+def prefill_blas() -> str:
+    """What tandem's CPU prefill products run on (tandem._blas.openblas_sgemm: numpy's
+    OpenBLAS, unless TANDEM_PREFILL_BLAS or the numpy build says otherwise)."""
+    from tandem import _blas
+
+    if _blas.openblas_sgemm() is None:
+        return f"mlx with {tandem.BLAS}"
+    return "numpy's bundled OpenBLAS, one single-threaded call per core"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -448,7 +458,8 @@ def report(results: dict, out: Path) -> str:
          f"clients x {1000 / (meta.get('stub_step_ms') or 1):.0f} tok/s. " if stub else
          f"Model `{meta['model']}` ({meta['weights']} weights for both servers, BLAS {meta['blas']}; on the CPU "
          "tandem's decode multiplies the same values from the checkpoint's 4-bit codes, "
-         "engine.native_kernels, docs/cpu-performance.md). ")
+         "engine.native_kernels, and its prefill products run through "
+         f"{meta.get('prefill_blas', 'the same BLAS')}, docs/cpu-performance.md). ")
         + "Chat prompts of "
         f"{meta['prompt_tokens']} tokens on average, {meta['max_tokens']} new tokens, temperature 0, EOS suppressed "
         f"(logit bias -100), {meta['rounds']} request(s) per client per level, streaming, the same client for both. "
@@ -554,6 +565,7 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
             "model": model.name, "weights": args.weights, "blas": tandem.BLAS,
+            "prefill_blas": prefill_blas(),
             "prompt_tokens": mean_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
             "parallel": args.parallel, "edge_workers": args.edge_workers, "topology": args.topology, "engine": args.engine,
             "stub_step_ms": args.stub_step_ms if args.engine == "stub" else None,
