@@ -365,6 +365,7 @@ def prefill_kv(kc: np.ndarray, vc: np.ndarray, kpool: np.ndarray, vpool: np.ndar
     table = np.ascontiguousarray(table, np.int32)
     starts = np.ascontiguousarray(starts, np.int32)
     assert slots.shape == (B * L,) and 0 <= slots.min() and slots.max() < S and (table.max() + 1) * block_size <= S
+    assert starts.shape == (B,) and min(K, int(starts.max()) + L) <= nb * block_size  # the gather stays in the table
     ko = np.empty((B, hkv, K, d), np.float32)
     vo = np.empty((B, hkv, K, d), np.float32)
     _lib.prefill_kv(kc.ctypes.data, vc.ctypes.data, B * L, kpool.ctypes.data, vpool.ctypes.data, slots.ctypes.data,
