@@ -51,13 +51,10 @@ def test_host_prefill_matches_the_oracle(tiny, counted, settings):
 
 
 def test_default_model_host_prefill_matches_the_oracle(counted):
-    from tests.pipeline.test_models import default_model
+    from tests.pipeline.test_models import default_model, word_chat_prompts
 
     lm = default_model()
-    tok = lm.tokenizer
-    words = "the of and to in is was for on that with as by at from it an be this which".split()
-    texts = [" ".join(words[(i * 5 + j) % len(words)] for j in range(40 + 13 * i)) for i in range(4)]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    prompts = word_chat_prompts(lm.tokenizer, 4, first=40, step=13, stride=5)
     expected = [oracle(lm.model, p, 12, eos=()) for p in prompts]
     eng = Engine(lm.model, EngineSettings(kv_cache_budget="256MiB"), model_id=lm.model_id,
                  eos_token_ids=lm.eos_token_ids)

@@ -63,6 +63,14 @@ def default_model():
     return load_model(path)
 
 
+def word_chat_prompts(tok, count: int, first: int, step: int, stride: int) -> list[list[int]]:
+    """count chat prompts of first + step * i common words each, different from prompt to
+    prompt (each starts stride words further into the list)."""
+    words = "the of and to in is was for on that with as by at from it an be this which".split()
+    texts = [" ".join(words[(i * stride + j) % len(words)] for j in range(first + step * i)) for i in range(count)]
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+
+
 def test_default_model_batch_matches_single():
     lm = default_model()
     tok = lm.tokenizer
@@ -82,10 +90,7 @@ def test_default_model_batch_matches_single():
 def test_default_model_sixteen_mixed_prompts_with_pressure():
     """16 chat prompts of mixed length, chunked prefill, small KV budget (preemption)."""
     lm = default_model()
-    tok = lm.tokenizer
-    words = "the of and to in is was for on that with as by at from it an be this which".split()
-    texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(3 + 9 * i)) for i in range(16)]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    prompts = word_chat_prompts(lm.tokenizer, 16, first=3, step=9, stride=7)
     expected = [oracle(lm.model, p, 32, eos=()) for p in prompts]
     # about 737 KB per block: 12 MiB is 17 blocks (272 tokens) for 16 sequences
     eng = Engine(lm.model, EngineSettings(kv_cache_budget="12MiB", prefill_chunk_size=64), model_id=lm.model_id,
