@@ -5,10 +5,13 @@ Importing the package selects the CPU BLAS before anything imports ``mlx``: the
 matmul on the development machines), and preloading MKL's ``libmkl_rt`` with
 ``RTLD_GLOBAL`` makes mlx's ``sgemm`` resolve to MKL instead (about 150 GFLOP/s).
 ``TANDEM_BLAS=reference`` keeps the stock library; see docs/cpu-performance.md.
+It also sets glibc's malloc to one arena with large thresholds (``tandem._malloc``).
 """
 
 from tandem._blas import preload_blas
+from tandem._malloc import tune_malloc
 
 __version__ = "0.1.0"
 
+MALLOC_TUNED = tune_malloc()
 BLAS = preload_blas()
