@@ -189,7 +189,8 @@ def dense_copy(model: Path, out: Path) -> Path:
 
 def start_mlx_lm(model_dir: Path, tmp: Path, env: dict) -> tuple[list[Server], int]:
     port = free_port()
-    # Import tandem first: its MKL preload gives mlx_lm.server the same BLAS as tandem.
+    # Import tandem first: its MKL preload gives mlx_lm.server the same BLAS as tandem, and
+    # its malloc settings (tandem._malloc) the same allocator behaviour.
     code = ("import tandem, runpy, sys; "
             f"sys.argv = ['mlx_lm.server', '--model', {str(model_dir)!r}, '--host', '{HOST}', '--port', '{port}', '--log-level', 'WARNING']; "
             "runpy.run_module('mlx_lm.server', run_name='__main__')")
