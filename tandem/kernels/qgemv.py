@@ -435,19 +435,20 @@ H200 run 39, engine, 8B shape, batch 1, alternating processes: stream 279 / 277 
 tok/s, staged 234 / 245."""
 
 
-def stream_shape(n: int, k: int, pair: bool) -> tuple[int, int, int]:
-    """(chunks per lane, rows per pass, passes per block) for the streaming kernel: the
-    fastest in H200 run 38 (CUPTI, one call at a time; gpu_probe --sections qgemv-stream):
-    gate/up 28672x4096 26.6 us at (1, 8, 1) against 28.3-30.5 for the other shapes and 31.2
-    staged; down 4096x14336 16.3 us at (1, 4, 4) against 18.5-23.0 and 23.4 staged."""
-    if STREAM_SHAPE:
-        return STREAM_SHAPE
-    return (1, 4, 4) if k >= 8192 else (1, 8, 1)
-
-
 STREAM_SHAPE = tuple(int(v) for v in os.environ["TANDEM_QGEMV_SHAPE"].split("x")) \
     if os.environ.get("TANDEM_QGEMV_SHAPE") else None
 """``CPLxHxP`` for every product (measurements)."""
+
+
+def stream_shape(k: int) -> tuple[int, int, int]:
+    """(chunks per lane, rows per pass, passes per block) for the streaming kernel over
+    rows of k weights: the fastest in H200 run 38 (CUPTI, one call at a time; gpu_probe
+    --sections qgemv-stream): gate/up 28672x4096 26.6 us at (1, 8, 1) against 28.3-30.5
+    for the other shapes and 31.2 staged; down 4096x14336 16.3 us at (1, 4, 4) against
+    18.5-23.0 and 23.4 staged."""
+    if STREAM_SHAPE:
+        return STREAM_SHAPE
+    return (1, 4, 4) if k >= 8192 else (1, 8, 1)
 
 
 STREAM_NORM = os.environ.get("TANDEM_QGEMV_STREAM_NORM", "0") == "1"
@@ -473,7 +474,7 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     (measurements); loads_only skips the arithmetic (a bandwidth probe, wrong results)."""
     n, words = w.shape
     k = words * 8
-    cpl, h, p = shape or stream_shape(n, k, pair)
+    cpl, h, p = shape or stream_shape(k)
     threads = k // 32 // cpl
     rows_per_block = p * h
     n_out = n // 2 if pair else n
@@ -509,7 +510,7 @@ def supports(x: mx.array, w: mx.array, scales: mx.array, bits: int, group_size: 
 
 
 def _stream_fits(k: int, pair: bool) -> bool:
-    cpl, h, _ = stream_shape(0, k, pair)
+    cpl, h, _ = stream_shape(k)
     threads = k // 32 // cpl
     return threads % 32 == 0 and threads <= 1024 and (not pair or h % 2 == 0)
 
