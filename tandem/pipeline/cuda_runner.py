@@ -108,6 +108,26 @@ def _prepare_linears(model) -> None:
     linear.prepare_model(model, "auto", memory_bytes=mem)
 
 
+TABLE_BUCKETS = os.environ.get("TANDEM_DECODE_TABLE_BUCKETS", "1") == "1"  # 0: exact widths (A/B)
+
+
+def table_width(nb: int) -> int:
+    """Block-table columns for a decode step whose longest row spans ``nb`` blocks: the
+    next of 4, 6, 8, 12, 16, 24, ... (2^k and 3 x 2^(k-1)). The compiled step is traced
+    once per table shape, and a trace of 32 layers stalls every running request for
+    ~10 ms: with the exact width a decode retraced each time its longest row entered a
+    new block (every 16 tokens; H200 run 43: the slowest token gaps 11-15 ms against a
+    median of 3.5, ~15% of batch-1 decode time). Padded columns point at the scratch
+    block and lie past every row's length, so no kernel reads them; the price is a few
+    empty attention partitions."""
+    if not TABLE_BUCKETS:
+        return nb
+    w = 4
+    while w < nb:
+        w = w * 3 // 2 if w & (w - 1) == 0 else w * 4 // 3
+    return w
+
+
 class _Step:
     """Per decode step, read by every layer: positions, slots, block table, lengths.
 
@@ -262,10 +282,11 @@ class KernelRunner(PagedRunner):
         request (H200 run 5: one such stall cut a batch-64 measurement from ~5,400 to
         ~950 tok/s). Writes land in the scratch block, which nothing reads as context."""
         bs = self.store.block_size
-        split_nb = -(-(2 * max(64, pac.MIN_PARTITION) + 1) // bs)  # two partitions at one row
-        long_nb = pac.MAX_PARTITION // bs + 1  # split even at V4_MIN_BATCH rows
+        # The widths forward() uses, so these traces are the ones decode steps replay.
+        split_nb = table_width(-(-(2 * max(64, pac.MIN_PARTITION) + 1) // bs))  # two partitions at one row
+        long_nb = table_width(pac.MAX_PARTITION // bs + 1)  # split even at V4_MIN_BATCH rows
         for B in row_counts:
-            for nb in (1, split_nb) + ((long_nb,) if B >= pac.V4_MIN_BATCH else ()):
+            for nb in (table_width(1), split_nb) + ((long_nb,) if B >= pac.V4_MIN_BATCH else ()):
                 zeros = mx.zeros((B,), mx.int32)
                 out = self._step_fn(mx.zeros((B, 1), mx.int32), zeros, zeros,
                                     mx.zeros((B, nb), mx.int32), mx.full((B,), nb * bs, mx.int32),
@@ -284,7 +305,7 @@ class KernelRunner(PagedRunner):
         bs = self.store.block_size
         pos = np.fromiter((r.start for r in rows), np.int32, B)
         lens = pos + 1
-        nb = int((lens.max() + bs - 1) // bs)
+        nb = table_width(int((lens.max() + bs - 1) // bs))
         table = np.zeros((B, nb), np.int32)  # 0 = the store's scratch block (never read)
         for i, r in enumerate(rows):
             ids = r.seq.block_ids[: (lens[i] + bs - 1) // bs]

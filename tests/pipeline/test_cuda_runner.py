@@ -160,3 +160,34 @@ def test_pipelined_steps_yield_the_same_tokens(tiny_model_dir, expected, monkeyp
     assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
     assert any(early) and not all(early)  # decode steps went early, prefills did not
     eng.pool.check()
+
+
+def test_table_width_buckets_are_few_and_cover():
+    widths = [cuda_runner.table_width(nb) for nb in range(1, 4097)]
+    assert all(w >= nb for nb, w in zip(range(1, 4097), widths))
+    assert widths == sorted(widths)
+    assert all(w <= max(4, 1.5 * nb) for nb, w in zip(range(1, 4097), widths))  # <= 50% padding
+    assert len(set(widths)) <= 2 * 12  # two per doubling, not one trace per block
+
+
+def test_decode_steps_reuse_few_table_shapes(tiny_model_dir, tiny, monkeypatch):
+    """A long decode crosses many block boundaries; the step sees the bucketed table
+    widths only (each new shape is a ~10 ms retrace of the compiled step on a GPU), and
+    the padded tables give the same tokens as mlx_lm alone."""
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
+    prompts = random_prompts(3, 5, 9, seed=5)
+    want = [oracle(tiny, p, 40) for p in prompts]
+    eng = _engine(_fresh(tiny_model_dir), block_size=4)
+    seen = []
+    step_fn = eng.runner._step_fn
+
+    def recording(inputs, pos, slots, table, *rest):
+        seen.append(table.shape[1])
+        return step_fn(inputs, pos, slots, table, *rest)
+
+    monkeypatch.setattr(eng.runner, "_step_fn", recording)
+    got = eng.generate_many([(p, greedy(40)) for p in prompts])
+    assert got == want
+    # ~12 blocks of 4 tokens are crossed; the widths seen are buckets 4, 6, 8, 12, 16
+    assert max(len(p) + 40 for p in prompts) // 4 >= 11
+    assert len(seen) >= 39 and set(seen) <= {4, 6, 8, 12, 16}
