@@ -112,13 +112,18 @@ def timed(fn, iters: int = 50) -> float:
 
 
 def gpu_us(fn, match: str, iters: int = 20, serial: bool = False) -> float:
-    """GPU time per call (CUPTI, us): the kernels whose name contains ``match``, summed
-    over ``iters`` calls, divided by ``iters``; nan without torch. Wall time per queued call includes MLX's per-op
+    return gpu_us_by(fn, (match,), iters, serial)[0]
+
+
+def gpu_us_by(fn, matches: tuple[str, ...], iters: int = 20, serial: bool = False,
+              median: bool = False) -> list[float]:
+    """GPU time per call (CUPTI, us): for each of ``matches``, the kernels whose name contains it, summed
+    over ``iters`` calls, divided by ``iters`` (``median``: the median kernel); nan without torch. Wall time per queued call includes MLX's per-op
     cost (~7 us for a custom kernel, ``floor``), which hides a small kernel's own time."""
     try:
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
-        return float("nan")
+        return [float("nan")] * len(matches)
     mx.eval(fn())
     mx.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -130,8 +135,12 @@ def gpu_us(fn, match: str, iters: int = 20, serial: bool = False) -> float:
         mx.synchronize()
     path = Path("/tmp/gpu_probe_kernel_trace.json")
     prof.export_chrome_trace(str(path))
-    durs = [e["dur"] for e in kernel_records(path) if match in e["name"]]
-    return float(sum(durs)) / iters if durs else float("nan")
+    recs = kernel_records(path)
+    out = []
+    for match in matches:
+        durs = [e["dur"] for e in recs if match in e["name"]]
+        out.append((float(np.median(durs)) if median else float(sum(durs)) / iters) if durs else float("nan"))
+    return out
 
 
 def one_row_case(n: int, k: int) -> tuple[mx.array, ...]:
@@ -353,6 +362,55 @@ def section_attention() -> None:
         mx.clear_cache()
 
 
+def chain(fn, x, n: int):
+    for _ in range(n):
+        x = fn(x)
+    return x
+
+
+def section_attention_serial(batches: list[int], ctx: int) -> None:
+    """Decode attention in a chain of 200 dependent calls (CUPTI, median kernel), each kernel apart:
+    the split kernel and the merge, per partition size, kernel and merge. The ``attention``
+    section queues 20 independent calls in one graph, where small kernels overlap and their
+    summed durations say little at batch 1; one call at a time leaves the GPU idle between
+    calls, and its clocks drop (run 43: the same kernel 11 and 17 us). The pool is engine-sized (32k slots) and the rows'
+    blocks sit in its middle, as in a running engine."""
+    from tandem.kernels import paged_attention_cuda as pac
+    RESULTS["attention_serial"] = []
+    H, KVH, D, BS = 32, 8, 128, 16
+    slots = 32768
+    log(f"\n== decode attention, one call at a time (CUPTI us: split kernel + merge), ctx {ctx}")
+    for B in batches:
+        nb = -(-ctx // BS)
+        kp = mx.random.normal((slots + B * nb * BS, KVH, D)).astype(mx.float16)
+        vp = mx.random.normal((slots + B * nb * BS, KVH, D)).astype(mx.float16)
+        table = mx.array((slots // BS // 2 + np.arange(B * nb, dtype=np.int32)).reshape(B, nb))
+        lens = mx.full((B,), ctx, mx.int32)
+        q = mx.random.normal((B, H, D)).astype(mx.float16)
+        mx.eval(kp, vp, table, lens, q)
+        want = pac.paged_decode_attention_reference(q, kp, vp, table, lens, D**-0.5, BS) if B <= 16 else None
+        for ver in ("v2", "v4"):
+            for part in (16, 32, 64, 128, 2048):
+                for merge in (("serial", "parallel") if part < ctx else ("serial",)):
+                    fn_q = lambda qq: pac.paged_decode_attention(  # noqa: E731
+                        qq, kp, vp, table, lens, D**-0.5, BS, ctx, part, kernel=ver, merge=merge)
+                    got = fn_q(q)
+                    err = (mx.abs(got.reshape(B, H, D).astype(mx.float32) - want.astype(mx.float32)).max().item()
+                           if want is not None else float("nan"))
+                    # A chain: each call's query is the last call's output, so the calls
+                    # neither overlap nor leave the GPU idle (and clocking down) between them.
+                    att, red = gpu_us_by(lambda: chain(fn_q, q, 200), ("tandem_paged_decode", "tandem_paged_reduce"),
+                                         iters=1, median=True)
+                    red = red if part < ctx else 0.0
+                    RESULTS["attention_serial"].append({"batch": B, "ctx": ctx, "kernel": ver, "partition": part,
+                                                        "merge": merge, "att_us": att, "merge_us": red,
+                                                        "err": err})
+                    log(f"B={B:3d} {ver} p{part:<5d} {merge:8s}: attention {att:6.1f} us + merge {red:5.1f} us"
+                        f" = {att + red:6.1f}  (err {err:.1e})")
+        del kp, vp
+        mx.clear_cache()
+
+
 def kernel_records(trace_path: Path) -> list[dict]:
     data = json.loads(trace_path.read_text())
     return [e for e in data.get("traceEvents", [])
@@ -560,6 +618,7 @@ def main() -> int:
     ap.add_argument("--w4-rows", default="8,16,32,64")
     ap.add_argument("--w4-products", default="qkv,o,gate/up,down")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--ctx", type=int, default=576, help="attention-serial: context tokens")
     ap.add_argument("--stream-shapes", default="1x8x1,1x8x2,1x16x1,1x4x4,1x8x4,2x8x1,2x4x2,1x4x1",
                     help="qgemv-stream: CPLxHxP block shapes to time")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
@@ -576,6 +635,8 @@ def main() -> int:
         section_qgemv_stream(args.stream_shapes)
     if "attention" in secs:
         section_attention()
+    if "attention-serial" in secs:
+        section_attention_serial([int(b) for b in args.batches.split(",")], args.ctx)
     if "w4mma" in secs:
         section_w4mma(tuple(int(r) for r in args.w4_rows.split(",")), args.w4_products)
     if "engine-trace" in secs:
