@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandem.kernels import paged_attention_cuda as pac  # noqa: E402
+from tandem.kernels import decode_attention_cuda as dac  # noqa: E402
 from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels import qgemv as qg  # noqa: E402
 from tandem.kernels import w4mma  # noqa: E402
@@ -108,6 +109,13 @@ def attention_variants():
              ("bool", "ROPE", "true"), ("bool", "TRAD", "false"), ("int", "HPT", str(hpt))]
         yield f"write_kv_rope hpt={hpt}", variant("tandem_write_kv_rope", kvw._WRITE_SOURCE, pac.HEADER,
                                                   ins, [("q_out", "T"), ("k_out", "T")], t)
+    ins += [("table", "int32_t"), ("params", "float"), ("counters", "int32_t")]
+    for dtype, d in (("__half", 128), ("__half", 64), ("__nv_bfloat16", 128)):
+        t = [("typename", "T", dtype), ("int", "D", str(d)), ("int", "KVH", "8"), ("int", "G", "4"),
+             ("int", "BS", "16"), ("bool", "ROPE", "true"), ("bool", "TRAD", "false")]
+        yield (f"decode attention fused {dtype} D={d}",
+               variant("tandem_decode_attention_fused", dac._SOURCE, pac.HEADER, ins,
+                       [("out", "T"), ("part", "float")], t))
 
 
 def w4mma_variants():
@@ -126,6 +134,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--keep", help="write the generated .cu files here")
+    ap.add_argument("--only", default="", help="compile only the variants whose label contains this")
     args = ap.parse_args()
     nvcc = shutil.which("nvcc")
     if not nvcc:
@@ -135,6 +144,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
     for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *w4mma_variants()]):
+        if args.only not in label:
+            continue
         cu = work / f"k{i}.cu"
         cu.write_text(code)
         p = subprocess.run([nvcc, "-std=c++17", f"-arch={args.arch}", "-cubin", "-o", str(cu.with_suffix(".cubin")),

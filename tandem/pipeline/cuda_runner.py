@@ -36,6 +36,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from tandem.kernels import decode_attention_cuda as dac
 from tandem.kernels import linear
 from tandem.kernels import paged_attention as pa
 from tandem.kernels import paged_attention_cuda as pac
@@ -146,7 +147,21 @@ class _CudaOps:
     """The kernels: RoPE + in-place KV write, split-K paged decode attention.
 
     ``write`` returns the rotated q and k and the pools it was given (modified in place);
-    ``attend`` returns (B, H * D): the o-projection's input, with no reshape op between."""
+    ``attend`` returns (B, H * D): the o-projection's input, with no reshape op between;
+    ``write_attend`` is both for a decode step: one launch below ``dac.MAX_ROWS`` rows."""
+
+    def __init__(self, n_kv_heads: int):
+        self.counters = dac.counters(max(dac.MAX_ROWS, 1), n_kv_heads)
+
+    def write_attend(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool,
+                     scale: float, block_size: int):
+        if y.shape[0] < dac.MAX_ROWS and dac.supported(y, H, KVH, kp.shape[-1]):
+            a = dac.decode_attention(y, step.pos, step.slots, inv_freq, kp, vp, step.table, H, KVH, scale,
+                                     block_size, step.max_len, self.counters, step.partition,
+                                     traditional=trad)
+            return a, kp, vp
+        q, _, kp, vp = self.write(y, step, kp, vp, inv_freq, H, KVH, trad)
+        return self.attend(q, step, kp, vp, scale, block_size), kp, vp
 
     def write(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool):
         q, k = kvw.write_kv_rope(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH, traditional=trad)
@@ -168,6 +183,11 @@ class _ReferenceOps:
     def attend(self, q, step: _Step, kp, vp, scale: float, block_size: int):
         out = pa.paged_attention(q[:, :, None], kp, vp, step.table, step.lens - 1, block_size, scale)
         return out[:, :, 0].reshape(q.shape[0], -1)
+
+    def write_attend(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool,
+                     scale: float, block_size: int):
+        q, _, kp, vp = self.write(y, step, kp, vp, inv_freq, H, KVH, trad)
+        return self.attend(q, step, kp, vp, scale, block_size), kp, vp
 
 
 class FusedBlock(nn.Module):
@@ -215,8 +235,8 @@ class FusedBlock(nn.Module):
     def decode(self, h, ops, step: _Step, kp, vp, block_size: int):
         """h: (B, W) one token per row -> (h, kp, vp); this token's K/V go into the pools."""
         y = self.qkv.fused(h, norm_weight=self.ln1, eps=self.eps1)
-        q, _, kp, vp = ops.write(y, step, kp, vp, self.inv_freq, self.H, self.KVH, self.traditional)
-        a = ops.attend(q, step, kp, vp, self.scale, block_size)  # (B, H * D)
+        a, kp, vp = ops.write_attend(y, step, kp, vp, self.inv_freq, self.H, self.KVH, self.traditional,
+                                     self.scale, block_size)  # (B, H * D)
         h = self.o_proj.fused(a, residual=h)
         g = self.gate_up.fused_swiglu(h, norm_weight=self.ln2, eps=self.eps2)
         return self.down_proj.fused(g, residual=h), kp, vp
@@ -238,7 +258,7 @@ class KernelRunner(PagedRunner):
             if not any(isinstance(m, linear.FlatLinear) for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)):
                 linear.flatten_linears(model, "keep")
         super().__init__(model, store, mirror=False, fast=False)  # fast: the CPU-only forward
-        self.ops = _CudaOps() if ops == "cuda" else _ReferenceOps()
+        self.ops = _CudaOps(store.n_kv_heads) if ops == "cuda" else _ReferenceOps()
         # Let the engine queue decode step N+1 before reading N back (TANDEM_PIPELINE=0: off).
         self.pipelined = ops == "cuda" and os.environ.get("TANDEM_PIPELINE", "1") != "0"
         inner = model.model

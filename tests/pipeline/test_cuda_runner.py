@@ -117,8 +117,14 @@ def _rows(lens, bs):
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
 @pytest.mark.timeout(240, method="thread")
-@pytest.mark.parametrize("quantized,compiled", [(False, False), (True, False), (False, True), (True, True)])
-def test_cuda_kernel_runner_matches_alone(tiny_model_dir, tiny_quantized_model_dir, monkeypatch, quantized, compiled):
+@pytest.mark.parametrize("quantized,compiled,fused", [(False, False, 0), (True, False, 0), (False, True, 0),
+                                                     (True, True, 0), (False, True, 16), (False, False, 16)])
+def test_cuda_kernel_runner_matches_alone(tiny_model_dir, tiny_quantized_model_dir, monkeypatch, quantized, compiled,
+                                          fused):
+    """fused: decode steps below that many rows run the one-launch RoPE + write + attention."""
+    from tandem.kernels import decode_attention_cuda as dac
+
+    monkeypatch.setattr(dac, "MAX_ROWS", fused)
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
     monkeypatch.setenv("TANDEM_DECODE_COMPILE", "1" if compiled else "0")
     path = tiny_quantized_model_dir if quantized else tiny_model_dir

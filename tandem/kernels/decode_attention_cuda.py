@@ -1,0 +1,313 @@
+"""A small batch's decode attention in one launch: RoPE, the KV write, split-K attention
+and the merge of the partitions, on CUDA.
+
+At one row a layer's attention was three kernels (H200 run 44's engine trace, per layer):
+RoPE + write 7.3 us, split-K attention 23.1 us, merge 2.7 us, a third of the step for
+2.4 MB of KV. Each is a launch whose blocks mostly wait on one or two memory latencies, so
+the launches, not the bytes, set the time. Here one grid of (partition, KV head, row)
+blocks does all of it:
+
+- every block rotates its group's queries itself (the sincos of one position per pair);
+- the block whose partition holds the step's token rotates that token's key, writes key
+  and value into their pool slot, and folds the token into its softmax from shared
+  memory (it never reads the slot back: a load may take the non-coherent path);
+- the other pool tokens go through the per-token online softmax of
+  ``paged_attention_cuda``'s v2 kernel (the same layout: 8 lanes per token);
+- the last block of a (row, KV head) to finish, found with an atomic ticket, merges the
+  partitions' partials and writes the output; it resets the ticket, so the counters are
+  zero between launches and one array serves every layer (the layers run in order on
+  one stream).
+
+Inputs and pools as in ``kv_write_cuda.write_kv_rope`` and
+``paged_attention_cuda.paged_decode_attention``; the reference is those two kernels'
+references in sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import mlx.core as mx
+
+from tandem.kernels import paged_attention_cuda as pac
+
+MAX_ROWS = int(os.environ.get("TANDEM_DECODE_FUSED_MAX_ROWS", "0"))
+"""Decode steps of fewer rows than this run the fused kernel (0: never, the three-kernel
+path). Rows are the counters' capacity too."""
+
+# Template: T, D, KVH, G, BS, ROPE, TRAD. Inputs: qkv (B, (KVH*G + 2*KVH) * D), pos (B,)
+# int32 (the step's token index = the pool length before it), slots (B,) int32 (<0: no
+# write), inv_freq (D/2,) f32, k_pool / v_pool (S, KVH, D), table (B, nb) int32, params
+# (2,) f32 = [scale, partition tokens], counters (>= B*KVH,) int32, zero. Outputs: out
+# (B, KVH*G*D) T; part (B, KVH*G, NPART, D + 2) f32 scratch for the partials.
+_SOURCE = r"""
+  constexpr int DL = D / 8;
+  constexpr int H = KVH * G;
+  constexpr int HEADS = H + 2 * KVH;
+  constexpr int HALF_D = D / 2;
+  const int part_i = blockIdx.x;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int npart = gridDim.x;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int NB = table_shape[1];
+  const float sc = params[0];
+  const int PART = (int)params[1];
+  const int p = pos[b];
+  const int t0 = part_i * PART;
+  const int t1 = min(p, t0 + PART);          // pool tokens of this partition: [t0, t1)
+  const bool owner = t0 <= p && p < t0 + PART;
+
+  __shared__ __align__(16) float sm_q[G][D];
+  __shared__ float sm_kn[D], sm_vn[D];
+  const T* row = qkv + (size_t)b * HEADS * D;
+  for (int i = tid; i < HALF_D; i += blockDim.x) {
+    const int i0 = TRAD ? 2 * i : i;
+    const int i1 = TRAD ? 2 * i + 1 : i + HALF_D;
+    float sn = 0.f, cs = 1.f;
+    if (ROPE) sincosf((float)p * inv_freq[i], &sn, &cs);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const T* src = row + (size_t)(h * G + g) * D;
+      const float a = pa_f(src[i0]), c = pa_f(src[i1]);
+      sm_q[g][i0] = (a * cs - c * sn) * sc;
+      sm_q[g][i1] = (a * sn + c * cs) * sc;
+    }
+    if (owner) {
+      const T* ks = row + (size_t)(H + h) * D;
+      const T* vs = row + (size_t)(H + KVH + h) * D;
+      const float a = pa_f(ks[i0]), c = pa_f(ks[i1]);
+      // Rounded to T as the pool keeps it: later steps score this token from the pool.
+      T k0, k1;
+      pa_st(&k0, a * cs - c * sn);
+      pa_st(&k1, a * sn + c * cs);
+      const T v0 = vs[i0], v1 = vs[i1];
+      const int s = slots[b];
+      if (s >= 0) {
+        T* kd = const_cast<T*>(k_pool) + ((size_t)s * KVH + h) * D;
+        T* vd = const_cast<T*>(v_pool) + ((size_t)s * KVH + h) * D;
+        kd[i0] = k0; kd[i1] = k1; vd[i0] = v0; vd[i1] = v1;
+      }
+      sm_kn[i0] = pa_f(k0); sm_kn[i1] = pa_f(k1);
+      sm_vn[i0] = pa_f(v0); sm_vn[i1] = pa_f(v1);
+    }
+  }
+
+  constexpr int MAXB = PA_MAX_PART / BS + 2;
+  __shared__ int sm_tbl[MAXB];
+  const int fb = t0 / BS;
+  const int nblk = t1 > t0 ? (t1 - 1) / BS - fb + 1 : 0;
+  for (int i = tid; i < nblk; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + fb + i];
+
+  float mx_[G], l_[G], acc[G][DL];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    mx_[g] = -INFINITY;
+    l_[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DL; ++i) acc[g][i] = 0.f;
+  }
+  const int sub = lane & 7;
+  const int slot = warp * 4 + (lane >> 3);
+  __syncthreads();
+
+  PaRaw<T, DL> nk, nv;
+  if (t0 + slot < t1) {
+    const int t = t0 + slot;
+    const size_t base = (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D + sub * DL;
+    nk.load(k_pool + base);
+    nv.load(v_pool + base);
+  }
+  // Warp-uniform trip count (full-mask shuffles inside).
+  for (int tb = t0; tb < t1; tb += 16) {
+    const int t = tb + slot;
+    const bool valid = t < t1;
+    float kf[DL], vf[DL];
+    if (valid) {
+      nk.get(kf);
+      nv.get(vf);
+    } else {
+#pragma unroll
+      for (int i = 0; i < DL; ++i) { kf[i] = 0.f; vf[i] = 0.f; }
+    }
+    if (t + 16 < t1) {
+      const int tn = t + 16;
+      const size_t base = (((size_t)sm_tbl[tn / BS - fb] * BS + (tn % BS)) * KVH + h) * D + sub * DL;
+      nk.load(k_pool + base);
+      nv.load(v_pool + base);
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < DL; ++i) s = fmaf(sm_q[g][sub * DL + i], kf[i], s);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      if (!valid) continue;
+      const float mn = fmaxf(mx_[g], s);
+      const float c = __expf(mx_[g] - mn);
+      const float pr = __expf(s - mn);
+      l_[g] = l_[g] * c + pr;
+#pragma unroll
+      for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], c, pr * vf[i]);
+      mx_[g] = mn;
+    }
+  }
+  // The warp's 4 token groups (lanes differing in bits 3 and 4) into one state.
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int o = 8; o <= 16; o <<= 1) {
+      const float om = __shfl_xor_sync(0xffffffffu, mx_[g], o);
+      const float ol = __shfl_xor_sync(0xffffffffu, l_[g], o);
+      const float mn = fmaxf(mx_[g], om);
+      const float ca = (mx_[g] == -INFINITY) ? 0.f : __expf(mx_[g] - mn);
+      const float cb = (om == -INFINITY) ? 0.f : __expf(om - mn);
+      l_[g] = l_[g] * ca + ol * cb;
+#pragma unroll
+      for (int i = 0; i < DL; ++i) {
+        const float oa = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+        acc[g][i] = acc[g][i] * ca + oa * cb;
+      }
+      mx_[g] = mn;
+    }
+  }
+  // The step's own token, from shared memory, into warp 0's state.
+  if (owner && warp == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < DL; ++i) s = fmaf(sm_q[g][sub * DL + i], sm_kn[sub * DL + i], s);
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      const float mn = fmaxf(mx_[g], s);
+      const float c = (mx_[g] == -INFINITY) ? 0.f : __expf(mx_[g] - mn);
+      const float pr = __expf(s - mn);
+      l_[g] = l_[g] * c + pr;
+#pragma unroll
+      for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], c, pr * sm_vn[sub * DL + i]);
+      mx_[g] = mn;
+    }
+  }
+  __shared__ float sm_m[4][G], sm_l[4][G];
+  __shared__ float sm_acc[4][G][D];
+  if (lane < 8) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int i = 0; i < DL; ++i) sm_acc[warp][g][sub * DL + i] = acc[g][i];
+      if (sub == 0) { sm_m[warp][g] = mx_[g]; sm_l[warp][g] = l_[g]; }
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < G * D; e += blockDim.x) {
+    const int g = e / D, d = e % D;
+    float mn = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) mn = fmaxf(mn, sm_m[w][g]);
+    float lsum = 0.f, a = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float c = (sm_m[w][g] == -INFINITY) ? 0.f : __expf(sm_m[w][g] - mn);
+      lsum += sm_l[w][g] * c;
+      a += sm_acc[w][g][d] * c;
+    }
+    if (npart == 1) {
+      pa_st(out + ((size_t)b * H + h * G + g) * D + d, lsum > 0.f ? a / lsum : 0.f);
+    } else {
+      float* o = part + (((size_t)b * H + h * G + g) * npart + part_i) * (D + 2);
+      o[d] = a;
+      if (d == 0) { o[D] = mn; o[D + 1] = lsum; }
+    }
+  }
+  if (npart == 1) return;
+
+  // The last block of this (row, KV head) to get here merges every partition's partial.
+  __shared__ int sm_last;
+  __threadfence();
+  __syncthreads();
+  int* ticket = const_cast<int*>(counters) + (b * KVH + h);
+  if (tid == 0) sm_last = atomicAdd(ticket, 1) == npart - 1;
+  __syncthreads();
+  if (!sm_last) return;
+  __threadfence();
+  for (int e = tid; e < G * D; e += blockDim.x) {
+    const int g = e / D, d = e % D;
+    const float* pp = part + ((size_t)b * H + h * G + g) * npart * (D + 2);
+    float mn = -INFINITY;
+    for (int i = 0; i < npart; ++i) mn = fmaxf(mn, __ldcg(pp + i * (D + 2) + D));
+    float lsum = 0.f, a = 0.f;
+    for (int i = 0; i < npart; ++i) {
+      const float m = __ldcg(pp + i * (D + 2) + D);
+      const float c = (m == -INFINITY) ? 0.f : __expf(m - mn);
+      lsum += __ldcg(pp + i * (D + 2) + D + 1) * c;
+      a += __ldcg(pp + i * (D + 2) + d) * c;
+    }
+    pa_st(out + ((size_t)b * H + h * G + g) * D + d, lsum > 0.f ? a / lsum : 0.f);
+  }
+  if (tid == 0) *ticket = 0;
+"""
+
+
+@functools.cache
+def _kernel():
+    # Not ensure_row_contiguous: a contiguity copy of a pool would swallow the writes.
+    return mx.fast.cuda_kernel(
+        name="tandem_decode_attention_fused",
+        input_names=["qkv", "pos", "slots", "inv_freq", "k_pool", "v_pool", "table", "params", "counters"],
+        output_names=["out", "part"],
+        source=_SOURCE,
+        header=pac.HEADER,
+        ensure_row_contiguous=False,
+    )
+
+
+def counters(rows: int, n_kv_heads: int) -> mx.array:
+    """The merge tickets for up to ``rows`` rows: zeros, made and evaluated outside any
+    compiled function (a zeros op inside one would be a fill kernel every step)."""
+    c = mx.zeros((rows * n_kv_heads,), mx.int32)
+    mx.eval(c)
+    return c
+
+
+def supported(qkv: mx.array, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+    return (qkv.dtype in (mx.float16, mx.bfloat16, mx.float32) and head_dim % 8 == 0
+            and head_dim <= 256 and n_heads % n_kv_heads == 0)
+
+
+def decode_attention(qkv: mx.array, pos: mx.array, slots: mx.array, inv_freq: mx.array,
+                     k_pool: mx.array, v_pool: mx.array, table: mx.array, n_heads: int,
+                     n_kv_heads: int, scale: float, block_size: int, max_len: int,
+                     counters_: mx.array, partition: int | None = None, rope: bool = True,
+                     traditional: bool = False) -> mx.array:
+    """One decode token per row: rotate, write K/V at ``slots`` in place, attend over the
+    row's ``pos + 1`` tokens. qkv: (B, (H + 2*KVH) * D) row-contiguous; table (B, nb)
+    covering every row's tokens including this step's; max_len: an upper bound of
+    ``pos + 1`` fixed by the table's shape (sets the grid); counters_: from
+    ``counters(rows >= B, KVH)``. Returns (B, H * D) in qkv's dtype. The pools change when
+    the result is evaluated (see ``kv_write_cuda``)."""
+    B = qkv.shape[0]
+    D = k_pool.shape[-1]
+    H, KVH = n_heads, n_kv_heads
+    if qkv.shape[1] != (H + 2 * KVH) * D:
+        raise ValueError(f"qkv width {qkv.shape[1]} != ({H} + 2*{KVH}) * {D}")
+    if counters_.size < B * KVH:
+        raise ValueError(f"counters for {counters_.size // KVH} rows, batch has {B}")
+    part = partition or pac.choose_partition(B, KVH, max_len)
+    npart = max(1, -(-max_len // part))
+    out, _ = _kernel()(
+        inputs=[qkv, pac.i32(pos), pac.i32(slots), inv_freq, k_pool, v_pool, pac.i32(table),
+                pac._params(float(scale), part), counters_],
+        template=[("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
+                  ("ROPE", bool(rope)), ("TRAD", bool(traditional))],
+        grid=(npart * 128, KVH, B),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(B, H * D), (B, H, npart, D + 2)],
+        output_dtypes=[qkv.dtype, mx.float32],
+    )
+    return out

@@ -1,0 +1,98 @@
+"""The one-launch decode attention (RoPE + KV write + split-K attention + merge) agrees
+with the write and attention references run in sequence."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.rope_utils import initialize_rope
+
+from tandem.kernels import decode_attention_cuda as dac
+from tandem.kernels import kv_write_cuda as kvw
+from tandem.kernels import paged_attention_cuda as pac
+from tandem.kernels.quantized_matmul import cuda_available
+from tests.kernels.test_paged_attention_cuda import LLAMA31, RAGGED, _pool_case
+
+gpu = pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+hang_guard = pytest.mark.timeout(120, method="thread")
+
+
+def _case(lens, H, KVH, D, bs, dtype, seed, pad_blocks=0, traditional=False):
+    """Rows whose last token (index len - 1) is this step's: its K/V are in qkv, not yet
+    in the pool. The table gets ``pad_blocks`` scratch columns, as the runner pads it."""
+    B = len(lens)
+    _, kp, vp, table, la = _pool_case(B, H, KVH, D, bs, lens, seed, dtype)
+    if pad_blocks:
+        table = mx.concatenate([table, mx.zeros((B, pad_blocks), mx.int32)], axis=1)
+    mx.random.seed(seed + 1)
+    qkv = mx.random.normal((B, (H + 2 * KVH) * D)).astype(dtype)
+    pos = la - 1
+    slots = table[mx.arange(B), pos // bs] * bs + pos % bs
+    inv = kvw.rope_inv_freq(initialize_rope(D, 500000.0, traditional, LLAMA31, 131072), D)
+    mx.eval(kp, vp, table, qkv, pos, slots, inv)
+    return qkv, pos, slots, inv, kp, vp, table, la
+
+
+def _reference(qkv, pos, slots, inv, kp, vp, table, la, H, KVH, D, bs, traditional=False):
+    q, _, kp_r, vp_r = kvw.write_kv_rope_reference(qkv, pos, slots, inv, kp, vp, H, KVH,
+                                                   traditional=traditional)
+    out = pac.paged_decode_attention_reference(q, kp_r, vp_r, table, la, D**-0.5, bs)
+    mx.eval(out, kp_r, vp_r)
+    return out.reshape(len(la.tolist()), H * D), kp_r, vp_r
+
+
+def test_too_few_counters_is_refused():
+    qkv = mx.zeros((4, (8 + 4) * 16), mx.float16)
+    pool = mx.zeros((64, 2, 16), mx.float16)
+    with pytest.raises(ValueError, match="counters for 2 rows, batch has 4"):
+        dac.decode_attention(qkv, mx.zeros((4,), mx.int32), mx.zeros((4,), mx.int32), mx.ones((8,)),
+                             pool, pool, mx.zeros((4, 4), mx.int32), 8, 2, 0.25, 16, 64,
+                             mx.zeros((4,), mx.int32))
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+@pytest.mark.parametrize("dtype,lens,part,pad,traditional", [
+    (mx.float16, [577], None, 12, False),        # one row at the bench's length, padded table
+    (mx.float16, [577], 16, 0, False),           # 37 partitions
+    (mx.float16, [1, 40, 300], 32, 3, False),    # a row that is only this step's token
+    (mx.float16, RAGGED, 64, 0, False),          # ragged, many empty partitions
+    (mx.float16, [33, 700], 2048, 0, False),     # one partition: no merge
+    (mx.bfloat16, [5, 300], 64, 0, False),
+    (mx.float16, [16, 17, 129], 64, 2, True),    # traditional RoPE
+])
+def test_fused_decode_matches_write_then_attend(dtype, lens, part, pad, traditional):
+    H, KVH, D, bs = 32, 8, 128, 16
+    qkv, pos, slots, inv, kp, vp, table, la = _case(lens, H, KVH, D, bs, dtype, sum(lens), pad, traditional)
+    want, kp_r, vp_r = _reference(qkv, pos, slots, inv, kp, vp, table, la, H, KVH, D, bs, traditional)
+    ctr = dac.counters(len(lens), KVH)
+    got = dac.decode_attention(qkv, pos, slots, inv, kp, vp, table, H, KVH, D**-0.5, bs,
+                               table.shape[1] * bs, ctr, part, traditional=traditional)
+    mx.eval(got)
+    tol = 3e-2 if dtype == mx.bfloat16 else 5e-3
+    assert got.shape == want.shape
+    assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < tol
+    assert mx.allclose(kp, kp_r, atol=2e-2).item()  # the new keys, rotated, in their slots
+    assert mx.array_equal(vp, vp_r).item()
+    assert mx.array_equal(ctr, mx.zeros_like(ctr)).item()  # tickets back at zero
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+def test_counters_serve_consecutive_layers_and_steps():
+    """Two "layers" (pools) and two steps through one counter array: every launch sees
+    zeroed tickets, so every merge happens exactly once, by the last block."""
+    H, KVH, D, bs = 8, 2, 64, 16
+    lens = [130, 64, 2]
+    ctr = dac.counters(4, KVH)
+    for step in range(2):
+        for layer in range(2):
+            seed = 100 * step + layer
+            qkv, pos, slots, inv, kp, vp, table, la = _case(lens, H, KVH, D, bs, mx.float16, seed, pad_blocks=1)
+            want, _, _ = _reference(qkv, pos, slots, inv, kp, vp, table, la, H, KVH, D, bs)
+            got = dac.decode_attention(qkv, pos, slots, inv, kp, vp, table, H, KVH, D**-0.5, bs,
+                                       table.shape[1] * bs, ctr, 32)
+            assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 5e-3, (step, layer)
+        lens = [n + 1 for n in lens]
