@@ -368,7 +368,7 @@ def chain(fn, x, n: int):
     return x
 
 
-def section_attention_serial(batches: list[int], ctx: int) -> None:
+def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) -> None:
     """Decode attention in a chain of 200 dependent calls (CUPTI, median kernel), each kernel apart:
     the split kernel and the merge, per partition size, kernel and merge. The ``attention``
     section queues 20 independent calls in one graph, where small kernels overlap and their
@@ -376,7 +376,7 @@ def section_attention_serial(batches: list[int], ctx: int) -> None:
     calls, and its clocks drop (run 43: the same kernel 11 and 17 us). The pool is engine-sized (32k slots) and the rows'
     blocks sit in its middle, as in a running engine."""
     from tandem.kernels import paged_attention_cuda as pac
-    RESULTS["attention_serial"] = []
+    RESULTS.setdefault("attention_serial", [])
     H, KVH, D, BS = 32, 8, 128, 16
     slots = 32768
     log(f"\n== decode attention, one call at a time (CUPTI us: split kernel + merge), ctx {ctx}")
@@ -389,11 +389,17 @@ def section_attention_serial(batches: list[int], ctx: int) -> None:
         q = mx.random.normal((B, H, D)).astype(mx.float16)
         mx.eval(kp, vp, table, lens, q)
         want = pac.paged_decode_attention_reference(q, kp, vp, table, lens, D**-0.5, BS) if B <= 16 else None
+        # Cold: 1 GiB streamed before every call (L2 and TLB flushed of this KV, as a decode
+        # step's 4 GB of weights does between a layer's attention in two steps).
+        big = mx.ones((1 << 29,), mx.float16) if flush else None
         for ver in ("v2", "v4"):
-            for part in (16, 32, 64, 128, 2048):
-                for merge in (("serial", "parallel") if part < ctx else ("serial",)):
-                    fn_q = lambda qq: pac.paged_decode_attention(  # noqa: E731
-                        qq, kp, vp, table, lens, D**-0.5, BS, ctx, part, kernel=ver, merge=merge)
+            for part in ((16, 64, 128, 2048) if flush else (16, 32, 64, 128, 2048)):
+                for merge in (("serial", "parallel") if part < ctx and not flush else ("serial",)):
+                    def fn_q(qq, ver=ver, part=part, merge=merge):
+                        if big is not None:
+                            qq = qq + (big.max() * 0).astype(qq.dtype)  # max: a sum of ones overflows to inf
+                        return pac.paged_decode_attention(qq, kp, vp, table, lens, D**-0.5, BS, ctx, part,
+                                                          kernel=ver, merge=merge)
                     got = fn_q(q)
                     err = (mx.abs(got.reshape(B, H, D).astype(mx.float32) - want.astype(mx.float32)).max().item()
                            if want is not None else float("nan"))
@@ -403,9 +409,9 @@ def section_attention_serial(batches: list[int], ctx: int) -> None:
                                          iters=1, median=True)
                     red = red if part < ctx else 0.0
                     RESULTS["attention_serial"].append({"batch": B, "ctx": ctx, "kernel": ver, "partition": part,
-                                                        "merge": merge, "att_us": att, "merge_us": red,
+                                                        "merge": merge, "cold": flush, "att_us": att, "merge_us": red,
                                                         "err": err})
-                    log(f"B={B:3d} {ver} p{part:<5d} {merge:8s}: attention {att:6.1f} us + merge {red:5.1f} us"
+                    log(f"B={B:3d} {'cold' if flush else 'warm'} {ver} p{part:<5d} {merge:8s}: attention {att:6.1f} us + merge {red:5.1f} us"
                         f" = {att + red:6.1f}  (err {err:.1e})")
         del kp, vp
         mx.clear_cache()
@@ -684,6 +690,8 @@ def main() -> int:
         section_embed()
     if "attention-serial" in secs:
         section_attention_serial([int(b) for b in args.batches.split(",")], args.ctx)
+    if "attention-cold" in secs:
+        section_attention_serial([int(b) for b in args.batches.split(",")], args.ctx, flush=True)
     if "w4mma" in secs:
         section_w4mma(tuple(int(r) for r in args.w4_rows.split(",")), args.w4_products)
     if "engine-trace" in secs:
