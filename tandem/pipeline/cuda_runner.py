@@ -56,8 +56,6 @@ _SUPPORTED = {"mlx_lm.models.llama", "mlx_lm.models.qwen2"}
 
 PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "2"))
 """A fresh prefill hands the GPU its graph every this many layers (0: once, at the end)."""
-PREFILL_DEVICE_COPY = os.environ.get("TANDEM_PREFILL_DEVICE_COPY", "1") == "1"
-"""A fresh prefill's host-made ids, positions and slots are copied once on the device."""
 
 
 def paged_runner(model, store: KVStore, *, mirror: bool, kernels: str | None = None) -> PagedRunner:
@@ -361,19 +359,11 @@ class KernelRunner(PagedRunner):
             table[i, : len(ids)] = np.asarray(ids, np.int64) + 1
         p = np.arange(L, dtype=np.int64)
         slots = np.where(p[None, :] < ns[:, None], table[:, p // bs] * bs + p % bs, -1)
-        n = B * L
-        host = np.concatenate([np.asarray(inputs, np.int32).reshape(-1), np.tile(p, B).astype(np.int32),
-                               slots.reshape(-1).astype(np.int32), (np.arange(B) * L + ns - 1).astype(np.int32)])
-        packed = mx.array(host)
-        if PREFILL_DEVICE_COPY:
-            # A host-made array is managed memory the CPU wrote; read straight from it, the
-            # 4-bit embedding's three gathers of 512 ids took 205 us on the H200, after one
-            # copy kernel 81 us (gpu_probe --sections embed, run 45).
-            packed = packed + 0
-        tokens, pos, slots, last = (packed[:n].reshape(B, L), packed[n : 2 * n], packed[2 * n : 3 * n],
-                                    packed[3 * n :])
+        pos = mx.array(np.tile(p, B).astype(np.int32))
+        slots = mx.array(slots.reshape(-1).astype(np.int32))
+        last = mx.array((np.arange(B) * L + ns - 1).astype(np.int32))
         step = _Step(pos, slots, None, None, bs, 0)
-        h = self.embed(tokens).reshape(B * L, -1)
+        h = self.embed(inputs).reshape(B * L, -1)
         keys, values = self.store.keys, self.store.values
         for i, blk in enumerate(self.blocks):
             H, KVH, D = blk.H, blk.KVH, blk.D
