@@ -274,6 +274,33 @@ def prefill_alone(eng, B: int, prompt_len: int, reps: int) -> list[float]:
     return out
 
 
+def _time_read_backs(eng) -> list[tuple[float, float, float]]:
+    """Wrap the engine's tick and read-back: a list that fills with (tick end, seconds
+    waiting in read-back, seconds of the whole tick). Read-back includes emitting the
+    step's tokens, a few us against its wait for the device."""
+    out: list[tuple[float, float, float]] = []
+    tick, read_back = eng._tick, eng._read_back
+    spent = [0.0]
+
+    def timed_read_back():
+        t = time.perf_counter()
+        try:
+            return read_back()
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    def timed_tick():
+        spent[0] = 0.0
+        t = time.perf_counter()
+        n = tick()
+        now = time.perf_counter()
+        out.append((now, spent[0], now - t))
+        return n
+
+    eng._read_back, eng._tick = timed_read_back, timed_tick
+    return out
+
+
 def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_len: int,
                    steps: int, kernels: str = "cuda", weights: str = "auto", prefill_reps: int = 5) -> None:
     """tandem's Engine on the 8B-shape model. ``kernels``: ``cuda`` = the CUDA runner
@@ -342,6 +369,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                         if len(done) == B:
                             all_done.set()
 
+            waits = _time_read_backs(eng)
             t0 = time.perf_counter()
             for i in range(B):
                 prompt = np.random.randint(0, _vocab(), prompt_len).tolist()
@@ -358,11 +386,19 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
             gaps = [1e3 * (b[0] - a[0]) for evs in marks.values() for a, b in zip(evs, evs[1:])
                     if a[0] >= first]
             gap = np.percentile(gaps, [50, 90]).tolist() + [max(gaps)] if gaps else None
+            # Per engine tick after every request started: how long the thread waited for
+            # the device (step N's eval) and how long it worked (the rest of the tick). A
+            # wait near zero means the host, not the GPU, sets the step time.
+            ticks = [(w, t) for (ts, w, t) in waits if ts >= first]
+            wait_ms = float(np.median([w for w, _ in ticks])) * 1e3 if ticks else None
+            host_ms = float(np.median([t - w for w, t in ticks])) * 1e3 if ticks else None
+            del eng._read_back, eng._tick
             record(name, fmt=fmt, batch=B, runner=runner, prefill_tps=B * prompt_len / (first - t0),
                    prefill_tps_alone=(float(np.median(prefill_runs)) if prefill_runs else None),
                    prefill_tps_alone_runs=prefill_runs,
                    decode_tps=dec, step_ms=(1e3 * B / dec) if dec else None,
-                   gap_ms_p50_p90_max=gap, compiled=getattr(eng.runner, "compiled", None),
+                   gap_ms_p50_p90_max=gap, tick_wait_ms_p50=wait_ms, tick_host_ms_p50=host_ms,
+                   compiled=getattr(eng.runner, "compiled", None),
                    tokens=sum(n for evs in marks.values() for (_, n) in evs),
                    paths=linear.paths_used())
     finally:
@@ -757,6 +793,8 @@ def summary(res: dict) -> None:
             log(f"{r['section']:7s} {str(r.get('fmt')):6s} B={str(r.get('batch')):4s} "
                 f"prefill={r.get('prefill_tps') or 0:10.0f} decode={r.get('decode_tps') or 0:9.0f} "
                 + (f"prefill alone (median)={r['prefill_tps_alone']:8.0f} " if r.get("prefill_tps_alone") else "")
+                + (f"tick: host {r['tick_host_ms_p50']:.2f} ms, device wait {r['tick_wait_ms_p50']:.2f} ms "
+                   if r.get("tick_host_ms_p50") is not None else "")
                 + f"{r.get('mode', '')}{r.get('error', '')}")
 
 
