@@ -36,7 +36,12 @@ MAX_ROWS = int(os.environ.get("TANDEM_DECODE_FUSED_MAX_ROWS", "0"))
 """Decode steps of fewer rows than this run the fused kernel (0: never, the three-kernel
 path). Rows are the counters' capacity too."""
 
-# Template: T, D, KVH, G, BS, ROPE, TRAD. Inputs: qkv (B, (KVH*G + 2*KVH) * D), pos (B,)
+CHUNK = int(os.environ.get("TANDEM_DECODE_FUSED_CHUNK", "64"))
+"""Tokens whose K/V loads a block issues at once (a multiple of 16): the partition at one
+row is 64 tokens (``paged_attention_cuda.choose_partition``)."""
+
+# Template: T, D, KVH, G, BS, ROPE, TRAD, NIT (16-token iterations whose loads go out
+# together). Inputs: qkv (B, (KVH*G + 2*KVH) * D), pos (B,)
 # int32 (the step's token index = the pool length before it), slots (B,) int32 (<0: no
 # write), inv_freq (D/2,) f32, k_pool / v_pool (S, KVH, D), table (B, nb) int32, params
 # (2,) f32 = [scale, partition tokens], counters (>= B*KVH,) int32, zero. Outputs: out
@@ -59,6 +64,13 @@ _SOURCE = r"""
   const int t0 = part_i * PART;
   const int t1 = min(p, t0 + PART);          // pool tokens of this partition: [t0, t1)
   const bool owner = t0 <= p && p < t0 + PART;
+
+  // The table slice first: the K/V addresses wait on it, the rotation below does not.
+  constexpr int MAXB = PA_MAX_PART / BS + 2;
+  __shared__ int sm_tbl[MAXB];
+  const int fb = t0 / BS;
+  const int nblk = t1 > t0 ? (t1 - 1) / BS - fb + 1 : 0;
+  for (int i = tid; i < nblk; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + fb + i];
 
   __shared__ __align__(16) float sm_q[G][D];
   __shared__ float sm_kn[D], sm_vn[D];
@@ -95,12 +107,6 @@ _SOURCE = r"""
     }
   }
 
-  constexpr int MAXB = PA_MAX_PART / BS + 2;
-  __shared__ int sm_tbl[MAXB];
-  const int fb = t0 / BS;
-  const int nblk = t1 > t0 ? (t1 - 1) / BS - fb + 1 : 0;
-  for (int i = tid; i < nblk; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + fb + i];
-
   float mx_[G], l_[G], acc[G][DL];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -113,47 +119,50 @@ _SOURCE = r"""
   const int slot = warp * 4 + (lane >> 3);
   __syncthreads();
 
-  PaRaw<T, DL> nk, nv;
-  if (t0 + slot < t1) {
-    const int t = t0 + slot;
-    const size_t base = (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D + sub * DL;
-    nk.load(k_pool + base);
-    nv.load(v_pool + base);
-  }
-  // Warp-uniform trip count (full-mask shuffles inside).
-  for (int tb = t0; tb < t1; tb += 16) {
-    const int t = tb + slot;
-    const bool valid = t < t1;
-    float kf[DL], vf[DL];
-    if (valid) {
-      nk.get(kf);
-      nv.get(vf);
-    } else {
+  // Chunks of NIT x 16 tokens: every K and V load of a chunk is issued before any of its
+  // arithmetic, so a 64-token partition costs one memory latency, not one per 16 tokens
+  // (the one-ahead loads of paged_attention_cuda's v2 kernel). Warp-uniform trip counts
+  // (full-mask shuffles inside).
+  for (int tc = t0; tc < t1; tc += 16 * NIT) {
+    PaRaw<T, DL> nk[NIT], nv[NIT];
 #pragma unroll
-      for (int i = 0; i < DL; ++i) { kf[i] = 0.f; vf[i] = 0.f; }
-    }
-    if (t + 16 < t1) {
-      const int tn = t + 16;
-      const size_t base = (((size_t)sm_tbl[tn / BS - fb] * BS + (tn % BS)) * KVH + h) * D + sub * DL;
-      nk.load(k_pool + base);
-      nv.load(v_pool + base);
+    for (int j = 0; j < NIT; ++j) {
+      const int t = tc + 16 * j + slot;
+      if (t < t1) {
+        const size_t base = (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D + sub * DL;
+        nk[j].load(k_pool + base);
+        nv[j].load(v_pool + base);
+      }
     }
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float s = 0.f;
+    for (int j = 0; j < NIT; ++j) {
+      const int t = tc + 16 * j + slot;
+      const bool valid = t < t1;
+      float kf[DL], vf[DL];
+      if (valid) {
+        nk[j].get(kf);
+        nv[j].get(vf);
+      } else {
 #pragma unroll
-      for (int i = 0; i < DL; ++i) s = fmaf(sm_q[g][sub * DL + i], kf[i], s);
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      s += __shfl_xor_sync(0xffffffffu, s, 4);
-      if (!valid) continue;
-      const float mn = fmaxf(mx_[g], s);
-      const float c = __expf(mx_[g] - mn);
-      const float pr = __expf(s - mn);
-      l_[g] = l_[g] * c + pr;
+        for (int i = 0; i < DL; ++i) { kf[i] = 0.f; vf[i] = 0.f; }
+      }
 #pragma unroll
-      for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], c, pr * vf[i]);
-      mx_[g] = mn;
+      for (int g = 0; g < G; ++g) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < DL; ++i) s = fmaf(sm_q[g][sub * DL + i], kf[i], s);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        if (!valid) continue;
+        const float mn = fmaxf(mx_[g], s);
+        const float c = __expf(mx_[g] - mn);
+        const float pr = __expf(s - mn);
+        l_[g] = l_[g] * c + pr;
+#pragma unroll
+        for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], c, pr * vf[i]);
+        mx_[g] = mn;
+      }
     }
   }
   // The warp's 4 token groups (lanes differing in bits 3 and 4) into one state.
@@ -304,7 +313,7 @@ def decode_attention(qkv: mx.array, pos: mx.array, slots: mx.array, inv_freq: mx
         inputs=[qkv, pac.i32(pos), pac.i32(slots), inv_freq, k_pool, v_pool, pac.i32(table),
                 pac._params(float(scale), part), counters_],
         template=[("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
-                  ("ROPE", bool(rope)), ("TRAD", bool(traditional))],
+                  ("ROPE", bool(rope)), ("TRAD", bool(traditional)), ("NIT", CHUNK // 16)],
         grid=(npart * 128, KVH, B),
         threadgroup=(128, 1, 1),
         output_shapes=[(B, H * D), (B, H, npart, D + 2)],
