@@ -369,12 +369,16 @@ def chain(fn, x, n: int):
 
 
 def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) -> None:
-    """Decode attention in a chain of 200 dependent calls (CUPTI, median kernel), each kernel apart:
-    the split kernel and the merge, per partition size, kernel and merge. The ``attention``
+    """Decode attention in a chain of 200 dependent calls (CUPTI, median kernel), the split
+    kernel and the merge timed apart, per kernel, partition size and merge. The ``attention``
     section queues 20 independent calls in one graph, where small kernels overlap and their
-    summed durations say little at batch 1; one call at a time leaves the GPU idle between
-    calls, and its clocks drop (run 43: the same kernel 11 and 17 us). The pool is engine-sized (32k slots) and the rows'
-    blocks sit in its middle, as in a running engine."""
+    summed durations say little at batch 1. The pool is engine-sized (32k slots) and the rows'
+    blocks sit in its middle. ``flush`` (section ``attention-cold``) streams 1 GiB before
+    every call, as a decode step's weights do between two steps of one layer; it also keeps
+    the GPU busy. Without it the chain is ~6 ms of small kernels on a GPU coming out of idle,
+    and its times jump (runs 43-46: the same kernel 11-12 us in one row, 17-27 us in the
+    next; most likely the clocks), so only the cold rows compare kernels.
+    """
     from tandem.kernels import paged_attention_cuda as pac
     RESULTS.setdefault("attention_serial", [])
     H, KVH, D, BS = 32, 8, 128, 16

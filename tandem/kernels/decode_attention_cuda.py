@@ -36,9 +36,9 @@ MAX_ROWS = int(os.environ.get("TANDEM_DECODE_FUSED_MAX_ROWS", str(pac.V4_MIN_BAT
 """Decode steps of fewer rows than this run the fused kernel (0: never, the three-kernel
 path); from ``V4_MIN_BATCH`` rows on, the tile-wise attention kernels run. Rows are the
 counters' capacity too. H200, engine at one row, alternating processes in one call:
-287 / 291 tok/s against 267 / 241 without (run 46); the version whose loads ran one
-iteration ahead gave 294 / 292 against 288 / 296 (run 44). The engine thread's work per
-step fell from 3.7-4.1 to 2.4-3.3 ms with 64 launches fewer (run 46, ``gpu_decode.py``
+287 / 291 tok/s against 267 / 241 without (run 47); the version whose loads ran one
+iteration ahead gave 294 / 292 against 288 / 296 (run 45). The engine thread's work per
+step fell from 3.7-4.1 to 2.4-3.3 ms with 64 launches fewer (run 47, ``gpu_decode.py``
 tick times): at one row the host, not the GPU, sets the step time."""
 
 CHUNK = int(os.environ.get("TANDEM_DECODE_FUSED_CHUNK", "64"))
