@@ -2,9 +2,9 @@
 and the merge of the partitions, on CUDA.
 
 At one row a layer's attention was three kernels (H200 run 44's engine trace, per layer):
-RoPE + write 7.3 us, split-K attention 23.1 us, merge 2.7 us, a third of the step for
-2.4 MB of KV. Each is a launch whose blocks mostly wait on one or two memory latencies, so
-the launches, not the bytes, set the time. Here one grid of (partition, KV head, row)
+RoPE + write 7.3 us, split-K attention 23.1 us, merge 2.7 us: a third of the GPU's step
+for 2.4 MB of KV. And each launch costs the engine thread ~10-14 us of MLX work, which at
+one row is as long as the GPU's step (run 47). Here one grid of (partition, KV head, row)
 blocks does all of it:
 
 - every block rotates its group's queries itself (the sincos of one position per pair);
@@ -12,7 +12,8 @@ blocks does all of it:
   and value into their pool slot, and folds the token into its softmax from shared
   memory (it never reads the slot back: a load may take the non-coherent path);
 - the other pool tokens go through the per-token online softmax of
-  ``paged_attention_cuda``'s v2 kernel (the same layout: 8 lanes per token);
+  ``paged_attention_cuda``'s v2 kernel (the same layout: 8 lanes per token), with every
+  K/V load of a 64-token chunk issued before its arithmetic;
 - the last block of a (row, KV head) to finish, found with an atomic ticket, merges the
   partitions' partials and writes the output; it resets the ticket, so the counters are
   zero between launches and one array serves every layer (the layers run in order on
