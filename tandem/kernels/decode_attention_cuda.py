@@ -152,45 +152,9 @@ _SOURCE = r"""
 #pragma unroll
         for (int i = 0; i < DL; ++i) { kf[i] = 0.f; vf[i] = 0.f; }
       }
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < DL; ++i) s = fmaf(sm_q[g][sub * DL + i], kf[i], s);
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        s += __shfl_xor_sync(0xffffffffu, s, 4);
-        if (!valid) continue;
-        const float mn = fmaxf(mx_[g], s);
-        const float c = __expf(mx_[g] - mn);
-        const float pr = __expf(s - mn);
-        l_[g] = l_[g] * c + pr;
-#pragma unroll
-        for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], c, pr * vf[i]);
-        mx_[g] = mn;
-      }
-    }
+""" + pac._V2_TOKEN + r"""    }
   }
-  // The warp's 4 token groups (lanes differing in bits 3 and 4) into one state.
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int o = 8; o <= 16; o <<= 1) {
-      const float om = __shfl_xor_sync(0xffffffffu, mx_[g], o);
-      const float ol = __shfl_xor_sync(0xffffffffu, l_[g], o);
-      const float mn = fmaxf(mx_[g], om);
-      const float ca = (mx_[g] == -INFINITY) ? 0.f : __expf(mx_[g] - mn);
-      const float cb = (om == -INFINITY) ? 0.f : __expf(om - mn);
-      l_[g] = l_[g] * ca + ol * cb;
-#pragma unroll
-      for (int i = 0; i < DL; ++i) {
-        const float oa = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
-        acc[g][i] = acc[g][i] * ca + oa * cb;
-      }
-      mx_[g] = mn;
-    }
-  }
-  // The step's own token, from shared memory, into warp 0's state.
+""" + pac._V2_WARP_MERGE + r"""  // The step's own token, from shared memory, into warp 0's state.
   if (owner && warp == 0) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -209,17 +173,7 @@ _SOURCE = r"""
       mx_[g] = mn;
     }
   }
-  __shared__ float sm_m[4][G], sm_l[4][G];
-  __shared__ float sm_acc[4][G][D];
-  if (lane < 8) {
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-      for (int i = 0; i < DL; ++i) sm_acc[warp][g][sub * DL + i] = acc[g][i];
-      if (sub == 0) { sm_m[warp][g] = mx_[g]; sm_l[warp][g] = l_[g]; }
-    }
-  }
-  __syncthreads();
+""" + pac._V2_STAGE_WARPS + r"""  __syncthreads();
   for (int e = tid; e < G * D; e += blockDim.x) {
     const int g = e / D, d = e % D;
     float mn = -INFINITY;

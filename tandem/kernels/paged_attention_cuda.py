@@ -125,6 +125,79 @@ _ATT_PROLOGUE = r"""
   }
 """
 
+# Pieces of the v2 kernel that ``decode_attention_cuda`` shares. One token per 8-lane group
+# (kf, vf: its K and V in fp32, valid: inside the partition): the scores of the group's
+# query heads and the online-softmax update.
+_V2_TOKEN = r"""
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float s = 0.f;
+      if constexpr (DL % 4 == 0) {
+        const float4* qv = reinterpret_cast<const float4*>(&sm_q[g][sub * DL]);
+#pragma unroll
+        for (int i = 0; i < DL / 4; ++i) {
+          const float4 qq = qv[i];
+          s = fmaf(qq.x, kf[4 * i], s);
+          s = fmaf(qq.y, kf[4 * i + 1], s);
+          s = fmaf(qq.z, kf[4 * i + 2], s);
+          s = fmaf(qq.w, kf[4 * i + 3], s);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < DL; ++i) s = fmaf(sm_q[g][sub * DL + i], kf[i], s);
+      }
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      s += __shfl_xor_sync(0xffffffffu, s, 4);
+      if (!valid) continue;
+      const float mn = fmaxf(mx_[g], s);
+      const float c = __expf(mx_[g] - mn);
+      const float pr = __expf(s - mn);
+      l_[g] = l_[g] * c + pr;
+#pragma unroll
+      for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], c, pr * vf[i]);
+      mx_[g] = mn;
+    }
+"""
+
+# The warp's 4 token groups (lanes differing in bits 3 and 4) into one softmax state.
+_V2_WARP_MERGE = r"""
+  // Merge the 4 token groups of a warp (lanes differing in bits 3 and 4).
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int o = 8; o <= 16; o <<= 1) {
+      const float om = __shfl_xor_sync(0xffffffffu, mx_[g], o);
+      const float ol = __shfl_xor_sync(0xffffffffu, l_[g], o);
+      const float mn = fmaxf(mx_[g], om);
+      const float ca = (mx_[g] == -INFINITY) ? 0.f : __expf(mx_[g] - mn);
+      const float cb = (om == -INFINITY) ? 0.f : __expf(om - mn);
+      l_[g] = l_[g] * ca + ol * cb;
+#pragma unroll
+      for (int i = 0; i < DL; ++i) {
+        const float oa = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+        acc[g][i] = acc[g][i] * ca + oa * cb;
+      }
+      mx_[g] = mn;
+    }
+  }
+"""
+
+# Each warp's state into shared memory, for the merge of the 4 warps.
+_V2_STAGE_WARPS = r"""
+  // Merge the 4 warps through shared memory.
+  __shared__ float sm_m[4][G], sm_l[4][G];
+  __shared__ float sm_acc[4][G][D];
+  if (lane < 8) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int i = 0; i < DL; ++i) sm_acc[warp][g][sub * DL + i] = acc[g][i];
+      if (sub == 0) { sm_m[warp][g] = mx_[g]; sm_l[warp][g] = l_[g]; }
+    }
+  }
+"""
+
 # Template: T, D (head dim), KVH, G (query heads per KV head), BS (block size), SINGLE
 # (one partition: write the final output); shapes and the partition length stay runtime
 # (each template variant is an NVRTC compile).
@@ -170,68 +243,9 @@ _ATT_SOURCE = r"""
       nk.load(k_pool + base);
       nv.load(v_pool + base);
     }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float s = 0.f;
-      if constexpr (DL % 4 == 0) {
-        const float4* qv = reinterpret_cast<const float4*>(&sm_q[g][sub * DL]);
-#pragma unroll
-        for (int i = 0; i < DL / 4; ++i) {
-          const float4 qq = qv[i];
-          s = fmaf(qq.x, kf[4 * i], s);
-          s = fmaf(qq.y, kf[4 * i + 1], s);
-          s = fmaf(qq.z, kf[4 * i + 2], s);
-          s = fmaf(qq.w, kf[4 * i + 3], s);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < DL; ++i) s = fmaf(sm_q[g][sub * DL + i], kf[i], s);
-      }
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      s += __shfl_xor_sync(0xffffffffu, s, 4);
-      if (!valid) continue;
-      const float mn = fmaxf(mx_[g], s);
-      const float c = __expf(mx_[g] - mn);
-      const float p = __expf(s - mn);
-      l_[g] = l_[g] * c + p;
-#pragma unroll
-      for (int i = 0; i < DL; ++i) acc[g][i] = fmaf(acc[g][i], c, p * vf[i]);
-      mx_[g] = mn;
-    }
-  }
+""" + _V2_TOKEN + r"""  }
 
-  // Merge the 4 token groups of a warp (lanes differing in bits 3 and 4).
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int o = 8; o <= 16; o <<= 1) {
-      const float om = __shfl_xor_sync(0xffffffffu, mx_[g], o);
-      const float ol = __shfl_xor_sync(0xffffffffu, l_[g], o);
-      const float mn = fmaxf(mx_[g], om);
-      const float ca = (mx_[g] == -INFINITY) ? 0.f : __expf(mx_[g] - mn);
-      const float cb = (om == -INFINITY) ? 0.f : __expf(om - mn);
-      l_[g] = l_[g] * ca + ol * cb;
-#pragma unroll
-      for (int i = 0; i < DL; ++i) {
-        const float oa = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
-        acc[g][i] = acc[g][i] * ca + oa * cb;
-      }
-      mx_[g] = mn;
-    }
-  }
-  // Merge the 4 warps through shared memory.
-  __shared__ float sm_m[4][G], sm_l[4][G];
-  __shared__ float sm_acc[4][G][D];
-  if (lane < 8) {
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-      for (int i = 0; i < DL; ++i) sm_acc[warp][g][sub * DL + i] = acc[g][i];
-      if (sub == 0) { sm_m[warp][g] = mx_[g]; sm_l[warp][g] = l_[g]; }
-    }
-  }
-"""
+""" + _V2_WARP_MERGE + _V2_STAGE_WARPS
 
 # The 4 warps' (max, sum, acc) in shared memory -> the block's output, for both kernels.
 _MERGE_TAIL = r"""
