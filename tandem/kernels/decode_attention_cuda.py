@@ -175,18 +175,7 @@ _SOURCE = r"""
   }
 """ + pac._V2_STAGE_WARPS + r"""  __syncthreads();
   for (int e = tid; e < G * D; e += blockDim.x) {
-    const int g = e / D, d = e % D;
-    float mn = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) mn = fmaxf(mn, sm_m[w][g]);
-    float lsum = 0.f, a = 0.f;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const float c = (sm_m[w][g] == -INFINITY) ? 0.f : __expf(sm_m[w][g] - mn);
-      lsum += sm_l[w][g] * c;
-      a += sm_acc[w][g][d] * c;
-    }
-    if (npart == 1) {
+""" + pac._WARPS_COMBINE + r"""    if (npart == 1) {
       pa_st(out + ((size_t)b * H + h * G + g) * D + d, lsum > 0.f ? a / lsum : 0.f);
     } else {
       float* o = part + (((size_t)b * H + h * G + g) * npart + part_i) * (D + 2);

@@ -248,9 +248,9 @@ _ATT_SOURCE = r"""
 """ + _V2_WARP_MERGE + _V2_STAGE_WARPS
 
 # The 4 warps' (max, sum, acc) in shared memory -> the block's output, for both kernels.
-_MERGE_TAIL = r"""
-  __syncthreads();
-  for (int e = tid; e < G * D; e += blockDim.x) {
+# Inside a loop over e = (query head g, dim d): the 4 warps' states for (g, d) combined
+# into the block's max mn, sum lsum and accumulator a.
+_WARPS_COMBINE = r"""
     const int g = e / D, d = e % D;
     float mn = -INFINITY;
 #pragma unroll
@@ -262,7 +262,12 @@ _MERGE_TAIL = r"""
       lsum += sm_l[w][g] * c;
       a += sm_acc[w][g][d] * c;
     }
-    if constexpr (SINGLE) {
+"""
+
+_MERGE_TAIL = r"""
+  __syncthreads();
+  for (int e = tid; e < G * D; e += blockDim.x) {
+""" + _WARPS_COMBINE + r"""    if constexpr (SINGLE) {
       // One partition covers every row: write the normalized result, no merge kernel.
       pa_st(out + ((size_t)b * KVH * G + h * G + g) * D + d, lsum > 0.f ? a / lsum : 0.f);
     } else {
