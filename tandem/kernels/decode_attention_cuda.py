@@ -45,6 +45,8 @@ tick times): at one row the host, not the GPU, sets the step time."""
 CHUNK = int(os.environ.get("TANDEM_DECODE_FUSED_CHUNK", "64"))
 """Tokens whose K/V loads a block issues at once (a multiple of 16): the partition at one
 row is 64 tokens (``paged_attention_cuda.choose_partition``)."""
+if CHUNK < 16 or CHUNK % 16:
+    raise ValueError(f"TANDEM_DECODE_FUSED_CHUNK={CHUNK}: use a positive multiple of 16 (default 64)")
 
 # Template: T, D, KVH, G, BS, ROPE, TRAD, NIT (16-token iterations whose loads go out
 # together). Inputs: qkv (B, (KVH*G + 2*KVH) * D), pos (B,)
