@@ -446,7 +446,11 @@ def section_embed(tokens: int = 512, vocab: int = 128256, dims: int = 4096, roun
     }
     times = {k: [] for k in variants}
     walls = {k: [] for k in variants}
-    from torch.profiler import ProfilerActivity, profile
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        log("embed: needs torch's profiler (CUPTI); skipped")
+        return
     for _ in range(rounds):
         for name, fn in variants.items():
             ids = rng.integers(0, vocab, (1, tokens)).astype(np.int32)
