@@ -10,11 +10,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from tandem.kernels import decode_attention_cuda as dac
 from tandem.kernels import kv_write_cuda as kvw
 from tandem.kernels import paged_attention_cuda as pac
-from tandem.kernels.quantized_matmul import cuda_available
-from tests.kernels.test_paged_attention_cuda import LLAMA31, RAGGED, _pool_case
-
-gpu = pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
-hang_guard = pytest.mark.timeout(120, method="thread")
+from tests.kernels.test_paged_attention_cuda import LLAMA31, RAGGED, _pool_case, gpu, hang_guard
 
 
 def _case(lens, H, KVH, D, bs, dtype, seed, pad_blocks=0, traditional=False):
@@ -38,7 +34,7 @@ def _reference(qkv, pos, slots, inv, kp, vp, table, la, H, KVH, D, bs, tradition
                                                    traditional=traditional)
     out = pac.paged_decode_attention_reference(q, kp_r, vp_r, table, la, D**-0.5, bs)
     mx.eval(out, kp_r, vp_r)
-    return out.reshape(len(la.tolist()), H * D), kp_r, vp_r
+    return out.reshape(la.shape[0], H * D), kp_r, vp_r
 
 
 def test_too_few_counters_is_refused():
