@@ -274,30 +274,45 @@ def prefill_alone(eng, B: int, prompt_len: int, reps: int) -> list[float]:
     return out
 
 
-def _time_read_backs(eng) -> list[tuple[float, float, float]]:
-    """Wrap the engine's tick and read-back: a list that fills with (tick end, seconds
-    waiting in read-back, seconds of the whole tick). Read-back includes emitting the
-    step's tokens, a few us against its wait for the device."""
-    out: list[tuple[float, float, float]] = []
-    tick, read_back = eng._tick, eng._read_back
-    spent = [0.0]
+class _Ticks(list):
+    undo = None
 
-    def timed_read_back():
-        t = time.perf_counter()
-        try:
-            return read_back()
-        finally:
-            spent[0] += time.perf_counter() - t
+
+def _time_read_backs(eng) -> _Ticks:
+    """Wrap the engine's tick, read-back, the runner's forward and ``mx.async_eval``: a
+    list that fills with (tick end, seconds waiting in read-back, seconds of the whole
+    tick, seconds building the step's graph in ``runner.forward``, seconds in
+    ``mx.async_eval``: MLX encoding the step's kernels on this thread). Read-back includes
+    emitting the step's tokens, a few us against its wait for the device. ``undo()``
+    puts the originals back."""
+    out = _Ticks()
+    tick, read_back, forward, async_eval = eng._tick, eng._read_back, eng.runner.forward, mx.async_eval
+    spent = [0.0, 0.0, 0.0]  # read-back, forward, async_eval
+
+    def timed(fn, i):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[i] += time.perf_counter() - t
+        return wrapper
 
     def timed_tick():
-        spent[0] = 0.0
+        spent[:] = [0.0, 0.0, 0.0]
         t = time.perf_counter()
         n = tick()
         now = time.perf_counter()
-        out.append((now, spent[0], now - t))
+        out.append((now, spent[0], now - t, spent[1], spent[2]))
         return n
 
-    eng._read_back, eng._tick = timed_read_back, timed_tick
+    def undo():
+        del eng._read_back, eng._tick, eng.runner.forward
+        mx.async_eval = async_eval
+
+    eng._read_back, eng._tick = timed(read_back, 0), timed_tick
+    eng.runner.forward, mx.async_eval = timed(forward, 1), timed(async_eval, 2)
+    out.undo = undo
     return out
 
 
@@ -389,15 +404,22 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
             # Per engine tick after every request started: how long the thread waited for
             # the device (step N's eval) and how long it worked (the rest of the tick). A
             # wait near zero means the host, not the GPU, sets the step time.
-            ticks = [(w, t) for (ts, w, t) in waits if ts >= first]
-            wait_ms = float(np.median([w for w, _ in ticks])) * 1e3 if ticks else None
-            host_ms = float(np.median([t - w for w, t in ticks])) * 1e3 if ticks else None
-            del eng._read_back, eng._tick
+            ticks = [tk[1:] for tk in waits if tk[0] >= first]
+            waits.undo()
+
+            def p50(f):
+                return float(np.median([f(*tk) for tk in ticks])) * 1e3 if ticks else None
+            wait_ms = p50(lambda w, t, f, a: w)
+            host_ms = p50(lambda w, t, f, a: t - w)
+            # Of the host's share: Python building the step (the runner's forward, the
+            # compiled step's replay) and MLX encoding its kernels (async_eval).
+            forward_ms, encode_ms = p50(lambda w, t, f, a: f), p50(lambda w, t, f, a: a)
             record(name, fmt=fmt, batch=B, runner=runner, prefill_tps=B * prompt_len / (first - t0),
                    prefill_tps_alone=(float(np.median(prefill_runs)) if prefill_runs else None),
                    prefill_tps_alone_runs=prefill_runs,
                    decode_tps=dec, step_ms=(1e3 * B / dec) if dec else None,
                    gap_ms_p50_p90_max=gap, tick_wait_ms_p50=wait_ms, tick_host_ms_p50=host_ms,
+                   tick_forward_ms_p50=forward_ms, tick_encode_ms_p50=encode_ms,
                    compiled=getattr(eng.runner, "compiled", None),
                    tokens=sum(n for evs in marks.values() for (_, n) in evs),
                    paths=linear.paths_used())
@@ -793,8 +815,9 @@ def summary(res: dict) -> None:
             log(f"{r['section']:7s} {str(r.get('fmt')):6s} B={str(r.get('batch')):4s} "
                 f"prefill={r.get('prefill_tps') or 0:10.0f} decode={r.get('decode_tps') or 0:9.0f} "
                 + (f"prefill alone (median)={r['prefill_tps_alone']:8.0f} " if r.get("prefill_tps_alone") else "")
-                + (f"tick: host {r['tick_host_ms_p50']:.2f} ms, device wait {r['tick_wait_ms_p50']:.2f} ms "
-                   if r.get("tick_host_ms_p50") is not None else "")
+                + (f"tick: host {r['tick_host_ms_p50']:.2f} ms (forward {r['tick_forward_ms_p50']:.2f}, "
+                   f"encode {r['tick_encode_ms_p50']:.2f}), device wait {r['tick_wait_ms_p50']:.2f} ms "
+                   if r.get("tick_forward_ms_p50") is not None else "")
                 + f"{r.get('mode', '')}{r.get('error', '')}")
 
 
