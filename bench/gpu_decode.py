@@ -257,21 +257,39 @@ def section_stock(models: dict, batches: list[int], prompt_len: int, steps: int,
 
 
 # ---------------------------------------------------------------------------------------
-def prefill_alone(eng, B: int, prompt_len: int, reps: int) -> list[float]:
+def prefill_alone(eng, B: int, prompt_len: int, reps: int) -> tuple[list[float], dict | None]:
     """Prefill tok/s of ``reps`` rounds of B fresh prompts, each asking for one token, one
     round at a time (submit to last token). The ``prefill_tps`` column is one such
     measurement taken at the start of the decode run, which moved 20k-39k at batch 1
-    between processes of the same code; the median of several says more."""
+    between processes of the same code; the median of several says more.
+
+    Also where a round's time goes, medians in ms: ``wake`` (submit to the engine's first
+    tick), ``launch`` (that tick: building the graph, with ``encode`` of it in
+    ``mx.async_eval``), ``wait`` (the engine thread waiting for the device), ``ticks`` (all
+    engine ticks of the round) and ``return`` (last tick to ``generate_many`` returning)."""
     from tandem.kvtypes import SamplingParams
 
-    out = []
-    for _ in range(reps):
-        prompts = [(np.random.randint(0, _vocab(), prompt_len).tolist(),
-                    SamplingParams(max_tokens=1, ignore_eos=True)) for _ in range(B)]
-        t = time.perf_counter()
-        eng.generate_many(prompts, timeout=300)
-        out.append(B * prompt_len / (time.perf_counter() - t))
-    return out
+    out, parts = [], []
+    ticks = _time_read_backs(eng)
+    try:
+        for _ in range(reps):
+            prompts = [(np.random.randint(0, _vocab(), prompt_len).tolist(),
+                        SamplingParams(max_tokens=1, ignore_eos=True)) for _ in range(B)]
+            del ticks[:]
+            t = time.perf_counter()
+            eng.generate_many(prompts, timeout=300)
+            end = time.perf_counter()
+            out.append(B * prompt_len / (end - t))
+            mine = [tk for tk in ticks if tk[0] - tk[2] >= t and tk[0] <= end]
+            if mine:
+                first = mine[0]
+                parts.append(dict(wake=first[0] - first[2] - t, launch=first[2], encode=first[4],
+                                  wait=sum(tk[1] for tk in mine), ticks=sum(tk[2] for tk in mine),
+                                  **{"return": end - mine[-1][0]}))
+    finally:
+        ticks.undo()
+    med = {k: round(float(np.median([p[k] for p in parts])) * 1e3, 3) for k in parts[0]} if parts else None
+    return out, med
 
 
 class _Ticks(list):
@@ -366,7 +384,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                                 SamplingParams(max_tokens=12, ignore_eos=True))] * n, timeout=300)
         record(name, what="warm-up (compiles)", seconds=time.perf_counter() - t, runner=runner)
         for B in batches:
-            prefill_runs = prefill_alone(eng, B, prompt_len, prefill_reps)
+            prefill_runs, prefill_ms = prefill_alone(eng, B, prompt_len, prefill_reps)
             gen_tokens = (steps if B > 4 else 3 * steps) + 2
             marks: dict[bytes, list] = {}
             done = []
@@ -416,7 +434,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
             forward_ms, encode_ms = p50(lambda w, t, f, a: f), p50(lambda w, t, f, a: a)
             record(name, fmt=fmt, batch=B, runner=runner, prefill_tps=B * prompt_len / (first - t0),
                    prefill_tps_alone=(float(np.median(prefill_runs)) if prefill_runs else None),
-                   prefill_tps_alone_runs=prefill_runs,
+                   prefill_tps_alone_runs=prefill_runs, prefill_ms_p50=prefill_ms,
                    decode_tps=dec, step_ms=(1e3 * B / dec) if dec else None,
                    gap_ms_p50_p90_max=gap, tick_wait_ms_p50=wait_ms, tick_host_ms_p50=host_ms,
                    tick_forward_ms_p50=forward_ms, tick_encode_ms_p50=encode_ms,
@@ -818,6 +836,7 @@ def summary(res: dict) -> None:
                 + (f"tick: host {r['tick_host_ms_p50']:.2f} ms (forward {r['tick_forward_ms_p50']:.2f}, "
                    f"encode {r['tick_encode_ms_p50']:.2f}), device wait {r['tick_wait_ms_p50']:.2f} ms "
                    if r.get("tick_forward_ms_p50") is not None else "")
+                + (f"prefill ms {r['prefill_ms_p50']} " if r.get("prefill_ms_p50") else "")
                 + f"{r.get('mode', '')}{r.get('error', '')}")
 
 
