@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandem.kernels import paged_attention_cuda as pac  # noqa: E402
 from tandem.kernels import decode_attention_cuda as dac  # noqa: E402
+from tandem.kernels import embed_cuda  # noqa: E402
 from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels import qgemv as qg  # noqa: E402
 from tandem.kernels import w4mma  # noqa: E402
@@ -130,6 +131,15 @@ def w4mma_variants():
                    variant("tandem_w4mma", w4mma._SOURCE, w4mma._HEADER, ins, outs, t))
 
 
+def embed_variants():
+    ins = [("ids", "int32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")]
+    for dtype, bits, gs in (("__half", 4, 64), ("__half", 8, 32), ("__nv_bfloat16", 4, 128)):
+        t = [("typename", "T", dtype), ("int", "BITS", str(bits)), ("int", "GS", str(gs)),
+             ("int", "WPR", str(4096 * bits // 32))]
+        yield (f"embedding {dtype} {bits}-bit g{gs}",
+               variant("tandem_quantized_embedding", embed_cuda._SOURCE, "", ins, [("out", "T")], t))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
@@ -143,7 +153,8 @@ def main() -> int:
     work = Path(args.keep or tempfile.mkdtemp(prefix="tandem-cu-"))
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *w4mma_variants()]):
+    for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *w4mma_variants(),
+                                      *embed_variants()]):
         if args.only not in label:
             continue
         cu = work / f"k{i}.cu"

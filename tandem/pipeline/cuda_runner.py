@@ -27,6 +27,7 @@ tested on machines without a GPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -37,6 +38,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from tandem.kernels import decode_attention_cuda as dac
+from tandem.kernels import embed_cuda
 from tandem.kernels import linear
 from tandem.kernels import paged_attention as pa
 from tandem.kernels import paged_attention_cuda as pac
@@ -269,6 +271,10 @@ class KernelRunner(PagedRunner):
             mx.eval(inner.layers[i].parameters())
         self.blocks = inner.layers
         self.embed = inner.embed_tokens
+        # A 4/8-bit table embeds through one kernel instead of mlx's three gathers and a
+        # dequantize (kernels/embed_cuda.py); anything else through the module.
+        self._embed = (functools.partial(embed_cuda.embed, self.embed) if ops == "cuda"
+                       else self.embed)
         self.final_norm = inner.norm
         head = getattr(model, "lm_head", None)
         self.head = head if isinstance(head, linear.FlatLinear) else None
@@ -363,7 +369,7 @@ class KernelRunner(PagedRunner):
         slots = mx.array(slots.reshape(-1).astype(np.int32))
         last = mx.array((np.arange(B) * L + ns - 1).astype(np.int32))
         step = _Step(pos, slots, None, None, bs, 0)
-        h = self.embed(inputs).reshape(B * L, -1)
+        h = self._embed(inputs).reshape(B * L, -1)
         keys, values = self.store.keys, self.store.values
         for i, blk in enumerate(self.blocks):
             H, KVH, D = blk.H, blk.KVH, blk.D
@@ -394,7 +400,7 @@ class KernelRunner(PagedRunner):
         keys, values = list(pools[:L]), list(pools[L:])
         step = _Step(pos, slots, table, lens, self.store.block_size, self.store.n_kv_heads)
         B = inputs.shape[0]
-        h = self.embed(inputs).reshape(B, -1)
+        h = self._embed(inputs).reshape(B, -1)
         for i, blk in enumerate(self.blocks):
             h, keys[i], values[i] = blk.decode(h, self.ops, step, keys[i], values[i], self.store.block_size)
         norm = self.final_norm
