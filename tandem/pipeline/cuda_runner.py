@@ -58,6 +58,8 @@ _SUPPORTED = {"mlx_lm.models.llama", "mlx_lm.models.qwen2"}
 
 PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "2"))
 """A fresh prefill hands the GPU its graph every this many layers (0: once, at the end)."""
+PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
+PREFILL_COMPILE_MULTIPLE = 64
 
 
 def paged_runner(model, store: KVStore, *, mirror: bool, kernels: str | None = None) -> PagedRunner:
@@ -287,6 +289,14 @@ class KernelRunner(PagedRunner):
         self._step_fn = mx.compile(self._decode_graph) if self.compiled else self._decode_graph
         # Prompts that start at position 0 skip the block gather (TANDEM_FRESH_PREFILL=0: off).
         self.fresh_prefill = os.environ.get("TANDEM_FRESH_PREFILL", "1") != "0"
+        # Their layers compiled, one function per layer traced once per (B, L): replaying
+        # skips the Python that builds a layer's graph (~2 ms of a 512-token prompt's
+        # ~13 ms, during which the GPU waits for the next layers: H200 run 51). Only at
+        # lengths that are a multiple of PREFILL_COMPILE_MULTIPLE (full chunks, the
+        # bench's prompts): a trace of 32 layers costs more than a length seen once saves.
+        # The CUDA write kernel fills the pools in place, so a compiled layer returns h alone.
+        self._prefill_fns = ([mx.compile(functools.partial(self._compiled_prefill_layer, b)) for b in self.blocks]
+                             if self.compiled and PREFILL_COMPILE else None)
         # Everything built here must be evaluated on this thread: the engine thread
         # cannot evaluate arrays left lazy on another thread's stream (docs/gpu.md).
         mx.eval(model.parameters(), [b.inv_freq for b in self.blocks])
@@ -368,30 +378,45 @@ class KernelRunner(PagedRunner):
         pos = mx.array(np.tile(p, B).astype(np.int32))
         slots = mx.array(slots.reshape(-1).astype(np.int32))
         last = mx.array((np.arange(B) * L + ns - 1).astype(np.int32))
-        step = _Step(pos, slots, None, None, bs, 0)
-        h = self._embed(inputs).reshape(B * L, -1)
+        compiled = self._prefill_fns is not None and L % PREFILL_COMPILE_MULTIPLE == 0
+        h = self._embed(inputs)  # (B, L, W)
         keys, values = self.store.keys, self.store.values
         for i, blk in enumerate(self.blocks):
-            H, KVH, D = blk.H, blk.KVH, blk.D
-            y = blk.qkv.fused(h, norm_weight=blk.ln1, eps=blk.eps1)
-            q, k, keys[i], values[i] = self.ops.write(y, step, keys[i], values[i], blk.inv_freq, H, KVH,
-                                                      blk.traditional)
-            q = q.reshape(B, L, H, D).transpose(0, 2, 1, 3)
-            k = k.reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
-            v = y[:, (H + KVH) * D :].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
-            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=blk.scale, mask="causal")
-            h = blk.o_proj.fused(o.transpose(0, 2, 1, 3).reshape(B * L, H * D), residual=h)
-            g = blk.gate_up.fused(h, norm_weight=blk.ln2, eps=blk.eps2)
-            h = blk.down_proj.fused(g, swiglu=True, residual=h)
+            if compiled:
+                h = self._prefill_fns[i](h, pos, slots, keys[i], values[i])
+            else:
+                h, keys[i], values[i] = self._prefill_layer(blk, h, pos, slots, keys[i], values[i])
             if PREFILL_EVAL_EVERY and i % PREFILL_EVAL_EVERY == PREFILL_EVAL_EVERY - 1:
                 # Start the GPU on the layers built so far: building the whole graph first
                 # left it idle for ~4 of a 512-token prompt's 17.5 ms (H200 run 19 trace).
                 mx.async_eval(h)
+        h = h.reshape(B * L, -1)
         h = h[last]
         norm = self.final_norm
         if self.head is not None:
             return self.head.fused(h, norm_weight=norm.weight, eps=norm.eps)
         return self.embed.as_linear(norm(h))
+
+    def _prefill_layer(self, blk: FusedBlock, h, pos, slots, kp, vp):
+        """One layer of a fresh prefill: h (B, L, W) -> (h, kp, vp); writes the chunk's K/V
+        into the pools and attends causally over the chunk's own keys."""
+        B, L, W = h.shape
+        H, KVH, D = blk.H, blk.KVH, blk.D
+        step = _Step(pos, slots, None, None, self.store.block_size, 0)
+        x = h.reshape(B * L, W)
+        y = blk.qkv.fused(x, norm_weight=blk.ln1, eps=blk.eps1)
+        q, k, kp, vp = self.ops.write(y, step, kp, vp, blk.inv_freq, H, KVH, blk.traditional)
+        q = q.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
+        v = y[:, (H + KVH) * D :].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=blk.scale, mask="causal")
+        x = blk.o_proj.fused(o.transpose(0, 2, 1, 3).reshape(B * L, H * D), residual=x)
+        g = blk.gate_up.fused(x, norm_weight=blk.ln2, eps=blk.eps2)
+        x = blk.down_proj.fused(g, swiglu=True, residual=x)
+        return x.reshape(B, L, W), kp, vp
+
+    def _compiled_prefill_layer(self, blk: FusedBlock, h, pos, slots, kp, vp):
+        return self._prefill_layer(blk, h, pos, slots, kp, vp)[0]
 
     def _decode_graph(self, inputs, pos, slots, table, lens, *pools):
         """One decode step over all layers: (logits, *keys, *values); pure in its inputs

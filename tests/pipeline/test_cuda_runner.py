@@ -145,6 +145,34 @@ def test_cuda_kernel_runner_matches_alone(tiny_model_dir, tiny_quantized_model_d
     assert sum(agree) >= 0.75 * sum(len(w) for w in want), (got, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(240, method="thread")
+def test_compiled_prefill_layers_give_mlx_lm_tokens(tiny_model_dir, monkeypatch):
+    """Prefills of 64 and 128 tokens (one alone, then two padded to 128) replay compiled
+    layers; a 70-token one does not. All give mlx_lm's tokens."""
+    import random
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (64, 128, 100, 70)]
+    ref = _fresh(tiny_model_dir)
+    want = [oracle(ref, p, MAX_TOKENS) for p in prompts]
+    eng = _engine(_fresh(tiny_model_dir), max_batch_prefill=2)
+    assert eng.runner._prefill_fns is not None
+    calls = []
+    for i, fn in enumerate(eng.runner._prefill_fns):
+        def spy(*a, fn=fn):
+            calls.append(a[0].shape)
+            return fn(*a)
+        eng.runner._prefill_fns[i] = spy
+    assert eng.generate_many([(prompts[0], greedy(MAX_TOKENS))]) == want[:1]
+    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts[1:3]]) == want[1:3]
+    assert eng.generate_many([(prompts[3], greedy(MAX_TOKENS))]) == want[3:]
+    layers = len(eng.runner.blocks)
+    assert [c[:2] for c in calls[::layers]] == [(1, 64), (2, 128)]
+
+
 def test_pipelined_steps_yield_the_same_tokens(tiny_model_dir, expected, monkeypatch):
     """Decode steps queued before the previous step is read back (what the in-place CUDA
     path does) finish, stop and free exactly as read-back-first steps do. The reference
