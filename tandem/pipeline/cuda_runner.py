@@ -12,9 +12,13 @@ reads the blocks in place instead (docs/gpu.md):
   the store's pools) -> split-K ``paged_decode_attention`` over the batch's block table
   -> ``o + residual`` -> ``rms_norm x gate/up`` -> ``swiglu x down + residual``, with
   the norm / swiglu / residual folded into the multirow kernel at one row (seven
-  launches per layer). Prompts that start at position 0 prefill through the same write
-  kernel and causal SDPA over the chunk's own keys; other prefill chunks and mixed
-  batches run the portable path through the same fused weights.
+  launches per layer; below 16 rows write, attention and merge are one launch,
+  ``decode_attention``). Prompts that start at position 0 prefill through the same write
+  kernel and causal SDPA over the chunk's own keys, replaying compiled layers when their
+  length is a multiple of 64; other prefill chunks and mixed batches run the portable
+  path through the same fused weights;
+* a 4/8-bit embedding table is read by one kernel (``kernels.embed_cuda``) instead of
+  mlx's three gathers and a dequantize.
 
 Measured on an H200 (docs/benchmarks/gpu_decode.md): 1.4-1.9x the portable runner's
 decode at batch 1-128, 8-9x stock mlx-lm's BatchGenerator at batch 64-128.
