@@ -379,6 +379,8 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
     and its times jump (runs 43-46: the same kernel 11-12 us in one row, 17-27 us in the
     next; most likely the clocks), so only the cold rows compare kernels.
     """
+    import mlx.nn as nn
+    from tandem.kernels import decode_attention_cuda as dac
     from tandem.kernels import paged_attention_cuda as pac
     RESULTS.setdefault("attention_serial", [])
     H, KVH, D, BS = 32, 8, 128, 16
@@ -417,6 +419,34 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
                                                         "err": err})
                     log(f"B={B:3d} {'cold' if flush else 'warm'} {ver} p{part:<5d} {merge:8s}: attention {att:6.1f} us + merge {red:5.1f} us"
                         f" = {att + red:6.1f}  (err {err:.1e})")
+        if flush and B < dac.MAX_ROWS:
+            # The one-launch RoPE + write + attention + merge the engine runs below 16
+            # rows, at the engine's padded table width: the engine trace has it at 24.6-33
+            # us a layer (runs 50, 53) for ~2 MB of KV.
+            from tandem.kernels import kv_write_cuda as kvw
+            from tandem.pipeline.cuda_runner import table_width
+
+            width = table_width(nb)
+            ftable = mx.concatenate([table, mx.zeros((B, width - nb), mx.int32)], axis=1)
+            pos = mx.full((B,), ctx - 1, mx.int32)
+            fslots = ftable[mx.arange(B), pos // BS] * BS + pos % BS
+            inv = kvw.rope_inv_freq(nn.RoPE(D, base=500000.0), D)
+            kv_tail = mx.random.normal((B, 2 * KVH * D)).astype(mx.float16)
+            counters = dac.counters(B, KVH)
+            flat = q.reshape(B, H * D)
+            mx.eval(ftable, pos, fslots, inv, kv_tail, flat)
+            for part in (64, 128):
+                def fn_f(qq, part=part):
+                    qq = qq + (big.max() * 0).astype(qq.dtype)
+                    qkv = mx.concatenate([qq, kv_tail], axis=1)
+                    return dac.decode_attention(qkv, pos, fslots, inv, kp, vp, ftable, H, KVH, D**-0.5, BS,
+                                                width * BS, counters, part)
+                fn_f(flat)
+                (att,) = gpu_us_by(lambda: chain(fn_f, flat, 200), ("tandem_decode_attention_fused",),
+                                   iters=1, median=True)
+                RESULTS["attention_serial"].append({"batch": B, "ctx": ctx, "kernel": "fused", "partition": part,
+                                                    "cold": True, "att_us": att, "table_width": width})
+                log(f"B={B:3d} cold fused p{part:<5d} (table {width} blocks): {att:6.1f} us")
         del kp, vp
         mx.clear_cache()
 
