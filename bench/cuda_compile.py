@@ -114,9 +114,10 @@ def attention_variants():
     for dtype, d in (("__half", 128), ("__half", 64), ("__nv_bfloat16", 128)):
         t = [("typename", "T", dtype), ("int", "D", str(d)), ("int", "KVH", "8"), ("int", "G", "4"),
              ("int", "BS", "16"), ("bool", "ROPE", "true"), ("bool", "TRAD", "false"), ("int", "NIT", "4")]
-        yield (f"decode attention fused {dtype} D={d}",
-               variant("tandem_decode_attention_fused", dac._SOURCE, pac.HEADER, ins,
-                       [("out", "T"), ("part", "float")], t))
+        for smerge in ("false", "true"):
+            yield (f"decode attention fused {dtype} D={d} staged-merge={smerge}",
+                   variant("tandem_decode_attention_fused", dac._SOURCE, pac.HEADER, ins,
+                           [("out", "T"), ("part", "float")], t + [("bool", "SMERGE", smerge)]))
 
 
 def w4mma_variants():

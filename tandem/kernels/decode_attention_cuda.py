@@ -45,11 +45,18 @@ tick times): at one row the host, not the GPU, sets the step time."""
 CHUNK = int(os.environ.get("TANDEM_DECODE_FUSED_CHUNK", "64"))
 """Tokens whose K/V loads a block issues at once (a multiple of 16): the partition at one
 row is 64 tokens (``paged_attention_cuda.choose_partition``)."""
+STAGED_MERGE = os.environ.get("TANDEM_DECODE_STAGED_MERGE", "0") == "1"
+"""The last block's merge of the partitions: staged (every partition's max and sum in
+shared memory first, then each thread's partials loaded 8 partitions at a time: three L2
+round trips at 12 partitions) or, by default until it is measured on the device, the
+walk over the partitions one load at a time (~20 dependent round trips; the engine trace
+has the whole kernel at 24.6-33 us a layer for ~2 MB of KV, runs 50 and 53)."""
+
 if CHUNK < 16 or CHUNK % 16:
     raise ValueError(f"TANDEM_DECODE_FUSED_CHUNK={CHUNK}: use a positive multiple of 16 (default 64)")
 
 # Template: T, D, KVH, G, BS, ROPE, TRAD, NIT (16-token iterations whose loads go out
-# together). Inputs: qkv (B, (KVH*G + 2*KVH) * D), pos (B,)
+# together), SMERGE (the staged merge, see STAGED_MERGE). Inputs: qkv (B, (KVH*G + 2*KVH) * D), pos (B,)
 # int32 (the step's token index = the pool length before it), slots (B,) int32 (<0: no
 # write), inv_freq (D/2,) f32, k_pool / v_pool (S, KVH, D), table (B, nb) int32, params
 # (2,) f32 = [scale, partition tokens], counters (>= B*KVH,) int32, zero. Outputs: out
@@ -58,6 +65,8 @@ _SOURCE = r"""
   constexpr int DL = D / 8;
   constexpr int H = KVH * G;
   constexpr int HEADS = H + 2 * KVH;
+  constexpr int NT = 128;                    // the launch's threadgroup
+  constexpr int MERGE_MAXP = 128;            // partitions the staged merge holds
   constexpr int HALF_D = D / 2;
   const int part_i = blockIdx.x;
   const int h = blockIdx.y;
@@ -196,19 +205,84 @@ _SOURCE = r"""
   __syncthreads();
   if (!sm_last) return;
   __threadfence();
-  for (int e = tid; e < G * D; e += blockDim.x) {
-    const int g = e / D, d = e % D;
-    const float* pp = part + ((size_t)b * H + h * G + g) * npart * (D + 2);
-    float mn = -INFINITY;
-    for (int i = 0; i < npart; ++i) mn = fmaxf(mn, __ldcg(pp + i * (D + 2) + D));
-    float lsum = 0.f, a = 0.f;
-    for (int i = 0; i < npart; ++i) {
-      const float m = __ldcg(pp + i * (D + 2) + D);
-      const float c = (m == -INFINITY) ? 0.f : __expf(m - mn);
-      lsum += __ldcg(pp + i * (D + 2) + D + 1) * c;
-      a += __ldcg(pp + i * (D + 2) + d) * c;
+  const float* pb = part + ((size_t)b * H + h * G) * npart * (D + 2);  // head g's partials at g * npart
+  if (SMERGE && npart <= MERGE_MAXP) {
+    // Every partition's max and sum first, staged in shared memory: the weights
+    // exp(m_i - max) and their l-weighted sum are then a warp's work per head, and each
+    // thread issues all its partials' loads for a batch of 8 partitions at once. The loop
+    // below this branch walks partitions one load at a time (~20 dependent L2 round trips
+    // at 12 partitions); this one makes three.
+    __shared__ float sm_pc[G][MERGE_MAXP], sm_pl[G][MERGE_MAXP], sm_ls[G];
+    for (int e = tid; e < G * npart; e += NT) {
+      const int g = e / npart, i = e % npart;
+      const float* pi = pb + ((size_t)g * npart + i) * (D + 2);
+      sm_pc[g][i] = __ldcg(pi + D);
+      sm_pl[g][i] = __ldcg(pi + D + 1);
     }
-    pa_st(out + ((size_t)b * H + h * G + g) * D + d, lsum > 0.f ? a / lsum : 0.f);
+    __syncthreads();
+    for (int g = warp; g < G; g += NT / 32) {
+      float mn = -INFINITY;
+      for (int i = lane; i < npart; i += 32) mn = fmaxf(mn, sm_pc[g][i]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mn = fmaxf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+      float ls = 0.f;
+      for (int i = lane; i < npart; i += 32) {
+        const float m = sm_pc[g][i];
+        const float c = (m == -INFINITY) ? 0.f : __expf(m - mn);
+        sm_pc[g][i] = c;  // read and written by this lane only
+        ls += sm_pl[g][i] * c;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, o);
+      if (lane == 0) sm_ls[g] = ls;
+    }
+    __syncthreads();
+    constexpr int EPT = (G * D + NT - 1) / NT;
+    float a[EPT];
+#pragma unroll
+    for (int k = 0; k < EPT; ++k) a[k] = 0.f;
+    for (int i0 = 0; i0 < npart; i0 += 8) {
+      float v[EPT][8];
+#pragma unroll
+      for (int k = 0; k < EPT; ++k) {
+        const int e = tid + NT * k;
+        const int g = e / D, d = e % D;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          v[k][j] = (e < G * D && i0 + j < npart) ? __ldcg(pb + ((size_t)g * npart + i0 + j) * (D + 2) + d) : 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < EPT; ++k) {
+        const int g = min((tid + NT * k) / D, G - 1);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (i0 + j < npart) a[k] = fmaf(v[k][j], sm_pc[g][i0 + j], a[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < EPT; ++k) {
+      const int e = tid + NT * k;
+      if (e < G * D) {
+        const int g = e / D, d = e % D;
+        const float ls = sm_ls[g];
+        pa_st(out + ((size_t)b * H + h * G + g) * D + d, ls > 0.f ? a[k] / ls : 0.f);
+      }
+    }
+  } else {
+    for (int e = tid; e < G * D; e += blockDim.x) {
+      const int g = e / D, d = e % D;
+      const float* pp = pb + (size_t)g * npart * (D + 2);
+      float mn = -INFINITY;
+      for (int i = 0; i < npart; ++i) mn = fmaxf(mn, __ldcg(pp + i * (D + 2) + D));
+      float lsum = 0.f, a = 0.f;
+      for (int i = 0; i < npart; ++i) {
+        const float m = __ldcg(pp + i * (D + 2) + D);
+        const float c = (m == -INFINITY) ? 0.f : __expf(m - mn);
+        lsum += __ldcg(pp + i * (D + 2) + D + 1) * c;
+        a += __ldcg(pp + i * (D + 2) + d) * c;
+      }
+      pa_st(out + ((size_t)b * H + h * G + g) * D + d, lsum > 0.f ? a / lsum : 0.f);
+    }
   }
   if (tid == 0) *ticket = 0;
 """
@@ -244,7 +318,7 @@ def decode_attention(qkv: mx.array, pos: mx.array, slots: mx.array, inv_freq: mx
                      k_pool: mx.array, v_pool: mx.array, table: mx.array, n_heads: int,
                      n_kv_heads: int, scale: float, block_size: int, max_len: int,
                      counters_: mx.array, partition: int | None = None, rope: bool = True,
-                     traditional: bool = False) -> mx.array:
+                     traditional: bool = False, staged_merge: bool | None = None) -> mx.array:
     """One decode token per row: rotate, write K/V at ``slots`` in place, attend over the
     row's ``pos + 1`` tokens. qkv: (B, (H + 2*KVH) * D) row-contiguous; table (B, nb)
     covering every row's tokens including this step's; max_len: an upper bound of
@@ -264,7 +338,8 @@ def decode_attention(qkv: mx.array, pos: mx.array, slots: mx.array, inv_freq: mx
         inputs=[qkv, pac.i32(pos), pac.i32(slots), inv_freq, k_pool, v_pool, pac.i32(table),
                 pac._params(float(scale), part), counters_],
         template=[("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
-                  ("ROPE", bool(rope)), ("TRAD", bool(traditional)), ("NIT", CHUNK // 16)],
+                  ("ROPE", bool(rope)), ("TRAD", bool(traditional)), ("NIT", CHUNK // 16),
+                  ("SMERGE", STAGED_MERGE if staged_merge is None else bool(staged_merge))],
         grid=(npart * 128, KVH, B),
         threadgroup=(128, 1, 1),
         output_shapes=[(B, H * D), (B, H, npart, D + 2)],

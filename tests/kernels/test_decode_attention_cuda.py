@@ -55,16 +55,18 @@ def test_too_few_counters_is_refused():
     (mx.float16, [1, 40, 300], 32, 3, False),    # a row that is only this step's token
     (mx.float16, RAGGED, 64, 0, False),          # ragged, many empty partitions
     (mx.float16, [33, 700], 2048, 0, False),     # one partition: no merge
+    (mx.float16, [2100], 16, 0, False),          # 132 partitions: more than the staged merge holds
     (mx.bfloat16, [5, 300], 64, 0, False),
     (mx.float16, [16, 17, 129], 64, 2, True),    # traditional RoPE
 ])
-def test_fused_decode_matches_write_then_attend(dtype, lens, part, pad, traditional):
+@pytest.mark.parametrize("staged_merge", [False, True])
+def test_fused_decode_matches_write_then_attend(dtype, lens, part, pad, traditional, staged_merge):
     H, KVH, D, bs = 32, 8, 128, 16
     qkv, pos, slots, inv, kp, vp, table, la = _case(lens, H, KVH, D, bs, dtype, sum(lens), pad, traditional)
     want, kp_r, vp_r = _reference(qkv, pos, slots, inv, kp, vp, table, la, H, KVH, D, bs, traditional)
     ctr = dac.counters(len(lens), KVH)
     got = dac.decode_attention(qkv, pos, slots, inv, kp, vp, table, H, KVH, D**-0.5, bs,
-                               table.shape[1] * bs, ctr, part, traditional=traditional)
+                               table.shape[1] * bs, ctr, part, traditional=traditional, staged_merge=staged_merge)
     mx.eval(got)
     tol = 3e-2 if dtype == mx.bfloat16 else 5e-3
     assert got.shape == want.shape
@@ -77,7 +79,8 @@ def test_fused_decode_matches_write_then_attend(dtype, lens, part, pad, traditio
 @gpu
 @pytest.mark.gpu
 @hang_guard
-def test_counters_serve_consecutive_layers_and_steps():
+@pytest.mark.parametrize("staged_merge", [False, True])
+def test_counters_serve_consecutive_layers_and_steps(staged_merge):
     """Two "layers" (pools) and two steps through one counter array: every launch sees
     zeroed tickets, so every merge happens exactly once, by the last block."""
     H, KVH, D, bs = 8, 2, 64, 16
@@ -89,6 +92,6 @@ def test_counters_serve_consecutive_layers_and_steps():
             qkv, pos, slots, inv, kp, vp, table, la = _case(lens, H, KVH, D, bs, mx.float16, seed, pad_blocks=1)
             want, _, _ = _reference(qkv, pos, slots, inv, kp, vp, table, la, H, KVH, D, bs)
             got = dac.decode_attention(qkv, pos, slots, inv, kp, vp, table, H, KVH, D**-0.5, bs,
-                                       table.shape[1] * bs, ctr, 32)
+                                       table.shape[1] * bs, ctr, 32, staged_merge=staged_merge)
             assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 5e-3, (step, layer)
         lens = [n + 1 for n in lens]
