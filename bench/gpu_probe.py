@@ -435,18 +435,22 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
             counters = dac.counters(B, KVH)
             flat = q.reshape(B, H * D)
             mx.eval(ftable, pos, fslots, inv, kv_tail, flat)
-            for part in (64, 128):
-                def fn_f(qq, part=part):
+            # 64: the engine's partition (a merge by the last block); 2048: one partition,
+            # no merge, so the difference is the merge's cost (fence, ticket, partials).
+            for part, staged in ((64, False), (64, True), (128, False), (128, True), (2048, False)):
+                def fn_f(qq, part=part, staged=staged):
                     qq = qq + (big.max() * 0).astype(qq.dtype)
                     qkv = mx.concatenate([qq, kv_tail], axis=1)
                     return dac.decode_attention(qkv, pos, fslots, inv, kp, vp, ftable, H, KVH, D**-0.5, BS,
-                                                width * BS, counters, part)
+                                                width * BS, counters, part, staged_merge=staged)
                 fn_f(flat)
                 (att,) = gpu_us_by(lambda: chain(fn_f, flat, 200), ("tandem_decode_attention_fused",),
                                    iters=1, median=True)
                 RESULTS["attention_serial"].append({"batch": B, "ctx": ctx, "kernel": "fused", "partition": part,
-                                                    "cold": True, "att_us": att, "table_width": width})
-                log(f"B={B:3d} cold fused p{part:<5d} (table {width} blocks): {att:6.1f} us")
+                                                    "staged_merge": staged, "cold": True, "att_us": att,
+                                                    "table_width": width})
+                log(f"B={B:3d} cold fused p{part:<5d} {'staged merge' if staged else 'merge':12s} "
+                    f"(table {width} blocks): {att:6.1f} us")
         del kp, vp
         mx.clear_cache()
 
