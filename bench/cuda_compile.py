@@ -120,6 +120,18 @@ def attention_variants():
                            [("out", "T"), ("part", "float")], t + [("bool", "SMERGE", smerge)]))
 
 
+def tile_write_variants():
+    ins = [("qkv", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
+           ("params", "float"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float")]
+    for ver, single in (("v4", "false"), ("v6", "true"), ("v6", "false")):
+        t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
+             ("int", "BS", "16"), ("bool", "SINGLE", single), ("bool", "VSM", str(ver == "v6").lower()),
+             ("bool", "TRAD", "false")]
+        outs = [("out", "T" if single == "true" else "float")]
+        yield (f"decode attention tile+write {ver} single={single}",
+               variant("tandem_paged_decode_tile_write", dac._TILE_WRITE_SOURCE, pac.HEADER, ins, outs, t))
+
+
 def w4mma_variants():
     ins = [("x", "__half"), ("w", "uint32_t"), ("scales", "__half"), ("biases", "__half"), ("res", "__half")]
     for mt in (1, 2, 4, 8):
@@ -154,7 +166,7 @@ def main() -> int:
     work = Path(args.keep or tempfile.mkdtemp(prefix="tandem-cu-"))
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *w4mma_variants(),
+    for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(),
                                       *embed_variants()]):
         if args.only not in label:
             continue

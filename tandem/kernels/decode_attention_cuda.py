@@ -346,3 +346,116 @@ def decode_attention(qkv: mx.array, pos: mx.array, slots: mx.array, inv_freq: mx
         output_dtypes=[qkv.dtype, mx.float32],
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# From V4_MIN_BATCH rows on, the tile-wise kernels (v4 / v6) with the step's RoPE and KV
+# write in their prologue: each block rotates its group's queries from the fused QKV row,
+# rounded to T as the write kernel stores them, so the scores equal the two-kernel path's;
+# the block whose partition holds the step's token rotates its key and writes key and
+# value into the pool, and the barrier that ends the prologue puts those writes before
+# its warps read the partition. One launch a layer instead of two (the write kernel took
+# 8.5 us a layer at batch 64, run 50's engine trace).
+_Q_FROM_Q = r"""  __shared__ __align__(16) float sm_q[G][D];
+  for (int e = tid; e < G * D; e += blockDim.x)
+    sm_q[e / D][e % D] = pa_f(q[((size_t)b * KVH * G + h * G) * D + e]) * sc;
+"""
+_Q_FROM_QKV = r"""  __shared__ __align__(16) float sm_q[G][D];
+  {
+    constexpr int H_ = KVH * G;
+    const int p = pos[b];
+    const bool owner = t0 <= p && p < t0 + PART;
+    const T* row = qkv + (size_t)b * (H_ + 2 * KVH) * D;
+    for (int i = tid; i < D / 2; i += blockDim.x) {
+      const int i0 = TRAD ? 2 * i : i;
+      const int i1 = TRAD ? 2 * i + 1 : i + D / 2;
+      float sn, cs;
+      sincosf((float)p * inv_freq[i], &sn, &cs);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const T* src = row + (size_t)(h * G + g) * D;
+        const float a = pa_f(src[i0]), c = pa_f(src[i1]);
+        T qa, qc;
+        pa_st(&qa, a * cs - c * sn);
+        pa_st(&qc, a * sn + c * cs);
+        sm_q[g][i0] = pa_f(qa) * sc;
+        sm_q[g][i1] = pa_f(qc) * sc;
+      }
+      const int s = slots[b];
+      if (owner && s >= 0) {
+        const T* ks = row + (size_t)(H_ + h) * D;
+        const T* vs = row + (size_t)(H_ + KVH + h) * D;
+        const float a = pa_f(ks[i0]), c = pa_f(ks[i1]);
+        T* kd = const_cast<T*>(k_pool) + ((size_t)s * KVH + h) * D;
+        T* vd = const_cast<T*>(v_pool) + ((size_t)s * KVH + h) * D;
+        pa_st(kd + i0, a * cs - c * sn);
+        pa_st(kd + i1, a * sn + c * cs);
+        vd[i0] = vs[i0];
+        vd[i1] = vs[i1];
+      }
+    }
+  }
+"""
+if _Q_FROM_Q not in pac._ATT_TILE_SOURCE:  # pragma: no cover - a change in paged_attention_cuda
+    raise ImportError("paged_attention_cuda's prologue changed: update decode_attention_cuda._Q_FROM_Q")
+_TILE_WRITE_SOURCE = pac._ATT_TILE_SOURCE.replace(_Q_FROM_Q, _Q_FROM_QKV) + pac._MERGE_TAIL
+
+TILE_WRITE = os.environ.get("TANDEM_DECODE_TILE_WRITE", "0") == "1"
+"""Whether decode steps of ``MAX_ROWS`` rows and more run the write inside the tile-wise
+attention kernel (:func:`decode_attention_tile`). Off until measured on the device: it
+is compiled and tested off the device only."""
+
+
+@functools.cache
+def _tile_write_kernel():
+    # Not ensure_row_contiguous: a contiguity copy of a pool would swallow the writes.
+    return mx.fast.cuda_kernel(
+        name="tandem_paged_decode_tile_write",
+        input_names=["qkv", "k_pool", "v_pool", "table", "lens", "params", "pos", "slots", "inv_freq"],
+        output_names=["out"],
+        source=_TILE_WRITE_SOURCE,
+        header=pac.HEADER,
+        ensure_row_contiguous=False,
+    )
+
+
+def tile_supported(qkv: mx.array, head_dim: int) -> bool:
+    """Whether :func:`decode_attention_tile` covers this dtype and head size."""
+    return qkv.dtype in (mx.float16, mx.bfloat16) and head_dim in (64, 128)
+
+
+def decode_attention_tile(qkv: mx.array, pos: mx.array, slots: mx.array, inv_freq: mx.array,
+                          k_pool: mx.array, v_pool: mx.array, table: mx.array, lens: mx.array,
+                          n_heads: int, n_kv_heads: int, scale: float, block_size: int, max_len: int,
+                          partition: int | None = None, kernel: str | None = None,
+                          traditional: bool = False) -> mx.array:
+    """``write_kv_rope`` then ``paged_decode_attention(flat=True)`` in one launch (plus the
+    merge kernel when the context is split), with the same result: qkv (B, (H + 2*KVH) *
+    D) row-contiguous, one decode token per row at ``pos`` (= ``lens - 1``), written at
+    ``slots`` (< 0: not written). Returns (B, H * D); the pools change when it is
+    evaluated (see ``kv_write_cuda``). ``kernel``: ``v4`` or ``v6`` (default: by batch, as
+    ``paged_decode_attention`` picks)."""
+    B = qkv.shape[0]
+    D = k_pool.shape[-1]
+    H, KVH = n_heads, n_kv_heads
+    if qkv.shape[1] != (H + 2 * KVH) * D:
+        raise ValueError(f"qkv width {qkv.shape[1]} != ({H} + 2*{KVH}) * {D}")
+    if not tile_supported(qkv, D):
+        raise ValueError(f"decode_attention_tile: {qkv.dtype} / head_dim {D} (fp16 or bf16, 64 or 128)")
+    version = kernel or ("v4" if B < pac.V6_MIN_BATCH else "v6")
+    if version not in ("v4", "v6"):
+        raise ValueError(f"decode_attention_tile: kernel {version!r} (v4 or v6)")
+    part = partition or pac.choose_partition(B, KVH, max_len)
+    npart = max(1, -(-max_len // part))
+    single = npart == 1
+    (partials,) = _tile_write_kernel()(
+        inputs=[qkv, k_pool, v_pool, pac.i32(table), pac.i32(lens), pac._params(float(scale), part),
+                pac.i32(pos), pac.i32(slots), inv_freq],
+        template=[("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
+                  ("SINGLE", single), ("VSM", version == "v6"), ("TRAD", bool(traditional))],
+        grid=(npart * pac._ATT_THREADS, KVH, B),
+        threadgroup=(pac._ATT_THREADS, 1, 1),
+        output_shapes=[(B, H * D) if single else (B, H, npart, D + 2)],
+        output_dtypes=[qkv.dtype if single else mx.float32],
+    )
+    return partials if single else pac.merge_partials(partials, qkv.dtype, flat=True)

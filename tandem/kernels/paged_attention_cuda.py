@@ -584,17 +584,24 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     )
     if single:
         return partials
+    return merge_partials(partials, q.dtype, flat, merge)
+
+
+def merge_partials(partials: mx.array, dtype, flat: bool, merge: str | None = None) -> mx.array:
+    """The split kernel's partials (B, H, NPART, D + 2) -> (B, H, D) in ``dtype`` (or
+    (B, H * D) with ``flat``). ``merge``: ``serial`` or ``parallel`` (default ``MERGE``)."""
+    B, H, npart, D = partials.shape[0], partials.shape[1], partials.shape[2], partials.shape[3] - 2
     merge = merge or MERGE
     if merge not in ("serial", "parallel"):
         raise ValueError(f"paged_decode_attention: unknown merge {merge!r} (serial or parallel)")
     parallel = merge == "parallel" and npart <= MERGE_MAX_PARTS
     (o,) = _reduce_kernel(parallel)(
         inputs=[partials],
-        template=[("T", q.dtype), ("D", D)] + ([("MAXP", MERGE_MAX_PARTS)] if parallel else []),
+        template=[("T", dtype), ("D", D)] + ([("MAXP", MERGE_MAX_PARTS)] if parallel else []),
         grid=(B * H * min(D, 128), 1, 1),
         threadgroup=(min(D, 128), 1, 1),
         output_shapes=[(B, H * D) if flat else (B, H, D)],
-        output_dtypes=[q.dtype],
+        output_dtypes=[dtype],
     )
     return o
 

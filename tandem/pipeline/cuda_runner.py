@@ -169,6 +169,13 @@ class _CudaOps:
                                      block_size, step.max_len, self.counters, step.partition,
                                      traditional=trad)
             return a, kp, vp
+        if (dac.TILE_WRITE and y.shape[0] >= pac.V4_MIN_BATCH and pac.ATT_KERNEL in ("auto", "v4", "v6")
+                and dac.tile_supported(y, kp.shape[-1])):
+            a = dac.decode_attention_tile(y, step.pos, step.slots, inv_freq, kp, vp, step.table, step.lens, H,
+                                          KVH, scale, block_size, step.max_len, step.partition,
+                                          kernel=None if pac.ATT_KERNEL == "auto" else pac.ATT_KERNEL,
+                                          traditional=trad)
+            return a, kp, vp
         q, _, kp, vp = self.write(y, step, kp, vp, inv_freq, H, KVH, trad)
         return self.attend(q, step, kp, vp, scale, block_size), kp, vp
 

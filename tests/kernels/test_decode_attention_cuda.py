@@ -95,3 +95,41 @@ def test_counters_serve_consecutive_layers_and_steps(staged_merge):
                                        table.shape[1] * bs, ctr, 32, staged_merge=staged_merge)
             assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 5e-3, (step, layer)
         lens = [n + 1 for n in lens]
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+@pytest.mark.parametrize("dtype,lens,part,kernel,traditional", [
+    (mx.float16, [577] * 16, None, "v4", False),            # one partition a row
+    (mx.float16, RAGGED + [300] * (16 - len(RAGGED)), 64, "v4", False),  # split rows, merge kernel
+    (mx.float16, [100 + 7 * i for i in range(64)], None, "v6", False),
+    (mx.float16, [100 + 7 * i for i in range(64)], 128, "v6", True),
+    (mx.bfloat16, [40 + 3 * i for i in range(16)], 64, "v6", False),
+])
+def test_tile_write_equals_write_then_attend(dtype, lens, part, kernel, traditional):
+    """The tile-wise attention with the write in its prologue gives the two-kernel path's
+    output and pools bit for bit (the queries are rounded to T as the write kernel stores
+    them)."""
+    H, KVH, D, bs = 32, 8, 128, 16
+    qkv, pos, slots, inv, kp, vp, table, la = _case(lens, H, KVH, D, bs, dtype, len(lens), 2, traditional)
+    max_len = table.shape[1] * bs
+    kp2, vp2 = kp + 0, vp + 0  # the second path's own pools
+    mx.eval(kp2, vp2)
+    q, _ = kvw.write_kv_rope(qkv, pos, slots, inv, kp, vp, H, KVH, traditional=traditional)
+    want = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, bs, max_len, part, flat=True, kernel=kernel)
+    mx.eval(want)
+    got = dac.decode_attention_tile(qkv, pos, slots, inv, kp2, vp2, table, la, H, KVH, D**-0.5, bs, max_len,
+                                    part, kernel=kernel, traditional=traditional)
+    mx.eval(got)
+    assert mx.array_equal(got, want).item()
+    assert mx.array_equal(kp2, kp).item() and mx.array_equal(vp2, vp).item()
+
+
+def test_tile_write_refuses_what_it_does_not_cover():
+    qkv = mx.zeros((16, (8 + 4) * 16), mx.float32)
+    pool = mx.zeros((64, 2, 16), mx.float32)
+    z = mx.zeros((16,), mx.int32)
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        dac.decode_attention_tile(qkv, z, z, mx.ones((8,)), pool, pool, mx.zeros((16, 4), mx.int32), z + 1,
+                                  8, 2, 0.25, 16, 64)

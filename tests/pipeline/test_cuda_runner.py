@@ -173,6 +173,35 @@ def test_compiled_prefill_layers_give_mlx_lm_tokens(tiny_model_dir, monkeypatch)
     assert [c[:2] for c in calls[::layers]] == [(1, 64), (2, 128)]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(240, method="thread")
+def test_tile_write_runner_gives_mlx_lm_tokens(tiny_model_dir, monkeypatch):
+    """Decode steps of 2-9 rows through the tile-wise attention with the write inside
+    (the tile threshold lowered from 16 rows to 2 for the tiny batch) give mlx_lm's tokens."""
+    from tandem.kernels import decode_attention_cuda as dac
+    from tandem.kernels import paged_attention_cuda as pac
+
+    monkeypatch.setattr(dac, "MAX_ROWS", 0)
+    monkeypatch.setattr(dac, "TILE_WRITE", True)
+    monkeypatch.setattr(pac, "V4_MIN_BATCH", 2)
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
+    prompts = random_prompts(9, 1, 70, seed=13)
+    ref = _fresh(tiny_model_dir)
+    want = [oracle(ref, p, MAX_TOKENS) for p in prompts]
+    calls = []
+    tile = dac.decode_attention_tile
+
+    def spy(*a, **kw):  # called when a step is traced (the compiled step replays without it)
+        calls.append(a[0].shape[0])
+        return tile(*a, **kw)
+
+    monkeypatch.setattr(dac, "decode_attention_tile", spy)
+    eng = _engine(_fresh(tiny_model_dir))
+    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts], timeout=180) == want
+    assert calls and min(calls) >= 2
+
+
 def test_pipelined_steps_yield_the_same_tokens(tiny_model_dir, expected, monkeypatch):
     """Decode steps queued before the previous step is read back (what the in-place CUDA
     path does) finish, stop and free exactly as read-back-first steps do. The reference
