@@ -63,7 +63,6 @@ _SUPPORTED = {"mlx_lm.models.llama", "mlx_lm.models.qwen2"}
 PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "2"))
 """A fresh prefill hands the GPU its graph every this many layers (0: once, at the end)."""
 PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
-STAGE_HOST_INPUTS = os.environ.get("TANDEM_STAGE_HOST_INPUTS", "1") == "1"
 PREFILL_COMPILE_MULTIPLE = 64
 
 
@@ -364,8 +363,6 @@ class KernelRunner(PagedRunner):
         # One upload, sliced on the device: a host-made array is managed memory the GPU
         # faults in, a cost per array (H200 run 26: ~65 us copies, 3 a step).
         packed = mx.array(np.concatenate([pos, slots.astype(np.int32), lens, table.reshape(-1)]))
-        if STAGE_HOST_INPUTS:
-            packed = packed + 0  # into device memory before 32 attention kernels read it (see _fresh_prefill)
         out = self._step_fn(inputs, packed[:B], packed[B : 2 * B], packed[3 * B :].reshape(B, nb),
                             packed[2 * B : 3 * B], *self.store.keys, *self.store.values)
         if self.compiled:
@@ -389,16 +386,9 @@ class KernelRunner(PagedRunner):
             table[i, : len(ids)] = np.asarray(ids, np.int64) + 1
         p = np.arange(L, dtype=np.int64)
         slots = np.where(p[None, :] < ns[:, None], table[:, p // bs] * bs + p % bs, -1)
-        n = B * L
-        host = mx.array(np.concatenate([np.tile(p, B), slots.reshape(-1), np.arange(B) * L + ns - 1]).astype(np.int32))
-        if STAGE_HOST_INPUTS:
-            # One concatenate puts the ids and the host-made indices in device memory:
-            # the first kernel to read a host-made (managed) array pays for its pages
-            # (H200 run 53: the embedding of a 512-token prompt took 312 us reading its
-            # ids, 2.7 us reading a decode step's sampled ones).
-            dev = mx.concatenate([inputs.reshape(-1).astype(mx.int32), host])
-            inputs, host = dev[:n].reshape(B, L), dev[n:]
-        pos, slots, last = host[:n], host[n : 2 * n], host[2 * n :]
+        pos = mx.array(np.tile(p, B).astype(np.int32))
+        slots = mx.array(slots.reshape(-1).astype(np.int32))
+        last = mx.array((np.arange(B) * L + ns - 1).astype(np.int32))
         compiled = self._prefill_fns is not None and L % PREFILL_COMPILE_MULTIPLE == 0
         h = self._embed(inputs)  # (B, L, W)
         keys, values = self.store.keys, self.store.values
