@@ -301,10 +301,11 @@ class KernelRunner(PagedRunner):
         # Prompts that start at position 0 skip the block gather (TANDEM_FRESH_PREFILL=0: off).
         self.fresh_prefill = os.environ.get("TANDEM_FRESH_PREFILL", "1") != "0"
         # Their layers compiled, one function per layer traced once per (B, L): replaying
-        # skips the Python that builds a layer's graph (~2 ms of a 512-token prompt's
-        # ~13 ms, during which the GPU waits for the next layers: H200 run 51). Only at
-        # lengths that are a multiple of PREFILL_COMPILE_MULTIPLE (full chunks, the
-        # bench's prompts): a trace of 32 layers costs more than a length seen once saves.
+        # skips the Python that builds a layer's graph (H200 run 52: the engine thread's
+        # share of a 512-token prefill 5.1-5.9 ms against 6.6-7.1; the prefill itself
+        # waited on the GPU either way, and in run 51 a slower thread had bounded it).
+        # Only at lengths that are a multiple of PREFILL_COMPILE_MULTIPLE (full chunks,
+        # the bench's prompts): a trace of 32 layers costs more than a length seen once saves.
         # The CUDA write kernel fills the pools in place, so a compiled layer returns h alone.
         self._prefill_fns = ([mx.compile(functools.partial(self._compiled_prefill_layer, b)) for b in self.blocks]
                              if self.compiled and PREFILL_COMPILE else None)
