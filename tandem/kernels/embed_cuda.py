@@ -18,6 +18,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
+from tandem.kernels.paged_attention_cuda import i32
 from tandem.kernels.quantized_matmul import cuda_available
 
 BITS = (4, 8)
@@ -69,8 +70,7 @@ def supported(module) -> bool:
     """Whether ``embed`` runs the kernel for this embedding module (on a CUDA device)."""
     if not isinstance(module, nn.QuantizedEmbedding) or getattr(module, "mode", "affine") != "affine":
         return False
-    biases = module.get("biases") if hasattr(module, "get") else None
-    return (ENABLED and biases is not None and module.bits in BITS and module.group_size >= 32
+    return (ENABLED and module.get("biases") is not None and module.bits in BITS and module.group_size >= 32
             and module.scales.dtype in (mx.float16, mx.bfloat16)
             and module.weight.shape[-1] % 4 == 0 and cuda_available())
 
@@ -85,9 +85,7 @@ def quantized_embedding(ids: mx.array, w: mx.array, scales: mx.array, biases: mx
     if wpr % 4 or group_size < 32:
         raise ValueError(f"rows of {wpr} words / group size {group_size}: need a multiple of 4 words and groups >= 32")
     dims = wpr * 32 // bits
-    flat = ids.reshape(-1)
-    if flat.dtype != mx.int32:
-        flat = flat.astype(mx.int32)
+    flat = i32(ids.reshape(-1))
     n = flat.shape[0]
     if n == 0:
         return mx.zeros((*ids.shape, dims), scales.dtype)
