@@ -270,7 +270,7 @@ def prefill_alone(eng, B: int, prompt_len: int, reps: int) -> tuple[list[float],
     from tandem.kvtypes import SamplingParams
 
     out, parts = [], []
-    ticks = _time_read_backs(eng)
+    ticks = _time_ticks(eng)
     try:
         for _ in range(reps):
             prompts = [(np.random.randint(0, _vocab(), prompt_len).tolist(),
@@ -296,7 +296,7 @@ class _Ticks(list):
     undo = None
 
 
-def _time_read_backs(eng) -> _Ticks:
+def _time_ticks(eng) -> _Ticks:
     """Wrap the engine's tick, read-back, the runner's forward and ``mx.async_eval``: a
     list that fills with (tick end, seconds waiting in read-back, seconds of the whole
     tick, seconds building the step's graph in ``runner.forward``, seconds in
@@ -402,7 +402,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                         if len(done) == B:
                             all_done.set()
 
-            waits = _time_read_backs(eng)
+            waits = _time_ticks(eng)
             t0 = time.perf_counter()
             for i in range(B):
                 prompt = np.random.randint(0, _vocab(), prompt_len).tolist()
