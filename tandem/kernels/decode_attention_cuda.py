@@ -356,10 +356,6 @@ def decode_attention(qkv: mx.array, pos: mx.array, slots: mx.array, inv_freq: mx
 # value into the pool, and the barrier that ends the prologue puts those writes before
 # its warps read the partition. One launch a layer instead of two (the write kernel took
 # 8.5 us a layer at batch 64, run 50's engine trace).
-_Q_FROM_Q = r"""  __shared__ __align__(16) float sm_q[G][D];
-  for (int e = tid; e < G * D; e += blockDim.x)
-    sm_q[e / D][e % D] = pa_f(q[((size_t)b * KVH * G + h * G) * D + e]) * sc;
-"""
 _Q_FROM_QKV = r"""  __shared__ __align__(16) float sm_q[G][D];
   {
     constexpr int H_ = KVH * G;
@@ -396,9 +392,7 @@ _Q_FROM_QKV = r"""  __shared__ __align__(16) float sm_q[G][D];
     }
   }
 """
-if _Q_FROM_Q not in pac._ATT_TILE_SOURCE:  # pragma: no cover - a change in paged_attention_cuda
-    raise ImportError("paged_attention_cuda's prologue changed: update decode_attention_cuda._Q_FROM_Q")
-_TILE_WRITE_SOURCE = pac._ATT_TILE_SOURCE.replace(_Q_FROM_Q, _Q_FROM_QKV) + pac._MERGE_TAIL
+_TILE_WRITE_SOURCE = pac._ATT_TILE_SOURCE.replace(pac._Q_LOAD, _Q_FROM_QKV) + pac._MERGE_TAIL
 
 TILE_WRITE = os.environ.get("TANDEM_DECODE_TILE_WRITE", "0") == "1"
 """Whether decode steps of ``MAX_ROWS`` rows and more run the write inside the tile-wise

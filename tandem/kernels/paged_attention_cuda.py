@@ -84,6 +84,13 @@ __device__ __forceinline__ void pa_load(const T* p, float* f) {
 }
 """
 
+# The prologue's query load: decode_attention_cuda's tile-wise kernel with the KV write
+# swaps it for one that rotates the queries from the fused QKV row.
+_Q_LOAD = r"""  __shared__ __align__(16) float sm_q[G][D];
+  for (int e = tid; e < G * D; e += blockDim.x)
+    sm_q[e / D][e % D] = pa_f(q[((size_t)b * KVH * G + h * G) * D + e]) * sc;
+"""
+
 # Both attention kernels start alike: which (row, KV head, partition) this block takes,
 # the group's scaled queries and the partition's slice of the block table in shared
 # memory, and the online-softmax state (NACC accumulators per query head and lane).
@@ -103,10 +110,7 @@ _ATT_PROLOGUE = r"""
 
   // The scaled queries of the group live in shared memory, not registers: registers
   // bound how many blocks an SM holds, and that bounds the K/V loads in flight.
-  __shared__ __align__(16) float sm_q[G][D];
-  for (int e = tid; e < G * D; e += blockDim.x)
-    sm_q[e / D][e % D] = pa_f(q[((size_t)b * KVH * G + h * G) * D + e]) * sc;
-
+""" + _Q_LOAD + r"""
   // The partition's slice of the block table, read once: a table load per token would
   // put a second dependent global load in front of every K/V load.
   constexpr int MAXB = PA_MAX_PART / BS + 2;
