@@ -47,8 +47,12 @@ def build_tokenizer(out: Path, corpus: list[str]) -> int:
     return tok.get_vocab_size()
 
 
-def build_tiny_model(out: Path, *, seed: int = 0, quantize: bool = False, model_type: str = "llama") -> Path:
-    """Write an mlx-lm model directory (config.json, model.safetensors, tokenizer) to ``out``."""
+def build_tiny_model(out: Path, *, seed: int = 0, quantize: bool = False, model_type: str = "llama",
+                     head_dim: int = 16, dtype: str = "float32") -> Path:
+    """Write an mlx-lm model directory (config.json, model.safetensors, tokenizer) to ``out``.
+
+    ``head_dim`` 64 and ``dtype`` float16 give the shape the GPU's tile-wise attention
+    kernels take (they cover fp16/bf16 and head sizes 64 and 128 only)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -68,7 +72,7 @@ def build_tiny_model(out: Path, *, seed: int = 0, quantize: bool = False, model_
         "intermediate_size": 128,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 16,
+        "head_dim": head_dim,
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab,
         "rope_theta": 10000.0,
@@ -76,8 +80,6 @@ def build_tiny_model(out: Path, *, seed: int = 0, quantize: bool = False, model_
         "max_position_embeddings": 4096,
         "eos_token_id": SPECIAL.index("<|im_end|>"),
     }
-    if model_type == "qwen3":
-        config["head_dim"] = 16
     from mlx_lm.utils import _get_classes
 
     model_class, args_class = _get_classes(config)
@@ -85,7 +87,7 @@ def build_tiny_model(out: Path, *, seed: int = 0, quantize: bool = False, model_
     model = model_class(args_class.from_dict(config))
     # Scale weights up a little so greedy decoding does not collapse to one token.
     params = dict(tree_flatten(model.parameters()))
-    params = {k: (v * 4.0 if v.ndim == 2 else v) for k, v in params.items()}
+    params = {k: (v * 4.0 if v.ndim == 2 else v).astype(getattr(mx, dtype)) for k, v in params.items()}
     model.load_weights(list(params.items()))
     if quantize:
         nn.quantize(model, group_size=32, bits=4)

@@ -203,22 +203,35 @@ def test_compiled_prefill_layers_give_mlx_lm_tokens(tiny_model_dir, monkeypatch)
     assert [c[:2] for c in calls[::layers]] == [(1, 64), (2, 128)]
 
 
+@pytest.fixture(scope="module")
+def tiny_fp16_hd64_dir(tmp_path_factory):
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-fp16-hd64"), head_dim=64, dtype="float16")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
-@pytest.mark.timeout(240, method="thread")
-def test_tile_write_runner_gives_mlx_lm_tokens(tiny_model_dir, monkeypatch):
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("v6_min_batch", [64, 2], ids=["v4", "v6"])
+def test_tile_write_runner_equals_write_then_attend(tiny_fp16_hd64_dir, monkeypatch, v6_min_batch):
     """Decode steps of 2-9 rows through the tile-wise attention with the write inside
-    (the tile threshold lowered from 16 rows to 2 for the tiny batch) give mlx_lm's tokens."""
+    (the tile threshold lowered from 16 rows to 2 for the tiny batch) give the tokens of
+    the same steps through the write kernel and then the attention kernel. Compared with
+    that path, not with mlx_lm: the kernels are bit-equal, while mlx_lm's fp16 matmuls
+    round differently and the random model has near-ties (top-2 margins of 0.02 in the
+    fp32 model, which is what failed the first version of this test in run 56)."""
     from tandem.kernels import decode_attention_cuda as dac
     from tandem.kernels import paged_attention_cuda as pac
 
     monkeypatch.setattr(dac, "MAX_ROWS", 0)
-    monkeypatch.setattr(dac, "TILE_WRITE", True)
     monkeypatch.setattr(pac, "V4_MIN_BATCH", 2)
+    monkeypatch.setattr(pac, "V6_MIN_BATCH", v6_min_batch)
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
     prompts = random_prompts(9, 1, 70, seed=13)
-    ref = _fresh(tiny_model_dir)
-    want = [oracle(ref, p, MAX_TOKENS) for p in prompts]
+    requests = [(p, greedy(MAX_TOKENS)) for p in prompts]
+    monkeypatch.setattr(dac, "TILE_WRITE", False)
+    want = _engine(_fresh(tiny_fp16_hd64_dir)).generate_many(requests, timeout=180)
     calls = []
     tile = dac.decode_attention_tile
 
@@ -226,10 +239,12 @@ def test_tile_write_runner_gives_mlx_lm_tokens(tiny_model_dir, monkeypatch):
         calls.append(a[0].shape[0])
         return tile(*a, **kw)
 
+    monkeypatch.setattr(dac, "TILE_WRITE", True)
     monkeypatch.setattr(dac, "decode_attention_tile", spy)
-    eng = _engine(_fresh(tiny_model_dir))
-    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts], timeout=180) == want
+    got = _engine(_fresh(tiny_fp16_hd64_dir)).generate_many(requests, timeout=180)
     assert calls and min(calls) >= 2
+    assert got == want
+    assert len({tuple(t) for t in want}) > 1  # the model does not collapse to one answer
 
 
 def test_pipelined_steps_yield_the_same_tokens(tiny_model_dir, expected, monkeypatch):
