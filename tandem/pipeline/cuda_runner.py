@@ -62,10 +62,6 @@ _SUPPORTED = {"mlx_lm.models.llama", "mlx_lm.models.qwen2"}
 
 PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "2"))
 """A fresh prefill hands the GPU its graph every this many layers (0: once, at the end)."""
-PREFILL_EVAL_EMBED = os.environ.get("TANDEM_PREFILL_EVAL_EMBED", "0") == "1"
-"""A fresh prefill hands the GPU its embedding before building any layer. Off until
-measured: the embedding of a 512-token prompt took 312 us of GPU time (run 53) and the
-GPU first sees work only after two layers are built and encoded."""
 PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
 PREFILL_COMPILE_MULTIPLE = 64
 
@@ -396,8 +392,6 @@ class KernelRunner(PagedRunner):
         last = mx.array((np.arange(B) * L + ns - 1).astype(np.int32))
         compiled = self._prefill_fns is not None and L % PREFILL_COMPILE_MULTIPLE == 0
         h = self._embed(inputs)  # (B, L, W)
-        if PREFILL_EVAL_EMBED:
-            mx.async_eval(h)
         keys, values = self.store.keys, self.store.values
         for i, blk in enumerate(self.blocks):
             if compiled:

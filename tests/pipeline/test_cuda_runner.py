@@ -71,36 +71,6 @@ def test_reference_kernel_runner_matches_alone(tiny_model_dir, expected, monkeyp
     assert got == want
 
 
-def test_prefill_embedding_handed_over_first_keeps_the_tokens(tiny_model_dir, expected, monkeypatch):
-    """TANDEM_PREFILL_EVAL_EMBED: the embedding is evaluated on its own before the layers
-    are built; the tokens stay mlx_lm's."""
-    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
-    monkeypatch.setattr(cuda_runner, "PREFILL_EVAL_EMBED", True)
-    prompts, want = expected
-    eng = _engine(_fresh(tiny_model_dir))
-    events = []
-    async_eval = cuda_runner.mx.async_eval
-    embed = eng.runner._embed
-
-    def spy_embed(ids):
-        out = embed(ids)
-        events.append(("embed", out, ids.shape[1]))
-        return out
-
-    def spy_eval(*arrays):
-        events.append(("eval", arrays))
-        return async_eval(*arrays)
-
-    eng.runner._embed = spy_embed
-    monkeypatch.setattr(cuda_runner.mx, "async_eval", spy_eval)
-    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
-    # Every prefill's embedding (rows of more than one token) went to async_eval next.
-    prefills = [i for i, e in enumerate(events) if e[0] == "embed" and e[2] > 1]
-    assert prefills
-    for i in prefills:
-        assert events[i + 1][0] == "eval" and events[i + 1][1][0] is events[i][1]
-
-
 def test_reference_decode_logits_match_the_portable_runner(tiny_model_dir):
     """One decode step of a ragged batch: kernel-path logits == PagedRunner logits."""
     import mlx.core as mx
