@@ -45,12 +45,13 @@ tick times): at one row the host, not the GPU, sets the step time."""
 CHUNK = int(os.environ.get("TANDEM_DECODE_FUSED_CHUNK", "64"))
 """Tokens whose K/V loads a block issues at once (a multiple of 16): the partition at one
 row is 64 tokens (``paged_attention_cuda.choose_partition``)."""
-STAGED_MERGE = os.environ.get("TANDEM_DECODE_STAGED_MERGE", "0") == "1"
+STAGED_MERGE = os.environ.get("TANDEM_DECODE_STAGED_MERGE", "1") == "1"
 """The last block's merge of the partitions: staged (every partition's max and sum in
 shared memory first, then each thread's partials loaded 8 partitions at a time: three L2
-round trips at 12 partitions) or, by default until it is measured on the device, the
-walk over the partitions one load at a time (~20 dependent round trips; the engine trace
-has the whole kernel at 24.6-33 us a layer for ~2 MB of KV, runs 50 and 53)."""
+round trips at 12 partitions) or (``0``) the walk over the partitions one load at a time
+(~20 dependent round trips). H200 run 56, batch 1, 576-token context, cold: the kernel
+29.0 / 25.6 us with 64 / 128-token partitions against 35.2 / 32.5; the engine's batch 1
+did not move (290 / 280 tok/s against 286 / 286: the engine thread bounds that step)."""
 
 if CHUNK < 16 or CHUNK % 16:
     raise ValueError(f"TANDEM_DECODE_FUSED_CHUNK={CHUNK}: use a positive multiple of 16 (default 64)")
@@ -394,10 +395,12 @@ _Q_FROM_QKV = r"""  __shared__ __align__(16) float sm_q[G][D];
 """
 _TILE_WRITE_SOURCE = pac._ATT_TILE_SOURCE.replace(pac._Q_LOAD, _Q_FROM_QKV) + pac._MERGE_TAIL
 
-TILE_WRITE = os.environ.get("TANDEM_DECODE_TILE_WRITE", "0") == "1"
+TILE_WRITE = os.environ.get("TANDEM_DECODE_TILE_WRITE", "1") == "1"
 """Whether decode steps of ``MAX_ROWS`` rows and more run the write inside the tile-wise
-attention kernel (:func:`decode_attention_tile`). Off until measured on the device: it
-is compiled and tested off the device only."""
+attention kernel (:func:`decode_attention_tile`; ``0``: the write kernel, then the
+attention). H200 runs 56-57, engine batch 64, alternating processes: 8,746 / 8,818 /
+8,748 / 8,495 / 8,746 / 8,611 tok/s against 7,948 / 8,565 / 8,633 / 7,648 / 8,557 /
+8,432 (+1% to +11% a pair)."""
 
 
 @functools.cache
@@ -446,8 +449,7 @@ def decode_attention_tile(qkv: mx.array, pos: mx.array, slots: mx.array, inv_fre
         inputs=[qkv, k_pool, v_pool, pac.i32(table), pac.i32(lens), pac._params(float(scale), part),
                 pac.i32(pos), pac.i32(slots), inv_freq],
         template=[("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
-                  ("SINGLE", single), ("VSM", version == "v6"), ("PF", version == "v6" and pac.PREFETCH),
-                  ("TRAD", bool(traditional))],
+                  ("SINGLE", single), ("VSM", version == "v6"), ("TRAD", bool(traditional))],
         grid=(npart * pac._ATT_THREADS, KVH, B),
         threadgroup=(pac._ATT_THREADS, 1, 1),
         output_shapes=[(B, H * D) if single else (B, H, npart, D + 2)],

@@ -299,73 +299,48 @@ _ATT_TILE_SOURCE = r"""
   __shared__ __align__(16) T sm_v[VSM ? 4 : 1][VSM ? 32 : 1][VSM ? D : 8];
   __syncthreads();
 
-  // A lane's token's K row into registers; the tile's V rows into the warp's shared
-  // memory by cp.async, 16-byte chunks, a warp-wide copy covering two whole rows, so no
-  // registers are held while they are in flight.
-  auto load_k = [&](int tb, uint4 (&kr)[KW]) {
-    const int t = tb + lane;
-    if (t < t1) {
-      const T* kp = k_pool + (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D;
-#pragma unroll
-      for (int c = 0; c < KW; ++c) kr[c] = reinterpret_cast<const uint4*>(kp)[c];
-    }
-  };
-  auto copy_v = [&](int tb) {
-    const int nv = min(32, t1 - tb);
-#pragma unroll
-    for (int k = 0; k < KW; ++k) {
-      const int ci = lane + 32 * k;
-      const int jv = ci / KW, w = ci % KW;
-      if (jv < nv) {
-        const int ti = tb + jv;
-        const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + w * 8;
-        const unsigned dst = (unsigned)__cvta_generic_to_shared(&sm_v[warp][jv][w * 8]);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(vp));
-      }
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-  };
-
-  // PF (v6 only): each tile's loads go out while the previous tile computes: the next
-  // K rows before this tile's value phase (the registers they land in are free from the
-  // scores on; issued after the softmax, not before, to stay within 128 registers and
-  // so 4 blocks an SM), the next V rows right after the value phase (its shared memory
-  // is free from there). Without it every warp of the SM loads, then computes, in step.
-  uint4 kr[KW];
-  if constexpr (PF) {
-    load_k(t0 + 32 * warp, kr);
-    if (t0 + 32 * warp < t1) copy_v(t0 + 32 * warp);
-  }
   // Warp-uniform loop: every lane of a warp runs the same tiles (full-mask shuffles).
   for (int tb = t0 + 32 * warp; tb < t1; tb += 128) {
     const int t = tb + lane;
     const bool valid = t < t1;
     const int nv = min(32, t1 - tb);
+    uint4 kr[KW];
+    if (valid) {
+      const T* kp = k_pool + (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D;
+#pragma unroll
+      for (int c = 0; c < KW; ++c) kr[c] = reinterpret_cast<const uint4*>(kp)[c];
+    }
     // The tile's V loads go out with its K loads (they do not depend on the scores), so
     // a tile costs one memory latency, not five (K, then V in four chunks of 8 tokens:
     // the first tile-wise kernel, 197 us at batch 64 against 110). VSM: into shared
-    // memory (copy_v); else into registers.
-    if constexpr (!PF) load_k(tb, kr);
+    // memory by cp.async, 16-byte chunks, a warp-wide copy covering two whole rows, so
+    // no registers are held while they are in flight; else into registers.
     __align__(8) T vr[VSM ? 1 : 32][DPL];
-    if constexpr (VSM) {
-      if constexpr (!PF) copy_v(tb);
-    } else {
 #pragma unroll
-      for (int k = 0; k < 32; ++k) {
-        if (k < nv) {
-          const int ti = tb + k;
-          const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + lane * DPL;
-          if constexpr (sizeof(T) == 2 && DPL == 4) {
-            *reinterpret_cast<uint2*>(&vr[k][0]) = *reinterpret_cast<const uint2*>(vp);
-          } else if constexpr (sizeof(T) == 2 && DPL == 2) {
-            *reinterpret_cast<uint32_t*>(&vr[k][0]) = *reinterpret_cast<const uint32_t*>(vp);
-          } else {
+    for (int k = 0; k < (VSM ? KW : 32); ++k) {
+      if constexpr (VSM) {
+        const int ci = lane + 32 * k;
+        const int jv = ci / KW, w = ci % KW;
+        if (jv < nv) {
+          const int ti = tb + jv;
+          const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + w * 8;
+          const unsigned dst = (unsigned)__cvta_generic_to_shared(&sm_v[warp][jv][w * 8]);
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(vp));
+        }
+      } else if (k < nv) {
+        const int ti = tb + k;
+        const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + lane * DPL;
+        if constexpr (sizeof(T) == 2 && DPL == 4) {
+          *reinterpret_cast<uint2*>(&vr[k][0]) = *reinterpret_cast<const uint2*>(vp);
+        } else if constexpr (sizeof(T) == 2 && DPL == 2) {
+          *reinterpret_cast<uint32_t*>(&vr[k][0]) = *reinterpret_cast<const uint32_t*>(vp);
+        } else {
 #pragma unroll
-            for (int d = 0; d < DPL; ++d) vr[k][d] = vp[d];
-          }
+          for (int d = 0; d < DPL; ++d) vr[k][d] = vp[d];
         }
       }
     }
+    if constexpr (VSM) asm volatile("cp.async.commit_group;\n" ::);
 
     float s[G];
 #pragma unroll
@@ -404,7 +379,6 @@ _ATT_TILE_SOURCE = r"""
       mx_[g] = mn;
       sm_p[warp][lane][g] = p;
     }
-    if constexpr (PF) load_k(tb + 128, kr);
     if constexpr (VSM) asm volatile("cp.async.wait_group 0;\n" ::);
     __syncwarp();
 #pragma unroll
@@ -422,9 +396,6 @@ _ATT_TILE_SOURCE = r"""
       }
     }
     __syncwarp();
-    if constexpr (PF) {
-      if (tb + 128 < t1) copy_v(tb + 128);
-    }
   }
 #pragma unroll
   for (int g = 0; g < G; ++g)
@@ -454,10 +425,6 @@ loaded 8 lanes per token, 7,557 with spilled registers: removed)."""
 
 V4_MIN_BATCH = 16
 V6_MIN_BATCH = 64
-
-PREFETCH = os.environ.get("TANDEM_ATT_PREFETCH", "0") == "1"
-"""Whether v6 loads each tile's K and V while the previous tile computes (template
-``PF``). Off until measured on the device."""
 
 # Template: T, D. Inputs: part (B, H, NPART, D + 2). Output: o (B, H, D) in T.
 _REDUCE_SOURCE = r"""
@@ -610,7 +577,7 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     template = [("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
                 ("SINGLE", single)]
     if version != "v2":
-        template += [("VSM", version == "v6"), ("PF", version == "v6" and PREFETCH)]
+        template.append(("VSM", version == "v6"))
     (partials,) = _attention_kernel(version != "v2")(
         inputs=[q, k_pool, v_pool, i32(table), i32(lens), _params(float(scale), part)],
         template=template,

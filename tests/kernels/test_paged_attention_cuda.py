@@ -132,26 +132,6 @@ def test_cuda_decode_tile_kernels_head_dim_64(lens, part):
 @gpu
 @pytest.mark.gpu
 @hang_guard
-@pytest.mark.parametrize("lens,part", [(RAGGED, 64), (RAGGED, None), ([1 + (37 * i) % 600 for i in range(64)], None),
-                                       ([577] * 16, 128)])
-def test_v6_prefetch_is_bit_equal(lens, part, monkeypatch):
-    """v6 loading each tile while the previous one computes (TANDEM_ATT_PREFETCH) gives
-    the same bits: only the order of the loads changes, not the arithmetic."""
-    B, H, KVH, D = len(lens), 32, 8, 128
-    q, kp, vp, table, la = _pool_case(B, H, KVH, D, 16, lens, seed=3, dtype=mx.float16)
-    outs = []
-    for prefetch in (False, True):
-        monkeypatch.setattr(pac, "PREFETCH", prefetch)
-        outs.append(pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, 16, max(lens), part, kernel="v6"))
-        mx.eval(outs[-1])
-    assert mx.array_equal(outs[0], outs[1]).item()
-    want = pac.paged_decode_attention_reference(q, kp, vp, table, la, D**-0.5, 16)
-    assert mx.abs(outs[1].astype(mx.float32) - want.astype(mx.float32)).max().item() < 5e-3
-
-
-@gpu
-@pytest.mark.gpu
-@hang_guard
 @pytest.mark.parametrize("lens,part", [([1, 70, 30, 9, 64, 65, 2], 64), ([33, 5, 80], None), (RAGGED, 16)])
 def test_cuda_decode_fp32_head_dim_16(lens, part):
     """The tiny test model's shape (fp32, 16-wide heads, 2 query heads a KV head): every
