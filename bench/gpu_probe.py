@@ -457,6 +457,109 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
         mx.clear_cache()
 
 
+_KV_LOAD_SOURCE = r"""
+  // Only v6's loads (batch x KV head blocks of 4 warps, 32-token tiles, one partition),
+  // no arithmetic but an XOR that keeps them. PAT 0: a lane per token, its K row in 16
+  // loads of 16 bytes (v6); 1: K loaded as V is, 16 lanes per row, two rows an
+  // instruction; 2: K as in 0, no V; 3: V only (cp.async, as v6).
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int NB = table_shape[1];
+  const int len = lens[b];
+  __shared__ int sm_tbl[256];
+  for (int i = tid; i < (len + BS - 1) / BS; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + i];
+  __shared__ __align__(16) __half sm_v[4][32][D];
+  __syncthreads();
+  constexpr int KW = D / 8;
+  unsigned acc = 0;
+  for (int tb = 32 * warp; tb < len; tb += 128) {
+    const int nv = min(32, len - tb);
+    if constexpr (PAT == 0 || PAT == 2) {
+      const int t = tb + lane;
+      if (t < len) {
+        const uint4* kp = reinterpret_cast<const uint4*>(k_pool + (((size_t)sm_tbl[t / BS] * BS + t % BS) * KVH + h) * D);
+        uint4 kr[KW];
+#pragma unroll
+        for (int c = 0; c < KW; ++c) kr[c] = kp[c];
+#pragma unroll
+        for (int c = 0; c < KW; ++c) acc ^= kr[c].x ^ kr[c].y ^ kr[c].z ^ kr[c].w;
+      }
+    } else if constexpr (PAT == 1) {
+      uint4 kr[KW];
+#pragma unroll
+      for (int k = 0; k < KW; ++k) {
+        const int ci = lane + 32 * k;
+        const int j = ci / KW, w = ci % KW;
+        kr[k] = make_uint4(0, 0, 0, 0);
+        if (j < nv) {
+          const int t = tb + j;
+          kr[k] = reinterpret_cast<const uint4*>(k_pool + (((size_t)sm_tbl[t / BS] * BS + t % BS) * KVH + h) * D)[w];
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < KW; ++k) acc ^= kr[k].x ^ kr[k].y ^ kr[k].z ^ kr[k].w;
+    }
+    if constexpr (PAT != 2) {
+#pragma unroll
+      for (int k = 0; k < KW; ++k) {
+        const int ci = lane + 32 * k;
+        const int jv = ci / KW, w = ci % KW;
+        if (jv < nv) {
+          const int ti = tb + jv;
+          const __half* vp = v_pool + (((size_t)sm_tbl[ti / BS] * BS + (ti % BS)) * KVH + h) * D + w * 8;
+          const unsigned dst = (unsigned)__cvta_generic_to_shared(&sm_v[warp][jv][w * 8]);
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(vp));
+        }
+      }
+      asm volatile("cp.async.commit_group;\n" ::);
+      asm volatile("cp.async.wait_group 0;\n" ::);
+      __syncwarp();
+      acc ^= reinterpret_cast<const unsigned*>(&sm_v[warp][lane][0])[lane % 8];
+      __syncwarp();
+    }
+  }
+  out[((size_t)b * KVH + h) * blockDim.x + tid] = acc;
+"""
+
+
+def section_kv_loads(batches: list[int], ctx: int) -> None:
+    """How fast v6's access pattern reads the KV alone (``_KV_LOAD_SOURCE``), against v6
+    itself, at the engine's shapes (8B: 8 KV heads, D 128, block 16, one partition a row):
+    whether batch 64's attention (~2 TB/s of KV in runs 50 and 57) is bound by its loads or
+    by its arithmetic. CUPTI, 20 independent calls (the KV is far larger than the L2)."""
+    from tandem.kernels import paged_attention_cuda as pac
+    RESULTS.setdefault("kv_loads", [])
+    H, KVH, D, BS = 32, 8, 128, 16
+    kernel = mx.fast.cuda_kernel(name="tandem_probe_kv_loads", input_names=["k_pool", "v_pool", "table", "lens"],
+                                 output_names=["out"], source=_KV_LOAD_SOURCE)
+    log(f"\n== v6's KV loads alone (CUPTI us per call, ctx {ctx}, one partition a row)")
+    for B in batches:
+        nb = -(-ctx // BS)
+        kp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
+        vp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
+        # shuffled blocks, as a long-running engine's are
+        table = mx.array((1 + np.random.default_rng(0).permutation(B * nb).astype(np.int32)).reshape(B, nb))
+        lens = mx.full((B,), ctx, mx.int32)
+        q = mx.random.normal((B, H, D)).astype(mx.float16)
+        mx.eval(kp, vp, table, lens, q)
+        kv_bytes = B * ctx * KVH * D * 2 * 2
+        rows = []
+        fn = lambda: pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5, BS, ctx, 2048, kernel="v6")  # noqa: E731
+        rows.append(("v6 attention", gpu_us(fn, "tandem_paged_decode"), kv_bytes))
+        for pat, label, nbytes in ((0, "loads: K a lane per token + V", kv_bytes), (1, "loads: K 16 lanes a row + V", kv_bytes),
+                                   (2, "loads: K a lane per token only", kv_bytes // 2), (3, "loads: V only", kv_bytes // 2)):
+            def fn_l(pat=pat):
+                return kernel(inputs=[kp, vp, table, lens], template=[("D", D), ("KVH", KVH), ("BS", BS), ("PAT", pat)],
+                              grid=(128, KVH, B), threadgroup=(128, 1, 1), output_shapes=[(B * KVH * 128,)],
+                              output_dtypes=[mx.uint32])[0]
+            rows.append((label, gpu_us(fn_l, "tandem_probe_kv_loads"), nbytes))
+        for label, us, nbytes in rows:
+            RESULTS["kv_loads"].append({"batch": B, "ctx": ctx, "variant": label, "gpu_us": us, "bytes": nbytes})
+            log(f"B={B:3d} {label:32s} {us:7.1f} us  {nbytes / us / 1e6:5.2f} TB/s")
+        del kp, vp
+        mx.clear_cache()
+
+
 def section_embed(tokens: int = 512, vocab: int = 128256, dims: int = 4096, rounds: int = 20) -> None:
     """A prefill's embedding lookup of ``tokens`` random ids (8B shapes): the 4-bit table
     (three gathers and a dequantize) and the fp16 table, with the ids a host-made array (as
@@ -734,6 +837,8 @@ def main() -> int:
         section_embed()
     if "attention-serial" in secs:
         section_attention_serial([int(b) for b in args.batches.split(",")], args.ctx)
+    if "kv-loads" in secs:
+        section_kv_loads([int(b) for b in args.batches.split(",")], args.ctx)
     if "attention-cold" in secs:
         section_attention_serial([int(b) for b in args.batches.split(",")], args.ctx, flush=True)
     if "w4mma" in secs:
