@@ -380,7 +380,14 @@ _ATT_TILE_SOURCE = r"""
       // and the lane with lane bit lv set keeps the odd one, the other lane the even one,
       // each adding what the partner sends: G (KW - 1) shuffles a tile, at most
       // log2(KW) sums pending. The word left at the end is k = lane % KW: token jown.
+      //
+      // ptxas would compute all KW words' dots at once (G KW accumulators: 168 registers,
+      // 3 blocks an SM). Each query slice is read at an offset that is the last dot
+      // masked by a zero it cannot see (PART >> 30), which orders the dots: one head's
+      // 8 query values in registers at a time.
       const int w = lane % KW;
+      const int zmask = PART >> 30;
+      int zoff = 0;
       float lvl[5][G];
 #pragma unroll
       for (int k = 0; k < KW; ++k) {
@@ -388,14 +395,15 @@ _ATT_TILE_SOURCE = r"""
         float v[G];
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-          const float4 qa = *reinterpret_cast<const float4*>(&sm_q[g][w * 8]);
-          const float4 qb = *reinterpret_cast<const float4*>(&sm_q[g][w * 8 + 4]);
+          const float4 qa = *reinterpret_cast<const float4*>(&sm_q[g][w * 8 + zoff]);
+          const float4 qb = *reinterpret_cast<const float4*>(&sm_q[g][w * 8 + 4 + zoff]);
           float a = qa.x * pa_f(kh[0]);
           a = fmaf(qa.y, pa_f(kh[1]), a);
           a = fmaf(qa.z, pa_f(kh[2]), a); a = fmaf(qa.w, pa_f(kh[3]), a);
           a = fmaf(qb.x, pa_f(kh[4]), a); a = fmaf(qb.y, pa_f(kh[5]), a);
           a = fmaf(qb.z, pa_f(kh[6]), a); a = fmaf(qb.w, pa_f(kh[7]), a);
           v[g] = a;
+          zoff = __float_as_int(a) & zmask;
         }
 #pragma unroll
         for (int lv = 0; (1 << lv) < KW; ++lv) {
