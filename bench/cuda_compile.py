@@ -84,6 +84,14 @@ def qgemv_stream_variants():
                  ("bool", "LOADS_ONLY", str(bool(lo)).lower())]
             yield (f"qgemv-stream {label} c{cpl} h{h} p{p}",
                    variant("tandem_qgemv_stream", qg._STREAM_SOURCE, qg._HEADER, ins, outs, t))
+    # the output norm's tail (qgemv_stream(norm_out=...)): o + residual and down + residual
+    for label, k, (cpl, h, p) in [("o+res", 4096, (1, 8, 1)), ("down+res", 14336, (1, 4, 4))]:
+        t = [("int", "K", str(k)), ("int", "CPL", str(cpl)), ("int", "H", str(h)), ("int", "P", str(p)),
+             ("bool", "PAIR", "false"), ("bool", "RES", "true"), ("bool", "NORM", "false"), ("int", "UNPACK", "1"),
+             ("bool", "LOADS_ONLY", "false")]
+        yield (f"qgemv-stream norm-out {label} c{cpl} h{h} p{p}",
+               variant("tandem_qgemv_stream_norm_out", qg._STREAM_SOURCE + qg._NORM_OUT_TAIL, qg._HEADER,
+                       ins + [("nout_w", "__half"), ("ticket", "int32_t")], outs + [("yn", "__half")], t))
 
 
 def attention_variants():

@@ -71,6 +71,47 @@ def test_reference_kernel_runner_matches_alone(tiny_model_dir, expected, monkeyp
     assert got == want
 
 
+def _distinct_norms(model, seed: int):
+    """Every rms_norm weight random (the tiny model's are all ones, so a norm applied with
+    the wrong layer's weight would go unseen)."""
+    import mlx.core as mx
+
+    mx.random.seed(seed)
+    inner = model.model
+    norms = [m for layer in inner.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+    for m in norms + [inner.norm]:
+        m.weight = 1 + 0.5 * mx.random.normal(m.weight.shape).astype(m.weight.dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_one_row_steps_with_the_norms_out_of_the_products_keep_the_tokens(tiny_model_dir, monkeypatch):
+    """TANDEM_QGEMV_NORM_OUT: one-row decode steps take each rms_norm from the product
+    before it (decode_norm_out); on the CPU the norms run as their own ops, which checks
+    the wiring: which norm weight goes where, the first layer's and the final norm."""
+    from tandem.kernels import qgemv as qg
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
+    monkeypatch.setattr(qg, "NORM_OUT", True)
+    prompts = random_prompts(4, 1, 70, seed=11)
+    ref = _distinct_norms(_fresh(tiny_model_dir), seed=3)
+    want = [oracle(ref, p, MAX_TOKENS) for p in prompts]
+    eng = _engine(_distinct_norms(_fresh(tiny_model_dir), seed=3))
+    calls = []
+    blk = type(eng.runner.blocks[0])
+    orig = blk.decode_norm_out
+
+    def spy(self, *a, **kw):
+        calls.append(a[0].shape[0])
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(blk, "decode_norm_out", spy)
+    got = [eng.generate_many([(p, greedy(MAX_TOKENS))])[0] for p in prompts]
+    assert got == want
+    assert calls and set(calls) == {1}
+    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
+
+
 def test_reference_decode_logits_match_the_portable_runner(tiny_model_dir):
     """One decode step of a ragged batch: kernel-path logits == PagedRunner logits."""
     import mlx.core as mx
