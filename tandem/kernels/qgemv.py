@@ -613,19 +613,16 @@ def qgemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_si
     """
     n, words = w.shape
     k = words * 8
-    if KERNEL == "stream" and rows_override is None and _stream_fits(k, pair):
-        if norm_weight is not None and not STREAM_NORM:
-            x, norm_weight = mx.fast.rms_norm(x, norm_weight, eps), None
-        inside = norm_out is not None and NORM_OUT and not pair
-        y = qgemv_stream(x, w, scales, biases, norm_weight=norm_weight, eps=eps,
-                         residual=residual, pair=pair, norm_out=norm_out if inside else None)
-        if norm_out is None or inside:
-            return y
-        return y, mx.fast.rms_norm(y, norm_out[0], norm_out[1])
-    if norm_out is not None:
+    stream = KERNEL == "stream" and rows_override is None and _stream_fits(k, pair)
+    if norm_out is not None and not (stream and NORM_OUT and not pair):
         y = qgemv(x, w, scales, biases, group_size, norm_weight=norm_weight, eps=eps, residual=residual,
                   pair=pair, rows_override=rows_override)
         return y, mx.fast.rms_norm(y, norm_out[0], norm_out[1])
+    if stream:
+        if norm_weight is not None and not STREAM_NORM:
+            x, norm_weight = mx.fast.rms_norm(x, norm_weight, eps), None
+        return qgemv_stream(x, w, scales, biases, norm_weight=norm_weight, eps=eps,
+                            residual=residual, pair=pair, norm_out=norm_out)
     r = rows_override or rows_per_warp(n, k, pair)
     n_out = n // 2 if pair else n
     warps = (n_out // (r // 2) if pair else n // r)
