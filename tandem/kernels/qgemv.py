@@ -469,10 +469,15 @@ def _kernel(stream: bool = False, norm_out: bool = False):
 
 
 def ticket() -> mx.array:
-    """The last-block ticket of ``qgemv_stream(norm_out=...)``: a zero, made and evaluated
-    outside any compiled function; every launch leaves it at zero again. Launches that
-    share one run one after another on the stream."""
-    t = mx.zeros((1,), mx.int32)
+    """A last-block ticket for one call site of ``qgemv_stream(norm_out=...)``: zeros, made
+    and evaluated outside any compiled function; every launch leaves it at zero again.
+
+    One per call site: MLX's CUDA graph may run launches with no data dependency between
+    them at once, and two launches sharing a ticket would count each other's blocks (run
+    59: two independent launches sharing one got a wrong yn). 64 words, not one: MLX keeps arrays
+    of 8 bytes or less in a managed pool advised read-mostly, shared with the scalars the
+    host reads, and atomics on it fault (run 59: 35 tok/s instead of 301 at batch 1)."""
+    t = mx.zeros((64,), mx.int32)
     mx.eval(t)
     return t
 

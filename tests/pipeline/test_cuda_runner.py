@@ -296,6 +296,7 @@ def test_norm_out_runner_keeps_the_tokens(tiny_q4_k1024_dir, monkeypatch):
     eng = _engine(_fresh(tiny_q4_k1024_dir))
     got = [eng.generate_many([r])[0] for r in requests]
     assert sum(calls) >= 4  # o and down, two layers
+    assert all(not t.any().item() for pair in eng.runner.tickets for t in pair)
     agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
              for g, w in zip(got, want)]
     assert sum(agree) >= 0.9 * sum(len(w) for w in want), (got, want)
