@@ -84,32 +84,20 @@ def qgemv_stream_variants():
                  ("bool", "LOADS_ONLY", str(bool(lo)).lower())]
             yield (f"qgemv-stream {label} c{cpl} h{h} p{p}",
                    variant("tandem_qgemv_stream", qg._STREAM_SOURCE, qg._HEADER, ins, outs, t))
-    # the output norm's tail (qgemv_stream(norm_out=...)): o + residual and down + residual
-    for label, k, (cpl, h, p) in [("o+res", 4096, (1, 8, 1)), ("down+res", 14336, (1, 4, 4))]:
-        t = [("int", "K", str(k)), ("int", "CPL", str(cpl)), ("int", "H", str(h)), ("int", "P", str(p)),
-             ("bool", "PAIR", "false"), ("bool", "RES", "true"), ("bool", "NORM", "false"), ("int", "UNPACK", "1"),
-             ("bool", "LOADS_ONLY", "false")]
-        yield (f"qgemv-stream norm-out {label} c{cpl} h{h} p{p}",
-               variant("tandem_qgemv_stream_norm_out", qg._STREAM_SOURCE + qg._NORM_OUT_TAIL, qg._HEADER,
-                       ins + [("nout_w", "__half"), ("ticket", "int32_t")], outs + [("yn", "__half")], t))
 
 
 def attention_variants():
     ins = [("q", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
            ("params", "float")]
-    # kc: K loaded coalesced (TANDEM_ATT_KCOAL)
-    # kh: lane-per-row K loads with the L2::256B hint (TANDEM_ATT_KHINT)
-    for ver, d in (("v2", 128), ("v4", 128), ("v6", 128), ("v4kc", 128), ("v6kc", 128), ("v6kc", 64), ("v6kh", 128)):
+    for ver in ("v2", "v4", "v6"):
         for single in (True, False):
             src = (pac._ATT_SOURCE if ver == "v2" else pac._ATT_TILE_SOURCE) + pac._MERGE_TAIL
-            t = [("typename", "T", "__half"), ("int", "D", str(d)), ("int", "KVH", "8"), ("int", "G", "4"),
+            t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
                  ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower())]
             if ver != "v2":
-                t += [("bool", "VSM", str(ver.startswith("v6")).lower()), ("bool", "KC", str(ver.endswith("kc")).lower()),
-                      ("bool", "KH", str(ver.endswith("kh")).lower())]
+                t.append(("bool", "VSM", str(ver == "v6").lower()))
             outs = [("out", "T" if single else "float")]
-            yield (f"attention {ver} D={d} single={single}",
-                   variant("tandem_paged_decode", src, pac.HEADER, ins, outs, t))
+            yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac.HEADER, ins, outs, t)
     for label, src, extra in [("serial", pac._REDUCE_SOURCE, []),
                               ("parallel", pac._REDUCE_PAR_SOURCE, [("int", "MAXP", str(pac.MERGE_MAX_PARTS))])]:
         t = [("typename", "T", "__half"), ("int", "D", "128")] + extra
@@ -135,10 +123,10 @@ def attention_variants():
 def tile_write_variants():
     ins = [("qkv", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
            ("params", "float"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float")]
-    for ver, single in (("v4", "false"), ("v6", "true"), ("v6", "false"), ("v6kc", "true")):
+    for ver, single in (("v4", "false"), ("v6", "true"), ("v6", "false")):
         t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
-             ("int", "BS", "16"), ("bool", "SINGLE", single), ("bool", "VSM", str(ver.startswith("v6")).lower()),
-             ("bool", "KC", str(ver.endswith("kc")).lower()), ("bool", "KH", "false"), ("bool", "TRAD", "false")]
+             ("int", "BS", "16"), ("bool", "SINGLE", single), ("bool", "VSM", str(ver == "v6").lower()),
+             ("bool", "TRAD", "false")]
         outs = [("out", "T" if single == "true" else "float")]
         yield (f"decode attention tile+write {ver} single={single}",
                variant("tandem_paged_decode_tile_write", dac._TILE_WRITE_SOURCE, pac.HEADER, ins, outs, t))

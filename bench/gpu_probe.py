@@ -398,10 +398,7 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
         # Cold: 1 GiB streamed before every call (L2 and TLB flushed of this KV, as a decode
         # step's 4 GB of weights does between a layer's attention in two steps).
         big = mx.ones((1 << 29,), mx.float16) if flush else None
-        # kc / kh: K loaded coalesced (TANDEM_ATT_KCOAL) / with the L2::256B hint
-        # (TANDEM_ATT_KHINT), the batch-64 question left by run 58
-        versions = ("v2", "v4") if B < pac.V4_MIN_BATCH else ("v4", "v6", "v6kc", "v6kh", "v4kc")
-        k_flags = pac.K_COALESCED, pac.K_L2_HINT
+        versions = ("v2", "v4") if B < pac.V4_MIN_BATCH else ("v4", "v6")
         parts = (16, 64, 128, 2048) if B < pac.V4_MIN_BATCH else (128, 256, 2048)
         for ver in versions:
             for part in (parts if flush else (16, 32, 64, 128, 2048)):
@@ -409,9 +406,8 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
                     def fn_q(qq, ver=ver, part=part, merge=merge):
                         if big is not None:
                             qq = qq + (big.max() * 0).astype(qq.dtype)  # max: a sum of ones overflows to inf
-                        pac.K_COALESCED, pac.K_L2_HINT = ver.endswith("kc"), ver.endswith("kh")
                         return pac.paged_decode_attention(qq, kp, vp, table, lens, D**-0.5, BS, ctx, part,
-                                                          kernel=ver[:2], merge=merge)
+                                                          kernel=ver, merge=merge)
                     got = fn_q(q)
                     err = (mx.abs(got.reshape(B, H, D).astype(mx.float32) - want.astype(mx.float32)).max().item()
                            if want is not None else float("nan"))
@@ -425,7 +421,6 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
                                                         "err": err})
                     log(f"B={B:3d} {'cold' if flush else 'warm'} {ver} p{part:<5d} {merge:8s}: attention {att:6.1f} us + merge {red:5.1f} us"
                         f" = {att + red:6.1f}  (err {err:.1e})")
-        pac.K_COALESCED, pac.K_L2_HINT = k_flags
         if flush and B < dac.MAX_ROWS:
             # The one-launch RoPE + write + attention + merge the engine runs below 16
             # rows, at the engine's padded table width: the engine trace has it at 24.6-33
@@ -466,8 +461,7 @@ _KV_LOAD_SOURCE = r"""
   // Only v6's loads (batch x KV head blocks of 4 warps, 32-token tiles, one partition),
   // no arithmetic but an XOR that keeps them. PAT 0: a lane per token, its K row in 16
   // loads of 16 bytes (v6); 1: K loaded as V is, 16 lanes per row, two rows an
-  // instruction; 2: K as in 0, no V; 3: V only (cp.async, as v6); 4 and 5: as 0 and 2
-  // with the L2::256B hint on the K loads (TANDEM_ATT_KHINT).
+  // instruction; 2: K as in 0, no V; 3: V only (cp.async, as v6).
   const int h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int NB = table_shape[1];
@@ -480,20 +474,13 @@ _KV_LOAD_SOURCE = r"""
   unsigned acc = 0;
   for (int tb = 32 * warp; tb < len; tb += 128) {
     const int nv = min(32, len - tb);
-    if constexpr (PAT == 0 || PAT == 2 || PAT == 4 || PAT == 5) {
+    if constexpr (PAT == 0 || PAT == 2) {
       const int t = tb + lane;
       if (t < len) {
         const uint4* kp = reinterpret_cast<const uint4*>(k_pool + (((size_t)sm_tbl[t / BS] * BS + t % BS) * KVH + h) * D);
         uint4 kr[KW];
 #pragma unroll
-        for (int c = 0; c < KW; ++c) {
-          if constexpr (PAT >= 4) {
-            asm volatile("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(kr[c].x), "=r"(kr[c].y), "=r"(kr[c].z), "=r"(kr[c].w) : "l"(kp + c));
-          } else {
-            kr[c] = kp[c];
-          }
-        }
+        for (int c = 0; c < KW; ++c) kr[c] = kp[c];
 #pragma unroll
         for (int c = 0; c < KW; ++c) acc ^= kr[c].x ^ kr[c].y ^ kr[c].z ^ kr[c].w;
       }
@@ -512,7 +499,7 @@ _KV_LOAD_SOURCE = r"""
 #pragma unroll
       for (int k = 0; k < KW; ++k) acc ^= kr[k].x ^ kr[k].y ^ kr[k].z ^ kr[k].w;
     }
-    if constexpr (PAT != 2 && PAT != 5) {
+    if constexpr (PAT != 2) {
 #pragma unroll
       for (int k = 0; k < KW; ++k) {
         const int ci = lane + 32 * k;
@@ -560,9 +547,7 @@ def section_kv_loads(batches: list[int], ctx: int) -> None:
         fn = lambda: pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5, BS, ctx, 2048, kernel="v6")  # noqa: E731
         rows.append(("v6 attention", gpu_us(fn, "tandem_paged_decode"), kv_bytes))
         for pat, label, nbytes in ((0, "loads: K a lane per token + V", kv_bytes), (1, "loads: K 16 lanes a row + V", kv_bytes),
-                                   (2, "loads: K a lane per token only", kv_bytes // 2), (3, "loads: V only", kv_bytes // 2),
-                                   (4, "loads: K a lane/token L2::256B + V", kv_bytes),
-                                   (5, "loads: K a lane/token L2::256B", kv_bytes // 2)):
+                                   (2, "loads: K a lane per token only", kv_bytes // 2), (3, "loads: V only", kv_bytes // 2)):
             def fn_l(pat=pat):
                 return kernel(inputs=[kp, vp, table, lens], template=[("D", D), ("KVH", KVH), ("BS", BS), ("PAT", pat)],
                               grid=(128, KVH, B), threadgroup=(128, 1, 1), output_shapes=[(B * KVH * 128,)],

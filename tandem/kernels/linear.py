@@ -211,19 +211,6 @@ class FlatLinear(nn.Module):
         return qg.qgemv(x2, self["qweight"], self["scales"], self["biases"], self.group_size,
                         norm_weight=norm_weight, eps=eps, residual=residual, pair=pair)
 
-    def fused_norm_out(self, x2: mx.array, out_weight: mx.array, out_eps: float, ticket: mx.array, *,
-                       residual: mx.array | None = None) -> tuple[mx.array, mx.array]:
-        """``fused(x2, residual=residual)`` and that output's ``rms_norm`` with (out_weight,
-        out_eps), the next product's input: (y, yn). At one row ``qgemv``'s last block
-        computes the norm (``qgemv.NORM_OUT``, one launch fewer); else ``mx.fast.rms_norm``.
-        ticket: ``qgemv.ticket()``."""
-        if self._qgemv_applies(x2, pair=False):
-            _note_path("cuda-qgemv-4bit")
-            return qg.qgemv(x2, self["qweight"], self["scales"], self["biases"], self.group_size,
-                            residual=residual, norm_out=(out_weight, out_eps, ticket))
-        y = self.fused(x2, residual=residual)
-        return y, mx.fast.rms_norm(y, out_weight, out_eps)
-
     def _qgemv_applies(self, x2: mx.array, pair: bool) -> bool:
         return (USE_QGEMV and x2.shape[0] == 1 and self.has_quantized and "bias" not in self
                 and "biases" in self and qmm.cuda_available()

@@ -299,45 +299,16 @@ _ATT_TILE_SOURCE = r"""
   __shared__ __align__(16) T sm_v[VSM ? 4 : 1][VSM ? 32 : 1][VSM ? D : 8];
   __syncthreads();
 
-  // KC: the tile's K rows are loaded as V is, KW lanes a row and KR rows an instruction
-  // (whole 128-byte lines), instead of a lane's whole row in KW loads that each touch 32
-  // lines: run 58 read K alone at 0.71 TB/s that way at batch 64, K and V together at
-  // 2.24 coalesced. A lane then holds one 16-byte word of KW tokens; the partial dots
-  // meet in a reduction over the KW lanes of a row, after which the lane holds all G
-  // scores of token jown.
-  constexpr int KR = 32 / KW;
-  const int jown = KC ? (lane % KW) * KR + lane / KW : lane;
-
   // Warp-uniform loop: every lane of a warp runs the same tiles (full-mask shuffles).
   for (int tb = t0 + 32 * warp; tb < t1; tb += 128) {
-    const int t = tb + jown;
+    const int t = tb + lane;
     const bool valid = t < t1;
     const int nv = min(32, t1 - tb);
     uint4 kr[KW];
-    if constexpr (KC) {
-#pragma unroll
-      for (int k = 0; k < KW; ++k) {
-        // past the tile's end: the last token again (its dots are dropped), not garbage
-        const int tk = tb + min(k * KR + lane / KW, nv - 1);
-        const T* kp = k_pool + (((size_t)sm_tbl[tk / BS - fb] * BS + (tk % BS)) * KVH + h) * D;
-        kr[k] = reinterpret_cast<const uint4*>(kp)[lane % KW];
-      }
-    } else if (valid) {
+    if (valid) {
       const T* kp = k_pool + (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D;
 #pragma unroll
-      for (int c = 0; c < KW; ++c) {
-        if constexpr (KH) {
-          // L2::256B: the L2 fetches the row's whole 256 bytes on the first miss; the
-          // lane's other loads of the row then find it there (each load instruction of
-          // this pattern touches 32 lines, which the L1 does not keep for the next one).
-          uint4 u;
-          asm volatile("ld.global.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                       : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(reinterpret_cast<const uint4*>(kp) + c));
-          kr[c] = u;
-        } else {
-          kr[c] = reinterpret_cast<const uint4*>(kp)[c];
-        }
-      }
+      for (int c = 0; c < KW; ++c) kr[c] = reinterpret_cast<const uint4*>(kp)[c];
     }
     // The tile's V loads go out with its K loads (they do not depend on the scores), so
     // a tile costs one memory latency, not five (K, then V in four chunks of 8 tokens:
@@ -374,58 +345,7 @@ _ATT_TILE_SOURCE = r"""
     float s[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) s[g] = -INFINITY;
-    if constexpr (KC) {
-      // Each word's G dots go into a reduction tree over the row's KW lanes as soon as
-      // they exist: at level lv, word k's sum (k bit lv set) meets its even sibling's,
-      // and the lane with lane bit lv set keeps the odd one, the other lane the even one,
-      // each adding what the partner sends: G (KW - 1) shuffles a tile, at most
-      // log2(KW) sums pending. The word left at the end is k = lane % KW: token jown.
-      //
-      // ptxas would compute all KW words' dots at once (G KW accumulators: 168 registers,
-      // 3 blocks an SM). Each query slice is read at an offset that is the last dot
-      // masked by a zero it cannot see (PART >> 30), which orders the dots: one head's
-      // 8 query values in registers at a time.
-      const int w = lane % KW;
-      const int zmask = PART >> 30;
-      int zoff = 0;
-      float lvl[5][G];
-#pragma unroll
-      for (int k = 0; k < KW; ++k) {
-        const T* kh = reinterpret_cast<const T*>(&kr[k]);
-        float v[G];
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float4 qa = *reinterpret_cast<const float4*>(&sm_q[g][w * 8 + zoff]);
-          const float4 qb = *reinterpret_cast<const float4*>(&sm_q[g][w * 8 + 4 + zoff]);
-          float a = qa.x * pa_f(kh[0]);
-          a = fmaf(qa.y, pa_f(kh[1]), a);
-          a = fmaf(qa.z, pa_f(kh[2]), a); a = fmaf(qa.w, pa_f(kh[3]), a);
-          a = fmaf(qb.x, pa_f(kh[4]), a); a = fmaf(qb.y, pa_f(kh[5]), a);
-          a = fmaf(qb.z, pa_f(kh[6]), a); a = fmaf(qb.w, pa_f(kh[7]), a);
-          v[g] = a;
-          zoff = __float_as_int(a) & zmask;
-        }
-#pragma unroll
-        for (int lv = 0; (1 << lv) < KW; ++lv) {
-          if (!((k >> lv) & 1)) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) lvl[lv][g] = v[g];
-            break;
-          }
-          const bool upper = lane & (1 << lv);
-#pragma unroll
-          for (int g = 0; g < G; ++g) {
-            const float send = upper ? lvl[lv][g] : v[g];
-            const float keep = upper ? v[g] : lvl[lv][g];
-            v[g] = keep + __shfl_xor_sync(0xffffffffu, send, 1 << lv);
-          }
-        }
-        if (k == KW - 1) {
-#pragma unroll
-          for (int g = 0; g < G; ++g) s[g] = valid ? v[g] : -INFINITY;
-        }
-      }
-    } else if (valid) {
+    if (valid) {
 #pragma unroll
       for (int g = 0; g < G; ++g) s[g] = 0.f;
 #pragma unroll
@@ -457,7 +377,7 @@ _ATT_TILE_SOURCE = r"""
 #pragma unroll
       for (int i = 0; i < DPL; ++i) acc[g][i] *= c;
       mx_[g] = mn;
-      sm_p[warp][jown][g] = p;
+      sm_p[warp][lane][g] = p;
     }
     if constexpr (VSM) asm volatile("cp.async.wait_group 0;\n" ::);
     __syncwarp();
@@ -505,15 +425,6 @@ loaded 8 lanes per token, 7,557 with spilled registers: removed)."""
 
 V4_MIN_BATCH = 16
 V6_MIN_BATCH = 64
-
-K_COALESCED = os.environ.get("TANDEM_ATT_KCOAL", "0") == "1"
-"""Whether the tile-wise kernels (v4, v6) load a tile's K rows coalesced, 16 lanes a row
-(template ``KC``), and reduce the scores across lanes. Off until the engine runs it on
-the device: run 58 read K alone at 0.71 TB/s a lane per row, K and V at 2.24 coalesced."""
-
-K_L2_HINT = os.environ.get("TANDEM_ATT_KHINT", "0") == "1"
-"""Whether the tile-wise kernels' lane-per-row K loads carry the ``L2::256B`` hint
-(template ``KH``; not with ``KC``). Off until measured on the device."""
 
 # Template: T, D. Inputs: part (B, H, NPART, D + 2). Output: o (B, H, D) in T.
 _REDUCE_SOURCE = r"""
@@ -666,7 +577,7 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     template = [("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
                 ("SINGLE", single)]
     if version != "v2":
-        template += [("VSM", version == "v6"), ("KC", K_COALESCED), ("KH", K_L2_HINT)]
+        template.append(("VSM", version == "v6"))
     (partials,) = _attention_kernel(version != "v2")(
         inputs=[q, k_pool, v_pool, i32(table), i32(lens), _params(float(scale), part)],
         template=template,

@@ -417,48 +417,8 @@ _STREAM_SOURCE = r"""
 """
 
 
-# The streaming kernel's tail with an output norm (qgemv_stream's ``norm_out``): the last
-# block to finish also writes yn = rms_norm(y) * nout_w, the next product's input, so that
-# norm is not a launch of its own: at one row the engine thread's ~7-9 us per op bounds
-# the step (runs 49-57), and the norms are 2 of a layer's 7 ops. The last block reads all
-# of y back from the L2 (__ldcg: other blocks wrote it) and sums its squares in a fixed
-# order, so yn does not vary from run to run. The roundings are mx.fast.rms_norm's: x * rs
-# to fp16, times the weight, to fp16. The ticket is reset for the next launch.
-_NORM_OUT_TAIL = r"""
-  __shared__ int sm_last;
-  __threadfence();
-  __syncthreads();
-  int* tk = const_cast<int*>(ticket);
-  if (tid == 0) sm_last = atomicAdd(tk, 1) == (int)gridDim.x - 1;
-  __syncthreads();
-  if (!sm_last) return;
-  __threadfence();
-  float ss = 0.f;
-  for (int i = tid; i < rows_out; i += NT) {
-    const float v = __half2float(__ldcg(y + i));
-    ss = fmaf(v, v, ss);
-  }
-  const float rsn = qgemv_block_rs<NW>(ss, sred, lane, warp, rows_out, fparams[1]);
-  for (int i = tid; i < rows_out; i += NT) {
-    const float v = __half2float(__ldcg(y + i));
-    yn[i] = __float2half(__half2float(__float2half(v * rsn)) * __half2float(nout_w[i]));
-  }
-  if (tid == 0) *tk = 0;
-"""
-
-
 @functools.cache
-def _kernel(stream: bool = False, norm_out: bool = False):
-    if norm_out:
-        # Not ensure_row_contiguous: a contiguity copy of the ticket would lose its reset.
-        return mx.fast.cuda_kernel(
-            name="tandem_qgemv_stream_norm_out",
-            input_names=["x", "w", "scales", "biases", "norm_w", "res", "fparams", "nout_w", "ticket"],
-            output_names=["y", "yn"],
-            source=_STREAM_SOURCE + _NORM_OUT_TAIL,
-            header=_HEADER,
-            ensure_row_contiguous=False,
-        )
+def _kernel(stream: bool = False):
     return mx.fast.cuda_kernel(
         name="tandem_qgemv_stream" if stream else "tandem_qgemv",
         input_names=["x", "w", "scales", "biases", "norm_w", "res", "fparams"],
@@ -466,20 +426,6 @@ def _kernel(stream: bool = False, norm_out: bool = False):
         source=_STREAM_SOURCE if stream else _SOURCE,
         header=_HEADER,
     )
-
-
-def ticket() -> mx.array:
-    """A last-block ticket for one call site of ``qgemv_stream(norm_out=...)``: zeros, made
-    and evaluated outside any compiled function; every launch leaves it at zero again.
-
-    One per call site: MLX's CUDA graph may run launches with no data dependency between
-    them at once, and two launches sharing a ticket would count each other's blocks (run
-    59: two independent launches sharing one got a wrong yn). 64 words, not one: MLX keeps arrays
-    of 8 bytes or less in a managed pool advised read-mostly, shared with the scalars the
-    host reads, and atomics on it fault (run 59: 35 tok/s instead of 301 at batch 1)."""
-    t = mx.zeros((64,), mx.int32)
-    mx.eval(t)
-    return t
 
 
 KERNEL = os.environ.get("TANDEM_QGEMV_KERNEL", "stream")
@@ -513,12 +459,6 @@ kernel, gate/up 34.4 against 28.5) and saves two launches a layer; in the engine
 batch 1 (runs 40 and 42) it gave 271 / 260 / 293 / 212 tok/s against 279 / 277 / 247 /
 245 / 276 with the norm first, machine to machine: no gain shown, so it stays off."""
 
-NORM_OUT = os.environ.get("TANDEM_QGEMV_NORM_OUT", "0") == "1"
-"""Whether a one-row product whose output feeds an rms_norm (the o and down products:
-the next layer's or the final norm) computes that norm in its last block
-(``_NORM_OUT_TAIL``) instead of ``mx.fast.rms_norm`` as its own launch: 64 ops fewer a
-step on an 8B model. Off until measured on the device."""
-
 STREAM_UNPACK = int(os.environ.get("TANDEM_QGEMV_UNPACK", "1"))
 """Nibble unpacking in the streaming kernel: 0 shifts each word three times, 1 masks the
 high nibbles in place and rescales them with an fma (one shift a word). Run 40, CUPTI:
@@ -529,12 +469,9 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
                  norm_weight: mx.array | None = None, eps: float = 1e-5,
                  residual: mx.array | None = None, pair: bool = False,
                  shape: tuple[int, int, int] | None = None, unpack: int | None = None,
-                 loads_only: bool = False,
-                 norm_out: tuple[mx.array, float, mx.array] | None = None):
+                 loads_only: bool = False) -> mx.array:
     """The streaming kernel. shape overrides ``stream_shape``, unpack ``STREAM_UNPACK``
-    (measurements); loads_only skips the arithmetic (a bandwidth probe, wrong results).
-    norm_out (weight, eps, ticket): also ``rms_norm(y, weight, eps)``, computed by the
-    last block (``_NORM_OUT_TAIL``); returns (y, yn) then. Not with ``pair``."""
+    (measurements); loads_only skips the arithmetic (a bandwidth probe, wrong results)."""
     n, words = w.shape
     k = words * 8
     cpl, h, p = shape or stream_shape(k)
@@ -542,34 +479,21 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     rows_per_block = p * h
     n_out = n // 2 if pair else n
     blocks = -(-n_out // (rows_per_block // 2 if pair else rows_per_block))
-    if norm_out is not None and pair:
-        raise ValueError("qgemv_stream: norm_out is for plain products, not the gate/up pair")
-    inputs = [x, w, scales, biases,
-              norm_weight if norm_weight is not None else qmm._dummy(mx.float16),
-              residual if residual is not None else qmm._dummy(mx.float16)]
-    if norm_out is not None:
-        inputs += [_fparams2(float(eps), float(norm_out[1])), norm_out[0], norm_out[2]]
-    else:
-        inputs.append(qmm._fparams(float(eps)))
-    outs = _kernel(stream=True, norm_out=norm_out is not None)(
-        inputs=inputs,
+    (y,) = _kernel(stream=True)(
+        inputs=[x, w, scales, biases,
+                norm_weight if norm_weight is not None else qmm._dummy(mx.float16),
+                residual if residual is not None else qmm._dummy(mx.float16),
+                qmm._fparams(float(eps))],
         template=[("K", k), ("CPL", cpl), ("H", h), ("P", p), ("PAIR", bool(pair)),
                   ("RES", residual is not None), ("NORM", norm_weight is not None),
                   ("UNPACK", STREAM_UNPACK if unpack is None else unpack),
                   ("LOADS_ONLY", bool(loads_only))],
         grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(1, n_out)] * (2 if norm_out is not None else 1),
-        output_dtypes=[mx.float16] * (2 if norm_out is not None else 1),
+        output_shapes=[(1, n_out)],
+        output_dtypes=[mx.float16],
     )
-    return tuple(outs) if norm_out is not None else outs[0]
-
-
-@functools.cache
-def _fparams2(eps: float, eps_out: float) -> mx.array:
-    a = mx.array([eps, eps_out], dtype=mx.float32)
-    mx.eval(a)
-    return a
+    return y
 
 
 def supports(x: mx.array, w: mx.array, scales: mx.array, bits: int, group_size: int,
@@ -606,28 +530,20 @@ def rows_per_warp(n: int, k: int, pair: bool) -> int:
 def qgemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int = 64, *,
           norm_weight: mx.array | None = None, eps: float = 1e-5,
           residual: mx.array | None = None, pair: bool = False,
-          rows_override: int | None = None,
-          norm_out: tuple[mx.array, float, mx.array] | None = None):
+          rows_override: int | None = None) -> mx.array:
     """``x @ dequantize(w).T`` for one fp16 row, 4-bit weights, on CUDA.
 
     norm_weight: the input is ``rms_norm(x, norm_weight, eps)`` first. pair: ``w`` holds
     [gate; up] stacked (N = 2F rows) and the result is ``swiglu(gate, up)`` (1, F).
-    residual (1, N or F): added last. norm_out (weight, eps, ticket): returns (y,
-    rms_norm(y, weight, eps)), the norm inside the streaming kernel where it runs
-    (``NORM_OUT``). See ``qgemv_reference``.
+    residual (1, N or F): added last. See ``qgemv_reference``.
     """
     n, words = w.shape
     k = words * 8
-    stream = KERNEL == "stream" and rows_override is None and _stream_fits(k, pair)
-    if norm_out is not None and not (stream and NORM_OUT and not pair):
-        y = qgemv(x, w, scales, biases, group_size, norm_weight=norm_weight, eps=eps, residual=residual,
-                  pair=pair, rows_override=rows_override)
-        return y, mx.fast.rms_norm(y, norm_out[0], norm_out[1])
-    if stream:
+    if KERNEL == "stream" and rows_override is None and _stream_fits(k, pair):
         if norm_weight is not None and not STREAM_NORM:
             x, norm_weight = mx.fast.rms_norm(x, norm_weight, eps), None
         return qgemv_stream(x, w, scales, biases, norm_weight=norm_weight, eps=eps,
-                            residual=residual, pair=pair, norm_out=norm_out)
+                            residual=residual, pair=pair)
     r = rows_override or rows_per_warp(n, k, pair)
     n_out = n // 2 if pair else n
     warps = (n_out // (r // 2) if pair else n // r)

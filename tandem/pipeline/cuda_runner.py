@@ -47,7 +47,6 @@ from tandem.kernels import linear
 from tandem.kernels import paged_attention as pa
 from tandem.kernels import paged_attention_cuda as pac
 from tandem.kernels import kv_write_cuda as kvw
-from tandem.kernels import qgemv as qg
 from tandem.kernels.quantized_matmul import cuda_available
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.model_runner import PagedRunner
@@ -248,19 +247,6 @@ class FusedBlock(nn.Module):
         g = self.gate_up.fused(h, norm_weight=self.ln2, eps=self.eps2)
         return self.down_proj.fused(g, swiglu=True, residual=h).reshape(B, L, W)
 
-    def decode_norm_out(self, h, hn, ops, step: _Step, kp, vp, block_size: int, next_norm, tickets):
-        """``decode`` with each norm made by the product before it: hn = rms_norm(h, ln1)
-        comes in, and (h, rms_norm(h, *next_norm), kp, vp) goes out (next_norm: the next
-        layer's input norm, or the final norm, as (weight, eps)). tickets: this layer's two
-        ``qgemv.ticket()``s, for the o and the down product."""
-        y = self.qkv.fused(hn)
-        a, kp, vp = ops.write_attend(y, step, kp, vp, self.inv_freq, self.H, self.KVH, self.traditional,
-                                     self.scale, block_size)
-        h, hn = self.o_proj.fused_norm_out(a, self.ln2, self.eps2, tickets[0], residual=h)
-        g = self.gate_up.fused_swiglu(hn)
-        h, hn = self.down_proj.fused_norm_out(g, next_norm[0], next_norm[1], tickets[1], residual=h)
-        return h, hn, kp, vp
-
     def decode(self, h, ops, step: _Step, kp, vp, block_size: int):
         """h: (B, W) one token per row -> (h, kp, vp); this token's K/V go into the pools."""
         y = self.qkv.fused(h, norm_weight=self.ln1, eps=self.eps1)
@@ -305,8 +291,6 @@ class KernelRunner(PagedRunner):
         self.final_norm = inner.norm
         head = getattr(model, "lm_head", None)
         self.head = head if isinstance(head, linear.FlatLinear) else None
-        # The output norms' last-block tickets (qgemv.NORM_OUT), one per product.
-        self.tickets = [(qg.ticket(), qg.ticket()) for _ in self.blocks]
         if compile_decode is None:
             compile_decode = os.environ.get("TANDEM_DECODE_COMPILE", "1") == "1"
         # Compiled: the step's graph is traced once per (batch, table width) and replayed
@@ -454,20 +438,9 @@ class KernelRunner(PagedRunner):
         step = _Step(pos, slots, table, lens, self.store.block_size, self.store.n_kv_heads)
         B = inputs.shape[0]
         h = self._embed(inputs).reshape(B, -1)
-        norm = self.final_norm
-        if B == 1 and qg.NORM_OUT:
-            # One row: each rms_norm comes out of the product before it (qgemv.NORM_OUT).
-            first = self.blocks[0]
-            hn = mx.fast.rms_norm(h, first.ln1, first.eps1)
-            for i, blk in enumerate(self.blocks):
-                nxt = self.blocks[i + 1] if i + 1 < L else None
-                next_norm = (nxt.ln1, nxt.eps1) if nxt is not None else (norm.weight, norm.eps)
-                h, hn, keys[i], values[i] = blk.decode_norm_out(h, hn, self.ops, step, keys[i], values[i],
-                                                                self.store.block_size, next_norm, self.tickets[i])
-            logits = self.head.fused(hn) if self.head is not None else self.embed.as_linear(hn)
-            return logits if self.compiled else (logits, *keys, *values)
         for i, blk in enumerate(self.blocks):
             h, keys[i], values[i] = blk.decode(h, self.ops, step, keys[i], values[i], self.store.block_size)
+        norm = self.final_norm
         if self.head is not None:
             logits = self.head.fused(h, norm_weight=norm.weight, eps=norm.eps)
         else:

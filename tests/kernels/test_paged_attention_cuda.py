@@ -132,32 +132,6 @@ def test_cuda_decode_tile_kernels_head_dim_64(lens, part):
 @gpu
 @pytest.mark.gpu
 @hang_guard
-@pytest.mark.parametrize("D,lens,part", [
-    (128, RAGGED + [300] * 4, 64), (128, RAGGED, None), (128, [1 + (37 * i) % 600 for i in range(64)], None),
-    (128, [577] * 16, 128), (64, [1, 70, 300, 33, 5, 16, 17], 64), (64, [129] * 16, None)])
-def test_k_load_variants_match(D, lens, part, monkeypatch):
-    """The tile-wise kernels with K loaded coalesced (TANDEM_ATT_KCOAL: 16 lanes a row,
-    the scores summed across lanes) agree with the reference; with the L2::256B hint
-    (TANDEM_ATT_KHINT) they give the plain kernels' bits (only the loads change)."""
-    B, H, KVH = len(lens), 32 if D == 128 else 8, 8 if D == 128 else 2
-    q, kp, vp, table, la = _pool_case(B, H, KVH, D, 16, lens, seed=len(lens) + D, dtype=mx.float16)
-    want = pac.paged_decode_attention_reference(q, kp, vp, table, la, D**-0.5, 16)
-    for kernel in ("v4", "v6"):
-        outs = {}
-        for kc, kh in ((False, False), (True, False), (False, True)):
-            monkeypatch.setattr(pac, "K_COALESCED", kc)
-            monkeypatch.setattr(pac, "K_L2_HINT", kh)
-            outs[kc, kh] = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, 16, max(lens), part,
-                                                      kernel=kernel)
-            mx.eval(outs[kc, kh])
-            err = mx.abs(outs[kc, kh].astype(mx.float32) - want.astype(mx.float32)).max().item()
-            assert err < 5e-3, (kernel, kc, kh, err)
-        assert mx.array_equal(outs[False, True], outs[False, False]).item(), kernel
-
-
-@gpu
-@pytest.mark.gpu
-@hang_guard
 @pytest.mark.parametrize("lens,part", [([1, 70, 30, 9, 64, 65, 2], 64), ([33, 5, 80], None), (RAGGED, 16)])
 def test_cuda_decode_fp32_head_dim_16(lens, part):
     """The tiny test model's shape (fp32, 16-wide heads, 2 query heads a KV head): every

@@ -141,28 +141,3 @@ def test_stream_fused_norm_and_unpacking_match_reference(n, k, pair, unpack):
         assert _rel_err(got, want) < 5e-3, shape
         got = qg.qgemv_stream(x, wq, s, b, pair=pair, shape=shape, unpack=unpack)
         assert _rel_err(got, qg.qgemv_reference(x, wq, s, b, 64, pair=pair)) < 5e-3, shape
-
-
-@gpu
-@pytest.mark.gpu
-@hang_guard
-@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (1000, 2048)])
-def test_stream_norm_out_adds_the_next_norm(n, k):
-    """qgemv_stream(norm_out=...): y is the plain kernel's, bit for bit; the last block's
-    yn is mx.fast.rms_norm(y) up to the order of the sum of squares; the tickets are back
-    at zero, so the next launches (another step's) give the same again. The launches are
-    independent, so MLX may run them at once: each has its own ticket, as in the runner."""
-    x, wq, s, b = _case(n, k, 64, seed=n + k)
-    res = mx.random.normal((1, n)).astype(mx.float16)
-    nw = (1 + 0.1 * mx.random.normal((n,))).astype(mx.float16)
-    tickets = [qg.ticket() for _ in range(3)]
-    plain = qg.qgemv_stream(x, wq, s, b, residual=res)
-    want_n = mx.fast.rms_norm(plain, nw, 1e-5)
-    for _ in range(2):
-        outs = [qg.qgemv_stream(x, wq, s, b, residual=res, norm_out=(nw, 1e-5, t)) for t in tickets]
-        mx.eval(plain, want_n, outs)
-        for y, yn in outs:
-            assert mx.array_equal(y, plain).item()
-            assert _rel_err(yn, want_n) < 2e-3
-            assert mx.array_equal(yn, outs[0][1]).item()
-        assert all(not t.any().item() for t in tickets)
