@@ -28,6 +28,7 @@ from tandem.kernels import decode_attention_cuda as dac  # noqa: E402
 from tandem.kernels import embed_cuda  # noqa: E402
 from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels import qgemv as qg  # noqa: E402
+from tandem.kernels import swiglu_cuda  # noqa: E402
 from tandem.kernels import w4mma  # noqa: E402
 
 PRELUDE = """
@@ -155,6 +156,12 @@ def embed_variants():
                variant("tandem_quantized_embedding", embed_cuda._SOURCE, "", ins, [("out", "T")], t))
 
 
+def swiglu_variants():
+    for dtype in ("__half", "__nv_bfloat16"):
+        yield (f"swiglu {dtype}", variant("tandem_swiglu", swiglu_cuda._SOURCE, "", [("y", dtype)],
+                                          [("out", dtype)], [("typename", "T", dtype)]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
@@ -169,7 +176,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
     for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(),
-                                      *embed_variants()]):
+                                      *embed_variants(), *swiglu_variants()]):
         if args.only not in label:
             continue
         cu = work / f"k{i}.cu"

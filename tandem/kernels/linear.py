@@ -34,13 +34,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from tandem.kernels import qgemv as qg
 from tandem.kernels import quantized_matmul as qmm
+from tandem.kernels import swiglu_cuda
 from tandem.kernels import w4mma
-
-try:  # the same compiled activation the mlx-lm models use, so results match them exactly
-    from mlx_lm.models.activations import swiglu as _swiglu
-except ImportError:  # pragma: no cover
-    def _swiglu(gate, up):
-        return nn.silu(gate) * up
 
 log = logging.getLogger("tandem.kernels")
 
@@ -178,8 +173,7 @@ class FlatLinear(nn.Module):
             # The residual costs the kernel nothing; the norm and swiglu do (see
             # FUSE_MAX_ROWS): run those as their own ops first.
             if swiglu:
-                k = x2.shape[-1] // 2
-                x2, swiglu = _swiglu(x2[:, :k], x2[:, k:]), False
+                x2, swiglu = swiglu_cuda.swiglu(x2), False
             if norm_weight is not None:
                 x2, norm_weight = mx.fast.rms_norm(x2, norm_weight, eps), None
         if multirow:
@@ -189,8 +183,7 @@ class FlatLinear(nn.Module):
                                              self.group_size, self.bits, norm_weight=norm_weight,
                                              eps=eps, residual=residual, swiglu=swiglu)
         if swiglu:
-            k = x2.shape[-1] // 2
-            x2 = _swiglu(x2[:, :k], x2[:, k:])
+            x2 = swiglu_cuda.swiglu(x2)
         if norm_weight is not None:
             x2 = mx.fast.rms_norm(x2, norm_weight, eps)
         if self._w4mma_applies(x2):
@@ -225,9 +218,7 @@ class FlatLinear(nn.Module):
         if self._qgemv_applies(x2, pair=True):
             _note_path("cuda-qgemv-4bit-swiglu")
             return self._qgemv(x2, norm_weight, eps, pair=True)
-        y = self.fused(x2, norm_weight=norm_weight, eps=eps)
-        f = y.shape[-1] // 2
-        return _swiglu(y[:, :f], y[:, f:])
+        return swiglu_cuda.swiglu(self.fused(x2, norm_weight=norm_weight, eps=eps))
 
     def __call__(self, x: mx.array) -> mx.array:
         lead = x.shape[:-1]
