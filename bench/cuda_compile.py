@@ -90,17 +90,15 @@ def qgemv_stream_variants():
 def attention_variants():
     ins = [("q", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
            ("params", "float")]
-    # v6ksm: K by cp.async into shared memory too (TANDEM_ATT_KSM)
-    for ver, d in (("v2", 128), ("v4", 128), ("v6", 128), ("v6ksm", 128), ("v6ksm", 64)):
+    for ver in ("v2", "v4", "v6"):
         for single in (True, False):
             src = (pac._ATT_SOURCE if ver == "v2" else pac._ATT_TILE_SOURCE) + pac._MERGE_TAIL
-            t = [("typename", "T", "__half"), ("int", "D", str(d)), ("int", "KVH", "8"), ("int", "G", "4"),
+            t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
                  ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower())]
             if ver != "v2":
-                t += [("bool", "VSM", str(ver.startswith("v6")).lower()), ("bool", "KSM", str(ver == "v6ksm").lower())]
+                t.append(("bool", "VSM", str(ver == "v6").lower()))
             outs = [("out", "T" if single else "float")]
-            yield (f"attention {ver} D={d} single={single}",
-                   variant("tandem_paged_decode", src, pac.HEADER, ins, outs, t))
+            yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac.HEADER, ins, outs, t)
     for label, src, extra in [("serial", pac._REDUCE_SOURCE, []),
                               ("parallel", pac._REDUCE_PAR_SOURCE, [("int", "MAXP", str(pac.MERGE_MAX_PARTS))])]:
         t = [("typename", "T", "__half"), ("int", "D", "128")] + extra
@@ -126,10 +124,10 @@ def attention_variants():
 def tile_write_variants():
     ins = [("qkv", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
            ("params", "float"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float")]
-    for ver, single in (("v4", "false"), ("v6", "true"), ("v6", "false"), ("v6ksm", "false")):
+    for ver, single in (("v4", "false"), ("v6", "true"), ("v6", "false")):
         t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
-             ("int", "BS", "16"), ("bool", "SINGLE", single), ("bool", "VSM", str(ver.startswith("v6")).lower()),
-             ("bool", "KSM", str(ver == "v6ksm").lower()), ("bool", "TRAD", "false")]
+             ("int", "BS", "16"), ("bool", "SINGLE", single), ("bool", "VSM", str(ver == "v6").lower()),
+             ("bool", "TRAD", "false")]
         outs = [("out", "T" if single == "true" else "float")]
         yield (f"decode attention tile+write {ver} single={single}",
                variant("tandem_paged_decode_tile_write", dac._TILE_WRITE_SOURCE, pac.HEADER, ins, outs, t))

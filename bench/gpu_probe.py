@@ -398,9 +398,7 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
         # Cold: 1 GiB streamed before every call (L2 and TLB flushed of this KV, as a decode
         # step's 4 GB of weights does between a layer's attention in two steps).
         big = mx.ones((1 << 29,), mx.float16) if flush else None
-        # v6ksm: v6 with K by cp.async into shared memory (TANDEM_ATT_KSM)
-        versions = ("v2", "v4") if B < pac.V4_MIN_BATCH else ("v4", "v6", "v6ksm")
-        k_smem = pac.K_SMEM
+        versions = ("v2", "v4") if B < pac.V4_MIN_BATCH else ("v4", "v6")
         parts = (16, 64, 128, 2048) if B < pac.V4_MIN_BATCH else (128, 256, 2048)
         for ver in versions:
             for part in (parts if flush else (16, 32, 64, 128, 2048)):
@@ -408,9 +406,8 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
                     def fn_q(qq, ver=ver, part=part, merge=merge):
                         if big is not None:
                             qq = qq + (big.max() * 0).astype(qq.dtype)  # max: a sum of ones overflows to inf
-                        pac.K_SMEM = ver.endswith("ksm")
                         return pac.paged_decode_attention(qq, kp, vp, table, lens, D**-0.5, BS, ctx, part,
-                                                          kernel=ver[:2], merge=merge)
+                                                          kernel=ver, merge=merge)
                     got = fn_q(q)
                     err = (mx.abs(got.reshape(B, H, D).astype(mx.float32) - want.astype(mx.float32)).max().item()
                            if want is not None else float("nan"))
@@ -424,7 +421,6 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
                                                         "err": err})
                     log(f"B={B:3d} {'cold' if flush else 'warm'} {ver} p{part:<5d} {merge:8s}: attention {att:6.1f} us + merge {red:5.1f} us"
                         f" = {att + red:6.1f}  (err {err:.1e})")
-        pac.K_SMEM = k_smem
         if flush and B < dac.MAX_ROWS:
             # The one-launch RoPE + write + attention + merge the engine runs below 16
             # rows, at the engine's padded table width: the engine trace has it at 24.6-33

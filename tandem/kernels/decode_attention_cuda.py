@@ -404,7 +404,7 @@ attention). H200 runs 56-57, engine batch 64, alternating processes: 8,746 / 8,8
 
 
 @functools.cache
-def _tile_write_kernel(shared_bytes: int = 0):
+def _tile_write_kernel():
     # Not ensure_row_contiguous: a contiguity copy of a pool would swallow the writes.
     return mx.fast.cuda_kernel(
         name="tandem_paged_decode_tile_write",
@@ -413,7 +413,6 @@ def _tile_write_kernel(shared_bytes: int = 0):
         source=_TILE_WRITE_SOURCE,
         header=pac.HEADER,
         ensure_row_contiguous=False,
-        shared_memory=shared_bytes,
     )
 
 
@@ -446,13 +445,11 @@ def decode_attention_tile(qkv: mx.array, pos: mx.array, slots: mx.array, inv_fre
     part = partition or pac.choose_partition(B, KVH, max_len)
     npart = max(1, -(-max_len // part))
     single = npart == 1
-    smem = pac.k_smem_bytes(version, D, H // KVH, qkv.dtype)
-    (partials,) = _tile_write_kernel(smem)(
+    (partials,) = _tile_write_kernel()(
         inputs=[qkv, k_pool, v_pool, pac.i32(table), pac.i32(lens), pac._params(float(scale), part),
                 pac.i32(pos), pac.i32(slots), inv_freq],
         template=[("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
-                  ("SINGLE", single), ("VSM", version == "v6"), ("KSM", smem > 0),
-                  ("TRAD", bool(traditional))],
+                  ("SINGLE", single), ("VSM", version == "v6"), ("TRAD", bool(traditional))],
         grid=(npart * pac._ATT_THREADS, KVH, B),
         threadgroup=(pac._ATT_THREADS, 1, 1),
         output_shapes=[(B, H * D) if single else (B, H, npart, D + 2)],

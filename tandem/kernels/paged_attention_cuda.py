@@ -296,16 +296,7 @@ _ATT_TILE_SOURCE = r"""
   constexpr int NACC = DPL;
 """ + _ATT_PROLOGUE + r"""
   __shared__ float sm_p[4][32][G];
-  // KSM (with VSM): the V tiles and each warp's K tile, 32 rows of KW 16-byte words, in
-  // dynamic shared memory (64 KB at D = 128, over the 48 KB a block may declare
-  // statically); word c of K row j is stored at c ^ (j % 8), so the score phase's reads
-  // (lane j, word c) hit 8 distinct 16-byte bank groups a quarter warp. After the tiles
-  // the same memory holds the warps' accumulators.
-  extern __shared__ __align__(16) unsigned char pa_dyn[];
-  __shared__ __align__(16) T sm_v_s[VSM && !KSM ? 4 : 1][32][VSM ? D : 8];
-  T (*sm_v)[32][VSM ? D : 8] = KSM ? reinterpret_cast<T (*)[32][VSM ? D : 8]>(pa_dyn) : sm_v_s;
-  T* sm_k = reinterpret_cast<T*>(pa_dyn) + (4 + warp) * 32 * D;
-  static_assert(!KSM || (VSM && 16 * G * D <= 8 * 32 * D * (int)sizeof(T)), "KSM: v6 only, G <= 32");
+  __shared__ __align__(16) T sm_v[VSM ? 4 : 1][VSM ? 32 : 1][VSM ? D : 8];
   __syncthreads();
 
   // Warp-uniform loop: every lane of a warp runs the same tiles (full-mask shuffles).
@@ -313,24 +304,8 @@ _ATT_TILE_SOURCE = r"""
     const int t = tb + lane;
     const bool valid = t < t1;
     const int nv = min(32, t1 - tb);
-    uint4 kr[KSM ? 1 : KW];
-    if constexpr (KSM) {
-      // K as V is loaded: KW lanes a row, whole 128-byte lines per instruction. A lane
-      // loading its own row (below) makes every load instruction touch 32 lines: run 58
-      // read K alone that way at 0.71 TB/s at batch 64, K and V coalesced at 2.24.
-#pragma unroll
-      for (int k = 0; k < KW; ++k) {
-        const int ci = lane + 32 * k;
-        const int jk = ci / KW, w = ci % KW;
-        if (jk < nv) {
-          const int ti = tb + jk;
-          const T* kp = k_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + w * 8;
-          const unsigned dst = (unsigned)__cvta_generic_to_shared(sm_k + (jk * KW + (w ^ (jk & 7))) * 8);
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(kp));
-        }
-      }
-      asm volatile("cp.async.commit_group;\n" ::);
-    } else if (valid) {
+    uint4 kr[KW];
+    if (valid) {
       const T* kp = k_pool + (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D;
 #pragma unroll
       for (int c = 0; c < KW; ++c) kr[c] = reinterpret_cast<const uint4*>(kp)[c];
@@ -370,18 +345,12 @@ _ATT_TILE_SOURCE = r"""
     float s[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) s[g] = -INFINITY;
-    if constexpr (KSM) {
-      asm volatile("cp.async.wait_group 1;\n" ::);  // this tile's K; its V may still fly
-      __syncwarp();
-    }
     if (valid) {
 #pragma unroll
       for (int g = 0; g < G; ++g) s[g] = 0.f;
 #pragma unroll
       for (int c = 0; c < KW; ++c) {
-        const uint4 kw = KSM ? *reinterpret_cast<const uint4*>(sm_k + (lane * KW + (c ^ (lane & 7))) * 8)
-                             : kr[KSM ? 0 : c];
-        const T* kh = reinterpret_cast<const T*>(&kw);
+        const T* kh = reinterpret_cast<const T*>(&kr[c]);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           const float4 qa = *reinterpret_cast<const float4*>(&sm_q[g][c * 8]);
@@ -434,9 +403,7 @@ _ATT_TILE_SOURCE = r"""
     for (int o = 16; o > 0; o >>= 1) l_[g] += __shfl_xor_sync(0xffffffffu, l_[g], o);
 
   __shared__ float sm_m[4][G], sm_l[4][G];
-  __shared__ float sm_acc_s[KSM ? 1 : 4][G][D];
-  if constexpr (KSM) __syncthreads();  // every warp is done with its K tiles
-  float (*sm_acc)[G][D] = KSM ? reinterpret_cast<float (*)[G][D]>(pa_dyn) : sm_acc_s;
+  __shared__ float sm_acc[4][G][D];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
@@ -458,23 +425,6 @@ loaded 8 lanes per token, 7,557 with spilled registers: removed)."""
 
 V4_MIN_BATCH = 16
 V6_MIN_BATCH = 64
-
-K_SMEM = os.environ.get("TANDEM_ATT_KSM", "0") == "1"
-"""Whether v6 (and the tile write's v6) loads each tile's K the way it loads V: by
-``cp.async`` into shared memory, 16 lanes a row, so every load instruction reads whole
-lines (template ``KSM``; the K and V tiles then take 64 KB of dynamic shared memory a
-block at D = 128, which after the tiles holds the accumulators: 3 blocks an SM). Run 58 read v6's K loads alone at 0.71 TB/s at batch
-64; coalesced K and V at 2.24. The scores are the same sums in the same order, so the
-results are v6's bits. Off until measured on the device."""
-
-
-def k_smem_bytes(version: str, head_dim: int, group: int, dtype) -> int:
-    """Dynamic shared memory of a tile-wise attention block: 4 warps' 32-row K and V
-    tiles when ``K_SMEM`` applies to this kernel (v6, at most 32 query heads a KV head,
-    whose accumulators then fit in the same memory), else 0."""
-    if not (K_SMEM and version == "v6" and group <= 32):
-        return 0
-    return 2 * 4 * 32 * head_dim * dtype.size
 
 # Template: T, D. Inputs: part (B, H, NPART, D + 2). Output: o (B, H, D) in T.
 _REDUCE_SOURCE = r"""
@@ -548,14 +498,13 @@ below 16 rows decode now runs ``decode_attention_cuda`` (its own merge) anyway."
 
 
 @functools.cache
-def _attention_kernel(tile: bool, shared_bytes: int = 0):
+def _attention_kernel(tile: bool):
     return mx.fast.cuda_kernel(
         name="tandem_paged_decode_tile" if tile else "tandem_paged_decode",
         input_names=["q", "k_pool", "v_pool", "table", "lens", "params"],
         output_names=["out"],
         source=(_ATT_TILE_SOURCE if tile else _ATT_SOURCE) + _MERGE_TAIL,
         header=HEADER,
-        shared_memory=shared_bytes,
     )
 
 
@@ -627,10 +576,9 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
         version = "v2"
     template = [("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
                 ("SINGLE", single)]
-    smem = k_smem_bytes(version, D, H // kvh, q.dtype)
     if version != "v2":
-        template += [("VSM", version == "v6"), ("KSM", smem > 0)]
-    (partials,) = _attention_kernel(version != "v2", smem)(
+        template.append(("VSM", version == "v6"))
+    (partials,) = _attention_kernel(version != "v2")(
         inputs=[q, k_pool, v_pool, i32(table), i32(lens), _params(float(scale), part)],
         template=template,
         grid=(npart * _ATT_THREADS, kvh, B),

@@ -107,12 +107,10 @@ def test_counters_serve_consecutive_layers_and_steps(staged_merge):
     (mx.float16, [100 + 7 * i for i in range(64)], 128, "v6", True),
     (mx.bfloat16, [40 + 3 * i for i in range(16)], 64, "v6", False),
 ])
-@pytest.mark.parametrize("k_smem", [False, True])
-def test_tile_write_equals_write_then_attend(dtype, lens, part, kernel, traditional, k_smem, monkeypatch):
+def test_tile_write_equals_write_then_attend(dtype, lens, part, kernel, traditional):
     """The tile-wise attention with the write in its prologue gives the two-kernel path's
     output and pools bit for bit (the queries are rounded to T as the write kernel stores
-    them), with v6's K loaded either way (TANDEM_ATT_KSM)."""
-    monkeypatch.setattr(pac, "K_SMEM", k_smem)
+    them)."""
     H, KVH, D, bs = 32, 8, 128, 16
     qkv, pos, slots, inv, kp, vp, table, la = _case(lens, H, KVH, D, bs, dtype, len(lens), 2, traditional)
     max_len = table.shape[1] * bs

@@ -85,19 +85,6 @@ def test_partition_choice_grows_with_batch():
 RAGGED = [64, 65, 1, 127, 128, 129, 1000, 16, 17, 15, 2, 63]  # around partition and 16-token edges
 
 
-def test_k_in_shared_memory_only_for_v6_whose_accumulators_fit(monkeypatch):
-    """TANDEM_ATT_KSM asks for 4 warps' K and V tiles (64 KB at D = 128 in fp16) for v6
-    only, and not where the accumulators (16 G D bytes) would outgrow that memory."""
-    monkeypatch.setattr(pac, "K_SMEM", False)
-    assert pac.k_smem_bytes("v6", 128, 4, mx.float16) == 0
-    monkeypatch.setattr(pac, "K_SMEM", True)
-    assert pac.k_smem_bytes("v6", 128, 4, mx.float16) == 65536
-    assert pac.k_smem_bytes("v6", 64, 4, mx.bfloat16) == 32768
-    assert pac.k_smem_bytes("v4", 128, 4, mx.float16) == 0
-    assert pac.k_smem_bytes("v6", 128, 32, mx.float16) == 65536
-    assert pac.k_smem_bytes("v6", 128, 64, mx.float16) == 0
-
-
 @gpu
 @pytest.mark.gpu
 @hang_guard
@@ -140,33 +127,6 @@ def test_cuda_decode_tile_kernels_head_dim_64(lens, part):
     for kernel in ("v4", "v6"):
         got = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, 16, max(lens), part, kernel=kernel)
         assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 5e-3, kernel
-
-
-@gpu
-@pytest.mark.gpu
-@hang_guard
-@pytest.mark.parametrize("D,dtype,lens,part", [
-    (128, mx.float16, RAGGED + [300] * 4, 64), (128, mx.float16, RAGGED, None),
-    (128, mx.float16, [1 + (37 * i) % 600 for i in range(64)], None), (128, mx.bfloat16, [577] * 16, 128),
-    (128, mx.float16, [31, 32, 33, 63, 64, 65], 2048), (64, mx.float16, [1, 70, 300, 33, 5, 16, 17], 64),
-    (64, mx.float16, [129] * 16, None)])
-def test_v6_with_k_in_shared_memory_gives_v6s_bits(D, dtype, lens, part, monkeypatch):
-    """v6 with K loaded by cp.async into shared memory (TANDEM_ATT_KSM) sums the same
-    products in the same order as v6: the same bits, and the reference's values. The
-    lengths cover partial tiles (rows past a tile's end are never loaded) and one
-    partition a row (the merge-free variant, whose accumulators share the K memory)."""
-    B, H, KVH = len(lens), 32 if D == 128 else 8, 8 if D == 128 else 2
-    q, kp, vp, table, la = _pool_case(B, H, KVH, D, 16, lens, seed=len(lens) + D, dtype=dtype)
-    want = pac.paged_decode_attention_reference(q, kp, vp, table, la, D**-0.5, 16)
-    outs = []
-    for ksm in (False, True):
-        monkeypatch.setattr(pac, "K_SMEM", ksm)
-        assert (pac.k_smem_bytes("v6", D, H // KVH, dtype) > 0) == ksm
-        outs.append(pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, 16, max(lens), part, kernel="v6"))
-        mx.eval(outs[-1])
-    err = mx.abs(outs[1].astype(mx.float32) - want.astype(mx.float32)).max().item()
-    assert err < (3e-2 if dtype == mx.bfloat16 else 5e-3), err
-    assert mx.array_equal(outs[1], outs[0]).item()
 
 
 @gpu
