@@ -461,7 +461,9 @@ _KV_LOAD_SOURCE = r"""
   // Only v6's loads (batch x KV head blocks of 4 warps, 32-token tiles, one partition),
   // no arithmetic but an XOR that keeps them. PAT 0: a lane per token, its K row in 16
   // loads of 16 bytes (v6); 1: K loaded as V is, 16 lanes per row, two rows an
-  // instruction; 2: K as in 0, no V; 3: V only (cp.async, as v6).
+  // instruction; 2: K as in 0, no V; 3: V only (cp.async, as v6). HM: the pools read as
+  // [block][KV head][BS][D] (a head's 16 rows of a block contiguous, 4 KB) instead of the
+  // store's [slot][KV head][D] (a head's rows 2 KB apart).
   const int h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int NB = table_shape[1];
@@ -471,13 +473,17 @@ _KV_LOAD_SOURCE = r"""
   __shared__ __align__(16) __half sm_v[4][32][D];
   __syncthreads();
   constexpr int KW = D / 8;
+  auto row = [&](int t) -> size_t {
+    const size_t blk = (size_t)sm_tbl[t / BS];
+    return HM ? ((blk * KVH + h) * BS + t % BS) * D : ((blk * BS + t % BS) * KVH + h) * D;
+  };
   unsigned acc = 0;
   for (int tb = 32 * warp; tb < len; tb += 128) {
     const int nv = min(32, len - tb);
     if constexpr (PAT == 0 || PAT == 2) {
       const int t = tb + lane;
       if (t < len) {
-        const uint4* kp = reinterpret_cast<const uint4*>(k_pool + (((size_t)sm_tbl[t / BS] * BS + t % BS) * KVH + h) * D);
+        const uint4* kp = reinterpret_cast<const uint4*>(k_pool + row(t));
         uint4 kr[KW];
 #pragma unroll
         for (int c = 0; c < KW; ++c) kr[c] = kp[c];
@@ -493,7 +499,7 @@ _KV_LOAD_SOURCE = r"""
         kr[k] = make_uint4(0, 0, 0, 0);
         if (j < nv) {
           const int t = tb + j;
-          kr[k] = reinterpret_cast<const uint4*>(k_pool + (((size_t)sm_tbl[t / BS] * BS + t % BS) * KVH + h) * D)[w];
+          kr[k] = reinterpret_cast<const uint4*>(k_pool + row(t))[w];
         }
       }
 #pragma unroll
@@ -506,7 +512,7 @@ _KV_LOAD_SOURCE = r"""
         const int jv = ci / KW, w = ci % KW;
         if (jv < nv) {
           const int ti = tb + jv;
-          const __half* vp = v_pool + (((size_t)sm_tbl[ti / BS] * BS + (ti % BS)) * KVH + h) * D + w * 8;
+          const __half* vp = v_pool + row(ti) + w * 8;
           const unsigned dst = (unsigned)__cvta_generic_to_shared(&sm_v[warp][jv][w * 8]);
           asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(vp));
         }
@@ -546,10 +552,13 @@ def section_kv_loads(batches: list[int], ctx: int) -> None:
         rows = []
         fn = lambda: pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5, BS, ctx, 2048, kernel="v6")  # noqa: E731
         rows.append(("v6 attention", gpu_us(fn, "tandem_paged_decode"), kv_bytes))
-        for pat, label, nbytes in ((0, "loads: K a lane per token + V", kv_bytes), (1, "loads: K 16 lanes a row + V", kv_bytes),
-                                   (2, "loads: K a lane per token only", kv_bytes // 2), (3, "loads: V only", kv_bytes // 2)):
-            def fn_l(pat=pat):
-                return kernel(inputs=[kp, vp, table, lens], template=[("D", D), ("KVH", KVH), ("BS", BS), ("PAT", pat)],
+        for pat, hm, label, nbytes in (
+                (0, False, "loads: K a lane per token + V", kv_bytes), (1, False, "loads: K 16 lanes a row + V", kv_bytes),
+                (2, False, "loads: K a lane per token only", kv_bytes // 2), (3, False, "loads: V only", kv_bytes // 2),
+                (0, True, "head-major: K a lane/token + V", kv_bytes), (1, True, "head-major: K 16 lanes + V", kv_bytes)):
+            def fn_l(pat=pat, hm=hm):
+                return kernel(inputs=[kp, vp, table, lens],
+                              template=[("D", D), ("KVH", KVH), ("BS", BS), ("PAT", pat), ("HM", hm)],
                               grid=(128, KVH, B), threadgroup=(128, 1, 1), output_shapes=[(B * KVH * 128,)],
                               output_dtypes=[mx.uint32])[0]
             rows.append((label, gpu_us(fn_l, "tandem_probe_kv_loads"), nbytes))
@@ -558,6 +567,32 @@ def section_kv_loads(batches: list[int], ctx: int) -> None:
             log(f"B={B:3d} {label:32s} {us:7.1f} us  {nbytes / us / 1e6:5.2f} TB/s")
         del kp, vp
         mx.clear_cache()
+
+
+def section_gemm(rows_list: list[int]) -> None:
+    """The dense fp16 products of a prefill (or a batched decode step) written four ways,
+    one call at a time (CUPTI, every kernel of the call): ``addmm(res, x, W.T)`` (the
+    engine's, for o and down), ``x @ W.T``, ``x @ Wt`` with the weight stored transposed,
+    and ``W @ x.T``. cuBLAS picks its kernel per layout: run 53's trace had the 512-row o
+    product at ~470 TFLOPS (96 tiles of 192 x 128 on 132 SMs) where gate/up ran at ~790."""
+    RESULTS.setdefault("gemm", [])
+    log("\n== fp16 products, us per call (CUPTI, serial) and TFLOPS")
+    for m in rows_list:
+        for name, n, k in (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate/up", 28672, 4096), ("down", 4096, 14336)):
+            w = (mx.random.normal((n, k)) * 0.02).astype(mx.float16)
+            wt = mx.contiguous(w.T)
+            x = mx.random.normal((m, k)).astype(mx.float16)
+            res = mx.random.normal((m, n)).astype(mx.float16)
+            mx.eval(w, wt, x, res)
+            ways = (("addmm(res, x, W.T)", lambda: mx.addmm(res, x, w.T)), ("x @ W.T", lambda: x @ w.T),
+                    ("x @ Wt", lambda: x @ wt), ("W @ x.T", lambda: w @ x.T))
+            for label, fn in ways:
+                us = gpu_us(fn, "", iters=20, serial=True)
+                tflops = 2 * m * n * k / us / 1e6
+                RESULTS["gemm"].append({"rows": m, "product": name, "way": label, "gpu_us": us, "tflops": tflops})
+                log(f"M={m:4d} {name:8s} {label:20s} {us:8.1f} us  {tflops:6.0f} TFLOPS")
+            del w, wt, x, res
+            mx.clear_cache()
 
 
 def section_embed(tokens: int = 512, vocab: int = 128256, dims: int = 4096, rounds: int = 20) -> None:
@@ -835,6 +870,8 @@ def main() -> int:
         section_attention()
     if "embed" in secs:
         section_embed()
+    if "gemm" in secs:
+        section_gemm([int(b) for b in args.batches.split(",")])
     if "attention-serial" in secs:
         section_attention_serial([int(b) for b in args.batches.split(",")], args.ctx)
     if "kv-loads" in secs:
