@@ -84,11 +84,7 @@ _SOURCE = r"""
   const bool owner = t0 <= p && p < t0 + PART;
 
   // The table slice first: the K/V addresses wait on it, the rotation below does not.
-  constexpr int MAXB = PA_MAX_PART / BS + 2;
-  __shared__ int sm_tbl[MAXB];
-  const int fb = t0 / BS;
-  const int nblk = t1 > t0 ? (t1 - 1) / BS - fb + 1 : 0;
-  for (int i = tid; i < nblk; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + fb + i];
+""" + pac._TABLE_SLICE + r"""
 
   __shared__ __align__(16) float sm_q[G][D];
   __shared__ float sm_kn[D], sm_vn[D];

@@ -91,6 +91,17 @@ _Q_LOAD = r"""  __shared__ __align__(16) float sm_q[G][D];
     sm_q[e / D][e % D] = pa_f(q[((size_t)b * KVH * G + h * G) * D + e]) * sc;
 """
 
+# The partition's slice of the block table (tokens [t0, t1) of row b), read once into
+# shared memory: a table load per token would put a second dependent global load in
+# front of every K/V load. Shared with decode_attention_cuda's one-launch kernel.
+_TABLE_SLICE = r"""
+  constexpr int MAXB = PA_MAX_PART / BS + 2;
+  __shared__ int sm_tbl[MAXB];
+  const int fb = t0 / BS;
+  const int nblk = t1 > t0 ? (t1 - 1) / BS - fb + 1 : 0;
+  for (int i = tid; i < nblk; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + fb + i];
+"""
+
 # Both attention kernels start alike: which (row, KV head, partition) this block takes,
 # the group's scaled queries and the partition's slice of the block table in shared
 # memory, and the online-softmax state (NACC accumulators per query head and lane).
@@ -110,15 +121,7 @@ _ATT_PROLOGUE = r"""
 
   // The scaled queries of the group live in shared memory, not registers: registers
   // bound how many blocks an SM holds, and that bounds the K/V loads in flight.
-""" + _Q_LOAD + r"""
-  // The partition's slice of the block table, read once: a table load per token would
-  // put a second dependent global load in front of every K/V load.
-  constexpr int MAXB = PA_MAX_PART / BS + 2;
-  __shared__ int sm_tbl[MAXB];
-  const int fb = t0 / BS;
-  const int nblk = t1 > t0 ? (t1 - 1) / BS - fb + 1 : 0;
-  for (int i = tid; i < nblk; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + fb + i];
-
+""" + _Q_LOAD + _TABLE_SLICE + r"""
   float mx_[G], l_[G], acc[G][NACC];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
