@@ -398,7 +398,7 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
         # Cold: 1 GiB streamed before every call (L2 and TLB flushed of this KV, as a decode
         # step's 4 GB of weights does between a layer's attention in two steps).
         big = mx.ones((1 << 29,), mx.float16) if flush else None
-        versions = ("v2", "v4") if B < pac.V4_MIN_BATCH else ("v4", "v6")
+        versions = ("v2", "v4") if B < pac.V4_MIN_BATCH else ("v4", "v6", "tc")
         parts = (16, 64, 128, 2048) if B < pac.V4_MIN_BATCH else (128, 256, 2048)
         for ver in versions:
             for part in (parts if flush else (16, 32, 64, 128, 2048)):
@@ -464,12 +464,16 @@ _KV_LOAD_SOURCE = r"""
   // instruction; 2: K as in 0, no V; 3: V only (cp.async, as v6). HM: the pools read as
   // [block][KV head][BS][D] (a head's 16 rows of a block contiguous, 4 KB) instead of the
   // store's [slot][KV head][D] (a head's rows 2 KB apart).
-  const int h = blockIdx.y, b = blockIdx.z;
+  // NSPLIT: the row's tokens split over that many blocks (gridDim.y = KVH * NSPLIT).
+  const int h = blockIdx.y % KVH, split = blockIdx.y / KVH, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int NB = table_shape[1];
-  const int len = lens[b];
+  const int full = lens[b];
+  const int span = ((full + NSPLIT - 1) / NSPLIT + 31) / 32 * 32;
+  const int t0 = split * span;
+  const int len = min(full, t0 + span);
   __shared__ int sm_tbl[256];
-  for (int i = tid; i < (len + BS - 1) / BS; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + i];
+  for (int i = tid; i < (full + BS - 1) / BS; i += blockDim.x) sm_tbl[i] = table[(size_t)b * NB + i];
   __shared__ __align__(16) __half sm_v[4][32][D];
   __syncthreads();
   constexpr int KW = D / 8;
@@ -478,7 +482,7 @@ _KV_LOAD_SOURCE = r"""
     return HM ? ((blk * KVH + h) * BS + t % BS) * D : ((blk * BS + t % BS) * KVH + h) * D;
   };
   unsigned acc = 0;
-  for (int tb = 32 * warp; tb < len; tb += 128) {
+  for (int tb = t0 + 32 * warp; tb < len; tb += 128) {
     const int nv = min(32, len - tb);
     if constexpr (PAT == 0 || PAT == 2) {
       const int t = tb + lane;
@@ -524,8 +528,89 @@ _KV_LOAD_SOURCE = r"""
       __syncwarp();
     }
   }
-  out[((size_t)b * KVH + h) * blockDim.x + tid] = acc;
+  out[((size_t)b * gridDim.y + blockIdx.y) * blockDim.x + tid] = acc;
 """
+
+
+_FLAT_READ_SOURCE = r"""
+  // The floor: the same number of bytes read as one contiguous stream, 16-byte loads,
+  // four in flight a thread, a grid-stride loop.
+  const size_t n = (size_t)n_words[0];
+  const uint4* k = reinterpret_cast<const uint4*>(k_pool);
+  const uint4* v = reinterpret_cast<const uint4*>(v_pool);
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  unsigned acc = 0;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += 2 * stride) {
+    const uint4 a = k[i], c = v[i];
+    uint4 e = make_uint4(0, 0, 0, 0), f = make_uint4(0, 0, 0, 0);
+    if (i + stride < n) { e = k[i + stride]; f = v[i + stride]; }
+    acc ^= a.x ^ a.w ^ c.x ^ c.w ^ e.x ^ e.w ^ f.x ^ f.w;
+  }
+  out[(size_t)blockIdx.x * blockDim.x + threadIdx.x] = acc;
+"""
+
+
+def section_kv_floor(batches: list[int], ctx: int) -> None:
+    """The KV loads of batch-64 attention, cold and one call at a time (a chain, 1 GiB
+    streamed before each call, median kernel): v6 itself, its loads alone with the row's
+    tokens split over 1, 2 or 4 blocks, and the same bytes read as one contiguous stream.
+    ``kv-loads`` queues 20 independent calls, which MLX's graph may overlap."""
+    from tandem.kernels import paged_attention_cuda as pac
+    RESULTS.setdefault("kv_floor", [])
+    H, KVH, D, BS = 32, 8, 128, 16
+    loads = mx.fast.cuda_kernel(name="tandem_probe_kv_loads", input_names=["k_pool", "v_pool", "table", "lens", "dep"],
+                                output_names=["out"], source=_KV_LOAD_SOURCE)
+    flat_read = mx.fast.cuda_kernel(name="tandem_probe_flat_read", input_names=["k_pool", "v_pool", "n_words", "dep"],
+                                    output_names=["out"], source=_FLAT_READ_SOURCE)
+    big = mx.ones((1 << 29,), mx.float16)
+    log(f"\n== KV reads, cold, one call at a time (CUPTI median us), ctx {ctx}")
+    for B in batches:
+        nb = -(-ctx // BS)
+        kp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
+        vp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
+        table = mx.array((1 + np.random.default_rng(0).permutation(B * nb).astype(np.int32)).reshape(B, nb))
+        lens = mx.full((B,), ctx, mx.int32)
+        q = mx.random.normal((B, H, D)).astype(mx.float16)
+        n_words = mx.array([B * ctx * KVH * D // 8] * 4, mx.int32)
+        mx.eval(kp, vp, table, lens, q, big, n_words)
+        kv_bytes = B * ctx * KVH * D * 2 * 2
+
+        def cold(x):
+            return x + (big.max() * 0).astype(x.dtype)
+
+        rows = []
+        ksm = pac.TC_KSM
+        for ver, part, tc_ksm in (("v6", 2048, False), ("v6", 256, False), ("tc", 2048, True), ("tc", 256, True),
+                                  ("tc", 2048, False)):
+            pac.TC_KSM = tc_ksm
+
+            def fn_a(qq, ver=ver, part=part):
+                return pac.paged_decode_attention(cold(qq), kp, vp, table, lens, D**-0.5, BS, ctx, part, kernel=ver)
+            (us,) = gpu_us_by(lambda: chain(fn_a, q, 100), ("tandem_paged_decode",), iters=1, median=True)
+            rows.append((f"{ver}{' K in smem' if ver == 'tc' and tc_ksm else ''} attention, partition {part}", us))
+        pac.TC_KSM = ksm
+        dep0 = mx.zeros((16,), mx.uint32)
+        for nsplit in (1, 2, 4):
+            def fn_l(dep, nsplit=nsplit):
+                return loads(inputs=[kp, vp, table, lens, cold(dep[:16])],
+                             template=[("D", D), ("KVH", KVH), ("BS", BS), ("PAT", 1), ("HM", False),
+                                       ("NSPLIT", nsplit)],
+                             grid=(128, KVH * nsplit, B), threadgroup=(128, 1, 1),
+                             output_shapes=[(B * KVH * nsplit * 128,)], output_dtypes=[mx.uint32])[0]
+            (us,) = gpu_us_by(lambda: chain(fn_l, dep0, 100), ("tandem_probe_kv_loads",), iters=1, median=True)
+            rows.append((f"loads (K 16 lanes + V), {nsplit} block(s) a row", us))
+        for blocks in (132 * 4, 132 * 8):
+            def fn_f(dep, blocks=blocks):
+                return flat_read(inputs=[kp, vp, n_words, cold(dep[:16])],
+                                 grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
+                                 output_shapes=[(blocks * 256,)], output_dtypes=[mx.uint32])[0]
+            (us,) = gpu_us_by(lambda: chain(fn_f, dep0, 100), ("tandem_probe_flat_read",), iters=1, median=True)
+            rows.append((f"contiguous read, {blocks} blocks", us))
+        for label, us in rows:
+            RESULTS["kv_floor"].append({"batch": B, "ctx": ctx, "variant": label, "gpu_us": us, "bytes": kv_bytes})
+            log(f"B={B:3d} {label:44s} {us:7.1f} us  {kv_bytes / us / 1e6:5.2f} TB/s")
+        del kp, vp
+        mx.clear_cache()
 
 
 def section_kv_loads(batches: list[int], ctx: int) -> None:
@@ -536,7 +621,7 @@ def section_kv_loads(batches: list[int], ctx: int) -> None:
     from tandem.kernels import paged_attention_cuda as pac
     RESULTS.setdefault("kv_loads", [])
     H, KVH, D, BS = 32, 8, 128, 16
-    kernel = mx.fast.cuda_kernel(name="tandem_probe_kv_loads", input_names=["k_pool", "v_pool", "table", "lens"],
+    kernel = mx.fast.cuda_kernel(name="tandem_probe_kv_loads", input_names=["k_pool", "v_pool", "table", "lens", "dep"],
                                  output_names=["out"], source=_KV_LOAD_SOURCE)
     log(f"\n== v6's KV loads alone (CUPTI us per call, ctx {ctx}, one partition a row)")
     for B in batches:
@@ -557,8 +642,8 @@ def section_kv_loads(batches: list[int], ctx: int) -> None:
                 (2, False, "loads: K a lane per token only", kv_bytes // 2), (3, False, "loads: V only", kv_bytes // 2),
                 (0, True, "head-major: K a lane/token + V", kv_bytes), (1, True, "head-major: K 16 lanes + V", kv_bytes)):
             def fn_l(pat=pat, hm=hm):
-                return kernel(inputs=[kp, vp, table, lens],
-                              template=[("D", D), ("KVH", KVH), ("BS", BS), ("PAT", pat), ("HM", hm)],
+                return kernel(inputs=[kp, vp, table, lens, lens],
+                              template=[("D", D), ("KVH", KVH), ("BS", BS), ("PAT", pat), ("HM", hm), ("NSPLIT", 1)],
                               grid=(128, KVH, B), threadgroup=(128, 1, 1), output_shapes=[(B * KVH * 128,)],
                               output_dtypes=[mx.uint32])[0]
             rows.append((label, gpu_us(fn_l, "tandem_probe_kv_loads"), nbytes))
@@ -876,6 +961,8 @@ def main() -> int:
         section_attention_serial([int(b) for b in args.batches.split(",")], args.ctx)
     if "kv-loads" in secs:
         section_kv_loads([int(b) for b in args.batches.split(",")], args.ctx)
+    if "kv-floor" in secs:
+        section_kv_floor([int(b) for b in args.batches.split(",")], args.ctx)
     if "attention-cold" in secs:
         section_attention_serial([int(b) for b in args.batches.split(",")], args.ctx, flush=True)
     if "w4mma" in secs:
