@@ -99,6 +99,14 @@ def attention_variants():
                 t.append(("bool", "VSM", str(ver == "v6").lower()))
             outs = [("out", "T" if single else "float")]
             yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac.HEADER, ins, outs, t)
+    for dtype, d, g, ksm in (("__half", 128, 4, True), ("__half", 128, 4, False), ("__nv_bfloat16", 128, 4, True),
+                             ("__half", 64, 4, True), ("__half", 128, 8, True), ("__half", 128, 8, False)):
+        for single in (True, False):
+            t = [("typename", "T", dtype), ("int", "D", str(d)), ("int", "KVH", "8"), ("int", "G", str(g)),
+                 ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower()), ("bool", "KSM", str(ksm).lower())]
+            yield (f"attention tc {dtype} D={d} G={g} ksm={ksm} single={single}",
+                   variant("tandem_paged_decode_tc", pac._ATT_TC_SOURCE + pac._MERGE_TAIL,
+                           pac.HEADER + pac.TC_HEADER, ins, [("out", "T" if single else "float")], t))
     for label, src, extra in [("serial", pac._REDUCE_SOURCE, []),
                               ("parallel", pac._REDUCE_PAR_SOURCE, [("int", "MAXP", str(pac.MERGE_MAX_PARTS))])]:
         t = [("typename", "T", "__half"), ("int", "D", "128")] + extra
@@ -124,13 +132,16 @@ def attention_variants():
 def tile_write_variants():
     ins = [("qkv", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
            ("params", "float"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float")]
-    for ver, single in (("v4", "false"), ("v6", "true"), ("v6", "false")):
+    for ver, single in (("v4", "false"), ("v6", "true"), ("v6", "false"), ("tc", "true"), ("tc", "false")):
         t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
-             ("int", "BS", "16"), ("bool", "SINGLE", single), ("bool", "VSM", str(ver == "v6").lower()),
-             ("bool", "TRAD", "false")]
+             ("int", "BS", "16"), ("bool", "SINGLE", single)]
+        t.append(("bool", "TRAD", "false"))
+        t.append(("bool", "KSM", "true") if ver == "tc" else ("bool", "VSM", str(ver == "v6").lower()))
+        kind = "tc" if ver == "tc" else "tile"
         outs = [("out", "T" if single == "true" else "float")]
         yield (f"decode attention tile+write {ver} single={single}",
-               variant("tandem_paged_decode_tile_write", dac._TILE_WRITE_SOURCE, pac.HEADER, ins, outs, t))
+               variant("tandem_paged_decode_tile_write", dac._TILE_WRITE_SOURCES[kind],
+                       pac.HEADER + (pac.TC_HEADER if kind == "tc" else ""), ins, outs, t))
 
 
 def w4mma_variants():

@@ -389,7 +389,10 @@ _Q_FROM_QKV = r"""  __shared__ __align__(16) float sm_q[G][D];
     }
   }
 """
-_TILE_WRITE_SOURCE = pac._ATT_TILE_SOURCE.replace(pac._Q_LOAD, _Q_FROM_QKV) + pac._MERGE_TAIL
+_TILE_WRITE_SOURCES = {
+    "tile": pac._ATT_TILE_SOURCE.replace(pac._Q_LOAD, _Q_FROM_QKV) + pac._MERGE_TAIL,
+    "tc": pac._ATT_TC_SOURCE.replace(pac._Q_LOAD, _Q_FROM_QKV) + pac._MERGE_TAIL,
+}
 
 TILE_WRITE = os.environ.get("TANDEM_DECODE_TILE_WRITE", "1") == "1"
 """Whether decode steps of ``MAX_ROWS`` rows and more run the write inside the tile-wise
@@ -400,15 +403,16 @@ attention). H200 runs 56-57, engine batch 64, alternating processes: 8,746 / 8,8
 
 
 @functools.cache
-def _tile_write_kernel():
+def _tile_write_kernel(kind: str = "tile", shared_bytes: int = 0):
     # Not ensure_row_contiguous: a contiguity copy of a pool would swallow the writes.
     return mx.fast.cuda_kernel(
-        name="tandem_paged_decode_tile_write",
+        name="tandem_paged_decode_tile_write" if kind == "tile" else "tandem_paged_decode_tc_write",
         input_names=["qkv", "k_pool", "v_pool", "table", "lens", "params", "pos", "slots", "inv_freq"],
         output_names=["out"],
-        source=_TILE_WRITE_SOURCE,
-        header=pac.HEADER,
+        source=_TILE_WRITE_SOURCES[kind],
+        header=pac.HEADER + (pac.TC_HEADER if kind == "tc" else ""),
         ensure_row_contiguous=False,
+        shared_memory=shared_bytes,
     )
 
 
@@ -426,7 +430,7 @@ def decode_attention_tile(qkv: mx.array, pos: mx.array, slots: mx.array, inv_fre
     merge kernel when the context is split), with the same result: qkv (B, (H + 2*KVH) *
     D) row-contiguous, one decode token per row at ``pos`` (= ``lens - 1``), written at
     ``slots`` (< 0: not written). Returns (B, H * D); the pools change when it is
-    evaluated (see ``kv_write_cuda``). ``kernel``: ``v4`` or ``v6`` (default: by batch, as
+    evaluated (see ``kv_write_cuda``). ``kernel``: ``v4``, ``v6`` or ``tc`` (default: by batch, as
     ``paged_decode_attention`` picks)."""
     B = qkv.shape[0]
     D = k_pool.shape[-1]
@@ -435,17 +439,26 @@ def decode_attention_tile(qkv: mx.array, pos: mx.array, slots: mx.array, inv_fre
         raise ValueError(f"qkv width {qkv.shape[1]} != ({H} + 2*{KVH}) * {D}")
     if not tile_supported(qkv, D):
         raise ValueError(f"decode_attention_tile: {qkv.dtype} / head_dim {D} (fp16 or bf16, 64 or 128)")
-    version = kernel or ("v4" if B < pac.V6_MIN_BATCH else "v6")
-    if version not in ("v4", "v6"):
-        raise ValueError(f"decode_attention_tile: kernel {version!r} (v4 or v6)")
+    version = kernel or pac.auto_kernel(max(B, pac.V4_MIN_BATCH))
+    if version not in ("v4", "v6", "tc"):
+        raise ValueError(f"decode_attention_tile: kernel {version!r} (v4, v6 or tc)")
+    if version == "tc" and not pac.tc_supported(qkv.dtype, D, H // KVH):
+        version = "v6"
     part = partition or pac.choose_partition(B, KVH, max_len)
     npart = max(1, -(-max_len // part))
     single = npart == 1
-    (partials,) = _tile_write_kernel()(
+    template = [("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
+                ("SINGLE", single), ("TRAD", bool(traditional))]
+    smem = 0
+    if version == "tc":
+        smem = pac.tc_smem_bytes(D, qkv.dtype)
+        template.append(("KSM", smem > 0))
+    else:
+        template.append(("VSM", version == "v6"))
+    (partials,) = _tile_write_kernel("tc" if version == "tc" else "tile", smem)(
         inputs=[qkv, k_pool, v_pool, pac.i32(table), pac.i32(lens), pac._params(float(scale), part),
                 pac.i32(pos), pac.i32(slots), inv_freq],
-        template=[("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
-                  ("SINGLE", single), ("VSM", version == "v6"), ("TRAD", bool(traditional))],
+        template=template,
         grid=(npart * pac._ATT_THREADS, KVH, B),
         threadgroup=(pac._ATT_THREADS, 1, 1),
         output_shapes=[(B, H * D) if single else (B, H, npart, D + 2)],

@@ -168,7 +168,7 @@ class _CudaOps:
                                      block_size, step.max_len, self.counters, step.partition,
                                      traditional=trad)
             return a, kp, vp
-        if (dac.TILE_WRITE and y.shape[0] >= pac.V4_MIN_BATCH and pac.ATT_KERNEL in ("auto", "v4", "v6")
+        if (dac.TILE_WRITE and y.shape[0] >= pac.V4_MIN_BATCH and pac.ATT_KERNEL in ("auto", "v4", "v6", "tc")
                 and dac.tile_supported(y, kp.shape[-1])):
             a = dac.decode_attention_tile(y, step.pos, step.slots, inv_freq, kp, vp, step.table, step.lens, H,
                                           KVH, scale, block_size, step.max_len, step.partition,
@@ -323,7 +323,7 @@ class KernelRunner(PagedRunner):
             self.warm_kernels()
             log.info("paged runner: decode kernel variants compiled in %.1f s", time.perf_counter() - t)
 
-    def warm_kernels(self, row_counts=(1, 2, 3, 4, 8, pac.V4_MIN_BATCH, pac.V6_MIN_BATCH)) -> None:
+    def warm_kernels(self, row_counts=tuple(sorted({1, 2, 3, 4, 8, pac.V4_MIN_BATCH, pac.TC_MIN_BATCH}))) -> None:
         """Run a decode step per row-count class against the scratch block, split and
         unsplit, so every kernel variant a decode step can pick is compiled now: each is
         an NVRTC compile of ~2 s, which mid-serving is a ~2 s stall of every running

@@ -106,6 +106,9 @@ def test_counters_serve_consecutive_layers_and_steps(staged_merge):
     (mx.float16, [100 + 7 * i for i in range(64)], None, "v6", False),
     (mx.float16, [100 + 7 * i for i in range(64)], 128, "v6", True),
     (mx.bfloat16, [40 + 3 * i for i in range(16)], 64, "v6", False),
+    (mx.float16, [100 + 7 * i for i in range(64)], None, "tc", False),
+    (mx.float16, RAGGED + [300] * (16 - len(RAGGED)), 64, "tc", True),
+    (mx.bfloat16, [40 + 3 * i for i in range(16)], 64, "tc", False),
 ])
 def test_tile_write_equals_write_then_attend(dtype, lens, part, kernel, traditional):
     """The tile-wise attention with the write in its prologue gives the two-kernel path's

@@ -82,6 +82,17 @@ def test_partition_choice_grows_with_batch():
     assert pac.choose_partition(64, 8, 600) > pac.choose_partition(4, 8, 600)
 
 
+def test_tensor_core_kernel_runs_unsplit_where_one_wave_covers_the_card(monkeypatch):
+    monkeypatch.setattr(pac, "ATT_KERNEL", "auto")
+    monkeypatch.setattr(pac, "TC_MIN_BATCH", 16)
+    assert pac.kernel_for(15) == "v2" and pac.kernel_for(16) == "tc"
+    assert pac.choose_partition(16, 8, 600) >= 600  # 128 blocks: one wave of 132 SMs
+    assert pac.choose_partition(4, 8, 600) < 600  # v2 at 4 rows still splits
+    assert pac.choose_partition(16, 8, 8192) == pac.MAX_PARTITION
+    monkeypatch.setattr(pac, "TC_MIN_BATCH", 64)
+    assert pac.kernel_for(16) == "v4" and pac.choose_partition(16, 8, 600) < 600
+
+
 RAGGED = [64, 65, 1, 127, 128, 129, 1000, 16, 17, 15, 2, 63]  # around partition and 16-token edges
 
 
@@ -103,7 +114,7 @@ def test_cuda_decode_matches_reference(dtype, lens, bs, part):
     B, H, KVH, D = len(lens), 32, 8, 128
     q, kp, vp, table, la = _pool_case(B, H, KVH, D, bs, lens, seed=sum(lens), dtype=dtype)
     want = pac.paged_decode_attention_reference(q, kp, vp, table, la, D**-0.5, bs)
-    for kernel in ("v2", "v4", "v6"):
+    for kernel in ("v2", "v4", "v6", "tc"):
         got = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, bs, max(lens), part, kernel=kernel)
         err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
         assert err < (3e-2 if dtype == mx.bfloat16 else 5e-3), kernel
@@ -124,9 +135,25 @@ def test_cuda_decode_tile_kernels_head_dim_64(lens, part):
     B, H, KVH, D = len(lens), 8, 2, 64
     q, kp, vp, table, la = _pool_case(B, H, KVH, D, 16, lens, seed=5, dtype=mx.float16)
     want = pac.paged_decode_attention_reference(q, kp, vp, table, la, D**-0.5, 16)
-    for kernel in ("v4", "v6"):
+    for kernel in ("v4", "v6", "tc"):
         got = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, 16, max(lens), part, kernel=kernel)
         assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 5e-3, kernel
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (16, 8), (64, 8), (12, 4)])
+def test_cuda_decode_tc_query_groups(heads, kv_heads):
+    """The tensor-core kernel puts a group's query heads in the rows of its mma tiles:
+    1, 2, 8 and 3 heads a KV head (the 8B shape's 4 is in the tests above)."""
+    lens = [1, 70, 129, 600, 33]
+    B, D = len(lens), 128
+    q, kp, vp, table, la = _pool_case(B, heads, kv_heads, D, 16, lens, seed=heads, dtype=mx.float16)
+    want = pac.paged_decode_attention_reference(q, kp, vp, table, la, D**-0.5, 16)
+    for part in (64, None):
+        got = pac.paged_decode_attention(q, kp, vp, table, la, D**-0.5, 16, max(lens), part, kernel="tc")
+        assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 5e-3, part
 
 
 @gpu

@@ -183,8 +183,8 @@ def tiny_fp16_hd64_dir(tmp_path_factory):
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
 @pytest.mark.timeout(300, method="thread")
-@pytest.mark.parametrize("v6_min_batch", [64, 2], ids=["v4", "v6"])
-def test_tile_write_runner_equals_write_then_attend(tiny_fp16_hd64_dir, monkeypatch, v6_min_batch):
+@pytest.mark.parametrize("tc_min_batch", [64, 2], ids=["v4", "tc"])
+def test_tile_write_runner_equals_write_then_attend(tiny_fp16_hd64_dir, monkeypatch, tc_min_batch):
     """Decode steps of 2-9 rows through the tile-wise attention with the write inside
     (the tile threshold lowered from 16 rows to 2 for the tiny batch) give the tokens of
     the same steps through the write kernel and then the attention kernel. Compared with
@@ -196,7 +196,7 @@ def test_tile_write_runner_equals_write_then_attend(tiny_fp16_hd64_dir, monkeypa
 
     monkeypatch.setattr(dac, "MAX_ROWS", 0)
     monkeypatch.setattr(pac, "V4_MIN_BATCH", 2)
-    monkeypatch.setattr(pac, "V6_MIN_BATCH", v6_min_batch)
+    monkeypatch.setattr(pac, "TC_MIN_BATCH", tc_min_batch)
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
     prompts = random_prompts(9, 1, 70, seed=13)
     requests = [(p, greedy(MAX_TOKENS)) for p in prompts]
