@@ -17,6 +17,7 @@ Needs the GPU machine (MLX on CUDA); ``torch`` only for the trace.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -532,6 +533,25 @@ _KV_LOAD_SOURCE = r"""
 """
 
 
+@functools.cache
+def _kv_loads_kernel():
+    return mx.fast.cuda_kernel(name="tandem_probe_kv_loads", input_names=["k_pool", "v_pool", "table", "lens", "dep"],
+                               output_names=["out"], source=_KV_LOAD_SOURCE)
+
+
+def _kv_case(B: int, ctx: int, H: int = 32, KVH: int = 8, D: int = 128, BS: int = 16):
+    """Pools holding B rows of ``ctx`` tokens in shuffled blocks (as a long-running
+    engine's are), their table and lengths, and one query a row; evaluated."""
+    nb = -(-ctx // BS)
+    kp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
+    vp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
+    table = mx.array((1 + np.random.default_rng(0).permutation(B * nb).astype(np.int32)).reshape(B, nb))
+    lens = mx.full((B,), ctx, mx.int32)
+    q = mx.random.normal((B, H, D)).astype(mx.float16)
+    mx.eval(kp, vp, table, lens, q)
+    return kp, vp, table, lens, q
+
+
 _FLAT_READ_SOURCE = r"""
   // The floor: the same number of bytes read as one contiguous stream, 16-byte loads,
   // four in flight a thread, a grid-stride loop.
@@ -558,21 +578,15 @@ def section_kv_floor(batches: list[int], ctx: int) -> None:
     from tandem.kernels import paged_attention_cuda as pac
     RESULTS.setdefault("kv_floor", [])
     H, KVH, D, BS = 32, 8, 128, 16
-    loads = mx.fast.cuda_kernel(name="tandem_probe_kv_loads", input_names=["k_pool", "v_pool", "table", "lens", "dep"],
-                                output_names=["out"], source=_KV_LOAD_SOURCE)
+    loads = _kv_loads_kernel()
     flat_read = mx.fast.cuda_kernel(name="tandem_probe_flat_read", input_names=["k_pool", "v_pool", "n_words", "dep"],
                                     output_names=["out"], source=_FLAT_READ_SOURCE)
     big = mx.ones((1 << 29,), mx.float16)
     log(f"\n== KV reads, cold, one call at a time (CUPTI median us), ctx {ctx}")
     for B in batches:
-        nb = -(-ctx // BS)
-        kp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
-        vp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
-        table = mx.array((1 + np.random.default_rng(0).permutation(B * nb).astype(np.int32)).reshape(B, nb))
-        lens = mx.full((B,), ctx, mx.int32)
-        q = mx.random.normal((B, H, D)).astype(mx.float16)
+        kp, vp, table, lens, q = _kv_case(B, ctx, H, KVH, D, BS)
         n_words = mx.array([B * ctx * KVH * D // 8] * 4, mx.int32)
-        mx.eval(kp, vp, table, lens, q, big, n_words)
+        mx.eval(big, n_words)
         kv_bytes = B * ctx * KVH * D * 2 * 2
 
         def cold(x):
@@ -621,18 +635,10 @@ def section_kv_loads(batches: list[int], ctx: int) -> None:
     from tandem.kernels import paged_attention_cuda as pac
     RESULTS.setdefault("kv_loads", [])
     H, KVH, D, BS = 32, 8, 128, 16
-    kernel = mx.fast.cuda_kernel(name="tandem_probe_kv_loads", input_names=["k_pool", "v_pool", "table", "lens", "dep"],
-                                 output_names=["out"], source=_KV_LOAD_SOURCE)
+    kernel = _kv_loads_kernel()
     log(f"\n== v6's KV loads alone (CUPTI us per call, ctx {ctx}, one partition a row)")
     for B in batches:
-        nb = -(-ctx // BS)
-        kp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
-        vp = mx.random.normal((B * nb * BS + BS, KVH, D)).astype(mx.float16)
-        # shuffled blocks, as a long-running engine's are
-        table = mx.array((1 + np.random.default_rng(0).permutation(B * nb).astype(np.int32)).reshape(B, nb))
-        lens = mx.full((B,), ctx, mx.int32)
-        q = mx.random.normal((B, H, D)).astype(mx.float16)
-        mx.eval(kp, vp, table, lens, q)
+        kp, vp, table, lens, q = _kv_case(B, ctx, H, KVH, D, BS)
         kv_bytes = B * ctx * KVH * D * 2 * 2
         rows = []
         fn = lambda: pac.paged_decode_attention(q, kp, vp, table, lens, D**-0.5, BS, ctx, 2048, kernel="v6")  # noqa: E731
