@@ -442,23 +442,15 @@ def decode_attention_tile(qkv: mx.array, pos: mx.array, slots: mx.array, inv_fre
     version = kernel or pac.auto_kernel(max(B, pac.V4_MIN_BATCH))
     if version not in ("v4", "v6", "tc"):
         raise ValueError(f"decode_attention_tile: kernel {version!r} (v4, v6 or tc)")
-    if version == "tc" and not pac.tc_supported(qkv.dtype, D, H // KVH):
-        version = "v6"
     part = partition or pac.choose_partition(B, KVH, max_len)
     npart = max(1, -(-max_len // part))
     single = npart == 1
-    template = [("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
-                ("SINGLE", single), ("TRAD", bool(traditional))]
-    smem = 0
-    if version == "tc":
-        smem = pac.tc_smem_bytes(D, qkv.dtype)
-        template.append(("KSM", smem > 0))
-    else:
-        template.append(("VSM", version == "v6"))
-    (partials,) = _tile_write_kernel("tc" if version == "tc" else "tile", smem)(
+    kind, variant, smem = pac.tile_variant(version, qkv.dtype, D, H // KVH)
+    (partials,) = _tile_write_kernel(kind, smem)(
         inputs=[qkv, k_pool, v_pool, pac.i32(table), pac.i32(lens), pac._params(float(scale), part),
                 pac.i32(pos), pac.i32(slots), inv_freq],
-        template=template,
+        template=[("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
+                  ("SINGLE", single), ("TRAD", bool(traditional))] + variant,
         grid=(npart * pac._ATT_THREADS, KVH, B),
         threadgroup=(pac._ATT_THREADS, 1, 1),
         output_shapes=[(B, H * D) if single else (B, H, npart, D + 2)],

@@ -657,6 +657,16 @@ def tc_supported(dtype, head_dim: int, group: int) -> bool:
     return dtype in (mx.float16, mx.bfloat16) and head_dim in (64, 128) and group <= 8
 
 
+def tile_variant(version: str, dtype, head_dim: int, group: int) -> tuple[str, list, int]:
+    """A tile-wise version (v4, v6 or tc; tc falls back to v6 where it does not apply) ->
+    (source kind ``tile`` / ``tc``, the template arguments that pick the variant, bytes of
+    dynamic shared memory)."""
+    if version == "tc" and tc_supported(dtype, head_dim, group):
+        smem = tc_smem_bytes(head_dim, dtype)
+        return "tc", [("KSM", smem > 0)], smem
+    return "tile", [("VSM", version in ("v6", "tc"))], 0
+
+
 ATT_KERNEL = os.environ.get("TANDEM_ATT_KERNEL", "auto")
 """Which decode attention kernel runs: ``v2`` (per-token online softmax), ``v4`` (tile-wise,
 each tile's V loaded into registers with its K), ``v6`` (tile-wise, V by cp.async into
@@ -842,19 +852,14 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
         version = auto_kernel(B)
     if version not in ("v2", "v4", "v6", "tc"):
         raise ValueError(f"paged_decode_attention: unknown kernel {version!r} (v2, v4, v6, tc or auto)")
-    if version == "tc" and not tc_supported(q.dtype, D, H // kvh):
-        version = "v6"
     if version != "v2" and (q.dtype not in (mx.float16, mx.bfloat16) or D not in (64, 128)):
         version = "v2"
     template = [("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
                 ("SINGLE", single)]
-    if version in ("v4", "v6"):
-        template.append(("VSM", version == "v6"))
-    smem = 0
-    if version == "tc":
-        smem = tc_smem_bytes(D, q.dtype)
-        template.append(("KSM", smem > 0))
-    kind = "tile" if version in ("v4", "v6") else version
+    kind, smem = "v2", 0
+    if version != "v2":
+        kind, variant, smem = tile_variant(version, q.dtype, D, H // kvh)
+        template += variant
     (partials,) = _attention_kernel(kind, smem)(
         inputs=[q, k_pool, v_pool, i32(table), i32(lens), _params(float(scale), part)],
         template=template,
