@@ -337,23 +337,25 @@ class Engine:
                     self.store.import_blocks(r.seq.block_ids[:nb], *_reblocked(snap, self.pool.block_size))
                     r.seq.imported = None
         L = max(r.n for r in rows)
-        host = np.zeros((len(rows), L), np.int32)
-        dev_rows, dev_idx = [], []
-        for i, r in enumerate(rows):
-            known = r.seq.tokens[r.start : r.start + r.n]
-            host[i, : len(known)] = known
-            if len(known) < r.n:  # the last input is the in-flight step's sample
-                dev_rows.append(i)
-                dev_idx.append(r.seq.pending_index)
-        prev = self._inflight[1].tokens if dev_rows else None
-        if L == 1 and len(dev_rows) == len(rows) == prev.shape[0] and dev_idx == dev_rows:
+        sampled_before = self._inflight[1] if self._inflight is not None else None
+        if (L == 1 and sampled_before is not None and sampled_before.tokens.shape[0] == len(rows)
+                and all(len(r.seq.tokens) <= r.start and r.seq.pending_index == i for i, r in enumerate(rows))):
             # Steady decode: every input is the in-flight sample, in its order. No host
             # array: each one is managed memory that the GPU faults in (H200 run 26: a
-            # 64-index gather took 151 us).
-            inputs = prev[:, None]
+            # 64-index gather took 151 us), and no per-row copying on this thread.
+            inputs = sampled_before.tokens[:, None]
         else:
+            host = np.zeros((len(rows), L), np.int32)
+            dev_rows, dev_idx = [], []
+            for i, r in enumerate(rows):
+                known = r.seq.tokens[r.start : r.start + r.n]
+                host[i, : len(known)] = known
+                if len(known) < r.n:  # the last input is the in-flight step's sample
+                    dev_rows.append(i)
+                    dev_idx.append(r.seq.pending_index)
             inputs = mx.array(host)
             if dev_rows:
+                prev = sampled_before.tokens
                 inputs = inputs.at[mx.array(dev_rows), mx.array([rows[i].n - 1 for i in dev_rows])].add(prev[mx.array(dev_idx)])
         logits = self.runner.forward(rows, inputs)
         samplers = [i for i, r in enumerate(rows) if r.samples]
@@ -380,7 +382,8 @@ class Engine:
             top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
             top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
         for r in plan.rows:
-            self.scheduler.register_full_blocks(r.seq)
+            if not r.samples:  # a sampling row registers below, once its token is in
+                self.scheduler.register_full_blocks(r.seq)
         for j, i in enumerate(samplers):
             seq = plan.rows[i].seq
             if seq.status is Status.FINISHED:

@@ -134,14 +134,14 @@ class Scheduler:
     def _decode(self, plan: Plan, decodable: list[Sequence]) -> Plan | None:
         decodable.sort(key=lambda s: (s.last_tick, s.sort_key))
         chosen = decodable[: self.max_batch_size]
-        rows = []
+        rows, planned = [], []
         for seq in chosen:
             if seq.status is not Status.RUNNING:
                 continue  # preempted to make room for an earlier row
-            planned = [r.seq for r in rows]
             if not self._make_room(seq, seq.num_computed + 1, plan, protect=planned):
                 continue
             rows.append(Row(seq, seq.num_computed, 1, True))
+            planned.append(seq)
         plan.rows = [r for r in rows if r.seq.status is Status.RUNNING]
         for r in plan.rows:
             r.seq.last_tick = self.tick
@@ -169,6 +169,8 @@ class Scheduler:
         need = self.pool.blocks_for(upto) - len(seq.block_ids)
         first_write = seq.num_computed // bs
         cow = first_write < len(seq.block_ids) and not self._owns(seq, first_write)
+        if need <= 0 and not cow:
+            return True  # a decode step inside its block: 15 of every 16 tokens
         while not self.pool.can_allocate(max(need, 0) + int(cow)):
             victim = self._victim(exclude=protect, below=None)
             if victim is None or not self.s.enable_preemption:
