@@ -99,12 +99,11 @@ def attention_variants():
                 t.append(("bool", "VSM", str(ver == "v6").lower()))
             outs = [("out", "T" if single else "float")]
             yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac.HEADER, ins, outs, t)
-    for dtype, d, g, ksm in (("__half", 128, 4, True), ("__half", 128, 4, False), ("__nv_bfloat16", 128, 4, True),
-                             ("__half", 64, 4, True), ("__half", 128, 8, True), ("__half", 128, 8, False)):
+    for dtype, d, g in (("__half", 128, 4), ("__nv_bfloat16", 128, 4), ("__half", 64, 4), ("__half", 128, 8)):
         for single in (True, False):
             t = [("typename", "T", dtype), ("int", "D", str(d)), ("int", "KVH", "8"), ("int", "G", str(g)),
-                 ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower()), ("bool", "KSM", str(ksm).lower())]
-            yield (f"attention tc {dtype} D={d} G={g} ksm={ksm} single={single}",
+                 ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower())]
+            yield (f"attention tc {dtype} D={d} G={g} single={single}",
                    variant("tandem_paged_decode_tc", pac._ATT_TC_SOURCE + pac._MERGE_TAIL,
                            pac.HEADER + pac.TC_HEADER, ins, [("out", "T" if single else "float")], t))
     for label, src, extra in [("serial", pac._REDUCE_SOURCE, []),
@@ -136,7 +135,8 @@ def tile_write_variants():
         t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
              ("int", "BS", "16"), ("bool", "SINGLE", single)]
         t.append(("bool", "TRAD", "false"))
-        t.append(("bool", "KSM", "true") if ver == "tc" else ("bool", "VSM", str(ver == "v6").lower()))
+        if ver != "tc":
+            t.append(("bool", "VSM", str(ver == "v6").lower()))
         kind = "tc" if ver == "tc" else "tile"
         outs = [("out", "T" if single == "true" else "float")]
         yield (f"decode attention tile+write {ver} single={single}",

@@ -593,16 +593,11 @@ def section_kv_floor(batches: list[int], ctx: int) -> None:
             return x + (big.max() * 0).astype(x.dtype)
 
         rows = []
-        ksm = pac.TC_KSM
-        for ver, part, tc_ksm in (("v6", 2048, False), ("v6", 256, False), ("tc", 2048, True), ("tc", 256, True),
-                                  ("tc", 2048, False)):
-            pac.TC_KSM = tc_ksm
-
+        for ver, part in (("v6", 2048), ("v6", 256), ("tc", 2048), ("tc", 256)):
             def fn_a(qq, ver=ver, part=part):
                 return pac.paged_decode_attention(cold(qq), kp, vp, table, lens, D**-0.5, BS, ctx, part, kernel=ver)
             (us,) = gpu_us_by(lambda: chain(fn_a, q, 100), ("tandem_paged_decode",), iters=1, median=True)
-            rows.append((f"{ver}{' K in smem' if ver == 'tc' and tc_ksm else ''} attention, partition {part}", us))
-        pac.TC_KSM = ksm
+            rows.append((f"{ver} attention, partition {part}", us))
         dep0 = mx.zeros((16,), mx.uint32)
         for nsplit in (1, 2, 4):
             def fn_l(dep, nsplit=nsplit):

@@ -429,10 +429,9 @@ _ATT_TILE_SOURCE = r"""
 # reads 8 rows of one word without bank conflicts: plain for K's B fragments, ``.trans``
 # for V's (the value product needs V transposed). Rows past the partition are
 # zero-filled, as a zero probability times an uninitialized NaN would still be NaN.
-# Without ``KSM`` K goes from global memory straight into B fragments: the score product
-# does not care in which order it sums over D, so each lane loads whole 16-byte words of
-# its token's row and the query's A fragment takes the same permutation of D (``tc_d``);
-# that holds 64 more registers (210, 2 blocks an SM) and was slower (run 68).
+# K loaded from global memory straight into B fragments (each lane quad taking whole
+# 16-byte words of a token's row, the query's A fragment permuted to match) held 64 more
+# registers (210, 2 blocks an SM) and was slower: 67.6 against 52.7 us (run 68).
 TC_HEADER = r"""
 __device__ __forceinline__ void tc_mma(const __half*, float* c, unsigned a0, unsigned a2, unsigned b0,
                                        unsigned b1) {
@@ -458,25 +457,19 @@ __device__ __forceinline__ unsigned tc_pack(const __nv_bfloat16*, float lo, floa
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<unsigned*>(&h);
 }
-// Where k (0-15) of score k-step ks reads D: the lane quad's word order (see above).
-__device__ __forceinline__ int tc_d(int ks, int k) {
-  return 8 * (4 * (ks >> 1) + ((k & 7) >> 1)) + 4 * (ks & 1) + 2 * (k >> 3) + (k & 1);
-}
 """
 
 _ATT_TC_SOURCE = r"""
   constexpr int NACC = 1;                   // the prologue's accumulators stay unused
   constexpr int KW = D / 8;                 // 16-byte words per row
-  constexpr int KQ = KW / 4;                // words per lane of a token's K row (K in registers)
   constexpr int KS = D / 16;                // k-steps of the score product
   constexpr int NT = D / 8;                 // 8-wide D tiles of the value product
 """ + _ATT_PROLOGUE + r"""
-  // KSM: the K tiles too go by cp.async, into dynamic shared memory beside the V tiles
-  // (64 KB at D = 128, over the 48 KB a block may declare statically).
+  // The warps' V and K tiles, in dynamic shared memory (64 KB at D = 128, over the 48 KB
+  // a block may declare statically).
   extern __shared__ __align__(128) unsigned char tc_dyn[];
-  __shared__ __align__(128) T sm_v_s[KSM ? 1 : 4][KSM ? 1 : 32][KSM ? 8 : D];
-  T (*sm_v)[32][D] = reinterpret_cast<T (*)[32][D]>(KSM ? (void*)tc_dyn : (void*)&sm_v_s[0][0][0]);
-  T (*sm_k)[32][D] = reinterpret_cast<T (*)[32][D]>(tc_dyn + (KSM ? 4 * 32 * D * sizeof(T) : 0));
+  T (*sm_v)[32][D] = reinterpret_cast<T (*)[32][D]>(tc_dyn);
+  T (*sm_k)[32][D] = reinterpret_cast<T (*)[32][D]>(tc_dyn + 4 * 32 * D * sizeof(T));
   __syncthreads();
 
   const int gq = lane >> 2, cq = lane & 3;  // fragment row (query head) and column pair
@@ -485,9 +478,7 @@ _ATT_TC_SOURCE = r"""
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
     // The queries as T, unscaled: sm_q holds T values times sc, which divides back exactly.
-    // K read by ldmatrix (KSM) comes in D order; K in registers in the quad's word order.
-    const int d0 = KSM ? 16 * ks + 2 * cq : tc_d(ks, 2 * cq);
-    const int d2 = KSM ? 16 * ks + 8 + 2 * cq : tc_d(ks, 2 * cq + 8);
+    const int d0 = 16 * ks + 2 * cq, d2 = d0 + 8;
     float q0 = 0.f, q1 = 0.f, q2 = 0.f, q3 = 0.f;
     if (gq < G) {
       q0 = sm_q[gq][d0] / sc;
@@ -514,64 +505,30 @@ _ATT_TC_SOURCE = r"""
       const int ti = tb + min(jv, nv - 1);
       const size_t off = (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + w * 8;
       const int sw = (w ^ (jv & 7)) * 8;
-      if constexpr (KSM) {
-        const unsigned kd = (unsigned)__cvta_generic_to_shared(&sm_k[warp][jv][sw]);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(kd), "l"(k_pool + off), "r"(jv < nv ? 16 : 0));
-      }
+      const unsigned kd = (unsigned)__cvta_generic_to_shared(&sm_k[warp][jv][sw]);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(kd), "l"(k_pool + off), "r"(jv < nv ? 16 : 0));
       const unsigned vd = (unsigned)__cvta_generic_to_shared(&sm_v[warp][jv][sw]);
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(vd), "l"(v_pool + off), "r"(jv < nv ? 16 : 0));
     }
     asm volatile("cp.async.commit_group;\n" ::);
 
-    float s[4][2];
-    if constexpr (KSM) {
-      asm volatile("cp.async.wait_group 0;\n" ::);
-      __syncwarp();
-      float c[4][2] = {};
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncwarp();
+    float s[4][2] = {};
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
+    for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          // Matrices: tokens +0-7 / +8-15 of this half, D words 2ks / 2ks + 1.
-          const int mi = lane >> 3;
-          const int row = 16 * hf + (mi >> 1) * 8 + (lane & 7);
-          const int word = 2 * ks + (mi & 1);
-          const unsigned addr = (unsigned)__cvta_generic_to_shared(&sm_k[warp][row][(word ^ (row & 7)) * 8]);
-          unsigned b0, b1, b2, b3;
-          asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                       : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr));
-          tc_mma(tag, c[2 * hf], qa[ks][0], qa[ks][1], b0, b1);
-          tc_mma(tag, c[2 * hf + 1], qa[ks][0], qa[ks][1], b2, b3);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) { s[nt][0] = c[nt][0]; s[nt][1] = c[nt][1]; }
-    } else {
-      uint4 kr[4][KQ];
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int j = nt * 8 + gq;
-        if (j < nv) {
-          const int t = tb + j;
-          const uint4* kp = reinterpret_cast<const uint4*>(
-              k_pool + (((size_t)sm_tbl[t / BS - fb] * BS + (t % BS)) * KVH + h) * D);
-#pragma unroll
-          for (int i = 0; i < KQ; ++i) kr[nt][i] = kp[4 * i + cq];
-        } else {
-#pragma unroll
-          for (int i = 0; i < KQ; ++i) kr[nt][i] = make_uint4(0, 0, 0, 0);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        float c[2] = {0.f, 0.f};
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-          const uint4 w = kr[nt][ks >> 1];
-          tc_mma(tag, c, qa[ks][0], qa[ks][1], (ks & 1) ? w.z : w.x, (ks & 1) ? w.w : w.y);
-        }
-        s[nt][0] = c[0];
-        s[nt][1] = c[1];
+      for (int hf = 0; hf < 2; ++hf) {
+        // Matrices: tokens +0-7 / +8-15 of this half, D words 2ks / 2ks + 1.
+        const int mi = lane >> 3;
+        const int row = 16 * hf + (mi >> 1) * 8 + (lane & 7);
+        const int word = 2 * ks + (mi & 1);
+        const unsigned addr = (unsigned)__cvta_generic_to_shared(&sm_k[warp][row][(word ^ (row & 7)) * 8]);
+        unsigned b0, b1, b2, b3;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(addr));
+        tc_mma(tag, s[2 * hf], qa[ks][0], qa[ks][1], b0, b1);
+        tc_mma(tag, s[2 * hf + 1], qa[ks][0], qa[ks][1], b2, b3);
       }
     }
     float mt = -INFINITY;
@@ -601,7 +558,6 @@ _ATT_TC_SOURCE = r"""
 #pragma unroll
     for (int n = 0; n < NT; ++n) { o[n][0] *= corr; o[n][1] *= corr; }
 
-    if constexpr (!KSM) asm volatile("cp.async.wait_group 0;\n" ::);
     __syncwarp();
 #pragma unroll
     for (int k2 = 0; k2 < 2; ++k2) {
@@ -640,16 +596,9 @@ _ATT_TC_SOURCE = r"""
   }
 """
 
-TC_KSM = os.environ.get("TANDEM_ATT_TC_KSM", "1") == "1"
-"""Whether the tensor-core kernel stages K in shared memory too (``ldmatrix`` into its
-B fragments; 64 KB of dynamic shared memory a block at D = 128) instead of loading it
-straight into registers (210 registers, 2 blocks an SM). Run 68, batch 64, cold: 52.7 us
-against 67.6; engine 9,321 / 9,170 tok/s against 8,912 / 8,853."""
-
-
 def tc_smem_bytes(head_dim: int, dtype) -> int:
-    """Dynamic shared memory of a tensor-core block: the 4 warps' K and V tiles (KSM)."""
-    return 2 * 4 * 32 * head_dim * dtype.size if TC_KSM else 0
+    """Dynamic shared memory of a tensor-core block: the 4 warps' K and V tiles."""
+    return 2 * 4 * 32 * head_dim * dtype.size
 
 
 def tc_supported(dtype, head_dim: int, group: int) -> bool:
@@ -662,8 +611,7 @@ def tile_variant(version: str, dtype, head_dim: int, group: int) -> tuple[str, l
     (source kind ``tile`` / ``tc``, the template arguments that pick the variant, bytes of
     dynamic shared memory)."""
     if version == "tc" and tc_supported(dtype, head_dim, group):
-        smem = tc_smem_bytes(head_dim, dtype)
-        return "tc", [("KSM", smem > 0)], smem
+        return "tc", [], tc_smem_bytes(head_dim, dtype)
     return "tile", [("VSM", version in ("v6", "tc"))], 0
 
 

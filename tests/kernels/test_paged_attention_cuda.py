@@ -82,16 +82,13 @@ def test_partition_choice_grows_with_batch():
     assert pac.choose_partition(64, 8, 600) > pac.choose_partition(4, 8, 600)
 
 
-def test_tile_variant_falls_back_to_v6_where_the_tensor_core_kernel_does_not_apply(monkeypatch):
-    monkeypatch.setattr(pac, "TC_KSM", True)
-    assert pac.tile_variant("tc", mx.float16, 128, 4) == ("tc", [("KSM", True)], 2 * 4 * 32 * 128 * 2)
-    assert pac.tile_variant("tc", mx.bfloat16, 64, 8) == ("tc", [("KSM", True)], 2 * 4 * 32 * 64 * 2)
+def test_tile_variant_falls_back_to_v6_where_the_tensor_core_kernel_does_not_apply():
+    assert pac.tile_variant("tc", mx.float16, 128, 4) == ("tc", [], 2 * 4 * 32 * 128 * 2)  # K and V tiles
+    assert pac.tile_variant("tc", mx.bfloat16, 64, 8) == ("tc", [], 2 * 4 * 32 * 64 * 2)
     assert pac.tile_variant("tc", mx.float16, 128, 16) == ("tile", [("VSM", True)], 0)  # 16 heads a KV head
     assert pac.tile_variant("tc", mx.float16, 96, 4) == ("tile", [("VSM", True)], 0)
     assert pac.tile_variant("v4", mx.float16, 128, 4) == ("tile", [("VSM", False)], 0)
     assert pac.tile_variant("v6", mx.float16, 128, 4) == ("tile", [("VSM", True)], 0)
-    monkeypatch.setattr(pac, "TC_KSM", False)
-    assert pac.tile_variant("tc", mx.float16, 128, 4) == ("tc", [("KSM", False)], 0)
 
 def test_tensor_core_kernel_runs_unsplit_where_one_wave_covers_the_card(monkeypatch):
     monkeypatch.setattr(pac, "ATT_KERNEL", "auto")
