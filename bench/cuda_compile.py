@@ -23,6 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import mlx.core as mx  # noqa: E402
+
 from tandem.kernels import paged_attention_cuda as pac  # noqa: E402
 from tandem.kernels import decode_attention_cuda as dac  # noqa: E402
 from tandem.kernels import embed_cuda  # noqa: E402
@@ -105,7 +107,7 @@ def attention_variants():
                  ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower())]
             yield (f"attention tc {dtype} D={d} G={g} single={single}",
                    variant("tandem_paged_decode_tc", pac._ATT_TC_SOURCE + pac._MERGE_TAIL,
-                           pac.HEADER + pac.TC_HEADER, ins, [("out", "T" if single else "float")], t))
+                           pac.kernel_header("tc"), ins, [("out", "T" if single else "float")], t))
     for label, src, extra in [("serial", pac._REDUCE_SOURCE, []),
                               ("parallel", pac._REDUCE_PAR_SOURCE, [("int", "MAXP", str(pac.MERGE_MAX_PARTS))])]:
         t = [("typename", "T", "__half"), ("int", "D", "128")] + extra
@@ -132,16 +134,14 @@ def tile_write_variants():
     ins = [("qkv", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
            ("params", "float"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float")]
     for ver, single in (("v4", "false"), ("v6", "true"), ("v6", "false"), ("tc", "true"), ("tc", "false")):
+        kind, extra, _ = pac.tile_variant(ver, mx.float16, 128, 4)
         t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
-             ("int", "BS", "16"), ("bool", "SINGLE", single)]
-        t.append(("bool", "TRAD", "false"))
-        if ver != "tc":
-            t.append(("bool", "VSM", str(ver == "v6").lower()))
-        kind = "tc" if ver == "tc" else "tile"
+             ("int", "BS", "16"), ("bool", "SINGLE", single), ("bool", "TRAD", "false")]
+        t += [("bool", name, str(value).lower()) for name, value in extra]
         outs = [("out", "T" if single == "true" else "float")]
         yield (f"decode attention tile+write {ver} single={single}",
                variant("tandem_paged_decode_tile_write", dac._TILE_WRITE_SOURCES[kind],
-                       pac.HEADER + (pac.TC_HEADER if kind == "tc" else ""), ins, outs, t))
+                       pac.kernel_header(kind), ins, outs, t))
 
 
 def w4mma_variants():

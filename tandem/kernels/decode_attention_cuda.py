@@ -410,7 +410,7 @@ def _tile_write_kernel(kind: str = "tile", shared_bytes: int = 0):
         input_names=["qkv", "k_pool", "v_pool", "table", "lens", "params", "pos", "slots", "inv_freq"],
         output_names=["out"],
         source=_TILE_WRITE_SOURCES[kind],
-        header=pac.HEADER + (pac.TC_HEADER if kind == "tc" else ""),
+        header=pac.kernel_header(kind),
         ensure_row_contiguous=False,
         shared_memory=shared_bytes,
     )

@@ -606,6 +606,11 @@ def tc_supported(dtype, head_dim: int, group: int) -> bool:
     return dtype in (mx.float16, mx.bfloat16) and head_dim in (64, 128) and group <= 8
 
 
+def kernel_header(kind: str) -> str:
+    """The helpers a kernel of source ``kind`` (``v2``, ``tile`` or ``tc``) is compiled with."""
+    return HEADER + (TC_HEADER if kind == "tc" else "")
+
+
 def tile_variant(version: str, dtype, head_dim: int, group: int) -> tuple[str, list, int]:
     """A tile-wise version (v4, v6 or tc; tc falls back to v6 where it does not apply) ->
     (source kind ``tile`` / ``tc``, the template arguments that pick the variant, bytes of
@@ -728,7 +733,7 @@ def _attention_kernel(kind: str, shared_bytes: int = 0):
         input_names=["q", "k_pool", "v_pool", "table", "lens", "params"],
         output_names=["out"],
         source=source + _MERGE_TAIL,
-        header=HEADER + (TC_HEADER if kind == "tc" else ""),
+        header=kernel_header(kind),
         shared_memory=shared_bytes,
     )
 

@@ -90,6 +90,7 @@ def test_tile_variant_falls_back_to_v6_where_the_tensor_core_kernel_does_not_app
     assert pac.tile_variant("v4", mx.float16, 128, 4) == ("tile", [("VSM", False)], 0)
     assert pac.tile_variant("v6", mx.float16, 128, 4) == ("tile", [("VSM", True)], 0)
 
+
 def test_tensor_core_kernel_runs_unsplit_where_one_wave_covers_the_card(monkeypatch):
     monkeypatch.setattr(pac, "ATT_KERNEL", "auto")
     monkeypatch.setattr(pac, "TC_MIN_BATCH", 16)
