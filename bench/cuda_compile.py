@@ -31,6 +31,7 @@ from tandem.kernels import embed_cuda  # noqa: E402
 from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels import qgemv as qg  # noqa: E402
 from tandem.kernels import swiglu_cuda  # noqa: E402
+from tandem.kernels import w4gemm  # noqa: E402
 from tandem.kernels import w4mma  # noqa: E402
 
 PRELUDE = """
@@ -156,6 +157,18 @@ def w4mma_variants():
                    variant("tandem_w4mma", w4mma._SOURCE, w4mma._HEADER, ins, outs, t))
 
 
+def w4gemm_variants():
+    ins = [("x", "__half"), ("wp", "uint32_t"), ("sbp", "__half"), ("res", "__half")]
+    for mt, rt, gs, atomic in ((8, 2, 64, False), (8, 2, 64, True), (8, 1, 64, True), (4, 2, 64, True),
+                               (2, 2, 64, False), (8, 2, 32, False), (8, 2, 128, True)):
+        t = [("int", "MT", str(mt)), ("int", "RT", str(rt)), ("int", "NW", str(w4gemm.WARPS)),
+             ("int", "ST", str(w4gemm.STAGES)), ("int", "GS", str(gs)),
+             ("bool", "ATOMIC", str(atomic).lower()), ("bool", "RES", "true")]
+        outs = [("y", "float" if atomic else "__half")]
+        yield (f"w4gemm mt={mt} rt={rt} g{gs} atomic={atomic}",
+               variant("tandem_w4gemm", w4gemm.SOURCE, w4gemm.HEADER, ins, outs, t))
+
+
 def embed_variants():
     ins = [("ids", "int32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")]
     for dtype, bits, gs in (("__half", 4, 64), ("__half", 8, 32), ("__nv_bfloat16", 4, 128)):
@@ -184,7 +197,7 @@ def main() -> int:
     work = Path(args.keep or tempfile.mkdtemp(prefix="tandem-cu-"))
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(),
+    for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(), *w4gemm_variants(),
                                       *embed_variants(), *swiglu_variants()]):
         if args.only not in label:
             continue

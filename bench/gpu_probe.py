@@ -310,6 +310,92 @@ def section_w4mma(rows_list=(8, 16, 32, 64), products: str = "qkv,o,gate/up,down
         mx.clear_cache()
 
 
+def _cold_gpu_us(fn, flush, flush_names: set[str], iters: int = 10) -> float:
+    """GPU time of one call of ``fn`` (CUPTI: every kernel it launches, summed), each call
+    after ``flush`` (1 GiB read: the L2 holds none of the call's inputs, as in a decode
+    step where every layer's weights are read once). The flush's own kernels are left out."""
+    from torch.profiler import ProfilerActivity, profile
+    mx.eval(fn())
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            mx.eval(flush())
+            mx.eval(fn())
+        mx.synchronize()
+    path = Path("/tmp/gpu_probe_kernel_trace.json")
+    prof.export_chrome_trace(str(path))
+    return sum(e["dur"] for e in kernel_records(path) if e["name"] not in flush_names) / iters
+
+
+def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,down,head") -> None:
+    """The fragment-order 4-bit product (``w4gemm``) against the dense fp16 GEMM it would
+    replace and ``w4mma``, cold (a 1 GiB read before every call), at the 8B model's products;
+    its K split, row tiles and pipeline depth."""
+    from torch.profiler import ProfilerActivity, profile
+    from tandem.kernels import w4gemm, w4mma
+    RESULTS["w4gemm"] = []
+    big = mx.ones((1 << 29,), mx.float16)
+    flush = lambda: big.max()  # noqa: E731
+    mx.eval(flush())
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        mx.eval(flush())
+        mx.synchronize()
+    prof.export_chrome_trace("/tmp/gpu_probe_flush.json")
+    flush_names = {e["name"] for e in kernel_records(Path("/tmp/gpu_probe_flush.json"))}
+    log(f"\n== w4gemm, cold (us per call, CUPTI, all kernels of a call; flush kernels {sorted(flush_names)})")
+    log(f"{'product':22s} {'rows':>4s} {'variant':>16s} {'gpu us':>8s} {'TB/s':>6s} {'TFLOPS':>7s} {'rel err':>8s}")
+    mx.random.seed(0)
+    for name, n, k in [("qkv 6144x4096", 6144, 4096), ("o 4096x4096", 4096, 4096),
+                       ("gate/up 28672x4096", 28672, 4096), ("down 4096x14336", 4096, 14336),
+                       ("head 128256x4096", 128256, 4096)]:
+        if name.split()[0] not in products.split(","):
+            continue
+        w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
+        wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
+        wd = mx.dequantize(wq, sc, bi, group_size=64, bits=4).astype(mx.float16)
+        del w
+        wpb, sbpb = w4gemm.pack(wq, sc, bi, 64, w4gemm.WARPS * w4gemm.row_tiles(n))
+        wp1, sbp1 = w4gemm.pack(wq, sc, bi, 64, w4gemm.WARPS)
+        mx.eval(wq, sc, bi, wd, wpb, sbpb, wp1, sbp1)
+        qbytes = wq.nbytes + sc.nbytes + bi.nbytes
+        for m in rows_list:
+            x = mx.random.normal((m, k)).astype(mx.float16)
+            mx.eval(x)
+            want = w4gemm.w4_gemm_reference(x, wq, sc, bi, 64).astype(mx.float32)
+            variants = [("fp16", lambda x=x: x @ wd.T, wd.nbytes, {})]
+            if m <= w4mma.MAX_ROWS:
+                variants.append(("w4mma", lambda x=x: w4mma.w4_matmul(x, wq, sc, bi, 64), qbytes, {}))
+            tb = w4gemm.WARPS * w4gemm.row_tiles(n)
+            ks = w4gemm.k_splits(n, k, tb // w4gemm.WARPS)
+            for split in sorted({ks, max(1, ks // 2), ks * 2}):
+                variants.append((f"w4g blk ks{split}", lambda x=x, split=split: w4gemm.w4_gemm(
+                    x, wpb, sbpb, 64, splits=split, block_tiles=tb), qbytes, {}))
+            variants.append(("w4g blk rt1", lambda x=x: w4gemm.w4_gemm(x, wp1, sbp1, 64, block_tiles=w4gemm.WARPS),
+                             qbytes, {}))
+            variants.append(("w4g blk st6", lambda x=x: w4gemm.w4_gemm(x, wpb, sbpb, 64, block_tiles=tb),
+                             qbytes, {"STAGES": 6}))
+            for label, fn, nbytes, patch in variants:
+                saved = {a: getattr(w4gemm, a) for a in patch}
+                try:
+                    for a, v in patch.items():
+                        setattr(w4gemm, a, v)
+                    got = fn().astype(mx.float32)
+                    err = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()
+                    gpu = _cold_gpu_us(fn, flush, flush_names)
+                except Exception as e:  # noqa: BLE001 - a failed variant must not cost the rest
+                    log(f"{name:22s} {m:4d} {label:>16s} failed: {type(e).__name__}: {e}"[:600])
+                    continue
+                finally:
+                    for a, v in saved.items():
+                        setattr(w4gemm, a, v)
+                RESULTS["w4gemm"].append({"product": name, "rows": m, "variant": label, "gpu_us": gpu,
+                                          "bytes": nbytes, "rel_err": err})
+                log(f"{name:22s} {m:4d} {label:>16s} {gpu:8.1f} {nbytes / gpu / 1e6:6.2f} "
+                    f"{2 * m * n * k / gpu / 1e6:7.1f} {err:8.1e}")
+        del wq, sc, bi, wd, wpb, sbpb, wp1, sbp1
+        mx.clear_cache()
+
+
 def section_attention() -> None:
     """Paged decode attention (8B shapes, block 16) at several partition sizes, and the write."""
     from tandem.kernels import paged_attention_cuda as pac
@@ -936,6 +1022,7 @@ def main() -> int:
     ap.add_argument("--format", default="dual")
     ap.add_argument("--w4-rows", default="8,16,32,64")
     ap.add_argument("--w4-products", default="qkv,o,gate/up,down")
+    ap.add_argument("--w4g-rows", default="8,16,32,48,64")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=576, help="attention-serial: context tokens")
     ap.add_argument("--stream-shapes", default="1x8x1,1x8x2,1x16x1,1x4x4,1x8x4,2x8x1,2x4x2,1x4x1",
@@ -968,6 +1055,8 @@ def main() -> int:
         section_attention_serial([int(b) for b in args.batches.split(",")], args.ctx, flush=True)
     if "w4mma" in secs:
         section_w4mma(tuple(int(r) for r in args.w4_rows.split(",")), args.w4_products)
+    if "w4gemm" in secs:
+        section_w4gemm(tuple(int(r) for r in args.w4g_rows.split(",")), args.w4_products + ",head")
     if "engine-trace" in secs:
         section_engine_trace(args.layers, [int(b) for b in args.batches.split(",")], out)
     if "trace" in secs:

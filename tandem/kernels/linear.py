@@ -35,6 +35,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tandem.kernels import qgemv as qg
 from tandem.kernels import quantized_matmul as qmm
 from tandem.kernels import swiglu_cuda
+from tandem.kernels import w4gemm
 from tandem.kernels import w4mma
 
 log = logging.getLogger("tandem.kernels")
@@ -63,6 +64,16 @@ W4MMA_MAX_ROWS = int(os.environ.get("TANDEM_W4MMA_MAX_ROWS", "8"))
 off (A/B runs). H200 engine, 8B shape, alternating processes: batch 6 1,034 / 1,067 tok/s
 against 984 / 945 off, batch 8 1,219 / 1,355 against 1,212 / 1,238; at batch 16 the
 kernel lost (1,912 / 1,880 against 2,157 / 1,953), so 16 rows stay on the dense GEMM."""
+
+W4G_ROWS = tuple(int(v) for v in os.environ.get("TANDEM_W4G_ROWS", "9,16").split(","))
+"""Rows (lowest, highest) for which a layer with packed 4-bit weights multiplies them with
+``w4gemm`` rather than the dense fp16 GEMM; ``TANDEM_W4G=0`` packs nothing (A/B runs).
+H200 engine, alternating processes (run 74): batch 16 2,958 / 2,967 tok/s against 2,685 /
+2,732 on the dense GEMM; batch 32 4,669 / 4,698 against 5,331 / 5,423, its ticks spending
+~4 ms building the step (0.6 without the kernel), not understood yet; so 16 rows at most.
+From 48 rows the kernel is slower than cuBLAS alone (``mma.sync`` tops out near 240 TFLOPS
+here, run 73)."""
+USE_W4G = os.environ.get("TANDEM_W4G", "1") != "0"
 
 QUANTIZED_MAX_ROWS = 4096
 """Most rows handed to one quantized matmul (4,096 = 8 x 512 ran in the H200 measurements;
@@ -122,6 +133,30 @@ class FlatLinear(nn.Module):
     @property
     def output_dims(self) -> int:
         return (self["weight"] if self.has_dense else self["qweight"]).shape[0]
+
+    def pack_w4gemm(self) -> bool:
+        """Add the fragment-order copy of the 4-bit weights ``w4gemm`` reads (another
+        quarter of the fp16 bytes); False where the kernel does not cover this layer."""
+        if not (USE_W4G and self.has_quantized and "biases" in self and "bias" not in self
+                and self.bits == 4 and self.mode == "affine" and self["scales"].dtype == mx.float16):
+            return False
+        n, words = self["qweight"].shape
+        if n * words * 8 < w4gemm.MIN_WEIGHTS or not w4gemm.supports(w4gemm.MAX_ROWS, n, words * 8,
+                                                                      self.group_size, mx.float16):
+            return False
+        self.w4g_tiles = w4gemm.WARPS * w4gemm.row_tiles(n)
+        self.w4g_wp, self.w4g_sbp = w4gemm.pack(self["qweight"], self["scales"], self["biases"], self.group_size,
+                                                self.w4g_tiles)
+        self.freeze()
+        return True
+
+    def _w4g_applies(self, x2: mx.array) -> bool:
+        return "w4g_wp" in self and W4G_ROWS[0] <= x2.shape[0] <= W4G_ROWS[1] and x2.dtype == mx.float16
+
+    def _w4g(self, x2: mx.array, residual: mx.array | None = None) -> mx.array:
+        _note_path("cuda-w4gemm-4bit")
+        return w4gemm.w4_gemm(x2, self["w4g_wp"], self["w4g_sbp"], self.group_size, residual=residual,
+                              block_tiles=self.w4g_tiles)
 
     def _w4mma_applies(self, x2: mx.array) -> bool:
         # Against a dense copy the kernel wins only for large products up to W4MMA_MAX_ROWS;
@@ -186,6 +221,8 @@ class FlatLinear(nn.Module):
             x2 = swiglu_cuda.swiglu(x2)
         if norm_weight is not None:
             x2 = mx.fast.rms_norm(x2, norm_weight, eps)
+        if self._w4g_applies(x2):
+            return self._w4g(x2, residual)
         if self._w4mma_applies(x2):
             return self._w4mma(x2, residual)
         if (residual is not None and "bias" not in self and self.has_dense
@@ -224,7 +261,9 @@ class FlatLinear(nn.Module):
         lead = x.shape[:-1]
         rows = math.prod(lead)
         x2 = x.reshape(rows, x.shape[-1])
-        if self._w4mma_applies(x2):
+        if self._w4g_applies(x2):
+            y = self._w4g(x2)
+        elif self._w4mma_applies(x2):
             y = self._w4mma(x2)
         elif self.has_quantized and (not self.has_dense or rows <= self.small_rows):
             y = self._quantized(x2)

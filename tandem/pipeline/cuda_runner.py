@@ -118,6 +118,20 @@ def _prepare_linears(model) -> None:
     linear.prepare_model(model, "auto", memory_bytes=mem)
 
 
+def _pack_w4gemm(module) -> None:
+    """Fragment-order copies of a layer's (or the head's) 4-bit weights for ``w4gemm``,
+    where it applies: on the CUDA backend, for layers holding both formats (a
+    quantized-only model keeps its memory bound). The caller evaluates them, one layer at
+    a time."""
+    if not cuda_available():
+        return
+    mods = [module] if isinstance(module, linear.FlatLinear) else [
+        m for _, m in tree_flatten(module.leaf_modules(), is_leaf=nn.Module.is_module)]
+    for m in mods:
+        if isinstance(m, linear.FlatLinear) and m.has_dense:
+            m.pack_w4gemm()
+
+
 TABLE_BUCKETS = os.environ.get("TANDEM_DECODE_TABLE_BUCKETS", "1") == "1"  # 0: exact widths (A/B)
 
 
@@ -282,6 +296,8 @@ class KernelRunner(PagedRunner):
         # the originals only for the layer being converted.
         for i, b in enumerate(inner.layers):
             inner.layers[i] = FusedBlock(b, store.head_dim)
+            if ops == "cuda":
+                _pack_w4gemm(inner.layers[i])
             mx.eval(inner.layers[i].parameters())
         self.blocks = inner.layers
         self.embed = inner.embed_tokens
@@ -292,6 +308,9 @@ class KernelRunner(PagedRunner):
         self.final_norm = inner.norm
         head = getattr(model, "lm_head", None)
         self.head = head if isinstance(head, linear.FlatLinear) else None
+        if self.head is not None and ops == "cuda":
+            _pack_w4gemm(self.head)
+            mx.eval(self.head.parameters())
         if compile_decode is None:
             compile_decode = os.environ.get("TANDEM_DECODE_COMPILE", "1") == "1"
         # Compiled: the step's graph is traced once per (batch, table width) and replayed
