@@ -163,7 +163,7 @@ def w4gemm_variants():
                                (2, 2, 64, False), (8, 2, 32, False), (8, 2, 128, True)):
         t = [("int", "MT", str(mt)), ("int", "RT", str(rt)), ("int", "NW", str(w4gemm.WARPS)),
              ("int", "ST", str(w4gemm.STAGES)), ("int", "GS", str(gs)),
-             ("bool", "ATOMIC", str(atomic).lower()), ("bool", "RES", "true")]
+             ("bool", "ATOMIC", str(atomic).lower()), ("bool", "RES", "true"), ("int", "PROBE", "0")]
         outs = [("y", "float" if atomic else "__half")]
         yield (f"w4gemm mt={mt} rt={rt} g{gs} atomic={atomic}",
                variant("tandem_w4gemm", w4gemm.SOURCE, w4gemm.HEADER, ins, outs, t))

@@ -374,6 +374,9 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
                              qbytes, {}))
             variants.append(("w4g blk st6", lambda x=x: w4gemm.w4_gemm(x, wpb, sbpb, 64, block_tiles=tb),
                              qbytes, {"STAGES": 6}))
+            for probe, what in ((1, "math only"), (2, "no dequant"), (3, "loads only")):
+                variants.append((what, lambda x=x, probe=probe: w4gemm.w4_gemm(x, wpb, sbpb, 64, block_tiles=tb,
+                                                                             probe=probe), qbytes, {}))
             for label, fn, nbytes, patch in variants:
                 saved = {a: getattr(w4gemm, a) for a in patch}
                 try:
@@ -381,6 +384,8 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
                         setattr(w4gemm, a, v)
                     got = fn().astype(mx.float32)
                     err = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()
+                    if label in ("math only", "no dequant", "loads only"):
+                        err = float("nan")
                     gpu = _cold_gpu_us(fn, flush, flush_names)
                 except Exception as e:  # noqa: BLE001 - a failed variant must not cost the rest
                     log(f"{name:22s} {m:4d} {label:>16s} failed: {type(e).__name__}: {e}"[:600])
@@ -394,6 +399,88 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
                     f"{2 * m * n * k / gpu / 1e6:7.1f} {err:8.1e}")
         del wq, sc, bi, wd, wpb, sbpb, wp1, sbp1
         mx.clear_cache()
+
+
+def section_step_replay(layers: int, batches: list[int]) -> None:
+    """Per decode batch size: how often the engine traces its compiled decode step (once
+    per (batch, table width) when replay works) and the engine thread's ``runner.forward``
+    time a tick (the replay; a retrace costs milliseconds). Run 74 saw 4 ms forwards at
+    batch 32 with ``w4gemm`` on 32 rows against 0.6 without it."""
+    import os
+    import threading
+
+    import mlx.nn as nn
+    import gpu_decode as gd
+    from mlx_lm.models import llama
+    from tandem.kernels import linear
+    from tandem.kvtypes import SamplingParams
+    from tandem.pipeline import cuda_runner
+    from tandem.pipeline.api import EngineRequest
+    from tandem.pipeline.engine import Engine
+    from tandem.pipeline.settings import EngineSettings
+
+    traces = []
+    graph = cuda_runner.KernelRunner._decode_graph
+
+    def counted(self, inputs, *args):
+        traces.append(inputs.shape[0])
+        return graph(self, inputs, *args)
+
+    cuda_runner.KernelRunner._decode_graph = counted
+    _, q4 = gd.build_models(layers)
+    # Without CUDA (a smoke test) the reference ops: uncompiled, so every step traces.
+    os.environ["TANDEM_PAGED_KERNELS"] = "cuda" if cuda_runner.cuda_available() else "reference"
+    model = llama.Model(gd.model_args(layers))
+    nn.quantize(model, group_size=64, bits=4)
+    model.update(q4.parameters())
+    linear.prepare_model(model, "auto", memory_bytes=mx.device_info().get("memory_size"))
+    mx.eval(model.parameters())
+    mx.eval([l.self_attn.rope._freqs for l in model.model.layers if hasattr(l.self_attn.rope, "_freqs")])
+    top = max(batches)
+    st = EngineSettings(parallel=top, max_batch_size=top, max_batch_prefill=8,
+                        max_batch_prefill_tokens=linear.QUANTIZED_MAX_ROWS, prefill_chunk_size=512,
+                        kv_cache_budget="24GiB", enable_prefix_caching=False, max_queue_depth=4 * top)
+    eng = Engine(model, st, model_id="probe")
+    forward, spent = eng.runner.forward, []
+
+    def timed_forward(rows, inputs):
+        t = time.perf_counter()
+        try:
+            return forward(rows, inputs)
+        finally:
+            if inputs.shape[1] == 1:
+                spent.append((inputs.shape[0], time.perf_counter() - t))
+
+    eng.runner.forward = timed_forward
+    eng.start()
+    vocab = gd._vocab()
+    RESULTS.setdefault("step_replay", [])
+    log(f"\n== decode step replay, {layers} layers, w4gemm rows {linear.W4G_ROWS}")
+    try:
+        for B in batches:
+            del traces[:], spent[:]
+            done = threading.Event()
+            left = [B]
+
+            def on_event(ev):
+                if ev.finish_reason is not None:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
+            for _ in range(B):
+                eng.submit(EngineRequest(os.urandom(16), np.random.randint(0, vocab, 512).tolist(),
+                                         SamplingParams(max_tokens=40, ignore_eos=True), on_event))
+            done.wait(240)
+            full = [s for b, s in spent if b == B]
+            rec = {"batch": B, "traces": len(traces), "traced_batches": sorted(set(traces)),
+                   "steps": len(full), "forward_ms_p50": float(np.median(full)) * 1e3 if full else None,
+                   "paths": linear.paths_used()}
+            RESULTS["step_replay"].append(rec)
+            log(f"B={B:3d}: {rec['traces']} traces {rec['traced_batches']}, {rec['steps']} steps at B, "
+                f"forward p50 {rec['forward_ms_p50']:.2f} ms; paths {rec['paths']}")
+    finally:
+        eng.stop()
+        cuda_runner.KernelRunner._decode_graph = graph
 
 
 def section_attention() -> None:
@@ -1057,6 +1144,8 @@ def main() -> int:
         section_w4mma(tuple(int(r) for r in args.w4_rows.split(",")), args.w4_products)
     if "w4gemm" in secs:
         section_w4gemm(tuple(int(r) for r in args.w4g_rows.split(",")), args.w4_products + ",head")
+    if "step-replay" in secs:
+        section_step_replay(args.layers, [int(b) for b in args.batches.split(",")])
     if "engine-trace" in secs:
         section_engine_trace(args.layers, [int(b) for b in args.batches.split(",")], out)
     if "trace" in secs:

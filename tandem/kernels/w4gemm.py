@@ -22,6 +22,12 @@ cores want them (Marlin's idea, :func:`pack`):
 Everything goes through shared memory by ``cp.async``, ``ST - 1`` chunks of 64 ahead.
 Products with few weight rows split K over ``gridDim.y`` blocks that add into an fp32
 result. ``w4_gemm_reference`` is the pure-ops definition.
+
+Measured on the H200 (runs 72-76, cold): up to 32 rows it beats cuBLAS's fp16 product on
+the large layers (gate/up at 16 rows 44 against 57-62 us, the head 131-134 against
+250-261) and ``w4mma`` everywhere from 16 rows; at 64 rows its math alone (``mma.sync``
+at ~210 TFLOPS) is slower than cuBLAS's whole product, which uses Hopper's ``wgmma``.
+The engine gives it 9-16 rows (``linear.W4G_ROWS``): batch 16 +7.5% to +13%.
 """
 
 from __future__ import annotations
@@ -99,7 +105,9 @@ __device__ __forceinline__ void w4g_deq(uint32_t* a, uint32_t q, uint2 sb) {
 
 # Templates: MT (tiles of 8 input rows, even), RT (16-row weight tiles a warp), NW (warps),
 # ST (pipeline stages), GS (group size: 32, 64 or 128), ATOMIC (fp32 result every K split
-# adds into), RES (+ residual, added by split 0).
+# adds into), RES (+ residual, added by split 0), PROBE (bench/gpu_probe.py only, results
+# garbage: 1 no loads, the math alone; 2 no dequantization, raw words as fragments; 3 the
+# loads alone).
 #
 # Inputs: x (M, K) fp16; wp (N/16, K/64, 32, 4) uint32 and sbp (N/16, K/GS, 8, 4) fp16 from
 # pack() with NW * RT tiles a block; res (M, N) fp16 or a dummy. Output y (M, N), fp16 or
@@ -132,6 +140,7 @@ SOURCE = r"""
   const uint4* wp4 = reinterpret_cast<const uint4*>(wp);
   const uint2* sb2 = reinterpret_cast<const uint2*>(sbp);
   auto issue = [&](int c, int st) {
+    if (PROBE == 1) return;
 #pragma unroll
     for (int i = threadIdx.x; i < XR * 8; i += NW * 32) {
       const int r = i >> 3, u = i & 7;
@@ -179,11 +188,19 @@ SOURCE = r"""
     uint4 wq[RT];
 #pragma unroll
     for (int i = 0; i < RT; ++i) wq[i] = ws[st][warp * RT + i][lane];
+    if (PROBE == 3) {
+      acc[0][0][0] += (float)(wq[0].x & 1u) + (float)(ss[st][0][0][g].x & 1u) + (float)(xs[st][lane & 7][0].x & 1u);
+      continue;
+    }
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       uint32_t a[RT][4];
 #pragma unroll
       for (int i = 0; i < RT; ++i)
+        if (PROBE == 2) {
+          const uint32_t q = reinterpret_cast<const uint32_t*>(&wq[i])[s];
+          a[i][0] = q; a[i][1] = q >> 4; a[i][2] = q >> 8; a[i][3] = q >> 12;
+        } else
         w4g_deq(a[i], reinterpret_cast<const uint32_t*>(&wq[i])[s], ss[st][warp * RT + i][(s * 16) / (GS < 64 ? GS : 64)][g]);
 #pragma unroll
       for (int j = 0; j < MT; j += 2) {
@@ -308,7 +325,7 @@ def pack(wq: mx.array, scales: mx.array, biases: mx.array, group_size: int,
 
 def w4_gemm(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
             residual: mx.array | None = None, splits: int | None = None,
-            block_tiles: int | None = None) -> mx.array:
+            block_tiles: int | None = None, probe: int = 0) -> mx.array:
     """``x @ dequantize(w).T [+ residual]`` for fp16 ``x`` of 1-256 rows, with ``wp, sbp =
     pack(w, scales, biases, group_size, block_tiles)``. Returns (M, N) fp16."""
     m, k = x.shape
@@ -323,7 +340,7 @@ def w4_gemm(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
     (y,) = _kernel(shared_bytes(mt, rt, STAGES, group_size))(
         inputs=[x, wp, sbp, residual if residual is not None else qmm._dummy(mx.float16)],
         template=[("MT", mt), ("RT", rt), ("NW", WARPS), ("ST", STAGES), ("GS", group_size),
-                  ("ATOMIC", atomic), ("RES", residual is not None)],
+                  ("ATOMIC", atomic), ("RES", residual is not None), ("PROBE", probe)],
         grid=(n // (WARPS * rt * 16) * WARPS * 32, ks, -(-m // (8 * mt))),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(m, n)],
