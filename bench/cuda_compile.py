@@ -33,6 +33,7 @@ from tandem.kernels import qgemv as qg  # noqa: E402
 from tandem.kernels import swiglu_cuda  # noqa: E402
 from tandem.kernels import w4gemm  # noqa: E402
 from tandem.kernels import w4mma  # noqa: E402
+from tandem.kernels import w4wgmma  # noqa: E402
 
 PRELUDE = """
 #include <cuda_fp16.h>
@@ -169,6 +170,13 @@ def w4gemm_variants():
                variant("tandem_w4gemm", w4gemm.SOURCE, w4gemm.HEADER, ins, outs, t))
 
 
+def w4wgmma_variants():
+    """Complete sources (NVRTC-compiled at run time for sm_90a, not wrapped by MLX)."""
+    for gs, atomic, res, mb in ((64, False, False, 0), (64, True, True, 0), (32, False, True, 0), (64, True, True, 2)):
+        yield (f"w4wgmma g{gs} atomic={atomic} res={res} min_blocks={mb}",
+               w4wgmma.kernel_source(gs, atomic, res, min_blocks=mb)[1])
+
+
 def embed_variants():
     ins = [("ids", "int32_t"), ("w", "uint32_t"), ("scales", "T"), ("biases", "T")]
     for dtype, bits, gs in (("__half", 4, 64), ("__half", 8, 32), ("__nv_bfloat16", 4, 128)):
@@ -197,13 +205,14 @@ def main() -> int:
     work = Path(args.keep or tempfile.mkdtemp(prefix="tandem-cu-"))
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(), *w4gemm_variants(),
+    for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(), *w4gemm_variants(), *w4wgmma_variants(),
                                       *embed_variants(), *swiglu_variants()]):
         if args.only not in label:
             continue
         cu = work / f"k{i}.cu"
         cu.write_text(code)
-        p = subprocess.run([nvcc, "-std=c++17", f"-arch={args.arch}", "-cubin", "-o", str(cu.with_suffix(".cubin")),
+        arch = args.arch + "a" if label.startswith("w4wgmma") and args.arch == "sm_90" else args.arch  # wgmma
+        p = subprocess.run([nvcc, "-std=c++17", f"-arch={arch}", "-cubin", "-o", str(cu.with_suffix(".cubin")),
                             "-Xptxas", "-v", str(cu)], capture_output=True, text=True)
         info = p.stderr
         if p.returncode:

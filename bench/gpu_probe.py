@@ -327,7 +327,8 @@ def _cold_gpu_us(fn, flush, flush_names: set[str], iters: int = 10) -> float:
     return sum(e["dur"] for e in kernel_records(path) if e["name"] not in flush_names) / iters
 
 
-def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,down,head") -> None:
+def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,down,head",
+                   parts: bool = False) -> None:
     """The fragment-order 4-bit product (``w4gemm``) against the dense fp16 GEMM it would
     replace and ``w4mma``, cold (a 1 GiB read before every call), at the 8B model's products;
     its K split, row tiles and pipeline depth."""
@@ -374,7 +375,15 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
                              qbytes, {}))
             variants.append(("w4g blk st6", lambda x=x: w4gemm.w4_gemm(x, wpb, sbpb, 64, block_tiles=tb),
                              qbytes, {"STAGES": 6}))
-            for probe, what in ((1, "math only"), (2, "no dequant"), (3, "loads only")):
+            if tb == 16:
+                from tandem.kernels import w4wgmma
+                variants.append(("wgmma", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64), qbytes, {}))
+                variants.append(("wgmma 1 block", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, min_blocks=1),
+                                 qbytes, {}))
+                if ks > 2:
+                    variants.append(("wgmma ks/2", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, splits=ks // 2),
+                                     qbytes, {}))
+            for probe, what in ((1, "math only"), (2, "no dequant"), (3, "loads only")) if parts else ():
                 variants.append((what, lambda x=x, probe=probe: w4gemm.w4_gemm(x, wpb, sbpb, 64, block_tiles=tb,
                                                                              probe=probe), qbytes, {}))
             for label, fn, nbytes, patch in variants:
@@ -401,7 +410,7 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
         mx.clear_cache()
 
 
-def section_step_replay(layers: int, batches: list[int]) -> None:
+def section_step_replay(layers: int, batches: list[int], profile_forward: bool = False) -> None:
     """Per decode batch size: how often the engine traces its compiled decode step (once
     per (batch, table width) when replay works) and the engine thread's ``runner.forward``
     time a tick (the replay; a retrace costs milliseconds). Run 74 saw 4 ms forwards at
@@ -451,7 +460,18 @@ def section_step_replay(layers: int, batches: list[int]) -> None:
             if inputs.shape[1] == 1:
                 spent.append((inputs.shape[0], time.perf_counter() - t))
 
-    eng.runner.forward = timed_forward
+    profiles: dict[int, object] = {}
+
+    def profiled_forward(rows, inputs):
+        # cProfile of the engine thread's forward calls, per batch size: whether the time is
+        # tandem's Python or the compiled step's call into MLX.
+        import cProfile
+        if inputs.shape[1] != 1:  # prefill: not what is measured
+            return timed_forward(rows, inputs)
+        prof = profiles.setdefault(inputs.shape[0], cProfile.Profile())
+        return prof.runcall(timed_forward, rows, inputs)
+
+    eng.runner.forward = profiled_forward if profile_forward else timed_forward
     eng.start()
     vocab = gd._vocab()
     RESULTS.setdefault("step_replay", [])
@@ -478,6 +498,13 @@ def section_step_replay(layers: int, batches: list[int]) -> None:
             RESULTS["step_replay"].append(rec)
             log(f"B={B:3d}: {rec['traces']} traces {rec['traced_batches']}, {rec['steps']} steps at B, "
                 f"forward p50 {rec['forward_ms_p50']:.2f} ms; paths {rec['paths']}")
+            if B in profiles:
+                import io
+                import pstats
+                text = io.StringIO()
+                pstats.Stats(profiles[B], stream=text).sort_stats("tottime").print_stats(12)
+                rec["profile"] = text.getvalue()
+                log(text.getvalue())
     finally:
         eng.stop()
         cuda_runner.KernelRunner._decode_graph = graph
@@ -1110,6 +1137,10 @@ def main() -> int:
     ap.add_argument("--w4-rows", default="8,16,32,64")
     ap.add_argument("--w4-products", default="qkv,o,gate/up,down")
     ap.add_argument("--w4g-rows", default="8,16,32,48,64")
+    ap.add_argument("--profile-forward", action="store_true",
+                    help="step-replay: cProfile the engine thread's forward calls per batch size")
+    ap.add_argument("--w4g-parts", action="store_true",
+                    help="w4gemm: also its probe variants (math only, no dequant, loads only)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=576, help="attention-serial: context tokens")
     ap.add_argument("--stream-shapes", default="1x8x1,1x8x2,1x16x1,1x4x4,1x8x4,2x8x1,2x4x2,1x4x1",
@@ -1143,9 +1174,10 @@ def main() -> int:
     if "w4mma" in secs:
         section_w4mma(tuple(int(r) for r in args.w4_rows.split(",")), args.w4_products)
     if "w4gemm" in secs:
-        section_w4gemm(tuple(int(r) for r in args.w4g_rows.split(",")), args.w4_products + ",head")
+        section_w4gemm(tuple(int(r) for r in args.w4g_rows.split(",")), args.w4_products + ",head",
+                       args.w4g_parts)
     if "step-replay" in secs:
-        section_step_replay(args.layers, [int(b) for b in args.batches.split(",")])
+        section_step_replay(args.layers, [int(b) for b in args.batches.split(",")], args.profile_forward)
     if "engine-trace" in secs:
         section_engine_trace(args.layers, [int(b) for b in args.batches.split(",")], out)
     if "trace" in secs:

@@ -36,6 +36,7 @@ from tandem.kernels import qgemv as qg
 from tandem.kernels import quantized_matmul as qmm
 from tandem.kernels import swiglu_cuda
 from tandem.kernels import w4gemm
+from tandem.kernels import w4wgmma
 from tandem.kernels import w4mma
 
 log = logging.getLogger("tandem.kernels")
@@ -74,6 +75,10 @@ H200 engine, alternating processes (run 74): batch 16 2,958 / 2,967 tok/s agains
 From 48 rows the kernel is slower than cuBLAS alone (``mma.sync`` tops out near 240 TFLOPS
 here, run 73)."""
 USE_W4G = os.environ.get("TANDEM_W4G", "1") != "0"
+USE_W4WG = os.environ.get("TANDEM_W4WG", "0") == "1"
+W4WG_ROWS = tuple(int(v) for v in os.environ.get("TANDEM_W4WG_ROWS", "17,64").split(","))
+"""Rows the experimental ``wgmma`` kernel (``w4wgmma``, off by default) takes from the packed
+layers when ``TANDEM_W4WG=1``; not yet measured in the engine."""
 
 QUANTIZED_MAX_ROWS = 4096
 """Most rows handed to one quantized matmul (4,096 = 8 x 512 ran in the H200 measurements;
@@ -150,10 +155,19 @@ class FlatLinear(nn.Module):
         self.freeze()
         return True
 
+    def _w4wg_applies(self, x2: mx.array) -> bool:
+        return (USE_W4WG and self.w4g_tiles == 16 and W4WG_ROWS[0] <= x2.shape[0] <= W4WG_ROWS[1]
+                and w4wgmma.supports(x2.shape[0], self.output_dims, x2.shape[1], self.group_size))
+
     def _w4g_applies(self, x2: mx.array) -> bool:
-        return "w4g_wp" in self and W4G_ROWS[0] <= x2.shape[0] <= W4G_ROWS[1] and x2.dtype == mx.float16
+        if "w4g_wp" not in self or x2.dtype != mx.float16:
+            return False
+        return W4G_ROWS[0] <= x2.shape[0] <= W4G_ROWS[1] or self._w4wg_applies(x2)
 
     def _w4g(self, x2: mx.array, residual: mx.array | None = None) -> mx.array:
+        if self._w4wg_applies(x2):
+            _note_path("cuda-w4wgmma-4bit")
+            return w4wgmma.w4_wgmma(x2, self["w4g_wp"], self["w4g_sbp"], self.group_size, residual=residual)
         _note_path("cuda-w4gemm-4bit")
         return w4gemm.w4_gemm(x2, self["w4g_wp"], self["w4g_sbp"], self.group_size, residual=residual,
                               block_tiles=self.w4g_tiles)

@@ -153,6 +153,11 @@ def test_layers_pack_only_what_the_kernel_covers(monkeypatch):
     assert not lay._w4g_applies(rows(lo - 1)) and not lay._w4g_applies(rows(hi + 1))
     assert not _flat(256, 512, 64, bits=8).pack_w4gemm()
     assert not _flat(96, 512, 64).pack_w4gemm()   # 96 rows: no whole 128-row block
+    # The experimental wgmma kernel takes its own rows only when asked to (TANDEM_W4WG=1).
+    wide = rows(linear.W4WG_ROWS[1])
+    assert not lay._w4g_applies(wide)
+    monkeypatch.setattr(linear, "USE_W4WG", True)
+    assert lay._w4g_applies(wide) and lay._w4wg_applies(wide) and not lay._w4wg_applies(rows(hi))
     monkeypatch.setattr(linear, "USE_W4G", False)
     assert not _flat(256, 512, 64).pack_w4gemm()
 
