@@ -378,7 +378,11 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
             if tb == 16:
                 from tandem.kernels import w4wgmma
                 variants.append(("wgmma", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64), qbytes, {}))
-                variants.append(("wgmma 1 block", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, min_blocks=1),
+                variants.append(("wgmma no bounds", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, min_blocks=0),
+                                 qbytes, {}))
+                variants.append(("wgmma 2 blocks", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, min_blocks=2),
+                                 qbytes, {}))
+                variants.append(("wgmma st6", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, min_blocks=0, stages=6),
                                  qbytes, {}))
                 if ks > 2:
                     variants.append(("wgmma ks/2", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, splits=ks // 2),

@@ -32,7 +32,8 @@ from tandem.kernels import w4gemm
 
 ROWS_PER_BLOCK = 64
 """Input rows one block multiplies (``wgmma`` n = 64); more run along ``gridDim.z``."""
-STAGES = 4
+STAGES = int(os.environ.get("TANDEM_W4WG_STAGES", "4"))
+"""``cp.async`` stages (chunks of 64 of K; ``STAGES - 1`` in flight a block)."""
 MIN_BLOCKS = int(os.environ.get("TANDEM_W4WG_MIN_BLOCKS", "0"))
 """Blocks an SM should hold (``__launch_bounds__``; 0 = none, the kernel run 77 measured:
 122-140 registers, one block an SM). In run 77 a block waited out its own ``wgmma`` before
@@ -296,7 +297,7 @@ def supports(rows: int, n: int, k: int, group_size: int) -> bool:
 
 def w4_wgmma(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
              residual: mx.array | None = None, splits: int | None = None,
-             min_blocks: int | None = None) -> mx.array:
+             min_blocks: int | None = None, stages: int | None = None) -> mx.array:
     """``x @ dequantize(w).T [+ residual]`` with ``wp, sbp = w4gemm.pack(w, scales, biases,
     group_size, 16)``: fp16 x (M, K), M up to 256. Returns (M, N) fp16."""
     m, k = x.shape
@@ -306,14 +307,16 @@ def w4_wgmma(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
         raise ValueError(f"w4_wgmma: {m} x {k} against {n} rows, group {group_size}: not covered")
     ks = splits or w4gemm.k_splits(n, k, 2)
     atomic = ks > 1
-    name, cubin = compile_cubin(group_size, atomic, residual is not None, min_blocks=min_blocks or MIN_BLOCKS)
+    st = stages or STAGES
+    name, cubin = compile_cubin(group_size, atomic, residual is not None, stages=st,
+                                min_blocks=MIN_BLOCKS if min_blocks is None else min_blocks)
     (y,) = mx.fast.precompiled_cuda_kernel(
         name=name, compiled_source=cubin,
         inputs=[x, wp, sbp, residual if residual is not None else x],
         output_shapes=[(m, n)], output_dtypes=[mx.float32 if atomic else mx.float16],
         scalars=[m, k, n, groups],
         grid=(n // 256 * 256, ks, -(-m // ROWS_PER_BLOCK)), threadgroup=(256, 1, 1),
-        shared_memory=shared_bytes(group_size), init_value=0.0 if atomic else None,
+        shared_memory=shared_bytes(group_size, st), init_value=0.0 if atomic else None,
         ensure_row_contiguous=True,
     )
     return y.astype(mx.float16) if atomic else y
