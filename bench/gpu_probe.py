@@ -384,6 +384,8 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
                                  qbytes, {}))
                 variants.append(("wgmma st6", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, min_blocks=0, stages=6),
                                  qbytes, {}))
+                variants.append(("wgmma overlap", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, min_blocks=0,
+                                                                             overlap=True), qbytes, {}))
                 if ks > 2:
                     variants.append(("wgmma ks/2", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, splits=ks // 2),
                                      qbytes, {}))

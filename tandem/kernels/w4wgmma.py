@@ -33,6 +33,9 @@ from tandem.kernels import w4gemm
 ROWS_PER_BLOCK = 64
 """Input rows one block multiplies (``wgmma`` n = 64); more run along ``gridDim.z``."""
 STAGES = int(os.environ.get("TANDEM_W4WG_STAGES", "4"))
+OVERLAP = os.environ.get("TANDEM_W4WG_OVERLAP", "0") == "1"
+"""Dequantize chunk c + 1 while chunk c's ``wgmma`` runs (two register sets of A
+fragments): compiled, not yet run on the H200."""
 """``cp.async`` stages (chunks of 64 of K; ``STAGES - 1`` in flight a block)."""
 MIN_BLOCKS = int(os.environ.get("TANDEM_W4WG_MIN_BLOCKS", "0"))
 """Blocks an SM should hold (``__launch_bounds__``; 0 = none, the kernel run 77 measured:
@@ -149,21 +152,8 @@ extern "C" __global__ void LAUNCH_BOUNDS KERNEL_NAME(const u16* x, const u32* wp
 #pragma unroll
     for (int e = 0; e < 32; ++e) acc[i][e] = 0.f;
 
-#pragma unroll
-  for (int p = 0; p < ST - 1; ++p) {
-    if (c_lo + p < c_hi) issue(c_lo + p, p);
-    asm volatile("cp.async.commit_group;\n" ::);
-  }
-  for (int c = c_lo; c < c_hi; ++c) {
-    const int st = (c - c_lo) % ST;
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(ST - 2));
-    // cp.async wrote through the generic proxy; wgmma reads through the async one.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    if (c + ST - 1 < c_hi) issue(c + ST - 1, (c - c_lo + ST - 1) % ST);
-    asm volatile("cp.async.commit_group;\n" ::);
-
-    u32 a[4][RT][4];
+  // A fragments of one chunk (4 k16 steps x RT tiles) from stage st.
+  auto dequant = [&](int st, u32 (&a)[4][RT][4]) {
 #pragma unroll
     for (int i = 0; i < RT; ++i) {
       const int tl = (wg * RT + i) * 4 + w4;
@@ -176,21 +166,91 @@ extern "C" __global__ void LAUNCH_BOUNDS KERNEL_NAME(const u16* x, const u32* wp
         deq(a[s][i], q, sb.x, sb.y);
       }
     }
+  };
+  // keep_acc: pin the accumulators before the products (only when none is in flight: ptxas
+  // serializes every wgmma if other instructions define their registers mid-pipeline).
+  auto multiply = [&](int st, u32 (&a)[4][RT][4], bool keep_acc) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    if (keep_acc)
 #pragma unroll
-    for (int i = 0; i < RT; ++i) keep(acc[i]);
+      for (int i = 0; i < RT; ++i) keep(acc[i]);
 #pragma unroll
     for (int s = 0; s < 4; ++s)
 #pragma unroll
       for (int i = 0; i < RT; ++i) wgmma_64x64(acc[i], a[s][i], b_desc(xs_at(st) + s * 32));
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-    for (int i = 0; i < RT; ++i) keep(acc[i]);
+  };
+  auto keep_all = [&](u32 (&a)[4][RT][4]) {
 #pragma unroll
     for (int s = 0; s < 4; ++s)
 #pragma unroll
       for (int i = 0; i < RT; ++i) keep(a[s][i]);
+  };
+
+  if constexpr (!OVERLAP) {
+#pragma unroll
+    for (int p = 0; p < ST - 1; ++p) {
+      if (c_lo + p < c_hi) issue(c_lo + p, p);
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
+    for (int c = c_lo; c < c_hi; ++c) {
+      const int st = (c - c_lo) % ST;
+      asm volatile("cp.async.wait_group %0;\n" :: "n"(ST - 2));
+      // cp.async wrote through the generic proxy; wgmma reads through the async one.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      __syncthreads();
+      if (c + ST - 1 < c_hi) issue(c + ST - 1, (c - c_lo + ST - 1) % ST);
+      asm volatile("cp.async.commit_group;\n" ::);
+      u32 a[4][RT][4];
+      dequant(st, a);
+      multiply(st, a, true);
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < RT; ++i) keep(acc[i]);
+      keep_all(a);
+    }
+  } else {
+    // Chunk c + 1 is dequantized while chunk c's wgmma runs: two register sets of A
+    // fragments, alternated by unrolling two chunks a turn (a register array indexed at run
+    // time would live in local memory). A set is written again only after
+    // wgmma.wait_group 1 has retired the product that read it, and keep() tells the
+    // compiler it is still read up to there. A stage is refilled only after every
+    // warpgroup has retired the product of the chunk it held (the barrier after that wait).
+    u32 a0[4][RT][4], a1[4][RT][4];
+#pragma unroll
+    for (int p = 0; p < ST - 1; ++p) {
+      if (c_lo + p < c_hi) issue(c_lo + p, p);
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(ST - 2));
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    if (c_lo < c_hi) dequant(0, a0);
+    auto turn = [&](int c, u32 (&cur)[4][RT][4], u32 (&nxt)[4][RT][4]) {
+      multiply((c - c_lo) % ST, cur, false);
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // chunk c - 1 retired
+      keep_all(nxt);
+      if (c + 1 < c_hi) {
+        // committed: chunks up to c + ST - 2; chunk c + 1 must have landed
+        asm volatile("cp.async.wait_group %0;\n" :: "n"(ST - 3));
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        if (c + ST - 1 < c_hi) issue(c + ST - 1, (c - c_lo + ST - 1) % ST);  // chunk c - 1's stage
+      }
+      asm volatile("cp.async.commit_group;\n" ::);
+      if (c + 1 < c_hi) dequant((c + 1 - c_lo) % ST, nxt);
+    };
+    int c = c_lo;
+    for (; c + 1 < c_hi; c += 2) {
+      turn(c, a0, a1);
+      turn(c + 1, a1, a0);
+    }
+    if (c < c_hi) turn(c, a0, a1);
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < RT; ++i) keep(acc[i]);
+    keep_all(a0);
+    keep_all(a1);
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
 
@@ -227,13 +287,16 @@ extern "C" __global__ void LAUNCH_BOUNDS KERNEL_NAME(const u16* x, const u32* wp
 
 
 def kernel_source(gs: int, atomic: bool, res: bool, stages: int = STAGES,
-                  min_blocks: int = MIN_BLOCKS) -> tuple[str, str]:
+                  min_blocks: int = MIN_BLOCKS, overlap: bool = False) -> tuple[str, str]:
     """(name, complete CUDA source) of one variant."""
-    name = f"tandem_w4wg_g{gs}_a{int(atomic)}_r{int(res)}_s{stages}_b{min_blocks}"
+    if overlap and stages < 3:
+        raise ValueError("the overlapped loop needs 3 stages or more")
+    name = f"tandem_w4wg_g{gs}_a{int(atomic)}_r{int(res)}_s{stages}_b{min_blocks}_o{int(overlap)}"
     head = (f"#define KERNEL_NAME {name}\n#define OUT_T {'float' if atomic else 'u16'}\n"
             f"#define LAUNCH_BOUNDS {f'__launch_bounds__(256, {min_blocks})' if min_blocks else ''}\n"
             f"constexpr int GS = {gs};\nconstexpr bool ATOMIC = {str(atomic).lower()};\n"
-            f"constexpr bool RES = {str(res).lower()};\nconstexpr int ST = {stages};\n")
+            f"constexpr bool RES = {str(res).lower()};\nconstexpr int ST = {stages};\n"
+            f"constexpr bool OVERLAP = {str(overlap).lower()};\n")
     src = _SOURCE.replace('extern "C"', head + 'extern "C"', 1)  # after the typedefs OUT_T names
     return name, src
 
@@ -265,10 +328,10 @@ def _nvrtc():
 
 @functools.cache
 def compile_cubin(gs: int, atomic: bool, res: bool, arch: str = "sm_90a", stages: int = STAGES,
-                  min_blocks: int = MIN_BLOCKS) -> tuple[str, bytes]:
+                  min_blocks: int = MIN_BLOCKS, overlap: bool = False) -> tuple[str, bytes]:
     """NVRTC-compiled cubin of one variant: (kernel name, bytes)."""
     lib = _nvrtc()
-    name, src = kernel_source(gs, atomic, res, stages, min_blocks)
+    name, src = kernel_source(gs, atomic, res, stages, min_blocks, overlap)
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(), 0, None, None):
         raise NvrtcError("nvrtcCreateProgram failed")
@@ -297,7 +360,8 @@ def supports(rows: int, n: int, k: int, group_size: int) -> bool:
 
 def w4_wgmma(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
              residual: mx.array | None = None, splits: int | None = None,
-             min_blocks: int | None = None, stages: int | None = None) -> mx.array:
+             min_blocks: int | None = None, stages: int | None = None,
+             overlap: bool | None = None) -> mx.array:
     """``x @ dequantize(w).T [+ residual]`` with ``wp, sbp = w4gemm.pack(w, scales, biases,
     group_size, 16)``: fp16 x (M, K), M up to 256. Returns (M, N) fp16."""
     m, k = x.shape
@@ -309,7 +373,8 @@ def w4_wgmma(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
     atomic = ks > 1
     st = stages or STAGES
     name, cubin = compile_cubin(group_size, atomic, residual is not None, stages=st,
-                                min_blocks=MIN_BLOCKS if min_blocks is None else min_blocks)
+                                min_blocks=MIN_BLOCKS if min_blocks is None else min_blocks,
+                                overlap=OVERLAP if overlap is None else overlap)
     (y,) = mx.fast.precompiled_cuda_kernel(
         name=name, compiled_source=cubin,
         inputs=[x, wp, sbp, residual if residual is not None else x],

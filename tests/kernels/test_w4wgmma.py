@@ -21,6 +21,11 @@ def test_variants_have_their_own_names_and_declare_what_the_kernel_reads():
     assert src.index("typedef unsigned short u16") < src.index("#define OUT_T")
 
 
+def test_the_overlapped_loop_needs_three_stages():
+    with pytest.raises(ValueError, match="3 stages"):
+        w4wgmma.kernel_source(64, False, False, stages=2, overlap=True)
+
+
 def test_support_rules():
     assert w4wgmma.supports(64, 28672, 4096, 64)
     assert w4wgmma.supports(256, 256, 64, 32)
@@ -32,18 +37,20 @@ def test_support_rules():
 @gpu
 @pytest.mark.gpu
 @hang_guard
+@pytest.mark.parametrize("variant", [{}, {"overlap": True}, {"min_blocks": 2}, {"overlap": True, "stages": 3}],
+                         ids=["run77", "overlap", "two-blocks", "overlap-3-stages"])
 @pytest.mark.parametrize("m,n,k,gs,splits,res", [
     (64, 256, 512, 64, 1, False), (16, 1024, 2048, 64, 1, True), (33, 512, 1024, 32, 4, True),
     (64, 4096, 1024, 64, None, True), (100, 512, 1024, 128, 2, False), (1, 256, 256, 64, 1, False),
 ])
-def test_kernel_matches_reference(m, n, k, gs, splits, res):
+def test_kernel_matches_reference(m, n, k, gs, splits, res, variant):
     mx.random.seed(m + n + k)
     w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
     wq, s, b = mx.quantize(w, group_size=gs, bits=4)
     x = mx.random.normal((m, k)).astype(mx.float16)
     wp, sbp = w4gemm.pack(wq, s, b, gs, 16)
     r = mx.random.normal((m, n)).astype(mx.float16) if res else None
-    got = w4wgmma.w4_wgmma(x, wp, sbp, gs, residual=r, splits=splits)
+    got = w4wgmma.w4_wgmma(x, wp, sbp, gs, residual=r, splits=splits, **variant)
     want = w4gemm.w4_gemm_reference(x, wq, s, b, gs, residual=r)
     assert got.shape == want.shape and got.dtype == mx.float16
     got, want = got.astype(mx.float32), want.astype(mx.float32)
