@@ -356,23 +356,25 @@ def fuse_linears(layers: list[FlatLinear]) -> FlatLinear:
 
 def choose_weight_format(quantized: bool, dense_bytes: int, quantized_bytes: int,
                          memory_bytes: int | None, backend: str | None = None,
-                         headroom: float = 0.6) -> tuple[str, str]:
+                         headroom: float = 0.6, packed_bytes: int = 0) -> tuple[str, str]:
     """Pick the weight format for this backend; returns (format, reason for the log line).
 
     Measured on an H200 (mlx 0.32.4): fp16 GEMM beats MLX's 4-bit GEMM 15-25x at prefill
     sizes, while for 1-16 rows the multirow 4-bit kernel reads 4x fewer bytes than fp16.
     So on CUDA: ``dual`` when both copies fit in ``headroom`` of device memory, else
     ``quantized`` (memory demands it). CPU: ``dense`` (the CPU quantized kernel is slow).
-    Metal: ``quantized`` (its quantized kernels are fast).
+    Metal: ``quantized`` (its quantized kernels are fast). ``packed_bytes``: what ``dual``
+    adds on CUDA for ``w4gemm`` (the fragment-order copy of the large layers).
     """
     backend = backend or _backend()
     if not quantized:
         return "dense", "checkpoint is not quantized"
     budget = None if memory_bytes is None else headroom * memory_bytes
     if backend == "cuda":
-        if budget is None or dense_bytes + quantized_bytes <= budget:
+        if budget is None or dense_bytes + quantized_bytes + packed_bytes <= budget:
+            packed = f" + packed {packed_bytes / 2**30:.1f} GiB" if packed_bytes else ""
             return "dual", (f"cuda: dense {dense_bytes / 2**30:.1f} GiB + quantized "
-                            f"{quantized_bytes / 2**30:.1f} GiB fit; multirow kernel for "
+                            f"{quantized_bytes / 2**30:.1f} GiB{packed} fit; multirow kernel for "
                             f"<= {qmm.PREFERRED_MAX_ROWS} rows, dense GEMM above")
         return "quantized", (f"cuda: dense copy ({dense_bytes / 2**30:.1f} GiB) does not fit "
                              f"in {budget / 2**30:.1f} GiB; quantized only")
@@ -389,17 +391,22 @@ def _backend() -> str:
 
 def prepare_model(model: nn.Module, fmt: str = "auto", memory_bytes: int | None = None) -> str:
     """Flatten every linear and apply the weight format; logs and returns what runs."""
-    qbytes = dbytes = 0
+    qbytes = dbytes = pbytes = 0
     quantized = False
     for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
         if isinstance(m, nn.QuantizedLinear):
             quantized = True
-            qbytes += sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+            nbytes = sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+            qbytes += nbytes
+            n, k = m["weight"].shape[0], m["weight"].shape[1] * 32 // m.bits
+            if USE_W4G and m.bits == 4 and n * k >= w4gemm.MIN_WEIGHTS:
+                pbytes += nbytes  # fused q/k/v stay below MIN_WEIGHTS; gate/up, down, head pack
             dbytes += m["scales"].shape[0] * m["weight"].shape[1] * 32 // m.bits * 2
         elif isinstance(m, nn.Linear):
             dbytes += m["weight"].nbytes
     if fmt == "auto":
-        fmt, why = choose_weight_format(quantized, dbytes, qbytes, memory_bytes)
+        fmt, why = choose_weight_format(quantized, dbytes, qbytes, memory_bytes,
+                                        packed_bytes=pbytes if _backend() == "cuda" else 0)
     else:
         why = "requested"
     n = flatten_linears(model, fmt if quantized else "keep",

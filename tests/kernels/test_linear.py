@@ -91,6 +91,10 @@ def test_weight_format_choice_per_backend():
     gib = 2**30
     assert choose_weight_format(True, 16 * gib, 5 * gib, 139 * gib, "cuda")[0] == "dual"
     assert choose_weight_format(True, 16 * gib, 5 * gib, 24 * gib, "cuda")[0] == "quantized"
+    # w4gemm's packed copy counts against the budget: 16 + 5 fits 60% of 36 GiB, + 4 does not
+    assert choose_weight_format(True, 16 * gib, 5 * gib, 36 * gib, "cuda")[0] == "dual"
+    assert choose_weight_format(True, 16 * gib, 5 * gib, 36 * gib, "cuda", packed_bytes=4 * gib)[0] == "quantized"
+    assert "packed 4.0 GiB" in choose_weight_format(True, 16 * gib, 5 * gib, 139 * gib, "cuda", packed_bytes=4 * gib)[1]
     assert choose_weight_format(True, 16 * gib, 5 * gib, None, "cpu")[0] == "dense"
     assert choose_weight_format(True, 16 * gib, 5 * gib, None, "metal")[0] == "quantized"
     assert choose_weight_format(False, 16 * gib, 0, None, "cuda")[0] == "dense"
