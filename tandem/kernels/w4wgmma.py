@@ -33,10 +33,10 @@ from tandem.kernels import w4gemm
 ROWS_PER_BLOCK = 64
 """Input rows one block multiplies (``wgmma`` n = 64); more run along ``gridDim.z``."""
 STAGES = int(os.environ.get("TANDEM_W4WG_STAGES", "4"))
+"""``cp.async`` stages (chunks of 64 of K; ``STAGES - 1`` in flight a block)."""
 OVERLAP = os.environ.get("TANDEM_W4WG_OVERLAP", "0") == "1"
 """Dequantize chunk c + 1 while chunk c's ``wgmma`` runs (two register sets of A
 fragments): compiled, not yet run on the H200."""
-"""``cp.async`` stages (chunks of 64 of K; ``STAGES - 1`` in flight a block)."""
 MIN_BLOCKS = int(os.environ.get("TANDEM_W4WG_MIN_BLOCKS", "0"))
 """Blocks an SM should hold (``__launch_bounds__``; 0 = none, the kernel run 77 measured:
 122-140 registers, one block an SM). In run 77 a block waited out its own ``wgmma`` before
@@ -307,7 +307,7 @@ def shared_bytes(gs: int, stages: int = STAGES) -> int:
 
 
 class NvrtcError(RuntimeError):
-    pass
+    """The sm_90a kernel could not be compiled on this machine (no NVRTC, or a compile error)."""
 
 
 @functools.cache
