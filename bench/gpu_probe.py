@@ -416,6 +416,32 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
         mx.clear_cache()
 
 
+def _probe_engine(layers: int, top: int, kernels: str = "cuda"):
+    """The random-weight 8B-shape model (``layers`` layers, 4-bit with its dense copy) in an
+    Engine for ``top`` rows, not started."""
+    import os
+
+    import mlx.nn as nn
+    import gpu_decode as gd
+    from mlx_lm.models import llama
+    from tandem.kernels import linear
+    from tandem.pipeline.engine import Engine
+    from tandem.pipeline.settings import EngineSettings
+
+    _, q4 = gd.build_models(layers)
+    os.environ["TANDEM_PAGED_KERNELS"] = kernels
+    model = llama.Model(gd.model_args(layers))
+    nn.quantize(model, group_size=64, bits=4)
+    model.update(q4.parameters())
+    linear.prepare_model(model, "auto", memory_bytes=mx.device_info().get("memory_size"))
+    mx.eval(model.parameters())
+    mx.eval([l.self_attn.rope._freqs for l in model.model.layers if hasattr(l.self_attn.rope, "_freqs")])
+    st = EngineSettings(parallel=top, max_batch_size=top, max_batch_prefill=8,
+                        max_batch_prefill_tokens=linear.QUANTIZED_MAX_ROWS, prefill_chunk_size=512,
+                        kv_cache_budget="24GiB", enable_prefix_caching=False, max_queue_depth=4 * top)
+    return Engine(model, st, model_id="probe")
+
+
 def section_step_replay(layers: int, batches: list[int], profile_forward: bool = False) -> None:
     """Per decode batch size: how often the engine traces its compiled decode step (once
     per (batch, table width) when replay works) and the engine thread's ``runner.forward``
@@ -424,15 +450,11 @@ def section_step_replay(layers: int, batches: list[int], profile_forward: bool =
     import os
     import threading
 
-    import mlx.nn as nn
     import gpu_decode as gd
-    from mlx_lm.models import llama
     from tandem.kernels import linear
     from tandem.kvtypes import SamplingParams
     from tandem.pipeline import cuda_runner
     from tandem.pipeline.api import EngineRequest
-    from tandem.pipeline.engine import Engine
-    from tandem.pipeline.settings import EngineSettings
 
     traces = []
     graph = cuda_runner.KernelRunner._decode_graph
@@ -442,20 +464,8 @@ def section_step_replay(layers: int, batches: list[int], profile_forward: bool =
         return graph(self, inputs, *args)
 
     cuda_runner.KernelRunner._decode_graph = counted
-    _, q4 = gd.build_models(layers)
     # Without CUDA (a smoke test) the reference ops: uncompiled, so every step traces.
-    os.environ["TANDEM_PAGED_KERNELS"] = "cuda" if cuda_runner.cuda_available() else "reference"
-    model = llama.Model(gd.model_args(layers))
-    nn.quantize(model, group_size=64, bits=4)
-    model.update(q4.parameters())
-    linear.prepare_model(model, "auto", memory_bytes=mx.device_info().get("memory_size"))
-    mx.eval(model.parameters())
-    mx.eval([l.self_attn.rope._freqs for l in model.model.layers if hasattr(l.self_attn.rope, "_freqs")])
-    top = max(batches)
-    st = EngineSettings(parallel=top, max_batch_size=top, max_batch_prefill=8,
-                        max_batch_prefill_tokens=linear.QUANTIZED_MAX_ROWS, prefill_chunk_size=512,
-                        kv_cache_budget="24GiB", enable_prefix_caching=False, max_queue_depth=4 * top)
-    eng = Engine(model, st, model_id="probe")
+    eng = _probe_engine(layers, max(batches), "cuda" if cuda_runner.cuda_available() else "reference")
     forward, spent = eng.runner.forward, []
 
     def timed_forward(rows, inputs):
@@ -1048,29 +1058,12 @@ def section_engine_trace(layers: int, batches: list[int], out: Path) -> None:
     import os
     import threading
 
-    import mlx.nn as nn
     from torch.profiler import ProfilerActivity, profile
     import gpu_decode as gd
-    from mlx_lm.models import llama
-    from tandem.kernels import linear
     from tandem.kvtypes import SamplingParams
     from tandem.pipeline.api import EngineRequest
-    from tandem.pipeline.engine import Engine
-    from tandem.pipeline.settings import EngineSettings
 
-    _, q4 = gd.build_models(layers)
-    os.environ["TANDEM_PAGED_KERNELS"] = "cuda"
-    model = llama.Model(gd.model_args(layers))
-    nn.quantize(model, group_size=64, bits=4)
-    model.update(q4.parameters())
-    linear.prepare_model(model, "auto", memory_bytes=mx.device_info().get("memory_size"))
-    mx.eval(model.parameters())
-    mx.eval([l.self_attn.rope._freqs for l in model.model.layers if hasattr(l.self_attn.rope, "_freqs")])
-    top = max(batches)
-    st = EngineSettings(parallel=top, max_batch_size=top, max_batch_prefill=8,
-                        max_batch_prefill_tokens=linear.QUANTIZED_MAX_ROWS, prefill_chunk_size=512,
-                        kv_cache_budget="24GiB", enable_prefix_caching=False, max_queue_depth=4 * top)
-    eng = Engine(model, st, model_id="probe")
+    eng = _probe_engine(layers, max(batches))
     eng.start()
     vocab = gd._vocab()
     RESULTS.setdefault("engine_trace", [])

@@ -10,17 +10,10 @@ import pytest
 
 from tandem.kernels import quantized_matmul as qm
 from tandem.kernels import w4gemm
+from tests.kernels.four_bit import case as _case, rel_err
 
 gpu = pytest.mark.skipif(not qm.cuda_available(), reason="needs MLX's CUDA backend")
 hang_guard = pytest.mark.timeout(180, method="thread")
-
-
-def _case(m, n, k, gs, seed):
-    mx.random.seed(seed)
-    w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
-    wq, s, b = mx.quantize(w, group_size=gs, bits=4)
-    x = mx.random.normal((m, k)).astype(mx.float16)
-    return x, wq, s, b
 
 
 def _half_pair(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -126,8 +119,7 @@ def test_kernel_matches_reference(m, n, k, gs, splits, res):
     got = w4gemm.w4_gemm(x, wp, sbp, gs, residual=r, splits=splits)
     want = w4gemm.w4_gemm_reference(x, wq, s, b, gs, residual=r)
     assert got.shape == want.shape and got.dtype == mx.float16
-    got, want = got.astype(mx.float32), want.astype(mx.float32)
-    assert (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item() < 5e-3
+    assert rel_err(got, want) < 5e-3
 
 
 def _flat(n, k, gs, bits=4, seed=0, dense=True):

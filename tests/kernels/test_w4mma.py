@@ -7,6 +7,7 @@ import pytest
 
 from tandem.kernels import quantized_matmul as qm
 from tandem.kernels import w4mma
+from tests.kernels.four_bit import case as _case, rel_err as _rel_err
 
 gpu = pytest.mark.skipif(not qm.cuda_available(), reason="needs MLX's CUDA backend")
 hang_guard = pytest.mark.timeout(180, method="thread")
@@ -16,19 +17,6 @@ hang_guard = pytest.mark.timeout(180, method="thread")
 def _small_products(monkeypatch):
     # The dispatcher keeps small products on the dense GEMM; the tests use small ones.
     monkeypatch.setattr(w4mma, "MIN_WEIGHTS", 0)
-
-
-def _case(m, n, k, gs, seed):
-    mx.random.seed(seed)
-    w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
-    wq, s, b = mx.quantize(w, group_size=gs, bits=4)
-    x = mx.random.normal((m, k)).astype(mx.float16)
-    return x, wq, s, b
-
-
-def _rel_err(got, want):
-    got, want = got.astype(mx.float32), want.astype(mx.float32)
-    return (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()
 
 
 def test_support_rules():

@@ -7,6 +7,7 @@ import pytest
 
 from tandem.kernels import quantized_matmul as qm
 from tandem.kernels import w4gemm, w4wgmma
+from tests.kernels.four_bit import case, rel_err
 
 gpu = pytest.mark.skipif(not qm.cuda_available(), reason="needs MLX's CUDA backend (sm_90)")
 hang_guard = pytest.mark.timeout(180, method="thread")
@@ -44,14 +45,10 @@ def test_support_rules():
     (64, 4096, 1024, 64, None, True), (100, 512, 1024, 128, 2, False), (1, 256, 256, 64, 1, False),
 ])
 def test_kernel_matches_reference(m, n, k, gs, splits, res, variant):
-    mx.random.seed(m + n + k)
-    w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
-    wq, s, b = mx.quantize(w, group_size=gs, bits=4)
-    x = mx.random.normal((m, k)).astype(mx.float16)
+    x, wq, s, b = case(m, n, k, gs, seed=m + n + k)
     wp, sbp = w4gemm.pack(wq, s, b, gs, 16)
     r = mx.random.normal((m, n)).astype(mx.float16) if res else None
     got = w4wgmma.w4_wgmma(x, wp, sbp, gs, residual=r, splits=splits, **variant)
     want = w4gemm.w4_gemm_reference(x, wq, s, b, gs, residual=r)
     assert got.shape == want.shape and got.dtype == mx.float16
-    got, want = got.astype(mx.float32), want.astype(mx.float32)
-    assert (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item() < 5e-3
+    assert rel_err(got, want) < 5e-3
