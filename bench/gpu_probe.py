@@ -261,6 +261,14 @@ def section_qgemv_stream(shapes_spec: str) -> None:
         mx.clear_cache()
 
 
+def _product_weights(n: int, k: int):
+    """A random (n, k) product's 4-bit g64 weights and their dequantized fp16 copy (what
+    the dense GEMM multiplies in ``dual``): (wq, scales, biases, dense)."""
+    w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
+    wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
+    return wq, sc, bi, mx.dequantize(wq, sc, bi, group_size=64, bits=4).astype(mx.float16)
+
+
 def section_w4mma(rows_list=(8, 16, 32, 64), products: str = "qkv,o,gate/up,down") -> None:
     """The tensor-core 4-bit product against the dense fp16 GEMM it would replace and MLX's
     own 4-bit GEMM, at the 8B model's products and decode batch sizes; and its K split."""
@@ -273,10 +281,7 @@ def section_w4mma(rows_list=(8, 16, 32, 64), products: str = "qkv,o,gate/up,down
                        ("gate/up 28672x4096", 28672, 4096), ("down 4096x14336", 4096, 14336)]:
         if name.split()[0] not in products.split(","):
             continue
-        w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
-        wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
-        wd = mx.dequantize(wq, sc, bi, group_size=64, bits=4).astype(mx.float16)
-        del w
+        wq, sc, bi, wd = _product_weights(n, k)
         mx.eval(wq, sc, bi, wd)
         qbytes = wq.nbytes + sc.nbytes + bi.nbytes
         for m in rows_list:
@@ -351,10 +356,7 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
                        ("head 128256x4096", 128256, 4096)]:
         if name.split()[0] not in products.split(","):
             continue
-        w = (mx.random.normal((n, k)) / k**0.5).astype(mx.float16)
-        wq, sc, bi = mx.quantize(w, group_size=64, bits=4)
-        wd = mx.dequantize(wq, sc, bi, group_size=64, bits=4).astype(mx.float16)
-        del w
+        wq, sc, bi, wd = _product_weights(n, k)
         wpb, sbpb = w4gemm.pack(wq, sc, bi, 64, w4gemm.WARPS * w4gemm.row_tiles(n))
         wp1, sbp1 = w4gemm.pack(wq, sc, bi, 64, w4gemm.WARPS)
         mx.eval(wq, sc, bi, wd, wpb, sbpb, wp1, sbp1)
