@@ -52,3 +52,18 @@ def test_kernel_matches_reference(m, n, k, gs, splits, res, variant):
     want = w4gemm.w4_gemm_reference(x, wq, s, b, gs, residual=r)
     assert got.shape == want.shape and got.dtype == mx.float16
     assert rel_err(got, want) < 5e-3
+
+
+def test_a_machine_without_nvrtc_gets_a_clear_error(monkeypatch):
+    def no_library(name, *a, **kw):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(w4wgmma.ctypes, "CDLL", no_library)
+    w4wgmma._nvrtc.cache_clear()
+    w4wgmma.compile_cubin.cache_clear()
+    try:
+        with pytest.raises(w4wgmma.NvrtcError, match="libnvrtc not found"):
+            w4wgmma.compile_cubin(64, False, False)
+    finally:
+        w4wgmma._nvrtc.cache_clear()
+        w4wgmma.compile_cubin.cache_clear()
