@@ -38,6 +38,7 @@ import os
 import mlx.core as mx
 
 from tandem.kernels import quantized_matmul as qmm
+from tandem.kernels import w4mma
 
 MAX_ROWS = 256
 """Input rows one call takes. A block takes up to 64 (8 tiles of 8 rows: 64 fp32
@@ -67,17 +68,6 @@ __device__ __forceinline__ void w4g_ldm4(uint32_t* r, const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
 }
-template <int BYTES>
-__device__ __forceinline__ void w4g_cp(void* smem, const void* gmem, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  if constexpr (BYTES == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" :: "r"(s), "l"(gmem), "n"(BYTES), "r"(valid ? BYTES : 0));
-}
-__device__ __forceinline__ void w4g_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int LEFT>
-__device__ __forceinline__ void w4g_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(LEFT)); }
 // One packed word -> the A fragment of a 16 x 16 tile: nibbles (0, 4) are rows g, k 2t / 2t+1;
 // (1, 5) rows g + 8; (2, 6) and (3, 7) the same at k + 8 (see pack()). sb = scales of rows
 // g, g + 8 | biases of rows g, g + 8.
@@ -101,7 +91,7 @@ __device__ __forceinline__ void w4g_deq(uint32_t* a, uint32_t q, uint2 sb) {
   a[2] = *reinterpret_cast<uint32_t*>(&v2);
   a[3] = *reinterpret_cast<uint32_t*>(&v3);
 }
-"""
+""" + w4mma.CP_ASYNC_HEADER
 
 # Templates: MT (tiles of 8 input rows, even), RT (16-row weight tiles a warp), NW (warps),
 # ST (pipeline stages), GS (group size: 32, 64 or 128), ATOMIC (fp32 result every K split
@@ -145,17 +135,17 @@ SOURCE = r"""
     for (int i = threadIdx.x; i < XR * 8; i += NW * 32) {
       const int r = i >> 3, u = i & 7;
       const bool ok = m0 + r < M;
-      w4g_cp<16>(&xs[st][r][u ^ (r & 7)], x + (ok ? (size_t)(m0 + r) * K + (size_t)c * 64 + u * 8 : 0), ok);
+      w4_cp<16>(&xs[st][r][u ^ (r & 7)], x + (ok ? (size_t)(m0 + r) * K + (size_t)c * 64 + u * 8 : 0), ok);
     }
 #pragma unroll
     for (int i = threadIdx.x; i < TILES * 32; i += NW * 32) {
       const int tl = i >> 5;
-      w4g_cp<16>(&ws[st][tl][i & 31], wp4 + (((size_t)blockIdx.x * C + c) * TILES + tl) * 32 + (i & 31), true);
+      w4_cp<16>(&ws[st][tl][i & 31], wp4 + (((size_t)blockIdx.x * C + c) * TILES + tl) * 32 + (i & 31), true);
     }
     for (int i = threadIdx.x; i < TILES * GPC * 8; i += NW * 32) {
       const int tl = i / (GPC * 8), j = (i / 8) % GPC, gg = i & 7;
       const int grp = (c * 64) / GS + j;
-      w4g_cp<8>(&ss[st][tl][j][gg], sb2 + (((size_t)blockIdx.x * G + grp) * TILES + tl) * 8 + gg, true);
+      w4_cp<8>(&ss[st][tl][j][gg], sb2 + (((size_t)blockIdx.x * G + grp) * TILES + tl) * 8 + gg, true);
     }
   };
 
@@ -170,7 +160,7 @@ SOURCE = r"""
 #pragma unroll
   for (int p = 0; p < ST - 1; ++p) {
     if (c_lo + p < c_hi) issue(c_lo + p, p);
-    w4g_commit();
+    w4_cp_commit();
   }
   // ldmatrix.x4 for two 8-row input tiles: lanes 0-7 / 8-15 / 16-23 / 24-31 address rows
   // of (tile j, k 0-7) / (j, k 8-15) / (j + 1, k 0-7) / (j + 1, k 8-15) of a k16 step.
@@ -178,12 +168,12 @@ SOURCE = r"""
   const int lhalf = (lane >> 3) & 1;
   for (int c = c_lo; c < c_hi; ++c) {
     const int st = (c - c_lo) % ST;
-    w4g_wait<ST - 2>();
+    w4_cp_wait<ST - 2>();
     __syncthreads();
     // The stage refilled here was read in the previous iteration, which every warp has
     // finished (the barrier above).
     if (c + ST - 1 < c_hi) issue(c + ST - 1, (c - c_lo + ST - 1) % ST);
-    w4g_commit();
+    w4_cp_commit();
 
     uint4 wq[RT];
 #pragma unroll
@@ -215,7 +205,7 @@ SOURCE = r"""
       }
     }
   }
-  w4g_wait<0>();
+  w4_cp_wait<0>();
 
   const int row0 = (tile0 + warp * RT) * 16;
   const bool add_res = RES && blockIdx.y == 0;
@@ -332,7 +322,7 @@ def w4_gemm(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
     n = wp.shape[0] * 16
     mt = next((b for b in _MT_BUCKETS if 8 * b >= m), _MT_BUCKETS[-1])
     rt = block_tiles // WARPS if block_tiles else row_tiles(n)
-    if rt * WARPS * 16 > n or n % (rt * WARPS * 16):
+    if n % (rt * WARPS * 16):
         raise ValueError(f"w4_gemm: {n} weight rows do not divide into blocks of {rt * WARPS * 16}")
     ks = splits or k_splits(n, k, rt)
     atomic = ks > 1

@@ -49,6 +49,21 @@ every row count measured (o 4096x4096 and qkv 6144x4096: 12-19 us against 8.7-14
 it the kernel wins up to 16 rows (gate/up 28672x4096: 40-48 us against 55-58; down
 4096x14336: 23-28 against 32-35). From 32 rows on the dense GEMM wins everywhere."""
 
+CP_ASYNC_HEADER = r"""
+// cp.async of 16 bytes (L2 only) or 4/8 bytes; a false ``valid`` zero-fills the destination.
+template <int BYTES>
+__device__ __forceinline__ void w4_cp(void* smem, const void* gmem, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  if constexpr (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" :: "r"(s), "l"(gmem), "n"(BYTES), "r"(valid ? BYTES : 0));
+}
+__device__ __forceinline__ void w4_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int LEFT>
+__device__ __forceinline__ void w4_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(LEFT)); }
+"""
+
 _HEADER = r"""
 __device__ __forceinline__ void w4_mma(float* c, const uint32_t* a, const uint32_t* b) {
   asm volatile(
@@ -65,18 +80,7 @@ __device__ __forceinline__ uint32_t w4_deq(uint32_t w, __half2 s, __half2 b) {
   __half2 r = __hfma2(q, s, b);
   return *reinterpret_cast<uint32_t*>(&r);
 }
-template <int BYTES>
-__device__ __forceinline__ void w4_cp(void* smem, const void* gmem, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  if constexpr (BYTES == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" :: "r"(s), "l"(gmem), "n"(BYTES), "r"(valid ? BYTES : 0));
-}
-__device__ __forceinline__ void w4_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int LEFT>
-__device__ __forceinline__ void w4_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(LEFT)); }
-"""
+""" + CP_ASYNC_HEADER
 
 # Templates: MT (tiles of 8 input rows), RT (tiles of 16 weight rows per warp), NW (warps),
 # ST (pipeline stages), GS (group size, 32 or 64), ATOMIC (fp32 result added into by every
