@@ -302,8 +302,8 @@ def kernel_source(gs: int, atomic: bool, res: bool, stages: int = STAGES,
 
 
 def shared_bytes(gs: int, stages: int = STAGES) -> int:
-    gpc = max(1, 64 // gs)
-    return stages * (64 * 128 + 16 * 512 + 16 * gpc * 64) + 1024
+    """w4gemm's stages at 64 input rows and 16 tiles, and 1 KB to align them to the swizzle."""
+    return w4gemm.shared_bytes(ROWS_PER_BLOCK // 8, 2, stages, gs) + 1024
 
 
 class NvrtcError(RuntimeError):
@@ -354,8 +354,8 @@ def compile_cubin(gs: int, atomic: bool, res: bool, arch: str = "sm_90a", stages
 
 
 def supports(rows: int, n: int, k: int, group_size: int) -> bool:
-    return (1 <= rows <= 4 * ROWS_PER_BLOCK and group_size in (32, 64, 128) and n % 256 == 0
-            and k % 64 == 0 and k % group_size == 0)
+    """``w4gemm``'s rules, with whole 256-row blocks (the kernel's 16 tiles)."""
+    return w4gemm.supports(rows, n, k, group_size, mx.float16) and n % 256 == 0
 
 
 def w4_wgmma(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
