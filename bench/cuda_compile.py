@@ -172,10 +172,13 @@ def w4gemm_variants():
 
 def w4wgmma_variants():
     """Complete sources (NVRTC-compiled at run time for sm_90a, not wrapped by MLX)."""
-    for gs, atomic, res, mb, ov in ((64, False, False, 0, False), (64, True, True, 0, False), (32, False, True, 0, False),
-                                    (64, True, True, 2, False), (64, True, True, 0, True), (64, False, False, 0, True)):
-        yield (f"w4wgmma g{gs} atomic={atomic} res={res} min_blocks={mb} overlap={ov}",
-               w4wgmma.kernel_source(gs, atomic, res, min_blocks=mb, overlap=ov)[1])
+    for gs, atomic, res, mb, bal in ((64, False, False, 0, False), (64, True, True, 0, False), (32, False, True, 0, False),
+                                     (64, True, True, 2, False), (64, False, True, 0, True), (32, False, False, 0, True),
+                                     (64, False, True, 2, True)):
+        yield (f"w4wgmma g{gs} atomic={atomic} res={res} min_blocks={mb} balanced={bal}",
+               w4wgmma.kernel_source(gs, atomic, res, min_blocks=mb, balanced=bal)[1])
+    for probe in (1, 2, 3, 4):
+        yield (f"w4wgmma probe {probe}", w4wgmma.kernel_source(64, True, False, probe=probe)[1])
 
 
 def embed_variants():

@@ -379,18 +379,22 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
                              qbytes, {"STAGES": 6}))
             if tb == 16:
                 from tandem.kernels import w4wgmma
-                variants.append(("wgmma", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64), qbytes, {}))
-                variants.append(("wgmma no bounds", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, min_blocks=0),
+                variants.append(("wgmma split", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, balanced=False),
                                  qbytes, {}))
-                variants.append(("wgmma 2 blocks", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, min_blocks=2),
+                variants.append(("wgmma balanced", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, balanced=True),
                                  qbytes, {}))
-                variants.append(("wgmma st6", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, min_blocks=0, stages=6),
-                                 qbytes, {}))
-                variants.append(("wgmma overlap", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, min_blocks=0,
-                                                                             overlap=True), qbytes, {}))
-                if ks > 2:
-                    variants.append(("wgmma ks/2", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, splits=ks // 2),
+                variants.append(("wgmma bal 2blk", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, balanced=True,
+                                                                              min_blocks=2), qbytes, {}))
+                variants.append(("wgmma split 2blk", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, balanced=False,
+                                                                                min_blocks=2), qbytes, {}))
+                if ks >= 2:
+                    variants.append(("wgmma ks/2", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, splits=ks // 2,
+                                                                          balanced=False),
                                      qbytes, {}))
+            for probe, what in ((1, "wg math only"), (4, "wg math no drain"), (2, "wg no dequant"),
+                                (3, "wg loads only")) if parts and tb == 16 else ():
+                variants.append((what, lambda x=x, probe=probe: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, probe=probe),
+                                 qbytes, {}))
             for probe, what in ((1, "math only"), (2, "no dequant"), (3, "loads only")) if parts else ():
                 variants.append((what, lambda x=x, probe=probe: w4gemm.w4_gemm(x, wpb, sbpb, 64, block_tiles=tb,
                                                                              probe=probe), qbytes, {}))
@@ -401,7 +405,7 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
                         setattr(w4gemm, a, v)
                     got = fn().astype(mx.float32)
                     err = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()
-                    if label in ("math only", "no dequant", "loads only"):
+                    if label.startswith("wg ") or label in ("math only", "no dequant", "loads only"):
                         err = float("nan")
                     gpu = _cold_gpu_us(fn, flush, flush_names)
                 except Exception as e:  # noqa: BLE001 - a failed variant must not cost the rest

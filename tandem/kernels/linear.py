@@ -75,10 +75,13 @@ H200 engine, alternating processes (run 74): batch 16 2,958 / 2,967 tok/s agains
 From 48 rows the kernel is slower than cuBLAS alone (``mma.sync`` tops out near 240 TFLOPS
 here, run 73)."""
 USE_W4G = os.environ.get("TANDEM_W4G", "1") != "0"
-USE_W4WG = os.environ.get("TANDEM_W4WG", "0") == "1"
+USE_W4WG = os.environ.get("TANDEM_W4WG", "1") != "0"
 W4WG_ROWS = tuple(int(v) for v in os.environ.get("TANDEM_W4WG_ROWS", "17,64").split(","))
-"""Rows the experimental ``wgmma`` kernel (``w4wgmma``, off by default) takes from the packed
-layers when ``TANDEM_W4WG=1``; not yet measured in the engine."""
+"""Rows for which the packed layers run in one pass over K (gate/up, the head) multiply on
+``wgmma`` (``w4wgmma``); ``TANDEM_W4WG=0`` keeps them on the dense GEMM (A/B runs). H200
+engine, alternating processes: batch 64 10,039 / 10,018 / 9,716 tok/s against 9,443 /
+9,326 / 9,347 (run 85), 9,770 / 9,853 against 9,448 / 9,297 (run 82); batch 32 mixed
+(5,568 / 4,649 / 5,532 against 4,983 / 5,057 / 5,371)."""
 
 QUANTIZED_MAX_ROWS = 4096
 """Most rows handed to one quantized matmul (4,096 = 8 x 512 ran in the H200 measurements;
@@ -156,8 +159,11 @@ class FlatLinear(nn.Module):
         return True
 
     def _w4wg_applies(self, x2: mx.array) -> bool:
+        # Only products it runs in one pass over K (gate/up, the head): down's K splits add
+        # into fp32 behind a zero fill that took 12.6 us a layer in the engine (run 81).
         return (USE_W4WG and self.w4g_tiles == 16 and W4WG_ROWS[0] <= x2.shape[0] <= W4WG_ROWS[1]
-                and w4wgmma.supports(x2.shape[0], self.output_dims, x2.shape[1], self.group_size))
+                and w4wgmma.supports(x2.shape[0], self.output_dims, x2.shape[1], self.group_size)
+                and w4wgmma.k_splits(self.output_dims, x2.shape[1]) == 1 and w4wgmma.available())
 
     def _w4g_applies(self, x2: mx.array) -> bool:
         if "w4g_wp" not in self or x2.dtype != mx.float16:

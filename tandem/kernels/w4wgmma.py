@@ -26,17 +26,22 @@ import glob
 import os
 import sys
 
+import logging
+
 import mlx.core as mx
 
 from tandem.kernels import w4gemm
+
+log = logging.getLogger(__name__)
 
 ROWS_PER_BLOCK = 64
 """Input rows one block multiplies (``wgmma`` n = 64); more run along ``gridDim.z``."""
 STAGES = int(os.environ.get("TANDEM_W4WG_STAGES", "4"))
 """``cp.async`` stages (chunks of 64 of K; ``STAGES - 1`` in flight a block)."""
-OVERLAP = os.environ.get("TANDEM_W4WG_OVERLAP", "0") == "1"
-"""Dequantize chunk c + 1 while chunk c's ``wgmma`` runs (two register sets of A
-fragments): compiled, not yet run on the H200."""
+BALANCED = os.environ.get("TANDEM_W4WG_BALANCED", "0") == "1"
+"""Up to 64 input rows, one block an SM, each taking an equal run of all (256-row block,
+chunk) units (stream-K): gate/up has 112 blocks of 256 rows for 132 SMs, the head 501, so
+with one block a 256-row block a fifth of the SMs idle for a whole pass or a last wave."""
 MIN_BLOCKS = int(os.environ.get("TANDEM_W4WG_MIN_BLOCKS", "0"))
 """Blocks an SM should hold (``__launch_bounds__``; 0 = none, the kernel run 77 measured:
 122-140 registers, one block an SM). In run 77 a block waited out its own ``wgmma`` before
@@ -100,8 +105,8 @@ __device__ __forceinline__ u64 b_desc(u32 smem_addr) {
   return (u64)((smem_addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 
-extern "C" __global__ void LAUNCH_BOUNDS KERNEL_NAME(const u16* x, const u32* wp, const u16* sbp, const u16* res, OUT_T* y,
-                                       int M, int K, int N, int G) {
+extern "C" __global__ void LAUNCH_BOUNDS KERNEL_NAME(const u16* x, const u32* wp, const u16* sbp, const u16* res,
+                                       int* tile_count, OUT_T* y, float* partial, int M, int K, int N, int G) {
   constexpr int TILES = 16;                  // 16-row weight tiles a block: 2 warpgroups x RT x 4 warps
   constexpr int RT = 2;
   constexpr int XR = 64;
@@ -111,12 +116,20 @@ extern "C" __global__ void LAUNCH_BOUNDS KERNEL_NAME(const u16* x, const u32* wp
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wg = warp >> 2, w4 = warp & 3;
-  const int tile0 = blockIdx.x * TILES;
   const int m0 = blockIdx.z * XR;
-  const int c_lo = (int)((long long)blockIdx.y * C / gridDim.y);
-  const int c_hi = (int)((long long)(blockIdx.y + 1) * C / gridDim.y);
+  // Work units are (256-row block i, chunk c) pairs, u = i * C + c: the packed weights are
+  // stored in that order. Split mode: block (x, y) takes chunks [c_lo, c_hi) of block x.
+  // Balanced mode: gridDim.x blocks (one an SM) take equal runs of all units, so no SM idles
+  // while another finishes a last wave; a 256-row block that spans several runs is summed by
+  // whichever of its runs ends last (tile_count), from the partial sums the others left.
+  const long long U = (long long)(N / 256) * C;
+  const int u_lo = BAL ? (int)(U * blockIdx.x / gridDim.x)
+                       : blockIdx.x * C + (int)((long long)blockIdx.y * C / gridDim.y);
+  const int u_hi = BAL ? (int)(U * (blockIdx.x + 1) / gridDim.x)
+                       : blockIdx.x * C + (int)((long long)(blockIdx.y + 1) * C / gridDim.y);
 
   extern __shared__ __align__(16) unsigned char dyn[];
+  __shared__ int last_run;
   const u32 raw = (u32)__cvta_generic_to_shared(dyn);
   const u32 base = (raw + 1023u) & ~1023u;   // the swizzle repeats every 1024 bytes
   unsigned char* gbase = dyn + (base - raw);
@@ -126,31 +139,51 @@ extern "C" __global__ void LAUNCH_BOUNDS KERNEL_NAME(const u16* x, const u32* wp
   auto ws_at = [&](int st) { return base + st * STAGE + XR * 128; };
   auto ss_at = [&](int st) { return base + st * STAGE + XR * 128 + TILES * 512; };
 
-  auto issue = [&](int c, int st) {
+  // A thread's share of a chunk's loads, with the addresses worked out once: per chunk only
+  // the unit's offset changes. (Computed afresh a chunk, the general loops cost ~400
+  // instructions a thread, more than the dequantization and the products' issue together.)
+  constexpr int XI = XR * 8 / 256, WI = TILES * 32 / 256;   // 16-byte pieces a thread
+  constexpr int SN = TILES * GPC * 8, SI = (SN + 255) / 256;  // 8-byte pieces
+  const u16* x_src[XI];
+  u32 x_dst[XI], x_ok[XI];
 #pragma unroll
-    for (int i = threadIdx.x; i < XR * 8; i += 256) {
-      const int r = i >> 3, u = i & 7;
-      const bool ok = m0 + r < M;
-      cp_async<16>(xs_at(st) + r * 128 + ((u ^ (r & 7)) << 4),
-                   x + (ok ? (size_t)(m0 + r) * K + (size_t)c * 64 + u * 8 : 0), ok);
-    }
+  for (int j = 0; j < XI; ++j) {
+    const int i = threadIdx.x + 256 * j, r = i >> 3, u = i & 7;
+    x_ok[j] = m0 + r < M;
+    x_src[j] = x + (x_ok[j] ? (size_t)(m0 + r) * K + u * 8 : 0);
+    x_dst[j] = r * 128 + ((u ^ (r & 7)) << 4);
+  }
+  const u32* w_src = wp + (size_t)threadIdx.x * 4;
+  const int s_i = threadIdx.x, s_tl = s_i / (GPC * 8), s_j = (s_i / 8) % GPC, s_gg = s_i & 7;
+  const u16* s_src = sbp + ((size_t)s_tl * 8 + s_gg) * 4;
+
+  auto issue = [&](int i, int c, int st) {
 #pragma unroll
-    for (int i = threadIdx.x; i < TILES * 32; i += 256) {
-      const int tl = i >> 5;
-      cp_async<16>(ws_at(st) + i * 16, wp + ((((size_t)blockIdx.x * C + c) * TILES + tl) * 32 + (i & 31)) * 4, true);
-    }
-    for (int i = threadIdx.x; i < TILES * GPC * 8; i += 256) {
-      const int tl = i / (GPC * 8), j = (i / 8) % GPC, gg = i & 7;
-      const int grp = (c * 64) / GS + j;
-      cp_async<8>(ss_at(st) + i * 8, sbp + ((((size_t)blockIdx.x * G + grp) * TILES + tl) * 8 + gg) * 4, true);
+    for (int j = 0; j < XI; ++j)
+      cp_async<16>(xs_at(st) + x_dst[j], x_src[j] + (x_ok[j] ? c * 64 : 0), x_ok[j]);
+#pragma unroll
+    for (int j = 0; j < WI; ++j)
+      cp_async<16>(ws_at(st) + (threadIdx.x + 256 * j) * 16,
+                   w_src + (((size_t)i * C + c) * TILES * 32 + 256 * j) * 4, true);
+#pragma unroll
+    for (int j = 0; j < SI; ++j) {
+      if (SN % 256 == 0 || s_i + 256 * j < SN) {
+        // piece i + 256 j: GPC * 8 pieces a tile, so 256 j / (GPC * 8) tiles further on
+        const size_t grp = (size_t)i * G + (c * 64) / GS + s_j;
+        cp_async<8>(ss_at(st) + (s_i + 256 * j) * 8,
+                    s_src + (grp * TILES * 8 + (256 * j / (GPC * 8)) * 8) * 4, true);
+      }
     }
   };
 
   float acc[RT][32];
+  auto zero = [&]() {
 #pragma unroll
-  for (int i = 0; i < RT; ++i)
+    for (int i = 0; i < RT; ++i)
 #pragma unroll
-    for (int e = 0; e < 32; ++e) acc[i][e] = 0.f;
+      for (int e = 0; e < 32; ++e) acc[i][e] = 0.f;
+  };
+  zero();
 
   // A fragments of one chunk (4 k16 steps x RT tiles) from stage st.
   auto dequant = [&](int st, u32 (&a)[4][RT][4]) {
@@ -187,116 +220,187 @@ extern "C" __global__ void LAUNCH_BOUNDS KERNEL_NAME(const u16* x, const u32* wp
       for (int i = 0; i < RT; ++i) keep(a[s][i]);
   };
 
-  if constexpr (!OVERLAP) {
+  // The accumulators of 256-row block i -> y (+ the residual, added once).
+  auto store = [&](int i, bool add_res) {
 #pragma unroll
-    for (int p = 0; p < ST - 1; ++p) {
-      if (c_lo + p < c_hi) issue(c_lo + p, p);
-      asm volatile("cp.async.commit_group;\n" ::);
-    }
-    for (int c = c_lo; c < c_hi; ++c) {
-      const int st = (c - c_lo) % ST;
-      asm volatile("cp.async.wait_group %0;\n" :: "n"(ST - 2));
-      // cp.async wrote through the generic proxy; wgmma reads through the async one.
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      __syncthreads();
-      if (c + ST - 1 < c_hi) issue(c + ST - 1, (c - c_lo + ST - 1) % ST);
-      asm volatile("cp.async.commit_group;\n" ::);
-      u32 a[4][RT][4];
-      dequant(st, a);
-      multiply(st, a, true);
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    for (int r = 0; r < RT; ++r) {
+      const int row0 = (i * TILES + (wg * RT + r) * 4 + w4) * 16;
 #pragma unroll
-      for (int i = 0; i < RT; ++i) keep(acc[i]);
-      keep_all(a);
-    }
-  } else {
-    // Chunk c + 1 is dequantized while chunk c's wgmma runs: two register sets of A
-    // fragments, alternated by unrolling two chunks a turn (a register array indexed at run
-    // time would live in local memory). A set is written again only after
-    // wgmma.wait_group 1 has retired the product that read it, and keep() tells the
-    // compiler it is still read up to there. A stage is refilled only after every
-    // warpgroup has retired the product of the chunk it held (the barrier after that wait).
-    u32 a0[4][RT][4], a1[4][RT][4];
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int p = 0; p < ST - 1; ++p) {
-      if (c_lo + p < c_hi) issue(c_lo + p, p);
-      asm volatile("cp.async.commit_group;\n" ::);
+        for (int e = 0; e < 4; ++e) {
+          const int row = row0 + g + 8 * (e >> 1);
+          const int tok = m0 + 8 * j + 2 * t + (e & 1);
+          if (tok < M) {
+            const size_t o = (size_t)tok * N + row;
+            float v = acc[r][4 * j + e];
+            if (add_res) {
+              float rv;
+              asm("cvt.f32.f16 %0, %1;" : "=f"(rv) : "h"(res[o]));
+              v += rv;
+            }
+            if (ATOMIC) {
+              atomicAdd(reinterpret_cast<float*>(y) + o, v);
+            } else {
+              u16 h;
+              asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+              reinterpret_cast<u16*>(y)[o] = h;
+            }
+          }
+        }
     }
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(ST - 2));
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  };
+  // Balanced mode: the run of block b, and the block whose run holds unit u.
+  auto run_lo = [&](int b) { return (int)(U * b / gridDim.x); };
+  auto run_of = [&](int u) {
+    int b = (int)((long long)u * gridDim.x / U);
+    while (b + 1 < (int)gridDim.x && run_lo(b + 1) <= u) ++b;
+    while (b > 0 && run_lo(b) > u) --b;
+    return b;
+  };
+  // The end of a run's stretch [seg_lo, u_end) of 256-row block i. A block's run touches
+  // at most two blocks only in part (its first and its last stretch): partial slot 0 holds
+  // its first, slot 1 its last; layout [slot of run][64 values][256 threads].
+  auto finish = [&](int i, int seg_lo, int u_end) {
+    const int b_lo = i * C, b_hi = b_lo + C;
+    if (seg_lo == b_lo && u_end == b_hi) {
+      store(i, RES);
+      return;
+    }
+    const int slot = seg_lo == u_lo ? 0 : 1;
+    float* mine = partial + (size_t)(blockIdx.x * 2 + slot) * 64 * 256 + threadIdx.x;
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int e = 0; e < 32; ++e) __stcg(mine + (r * 32 + e) * 256, acc[r][e]);
+    __threadfence();
     __syncthreads();
-    if (c_lo < c_hi) dequant(0, a0);
-    auto turn = [&](int c, u32 (&cur)[4][RT][4], u32 (&nxt)[4][RT][4]) {
-      multiply((c - c_lo) % ST, cur, false);
-      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // chunk c - 1 retired
-      keep_all(nxt);
-      if (c + 1 < c_hi) {
-        // committed: chunks up to c + ST - 2; chunk c + 1 must have landed
-        asm volatile("cp.async.wait_group %0;\n" :: "n"(ST - 3));
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        if (c + ST - 1 < c_hi) issue(c + ST - 1, (c - c_lo + ST - 1) % ST);  // chunk c - 1's stage
-      }
-      asm volatile("cp.async.commit_group;\n" ::);
-      if (c + 1 < c_hi) dequant((c + 1 - c_lo) % ST, nxt);
-    };
-    int c = c_lo;
-    for (; c + 1 < c_hi; c += 2) {
-      turn(c, a0, a1);
-      turn(c + 1, a1, a0);
+    const int first = run_of(b_lo), last = run_of(b_hi - 1);
+    if (threadIdx.x == 0) last_run = atomicAdd(tile_count + i, 1) == last - first;
+    __syncthreads();
+    if (!last_run) return;
+    __threadfence();
+    for (int b = first; b <= last; ++b) {
+      if (b == (int)blockIdx.x) continue;
+      const float* theirs = partial + (size_t)(b * 2 + (run_lo(b) >= b_lo ? 0 : 1)) * 64 * 256 + threadIdx.x;
+#pragma unroll
+      for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int e = 0; e < 32; ++e) acc[r][e] += __ldcg(theirs + (r * 32 + e) * 256);
     }
-    if (c < c_hi) turn(c, a0, a1);
+    store(i, RES);
+    if (threadIdx.x == 0) atomicExch(tile_count + i, 0);  // ready for the next call
+  };
+
+  if constexpr (PROBE == 1 || PROBE == 4) {
+    // bench only: the products alone on whatever the first stage holds, with (1) or without
+    // (4: one chunk's products left in flight) a drain of the wgmma pipeline every chunk.
+    u32 a[4][RT][4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int i = 0; i < RT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[s][i][j] = 0x3C003C00u ^ (lane << j);
+    for (int u = u_lo; u < u_hi; ++u) {
+      multiply(0, a, PROBE == 1);
+      if (PROBE == 1) {
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+        for (int i = 0; i < RT; ++i) keep(acc[i]);
+      } else {
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+      }
+    }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
     for (int i = 0; i < RT; ++i) keep(acc[i]);
-    keep_all(a0);
-    keep_all(a1);
+    keep_all(a);
+    if (u_lo < u_hi) store(u_lo / C, false);
+    return;
   }
-  asm volatile("cp.async.wait_group 0;\n" ::);
 
-  const bool add_res = RES && blockIdx.y == 0;
+  // One chunk: wait for its stage, refill the stage read last time, dequantize, multiply.
+  auto step = [&](int n, int i_next, int c_next, bool more) {
+    const int st = n % ST;
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(ST - 2));
+    // cp.async wrote through the generic proxy; wgmma reads through the async one.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    if (more) issue(i_next, c_next, (n + ST - 1) % ST);
+    asm volatile("cp.async.commit_group;\n" ::);
+    u32 a[4][RT][4];
+    if (PROBE == 3) return;  // bench only: the loads alone
+    if (PROBE == 2) {
+      // bench only: the packed words as they are, no dequantization
+      const uint4 wq = *reinterpret_cast<const uint4*>(gbase + (ws_at(st) - base) + (w4 * 32 + lane) * 16);
 #pragma unroll
-  for (int i = 0; i < RT; ++i) {
-    const int row0 = (tile0 + (wg * RT + i) * 4 + w4) * 16;
+      for (int s2 = 0; s2 < 4; ++s2)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = row0 + g + 8 * (e >> 1);
-        const int tok = m0 + 8 * j + 2 * t + (e & 1);
-        if (tok < M) {
-          const size_t o = (size_t)tok * N + row;
-          float v = acc[i][4 * j + e];
-          if (add_res) {
-            float r;
-            asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(res[o]));
-            v += r;
-          }
-          if (ATOMIC) {
-            atomicAdd(reinterpret_cast<float*>(y) + o, v);
-          } else {
-            u16 h;
-            asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-            reinterpret_cast<u16*>(y)[o] = h;
-          }
+        for (int i = 0; i < RT; ++i) {
+          a[s2][i][0] = wq.x; a[s2][i][1] = wq.y; a[s2][i][2] = wq.z; a[s2][i][3] = wq.w;
         }
+    } else {
+      dequant(st, a);
+    }
+    multiply(st, a, true);
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < RT; ++i) keep(acc[i]);
+    keep_all(a);
+  };
+
+  if constexpr (!BAL) {
+    // one stretch of one 256-row block (blockIdx.x): the kernel of runs 79-80
+    const int i = blockIdx.x, c_lo = u_lo - i * C, c_hi = u_hi - i * C;
+#pragma unroll
+    for (int p = 0; p < ST - 1; ++p) {
+      if (c_lo + p < c_hi) issue(i, c_lo + p, p);
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
+    for (int c = c_lo; c < c_hi; ++c) step(c - c_lo, i, c + ST - 1, c + ST - 1 < c_hi);
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    store(i, RES && blockIdx.y == 0);
+  } else {
+    // units tracked as (block, chunk) pairs, the one issued ST - 1 ahead of the one multiplied
+    int i = u_lo / C, c = u_lo - i * C, ip = i, cp = c;
+#pragma unroll
+    for (int p = 0; p < ST - 1; ++p) {
+      if (u_lo + p < u_hi) issue(ip, cp, p);
+      asm volatile("cp.async.commit_group;\n" ::);
+      if (++cp == C) { cp = 0; ++ip; }
+    }
+    int seg_lo = u_lo;
+    for (int u = u_lo; u < u_hi; ++u) {
+      step(u - u_lo, ip, cp, u + ST - 1 < u_hi);
+      if (++cp == C) { cp = 0; ++ip; }
+      if (++c == C || u + 1 == u_hi) {
+        finish(i, seg_lo, u + 1);
+        zero();
+        seg_lo = u + 1;
+        if (c == C) { c = 0; ++i; }
       }
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
   }
 }
 """
 
 
 def kernel_source(gs: int, atomic: bool, res: bool, stages: int = STAGES,
-                  min_blocks: int = MIN_BLOCKS, overlap: bool = False) -> tuple[str, str]:
-    """(name, complete CUDA source) of one variant."""
-    if overlap and stages < 3:
-        raise ValueError("the overlapped loop needs 3 stages or more")
-    name = f"tandem_w4wg_g{gs}_a{int(atomic)}_r{int(res)}_s{stages}_b{min_blocks}_o{int(overlap)}"
+                  min_blocks: int = MIN_BLOCKS, balanced: bool = False, probe: int = 0) -> tuple[str, str]:
+    """(name, complete CUDA source) of one variant. ``probe`` (bench/gpu_probe.py only, results
+    garbage by design): 1 the products alone, 2 no dequantization, 3 the loads alone, 4 the
+    products alone with no drain a chunk."""
+    if balanced and atomic:
+        raise ValueError("the balanced kernel sums its own partial results: no fp32 atomics")
+    name = (f"tandem_w4wg_g{gs}_a{int(atomic)}_r{int(res)}_s{stages}_b{min_blocks}_k{int(balanced)}"
+            + (f"_p{probe}" if probe else ""))
     head = (f"#define KERNEL_NAME {name}\n#define OUT_T {'float' if atomic else 'u16'}\n"
             f"#define LAUNCH_BOUNDS {f'__launch_bounds__(256, {min_blocks})' if min_blocks else ''}\n"
             f"constexpr int GS = {gs};\nconstexpr bool ATOMIC = {str(atomic).lower()};\n"
             f"constexpr bool RES = {str(res).lower()};\nconstexpr int ST = {stages};\n"
-            f"constexpr bool OVERLAP = {str(overlap).lower()};\n")
+            f"constexpr bool BAL = {str(balanced).lower()};\nconstexpr int PROBE = {probe};\n")
     src = _SOURCE.replace('extern "C"', head + 'extern "C"', 1)  # after the typedefs OUT_T names
     return name, src
 
@@ -328,10 +432,10 @@ def _nvrtc():
 
 @functools.cache
 def compile_cubin(gs: int, atomic: bool, res: bool, arch: str = "sm_90a", stages: int = STAGES,
-                  min_blocks: int = MIN_BLOCKS, overlap: bool = False) -> tuple[str, bytes]:
+                  min_blocks: int = MIN_BLOCKS, balanced: bool = False, probe: int = 0) -> tuple[str, bytes]:
     """NVRTC-compiled cubin of one variant: (kernel name, bytes)."""
     lib = _nvrtc()
-    name, src = kernel_source(gs, atomic, res, stages, min_blocks, overlap)
+    name, src = kernel_source(gs, atomic, res, stages, min_blocks, balanced, probe)
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(), 0, None, None):
         raise NvrtcError("nvrtcCreateProgram failed")
@@ -353,34 +457,97 @@ def compile_cubin(gs: int, atomic: bool, res: bool, arch: str = "sm_90a", stages
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+@functools.cache
+def available() -> bool:
+    """Whether this machine compiles the kernel (NVRTC present, sm_90a accepted); the
+    engine falls back to the dense product where it does not, with one warning."""
+    major = _device_attribute(75)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+    if major != 9:
+        log.warning("w4wgmma unavailable (compute capability %s, wgmma needs 9.x): products of "
+                    "17-64 rows stay on the dense GEMM", major)
+        return False
+    try:
+        compile_cubin(64, False, False)
+        return True
+    except NvrtcError as e:
+        log.warning("w4wgmma unavailable, products of 17-64 rows stay on the dense GEMM: %s",
+                    str(e).splitlines()[0])
+        return False
+
+
 def supports(rows: int, n: int, k: int, group_size: int) -> bool:
     """``w4gemm``'s rules, with whole 256-row blocks (the kernel's 16 tiles)."""
     return w4gemm.supports(rows, n, k, group_size, mx.float16) and n % 256 == 0
 
 
+def k_splits(n: int, k: int) -> int:
+    """``w4gemm``'s splits, but none where they would only double the blocks: gate/up at 64
+    rows took 51 us in one pass against 60 in two (H200, run 79), the fp32 fill, atomics and
+    conversion of a split costing more than its extra blocks win."""
+    ks = w4gemm.k_splits(n, k, 2)
+    return 1 if ks <= 2 else ks
+
+
+def _device_attribute(attribute: int) -> int | None:
+    # The CUDA driver's value for device 0 (MLX has initialized the driver), None if unread.
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, value = ctypes.c_int(), ctypes.c_int()
+    if cuda.cuDeviceGet(ctypes.byref(dev), 0) or cuda.cuDeviceGetAttribute(ctypes.byref(value), attribute, dev):
+        return None
+    return value.value
+
+
+@functools.cache
+def sm_count() -> int:
+    """The device's SMs (the driver's count; 132, the H100 / H200's, where it cannot be read).
+    Only the balance depends on it: the balanced kernel is correct on any count."""
+    return _device_attribute(16) or 132  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+
+
+_tile_counts: dict[int, mx.array] = {}
+
+
+def _tile_count(blocks: int) -> mx.array:
+    # One int32 a 256-row block: how many runs have finished it. The run that finishes it
+    # last sets it back to 0, so the zeros hold between calls and the buffer is made once.
+    if blocks not in _tile_counts:
+        _tile_counts[blocks] = mx.zeros((blocks,), mx.int32)
+        mx.eval(_tile_counts[blocks])
+    return _tile_counts[blocks]
+
+
 def w4_wgmma(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
              residual: mx.array | None = None, splits: int | None = None,
              min_blocks: int | None = None, stages: int | None = None,
-             overlap: bool | None = None) -> mx.array:
+             balanced: bool | None = None, probe: int = 0) -> mx.array:
     """``x @ dequantize(w).T [+ residual]`` with ``wp, sbp = w4gemm.pack(w, scales, biases,
-    group_size, 16)``: fp16 x (M, K), M up to 256. Returns (M, N) fp16."""
+    group_size, 16)``: fp16 x (M, K), M up to 256. Returns (M, N) fp16.
+
+    Up to 64 rows it runs balanced (``BALANCED``) unless ``splits`` asks for K splits."""
     m, k = x.shape
     n = wp.shape[0] * 16
     groups = sbp.shape[1]
     if not supports(m, n, k, group_size):
         raise ValueError(f"w4_wgmma: {m} x {k} against {n} rows, group {group_size}: not covered")
-    ks = splits or w4gemm.k_splits(n, k, 2)
+    bal = (BALANCED if balanced is None else balanced) and splits is None and m <= ROWS_PER_BLOCK
+    ks = 1 if bal else splits or k_splits(n, k)
     atomic = ks > 1
     st = stages or STAGES
-    name, cubin = compile_cubin(group_size, atomic, residual is not None, stages=st,
-                                min_blocks=MIN_BLOCKS if min_blocks is None else min_blocks,
-                                overlap=OVERLAP if overlap is None else overlap)
-    (y,) = mx.fast.precompiled_cuda_kernel(
+    mb = MIN_BLOCKS if min_blocks is None else min_blocks
+    name, cubin = compile_cubin(group_size, atomic, residual is not None, stages=st, min_blocks=mb,
+                                balanced=bal, probe=probe)
+    blocks = n // 256
+    runs = min(sm_count() * max(1, mb), blocks * (k // 64)) if bal else blocks  # as many as fit at once
+    y, _ = mx.fast.precompiled_cuda_kernel(
         name=name, compiled_source=cubin,
-        inputs=[x, wp, sbp, residual if residual is not None else x],
-        output_shapes=[(m, n)], output_dtypes=[mx.float32 if atomic else mx.float16],
+        inputs=[x, wp, sbp, residual if residual is not None else x, _tile_count(blocks) if bal else x],
+        output_shapes=[(m, n), (2 * runs * 64 * 256 if bal else 1,)],
+        output_dtypes=[mx.float32 if atomic else mx.float16, mx.float32],
         scalars=[m, k, n, groups],
-        grid=(n // 256 * 256, ks, -(-m // ROWS_PER_BLOCK)), threadgroup=(256, 1, 1),
+        grid=(runs * 256, ks, -(-m // ROWS_PER_BLOCK)), threadgroup=(256, 1, 1),
         shared_memory=shared_bytes(group_size, st), init_value=0.0 if atomic else None,
         ensure_row_contiguous=True,
     )

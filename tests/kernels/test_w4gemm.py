@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tandem.kernels import quantized_matmul as qm
-from tandem.kernels import w4gemm
+from tandem.kernels import w4gemm, w4wgmma
 from tests.kernels.four_bit import case as _case, rel_err
 
 gpu = pytest.mark.skipif(not qm.cuda_available(), reason="needs MLX's CUDA backend")
@@ -135,6 +135,7 @@ def _flat(n, k, gs, bits=4, seed=0, dense=True):
 def test_layers_pack_only_what_the_kernel_covers(monkeypatch):
     from tandem.kernels import linear
     monkeypatch.setattr(linear, "USE_W4G", True)
+    monkeypatch.setattr(linear, "USE_W4WG", False)
     assert not _flat(256, 512, 64).pack_w4gemm()  # small products stay on the dense GEMM
     monkeypatch.setattr(w4gemm, "MIN_WEIGHTS", 0)
     lay = _flat(256, 512, 64)
@@ -145,11 +146,17 @@ def test_layers_pack_only_what_the_kernel_covers(monkeypatch):
     assert not lay._w4g_applies(rows(lo - 1)) and not lay._w4g_applies(rows(hi + 1))
     assert not _flat(256, 512, 64, bits=8).pack_w4gemm()
     assert not _flat(96, 512, 64).pack_w4gemm()   # 96 rows: no whole 128-row block
-    # The experimental wgmma kernel takes its own rows only when asked to (TANDEM_W4WG=1).
+    # The wgmma kernel takes its rows where it runs in one pass over K and the machine
+    # compiles it; TANDEM_W4WG=0 turns it off.
     wide = rows(linear.W4WG_ROWS[1])
     assert not lay._w4g_applies(wide)
     monkeypatch.setattr(linear, "USE_W4WG", True)
+    monkeypatch.setattr(w4wgmma, "available", lambda: False)
+    assert not lay._w4g_applies(wide)
+    monkeypatch.setattr(w4wgmma, "available", lambda: True)
     assert lay._w4g_applies(wide) and lay._w4wg_applies(wide) and not lay._w4wg_applies(rows(hi))
+    deep = _flat(256, 4096, 64)   # like down: 16 K splits
+    assert deep.pack_w4gemm() and not deep._w4wg_applies(mx.zeros((linear.W4WG_ROWS[1], 4096), mx.float16))
     monkeypatch.setattr(linear, "USE_W4G", False)
     assert not _flat(256, 512, 64).pack_w4gemm()
 
