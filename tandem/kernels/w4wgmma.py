@@ -1,4 +1,4 @@
-"""``w4gemm`` on Hopper's warpgroup MMA (``wgmma``), for 17-64 input rows. Experimental.
+"""``w4gemm`` on Hopper's warpgroup MMA (``wgmma``), for 17-64 input rows.
 
 At 64 rows ``w4gemm``'s math alone (``mma.sync``, ~210 TFLOPS) is slower than cuBLAS's
 whole fp16 product, which runs on ``wgmma`` (docs/benchmarks/gpu_decode.md, run 76).
@@ -13,8 +13,9 @@ keeps its pipeline. What changes is the product: a block's two warpgroups each o
 (registers; ``wgmma``'s A layout per warp is ``mma.m16n8k16``'s, so the packing is the
 same) by the 64 input rows in shared memory (a matrix descriptor: K-major, 128-byte
 swizzle, which is the XOR layout ``w4gemm`` already stores them in) into 32 fp32
-accumulators a thread per tile. Not dispatched by default: ``linear`` uses it only with
-``TANDEM_W4WG=1``.
+accumulators a thread per tile. ``linear`` uses it for the packed products it runs in one
+pass over K (gate/up and the head at 17-64 rows) where :func:`available` says the machine
+can run it; ``TANDEM_W4WG=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import ctypes
 import ctypes.util
 import functools
 import glob
+import logging
 import os
 import sys
-
-import logging
 
 import mlx.core as mx
 
@@ -39,15 +39,15 @@ ROWS_PER_BLOCK = 64
 STAGES = int(os.environ.get("TANDEM_W4WG_STAGES", "4"))
 """``cp.async`` stages (chunks of 64 of K; ``STAGES - 1`` in flight a block)."""
 BALANCED = os.environ.get("TANDEM_W4WG_BALANCED", "0") == "1"
-"""Up to 64 input rows, one block an SM, each taking an equal run of all (256-row block,
-chunk) units (stream-K): gate/up has 112 blocks of 256 rows for 132 SMs, the head 501, so
-with one block a 256-row block a fifth of the SMs idle for a whole pass or a last wave."""
+"""Opt-in, measured slower: up to 64 input rows, one block an SM, each taking an equal run of
+all (256-row block, chunk) units (stream-K), where one block a 256-row block leaves SMs idle
+(gate/up: 112 blocks for 132 SMs). H200 runs 83-84: gate/up at 64 rows 57.0 us (56.5 with
+two blocks an SM) against 52.2 for one block a 256-row block; the head 215.9 (186.6)
+against 165.1."""
 MIN_BLOCKS = int(os.environ.get("TANDEM_W4WG_MIN_BLOCKS", "0"))
-"""Blocks an SM should hold (``__launch_bounds__``; 0 = none, the kernel run 77 measured:
-122-140 registers, one block an SM). In run 77 a block waited out its own ``wgmma`` before
-dequantizing the next chunk, and gate/up took 65-69 us at every row count. With 2 (at most
-128 registers a thread; nvcc: no spills) a second block could fill that wait: compiled,
-not yet run on the H200."""
+"""Blocks an SM should hold (``__launch_bounds__``; 0 = none). The plain kernel needs 127
+registers and 70.6 KB of shared memory, so two blocks fit an SM without the bound; with it
+(128 registers) runs 78 and 84 measured no difference."""
 
 _SOURCE = r"""
 typedef unsigned int u32;
