@@ -27,6 +27,7 @@ import mlx.core as mx  # noqa: E402
 
 from tandem.kernels import paged_attention_cuda as pac  # noqa: E402
 from tandem.kernels import decode_attention_cuda as dac  # noqa: E402
+from tandem.kernels import decode_block  # noqa: E402
 from tandem.kernels import embed_cuda  # noqa: E402
 from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels import qgemv as qg  # noqa: E402
@@ -196,6 +197,23 @@ def swiglu_variants():
                                           [("out", dtype)], [("typename", "T", dtype)]))
 
 
+def decode_block_variants():
+    u32, f16 = "uint32_t", "__half"
+    ins = [("a", f16), ("h", f16), ("o_w", u32), ("o_s", f16), ("o_b", f16), ("ln2", f16), ("gu_w", u32),
+           ("gu_s", f16), ("gu_b", f16), ("d_w", u32), ("d_s", f16), ("d_b", f16), ("ln1", f16), ("q_w", u32),
+           ("q_s", f16), ("q_b", f16), ("bar", "int32_t")]
+    outs = [("h_out", f16), ("y", f16), ("h2", f16), ("g", f16), ("ts", "uint64_t")]
+    header = f"constexpr int THREADS = {decode_block.THREADS};\n" + decode_block._HEADER
+    for rows, stages in ((4, 5), (8, 2), (2, 8)):
+        for nxt in (True, False):
+            red = decode_block.red_floats(4096, 14336, 6144, rows, 132)
+            t = [("int", "HID", "4096"), ("int", "FFN", "14336"), ("int", "NQKV", "6144"), ("int", "R", str(rows)),
+                 ("int", "S", str(stages)), ("int", "RED", str(red)), ("bool", "NEXT", str(nxt).lower()),
+                 ("int", "PROBE", "0"), ("int", "EPS2", "925353388"), ("int", "EPS1", "925353388")]
+            yield (f"decode_block r{rows} s{stages} next={nxt}",
+                   variant("tandem_decode_block", decode_block._SOURCE, header, ins, outs, t))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
@@ -210,7 +228,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
     for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(), *w4gemm_variants(), *w4wgmma_variants(),
-                                      *embed_variants(), *swiglu_variants()]):
+                                      *embed_variants(), *swiglu_variants(), *decode_block_variants()]):
         if args.only not in label:
             continue
         cu = work / f"k{i}.cu"

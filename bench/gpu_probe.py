@@ -332,6 +332,77 @@ def _cold_gpu_us(fn, flush, flush_names: set[str], iters: int = 10) -> float:
     return sum(e["dur"] for e in kernel_records(path) if e["name"] not in flush_names) / iters
 
 
+def section_decode_block(layers: int = 8) -> None:
+    """A one-row layer tail (o + residual, norm, gate/up + swiglu, down + residual, the next
+    layer's norm + QKV) at the 8B shape, over ``layers`` layers of distinct weights (1 GB
+    for 8: every call reads them from memory): the separate kernels against
+    ``decode_block``'s one launch a layer. GPU: CUPTI, every kernel summed, per layer; wall:
+    queued calls, per layer (MLX's per-op cost included)."""
+    from tandem.kernels import decode_block as db
+    from tandem.kernels import qgemv as qg
+    hid, ffn, nqkv = 4096, 14336, 6144
+    def q(n, k):
+        return one_row_case(n, k)[:3]
+    ws = [dict(o=q(hid, hid), gu=q(2 * ffn, hid), down=q(hid, ffn), qkv=q(nqkv, hid),
+               ln2=(1 + 0.1 * mx.random.normal((hid,))).astype(mx.float16),
+               ln1=(1 + 0.1 * mx.random.normal((hid,))).astype(mx.float16)) for _ in range(layers)]
+    a0 = mx.random.normal((1, hid)).astype(mx.float16)
+    h0 = (4 * mx.random.normal((1, hid))).astype(mx.float16)
+    mx.eval(ws, a0, h0)
+    bar = db.counter()
+
+    def separate():
+        a, h = a0, h0
+        for w in ws:
+            h2 = qg.qgemv(a, *w["o"], 64, residual=h)
+            g = qg.qgemv(h2, *w["gu"], 64, norm_weight=w["ln2"], pair=True)
+            h = qg.qgemv(g, *w["down"], 64, residual=h2)
+            a = qg.qgemv(h, *w["qkv"], 64, norm_weight=w["ln1"])[:, :hid]
+        return h
+
+    def fused(rows=None, stages=None, probe=0):
+        a, h = a0, h0
+        for w in ws:
+            h, y = db.decode_block(a, h, w["o"], w["ln2"], w["gu"], w["down"], w["ln1"], w["qkv"],
+                                   eps2=1e-5, bar=bar, rows=rows, stages=stages, probe=probe)
+            a = y[:, :hid]
+        return h
+
+    err = (mx.abs(separate().astype(mx.float32) - fused().astype(mx.float32)).max()
+           / mx.abs(separate().astype(mx.float32)).max()).item()
+    log(f"decode_block: {layers} chained layers, max rel diff against the separate kernels {err:.2e}")
+    RESULTS["decode_block"] = rows_out = []
+    variants = [("separate kernels", separate)] + [
+        (f"decode_block r{r} s{s}", (lambda r=r, s=s: fused(r, s))) for r, s in ((4, 5), (8, 2))]
+    variants[1:1] = [("block: barriers only", lambda: fused(probe=1)), ("block: no grid barriers", lambda: fused(probe=2))]
+    # Where a launch's time goes: per block, the global timer at its start and after each
+    # phase and barrier (PROBE 3), medians over blocks and 8 layers' launches.
+    stamps = []
+    a, h = a0, h0
+    for w in ws:
+        h, ts = db.decode_block(a, h, w["o"], w["ln2"], w["gu"], w["down"], w["ln1"], w["qkv"], eps2=1e-5,
+                                bar=bar, probe=3)
+        mx.eval(h, ts)
+        stamps.append(np.array(ts).reshape(-1, 8).astype(np.int64))
+    names = ["A o", "barrier 1", "B gate/up", "barrier 2", "C down", "barrier 3", "D qkv"]
+    spans = np.concatenate([np.diff(t - t.min(), axis=1) for t in stamps]) / 1e3
+    starts = np.concatenate([(t[:, 0] - t[:, 0].min()) for t in stamps]) / 1e3
+    phase = {n: dict(p50_us=float(np.median(spans[:, i])), max_us=float(spans[:, i].max()),
+                     min_us=float(spans[:, i].min())) for i, n in enumerate(names)}
+    RESULTS["decode_block_phases"] = dict(phases=phase, start_spread_us=float(starts.max()))
+    log(f"  phases (us, min / median / max over blocks): start spread {starts.max():.1f}; " + "; ".join(
+        f"{n} {v['min_us']:.1f} / {v['p50_us']:.1f} / {v['max_us']:.1f}" for n, v in phase.items()))
+    for label, fn in variants:
+        try:
+            wall = timed(fn, 10) * 1e6 / layers
+            gpu = gpu_us_by(fn, ("",), iters=5, serial=True)[0] / layers
+        except Exception as e:  # noqa: BLE001 - a variant that fails to launch is a result too
+            log(f"  {label}: {type(e).__name__}: {e}")
+            continue
+        rows_out.append(dict(variant=label, gpu_us_per_layer=gpu, wall_us_per_layer=wall))
+        log(f"  {label:24s} GPU {gpu:7.1f} us/layer   wall {wall:7.1f} us/layer")
+
+
 def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,down,head",
                    parts: bool = False) -> None:
     """The fragment-order 4-bit product (``w4gemm``) against the dense fp16 GEMM it would
@@ -1176,6 +1247,8 @@ def main() -> int:
         section_kv_floor([int(b) for b in args.batches.split(",")], args.ctx)
     if "attention-cold" in secs:
         section_attention_serial([int(b) for b in args.batches.split(",")], args.ctx, flush=True)
+    if "decode-block" in secs:
+        section_decode_block()
     if "w4mma" in secs:
         section_w4mma(tuple(int(r) for r in args.w4_rows.split(",")), args.w4_products)
     if "w4gemm" in secs:

@@ -48,11 +48,13 @@ def build_tokenizer(out: Path, corpus: list[str]) -> int:
 
 
 def build_tiny_model(out: Path, *, seed: int = 0, quantize: bool = False, model_type: str = "llama",
-                     head_dim: int = 16, dtype: str = "float32") -> Path:
+                     head_dim: int = 16, dtype: str = "float32", hidden: int = 64, ffn: int = 128,
+                     heads: int = 4, kv_heads: int = 2) -> Path:
     """Write an mlx-lm model directory (config.json, model.safetensors, tokenizer) to ``out``.
 
     ``head_dim`` 64 and ``dtype`` float16 give the shape the GPU's tile-wise attention
-    kernels take (they cover fp16/bf16 and head sizes 64 and 128 only)."""
+    kernels take (they cover fp16/bf16 and head sizes 64 and 128 only); ``hidden`` and
+    ``ffn`` multiples of 1024 (quantized, fp16) the one-row layer-tail kernel's."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -67,11 +69,11 @@ def build_tiny_model(out: Path, *, seed: int = 0, quantize: bool = False, model_
     vocab = build_tokenizer(out, corpus)
     config = {
         "model_type": model_type,
-        "hidden_size": 64,
+        "hidden_size": hidden,
         "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "intermediate_size": ffn,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab,

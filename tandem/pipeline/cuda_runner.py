@@ -43,6 +43,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from tandem.kernels import decode_attention_cuda as dac
+from tandem.kernels import decode_block as dblk
 from tandem.kernels import embed_cuda
 from tandem.kernels import linear
 from tandem.kernels import paged_attention as pa
@@ -175,6 +176,17 @@ class _CudaOps:
 
     def __init__(self, n_kv_heads: int):
         self.counters = dac.counters(max(dac.MAX_ROWS, 1), n_kv_heads)
+        self.barrier = dblk.counter()
+
+    def tail(self, blk: "FusedBlock", nxt: "FusedBlock | None", a, h):
+        """One row: the layer after its attention, and the next layer's QKV (see
+        ``FusedBlock.tail``), in one launch where ``kernels.decode_block`` covers it."""
+        if not blk.tail_kernel_applies(nxt):
+            return blk.tail(a, h, nxt)
+        q = lambda m: (m["qweight"], m["scales"], m["biases"])  # noqa: E731
+        return dblk.decode_block(a, h, q(blk.o_proj), blk.ln2, q(blk.gate_up), q(blk.down_proj),
+                                 None if nxt is None else nxt.ln1, None if nxt is None else q(nxt.qkv),
+                                 eps2=blk.eps2, eps1=nxt.eps1 if nxt is not None else 1e-5, bar=self.barrier)
 
     def write_attend(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool,
                      scale: float, block_size: int):
@@ -218,6 +230,9 @@ class _ReferenceOps:
                      scale: float, block_size: int):
         q, _, kp, vp = self.write(y, step, kp, vp, inv_freq, H, KVH, trad)
         return self.attend(q, step, kp, vp, scale, block_size), kp, vp
+
+    def tail(self, blk: "FusedBlock", nxt: "FusedBlock | None", a, h):
+        return blk.tail(a, h, nxt)
 
 
 class FusedBlock(nn.Module):
@@ -265,11 +280,33 @@ class FusedBlock(nn.Module):
     def decode(self, h, ops, step: _Step, kp, vp, block_size: int):
         """h: (B, W) one token per row -> (h, kp, vp); this token's K/V go into the pools."""
         y = self.qkv.fused(h, norm_weight=self.ln1, eps=self.eps1)
-        a, kp, vp = ops.write_attend(y, step, kp, vp, self.inv_freq, self.H, self.KVH, self.traditional,
-                                     self.scale, block_size)  # (B, H * D)
+        a, kp, vp = self.attend(y, ops, step, kp, vp, block_size)
+        return self.tail(a, h)[0], kp, vp
+
+    def attend(self, y, ops, step: _Step, kp, vp, block_size: int):
+        """The QKV rows y -> (attention output (B, H * D), kp, vp)."""
+        return ops.write_attend(y, step, kp, vp, self.inv_freq, self.H, self.KVH, self.traditional,
+                                self.scale, block_size)
+
+    def tail(self, a, h, nxt: "FusedBlock | None" = None):
+        """The layer after its attention: (h, the next layer's QKV rows or None)."""
         h = self.o_proj.fused(a, residual=h)
         g = self.gate_up.fused_swiglu(h, norm_weight=self.ln2, eps=self.eps2)
-        return self.down_proj.fused(g, residual=h), kp, vp
+        h = self.down_proj.fused(g, residual=h)
+        return h, (None if nxt is None else nxt.qkv.fused(h, norm_weight=nxt.ln1, eps=nxt.eps1))
+
+    def tail_kernel_applies(self, nxt: "FusedBlock | None") -> bool:
+        """Whether ``kernels.decode_block`` runs :meth:`tail` at one row: 4-bit affine
+        weights with fp16 scales and biases and no linear bias, shapes it covers."""
+        mods = [self.o_proj, self.gate_up, self.down_proj] + ([nxt.qkv] if nxt is not None else [])
+        if not (dblk.ENABLED and cuda_available() and all(
+                isinstance(m, linear.FlatLinear) and m.has_quantized and m.bits == 4 and m.mode == "affine"
+                and "biases" in m and "bias" not in m and m["scales"].dtype == mx.float16 for m in mods)):
+            return False
+        hidden = self.o_proj.output_dims
+        nqkv = nxt.qkv.output_dims if nxt is not None else dblk.ROWS
+        return (self.ln2.dtype == mx.float16 and (nxt is None or nxt.ln1.dtype == mx.float16)
+                and dblk.supports(hidden, self.ffn, nqkv, {m.group_size for m in mods}))
 
 
 class KernelRunner(PagedRunner):
@@ -459,9 +496,19 @@ class KernelRunner(PagedRunner):
         keys, values = list(pools[:L]), list(pools[L:])
         step = _Step(pos, slots, table, lens, self.store.block_size, self.store.n_kv_heads)
         B = inputs.shape[0]
+        bs = self.store.block_size
         h = self._embed(inputs).reshape(B, -1)
-        for i, blk in enumerate(self.blocks):
-            h, keys[i], values[i] = blk.decode(h, self.ops, step, keys[i], values[i], self.store.block_size)
+        if B == 1:
+            # One row: each layer's tail also computes the next layer's QKV, so that
+            # ``kernels.decode_block`` runs it all in one launch after the attention.
+            first = self.blocks[0]
+            y = first.qkv.fused(h, norm_weight=first.ln1, eps=first.eps1)
+            for i, blk in enumerate(self.blocks):
+                a, keys[i], values[i] = blk.attend(y, self.ops, step, keys[i], values[i], bs)
+                h, y = self.ops.tail(blk, self.blocks[i + 1] if i + 1 < L else None, a, h)
+        else:
+            for i, blk in enumerate(self.blocks):
+                h, keys[i], values[i] = blk.decode(h, self.ops, step, keys[i], values[i], bs)
         norm = self.final_norm
         if self.head is not None:
             logits = self.head.fused(h, norm_weight=norm.weight, eps=norm.eps)

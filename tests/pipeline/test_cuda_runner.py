@@ -60,6 +60,7 @@ def test_unknown_mode_is_refused(tiny_model_dir, monkeypatch):
     dict(),  # ragged batch: rows of different lengths decode together
     dict(block_size=4, max_batch_size=3, parallel=6, prefill_chunk_size=16),
     dict(enable_prefix_caching=True, max_batch_prefill=1),
+    dict(max_batch_size=1),  # one-row steps: each layer's tail computes the next layer's QKV
 ])
 def test_reference_kernel_runner_matches_alone(tiny_model_dir, expected, monkeypatch, config):
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
@@ -144,6 +145,40 @@ def test_cuda_kernel_runner_matches_alone(tiny_model_dir, tiny_quantized_model_d
     # Quantized: decode reads the 4-bit weights, the oracle's prefill too, the runner's
     # prefill the dense copy; a near-tie may flip a late token, so compare the agreeing
     # prefix of each sequence.
+    agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+             for g, w in zip(got, want)]
+    assert sum(agree) >= 0.75 * sum(len(w) for w in want), (got, want)
+
+
+@pytest.fixture(scope="module")
+def wide_quantized_model_dir(tmp_path_factory):
+    """4-bit, fp16, hidden 1024 and FFN 2048: shapes the one-row layer-tail kernel covers."""
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("wide-q4"), quantize=True, dtype="float16", head_dim=128,
+                            hidden=1024, ffn=2048, heads=8, kv_heads=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(240, method="thread")
+@pytest.mark.parametrize("kernel", [True, False])
+def test_one_row_layer_tail_kernel_gives_mlx_lm_tokens(wide_quantized_model_dir, monkeypatch, kernel):
+    """One-row decode steps through ``kernels.decode_block`` (or, off, the separate
+    products): mlx_lm's tokens, up to a late near-tie, and the kernel did run."""
+    from tandem.kernels import decode_block as dblk
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
+    monkeypatch.setattr(dblk, "ENABLED", kernel)
+    calls = []
+    real = dblk.decode_block
+    monkeypatch.setattr(dblk, "decode_block", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref = _fresh(wide_quantized_model_dir)
+    prompts = random_prompts(4, 1, 70, seed=13)
+    want = [oracle(ref, p, MAX_TOKENS) for p in prompts]
+    eng = _engine(_fresh(wide_quantized_model_dir), max_batch_size=1)
+    got = eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts], timeout=180)
+    assert (len(calls) > 0) == kernel
     agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
              for g, w in zip(got, want)]
     assert sum(agree) >= 0.75 * sum(len(w) for w in want), (got, want)
