@@ -206,9 +206,10 @@ def decode_block_variants():
     header = f"constexpr int THREADS = {decode_block.THREADS};\n" + decode_block._HEADER
     for rows, stages in ((4, 5), (8, 2), (2, 8)):
         for nxt in (True, False):
-            red = decode_block.red_floats(4096, 14336, 6144, rows, 132)
+            red = decode_block.red_floats(4096, 14336, 6144, rows, 132, stages)
+            ticks = decode_block.ticket_ints(4096, 14336, 6144, rows, red, stages)
             t = [("int", "HID", "4096"), ("int", "FFN", "14336"), ("int", "NQKV", "6144"), ("int", "R", str(rows)),
-                 ("int", "S", str(stages)), ("int", "RED", str(red)), ("bool", "NEXT", str(nxt).lower()),
+                 ("int", "S", str(stages)), ("int", "RED", str(red)), ("int", "TICKS", str(ticks)), ("bool", "NEXT", str(nxt).lower()),
                  ("int", "PROBE", "0"), ("int", "EPS2", "925353388"), ("int", "EPS1", "925353388")]
             yield (f"decode_block r{rows} s{stages} next={nxt}",
                    variant("tandem_decode_block", decode_block._SOURCE, header, ins, outs, t))

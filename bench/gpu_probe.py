@@ -374,7 +374,7 @@ def section_decode_block(layers: int = 8) -> None:
     RESULTS["decode_block"] = rows_out = []
     variants = [("separate kernels", separate)] + [
         (f"decode_block r{r} s{s}", (lambda r=r, s=s: fused(r, s))) for r, s in ((4, 5), (8, 2))]
-    variants[1:1] = [("block: barriers only", lambda: fused(probe=1)), ("block: no grid barriers", lambda: fused(probe=2))]
+    variants[1:1] = [("block: barriers only", lambda: fused(probe=1))]
     # Where a launch's time goes: per block, the global timer at its start and after each
     # phase and barrier (PROBE 3), medians over blocks and 8 layers' launches.
     stamps = []

@@ -70,20 +70,25 @@ __device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group
 // All blocks of the grid, resident at once (one per SM). bar[0]: arrivals, bar[1]:
 // generation. The generation is read before arriving, so no block can miss its change;
 // the reads are acquire loads at GPU scope (from L2, never a stale L1 line).
+// bar[TICKET + i]: phase i's next unit (a line of their own, away from the barrier's).
+constexpr int TICKET = 32;
 __device__ __forceinline__ int read_gen(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
-__device__ __forceinline__ void grid_sync(int* bar, int probe) {
+// The last block to arrive also zeroes the ticket counters in ``reset`` (a bit a phase):
+// every block has taken its last ticket of those phases before it arrives.
+__device__ __forceinline__ void grid_sync(int* bar, int reset) {
   __syncthreads();
-  if (probe == 2) return;
   if (threadIdx.x == 0) {
     const int gen = read_gen(bar + 1);
     __threadfence();
     if (atomicAdd(bar, 1) == (int)gridDim.x - 1) {
       atomicExch(bar, 0);
+      for (int i = 0; i < 4; ++i)
+        if (reset & (1 << i)) atomicExch(bar + TICKET + i, 0);
       __threadfence();
       atomicAdd(bar + 1, 1);
     } else {
@@ -160,29 +165,45 @@ __device__ __forceinline__ void prep(const uint4 (&u)[4], const __half* norm_w, 
 
 // One product's streaming over this block: K (a multiple of 1024) split into CH chunks,
 // a group of CH threads per row, NGB groups a block; each pass of a group is one unit of
-// R rows (PAIR: R/2 gate rows and their up rows, N/2 further).
-template <int K, int R, int S, bool PAIR>
+// R rows (PAIR: R/2 gate rows and their up rows, N/2 further). Units are handed out by a
+// ticket counter, not by block index: some SMs stream a third slower than others (run 86:
+// gate/up 26-48 us a block), and with a fixed share every phase waited for the slowest.
+// The group's leader takes the ticket of pass p + S during pass p (the atomic's latency
+// hides behind the pass's arithmetic) into the group's list in shared memory, where the
+// group's barrier at pass p + 1 publishes it before that pass issues its copies. A group
+// takes at most CAP passes (the room of the partial sums), and the tickets a group gets
+// only grow, so its first ticket past the end ends it.
+template <int K, int R, int S, bool PAIR, int RED, int TICKS>
 struct Product {
   static constexpr int CH = K / 32;
   static constexpr int NGB = THREADS / CH;
   static constexpr int WPG = CH / 32;
+  static constexpr int CAP = RED / (NGB * R * WPG);
+  static constexpr int TPG = CAP + S + 1;  // a group's tickets, then its count of passes
+  static_assert(CAP >= S && NGB * TPG <= TICKS, "decode_block: partial sums or tickets too small");
   const uint4* w;
   const __half* sc;
   const __half* bi;
-  int n, ng, units, groups, group, c;
+  int* counter;
+  int* tickets;  // this block's lists, TPG a group
+  int n, ng, units, c, gi;
   bool active;
+  int probe;
 
-  __device__ Product(const uint32_t* w_, const __half* s_, const __half* b_, int n_, int ng_, int probe_)
-      : w(reinterpret_cast<const uint4*>(w_)), sc(s_), bi(b_), n(n_), ng(ng_), probe(probe_) {
+  __device__ Product(const uint32_t* w_, const __half* s_, const __half* b_, int n_, int ng_, int* counter_,
+                     int* tickets_, int probe_)
+      : w(reinterpret_cast<const uint4*>(w_)), sc(s_), bi(b_), counter(counter_), tickets(tickets_), n(n_),
+        ng(ng_), probe(probe_) {
     units = n / R;
-    groups = gridDim.x * NGB;
-    group = blockIdx.x * NGB + threadIdx.x / CH;
+    gi = threadIdx.x / CH;
     c = threadIdx.x % CH;
     active = threadIdx.x < NGB * CH;
   }
-  int probe;
-  __device__ int passes() const { return probe == 1 ? 0 : (units + groups - 1) / groups; }
-  __device__ int unit(int p) const { return group + p * groups; }
+  __device__ int unit(int p) const { return tickets[gi * TPG + p]; }
+  __device__ void group_sync() const {
+    if constexpr (CH == 32) __syncwarp();
+    else asm volatile("bar.sync %0, %1;\n" :: "r"(1 + gi), "r"(CH) : "memory");
+  }
   __device__ int row(int u, int r) const {
     return PAIR ? u * (R / 2) + r / 2 + (r % 2) * (n / 2) : u * R + r;
   }
@@ -196,8 +217,8 @@ struct Product {
   // copy, so every thread counts the same groups. Each thread copies its weight chunk; the
   // first ng / 4 threads of a group the row's scales and biases, 16 bytes each.
   __device__ void issue(unsigned char* dyn, int st, int p) const {
-    const int u = unit(p);
-    if (active && u < units && probe != 1) {
+    const int u = active ? unit(p) : units;
+    if (u < units) {
       const int sch = ng / 8;  // 16-byte chunks of a row's scales (and of its biases)
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -265,24 +286,37 @@ struct Product {
 #pragma unroll
     for (int off = 16 / R; off >= 1; off /= 2) acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], off);
     if ((lane & (32 / R - 1)) == 0)
-      red[((p * NGB + threadIdx.x / CH) * R + row_ix) * WPG + c / 32] = acc[0];
+      red[((p * NGB + gi) * R + row_ix) * WPG + c / 32] = acc[0];
   }
   // Pass p, once this thread's copies have landed and the group's barrier (named, one a
   // group) says the others' have too and that everyone is done with pass p - 1, whose
   // stage then takes pass p + S - 1.
   __device__ void run(unsigned char* dyn, const XChunk& X, float* red) const {
     if (!active) return;
-    const int np = passes();
-    for (int p = 0; p < np; ++p) {
+    int p = 0;
+    for (; p < CAP; ++p) {
       wait_group<S - 2>();
-      if constexpr (CH == 32) __syncwarp();
-      else asm volatile("bar.sync %0, %1;\n" :: "r"(1 + (int)threadIdx.x / CH), "r"(CH) : "memory");
+      group_sync();
+      if (unit(p) >= units) break;
+      const int next = c == 0 && p + S < CAP ? atomicAdd(counter, 1) : units;
       issue(dyn, (p + S - 1) % S, p + S - 1);
       compute(dyn, p % S, p, X, red);
+      if (c == 0) tickets[gi * TPG + p + S] = min(next, units);
     }
+    // The list's slots past p + S hold another phase's tickets: finish reads only p.
+    if (c == 0) tickets[gi * TPG + TPG - 1] = p;
   }
-  // Passes 0 .. S - 2; the caller has made sure no thread still reads those stages.
+  // The first S tickets in one atomic, then passes 0 .. S - 2; the caller has made sure no
+  // thread still reads those stages or this list.
   __device__ void prologue(unsigned char* dyn) const {
+    if (active) {
+      if (c == 0) {
+        const int base = probe == 1 ? units : atomicAdd(counter, S);
+#pragma unroll
+        for (int i = 0; i < S; ++i) tickets[gi * TPG + i] = min(base + i, units);
+      }
+      group_sync();
+    }
 #pragma unroll
     for (int p = 0; p < S - 1; ++p) issue(dyn, p, p);
   }
@@ -290,12 +324,11 @@ struct Product {
   template <typename F>
   __device__ void finish(const float* red, F&& write) const {
     constexpr int OUT = PAIR ? R / 2 : R;
-    const int total = passes() * NGB * OUT;
-    for (int e = threadIdx.x; e < total; e += THREADS) {
-      const int p = e / (NGB * OUT), gi = (e / OUT) % NGB, i = e % OUT;
-      const int u = blockIdx.x * NGB + gi + p * groups;
-      if (u >= units) continue;
-      const float* rr = red + ((p * NGB + gi) * R) * WPG;
+    for (int e = threadIdx.x; e < CAP * NGB * OUT; e += THREADS) {
+      const int p = e / (NGB * OUT), g = (e / OUT) % NGB, i = e % OUT;
+      if (p >= tickets[g * TPG + TPG - 1]) continue;
+      const int u = tickets[g * TPG + p];
+      const float* rr = red + ((p * NGB + g) * R) * WPG;
       if constexpr (PAIR) {
         float gsum = 0.f, usum = 0.f;
 #pragma unroll
@@ -318,6 +351,9 @@ _SOURCE = r"""
   using namespace tdb;
   extern __shared__ __align__(16) unsigned char dyn[];
   __shared__ float red[RED];
+  // Two lists, so that a phase's prologue (before the grid barrier) never overwrites the
+  // tickets the previous phase's sums still read.
+  __shared__ int tickets[2][TICKS];
   __shared__ float sred[THREADS / 32];
   int* barrier = const_cast<int*>(bar);
   const __half* no_norm = nullptr;
@@ -331,9 +367,10 @@ _SOURCE = r"""
   };
   stamp(0);
 
-  const Product<HID, R, S, false> po(o_w, o_s, o_b, HID, o_s_shape[1], PROBE);
-  const Product<HID, R, S, true> pgu(gu_w, gu_s, gu_b, 2 * FFN, gu_s_shape[1], PROBE);
-  const Product<FFN, R, S, false> pd(d_w, d_s, d_b, HID, d_s_shape[1], PROBE);
+  int* tk = barrier + TICKET;
+  const Product<HID, R, S, false, RED, TICKS> po(o_w, o_s, o_b, HID, o_s_shape[1], tk, tickets[0], PROBE);
+  const Product<HID, R, S, true, RED, TICKS> pgu(gu_w, gu_s, gu_b, 2 * FFN, gu_s_shape[1], tk + 1, tickets[1], PROBE);
+  const Product<FFN, R, S, false, RED, TICKS> pd(d_w, d_s, d_b, HID, d_s_shape[1], tk + 2, tickets[0], PROBE);
 
   // A: h2 = h + o(a).
   po.prologue(dyn);
@@ -348,7 +385,8 @@ _SOURCE = r"""
   stamp(1);
   pgu.prologue(dyn);
   po.finish(red, [&](int o, float v, float) { h2[o] = __float2half(v + __half2float(h[o])); });
-  grid_sync(barrier, PROBE);
+  // Zeroes A's tickets, and C's and D's: the last launch's C and D are over, this one's not begun.
+  grid_sync(barrier, 0b1101);
   stamp(2);
 
   // B: g = swiglu(gate_up(rms_norm(h2))).
@@ -367,7 +405,7 @@ _SOURCE = r"""
     const float gg = __half2float(__float2half(gs)), uu = __half2float(__float2half(us));
     g[o] = __float2half(gg / (1.f + __expf(-gg)) * uu);
   });
-  grid_sync(barrier, PROBE);
+  grid_sync(barrier, 0b0010);
   stamp(4);
 
   // C: h' = h2 + down(g).
@@ -380,10 +418,10 @@ _SOURCE = r"""
   __syncthreads();
   stamp(5);
   if constexpr (NEXT) {
-    const Product<HID, R, S, false> pq(q_w, q_s, q_b, NQKV, q_s_shape[1], PROBE);
+    const Product<HID, R, S, false, RED, TICKS> pq(q_w, q_s, q_b, NQKV, q_s_shape[1], tk + 3, tickets[1], PROBE);
     pq.prologue(dyn);
     pd.finish(red, [&](int o, float v, float) { h_out[o] = __float2half(v + __half2float(__ldcg(h2 + o))); });
-    grid_sync(barrier, PROBE);
+    grid_sync(barrier, 0);
     stamp(6);
 
     // D: y = qkv'(rms_norm'(h')).
@@ -431,28 +469,50 @@ def shared_bytes(products: list[tuple[int, int]], rows: int = ROWS, stages: int 
     return stages * per_stage
 
 
-MAX_SHARED = 227 * 1024 - 8 * 1024
-"""Dynamic shared memory a block may take (the H100 / H200's 227 KB, less the partial
-sums' static array)."""
+SHARED_LIMIT = 227 * 1024
+"""Shared memory a block may take on the H100 / H200, static and dynamic together."""
 
 
-def red_floats(hidden: int, ffn: int, nqkv: int, rows: int, blocks: int) -> int:
-    """Shared floats for one phase's partial sums: the largest of passes x groups x rows x
-    warps a group over the four products."""
+def _products(hidden: int, ffn: int, nqkv: int) -> list[tuple[int, int]]:
+    """(K, N) of o, gate/up, down, QKV."""
+    return [(hidden, hidden), (hidden, 2 * ffn), (ffn, hidden), (hidden, nqkv)]
+
+
+def red_floats(hidden: int, ffn: int, nqkv: int, rows: int, blocks: int, stages: int = STAGES) -> int:
+    """Shared floats for one phase's partial sums, which also bound the passes a group may
+    take (``CAP`` in the kernel): room for 1.5 x a group's fair share of passes, at least
+    ``stages``, in the product that needs most. A fast SM takes more units than its share,
+    and 1.5 x every group's cap still covers every unit."""
     need = 0
-    for k, n in ((hidden, hidden), (hidden, 2 * ffn), (ffn, hidden), (hidden, nqkv)):
+    for k, n in _products(hidden, ffn, nqkv):
         ch = k // 32
         ngb = THREADS // ch
-        groups = blocks * ngb
-        passes = -(-(n // rows) // groups)
-        need = max(need, passes * ngb * rows * (ch // 32))
+        fair = -(-(n // rows) // (blocks * ngb))
+        need = max(need, max(-(-3 * fair // 2), stages) * ngb * rows * (ch // 32))
     return need
 
 
+def ticket_ints(hidden: int, ffn: int, nqkv: int, rows: int, red: int, stages: int = STAGES) -> int:
+    """Shared ints for one phase's ticket lists: per group, its cap of passes plus the
+    ``stages`` taken ahead, and its count."""
+    need = 0
+    for k, _ in _products(hidden, ffn, nqkv):
+        ch = k // 32
+        ngb = THREADS // ch
+        need = max(need, ngb * (red // (ngb * rows * (ch // 32)) + stages + 1))
+    return need
+
+
+def static_bytes(red: int, tickets: int) -> int:
+    """The partial sums, two ticket lists and the norms' warp sums."""
+    return 4 * red + 2 * 4 * tickets + 4 * (THREADS // 32)
+
+
 def counter() -> mx.array:
-    """The barrier's (arrivals, generation) and padding: zeros, made and evaluated outside
-    any compiled function. The kernel leaves arrivals at zero, so one buffer serves every
-    launch. 64 words, not 2: MLX serves 8 bytes and less from a small pool of managed
+    """The barrier's (arrivals, generation), padding, and from word 32 the four phases'
+    ticket counters: zeros, made and evaluated outside any compiled function. The kernel
+    leaves arrivals at zero and zeroes each phase's tickets once every block is past them,
+    so one buffer serves every launch. 64 words, not 2: MLX serves 8 bytes and less from a small pool of managed
     memory that stays in the host's RAM, where every atomic crossed PCIe (H200: 374 us a
     barrier against 1.9 with 64 words, bench/barrier_probe.py)."""
     c = mx.zeros((64,), mx.int32)
@@ -461,15 +521,18 @@ def counter() -> mx.array:
 
 
 def supports(hidden: int, ffn: int, nqkv: int, group_sizes: set[int], rows: int = ROWS,
-             stages: int = STAGES) -> bool:
+             stages: int = STAGES, blocks: int = 132) -> bool:
     """Shapes the kernel covers: K % 1024 for every product, a row's chunks within one block,
-    whole units of ``rows`` rows, groups of 32-128, stages that fit shared memory."""
+    whole units of ``rows`` rows, groups of 32-128, stages that fit shared memory with the
+    partial sums of a grid of ``blocks``."""
     if not (hidden % 1024 == 0 and ffn % 1024 == 0 and hidden // 32 <= THREADS and ffn // 32 <= THREADS
             and hidden % rows == 0 and ffn % (rows // 2) == 0 and nqkv % rows == 0 and rows % 2 == 0
             and 32 % rows == 0 and stages >= 2 and group_sizes <= {32, 64, 128}):
         return False
     gs = min(group_sizes)
-    return shared_bytes([(hidden, hidden // gs), (ffn, ffn // gs)], rows, stages) <= MAX_SHARED
+    red = red_floats(hidden, ffn, nqkv, rows, blocks, stages)
+    return (shared_bytes([(hidden, hidden // gs), (ffn, ffn // gs)], rows, stages)
+            + static_bytes(red, ticket_ints(hidden, ffn, nqkv, rows, red, stages)) <= SHARED_LIMIT)
 
 
 def _float_bits(x: float) -> int:
@@ -489,9 +552,9 @@ def decode_block(a, h, o, ln2, gate_up, down, ln1_next=None, qkv_next=None, *, e
 
     a, h: (1, hidden) fp16. o, gate_up ([gate; up] stacked), down, qkv_next: (w, scales,
     biases) of MLX's 4-bit affine format. bar: :func:`counter`. probe (bench/gpu_probe.py
-    only, results garbage by design): 1 no products (the barriers, input loads and norms
-    alone), 2 no grid barriers (the products alone); 3 the full kernel, returning (h',
-    each block's global timer at its start and after each phase and barrier).
+    only): 1 no products (the barriers, input loads and norms alone; results garbage by
+    design); 3 the full kernel, returning (h', each block's global timer at its start and
+    after each phase and barrier).
     """
     rows, stages = rows or ROWS, stages or STAGES
     hidden, ffn = h.shape[-1], down[0].shape[1] * 8
@@ -499,15 +562,17 @@ def decode_block(a, h, o, ln2, gate_up, down, ln1_next=None, qkv_next=None, *, e
     q = qkv_next if nxt else o
     nqkv = q[0].shape[0] if nxt else rows
     blocks = w4wgmma.sm_count()
-    red = red_floats(hidden, ffn, nqkv, rows, blocks)
+    red = red_floats(hidden, ffn, nqkv, rows, blocks, stages)
+    ticks = ticket_ints(hidden, ffn, nqkv, rows, red, stages)
     smem = shared_bytes([(hidden, o[1].shape[1]), (hidden, gate_up[1].shape[1]), (ffn, down[1].shape[1]),
                          (hidden, q[1].shape[1])], rows, stages)
-    if smem > MAX_SHARED:
-        raise ValueError(f"decode_block: {rows} rows x {stages} stages need {smem} bytes of shared memory")
+    if smem + static_bytes(red, ticks) > SHARED_LIMIT:
+        raise ValueError(f"decode_block: {rows} rows x {stages} stages need {smem + static_bytes(red, ticks)} "
+                         f"bytes of shared memory, more than a block's {SHARED_LIMIT}")
     h_out, y, _, _, ts = _kernel(smem)(
         inputs=[a, h, *o, ln2, *gate_up, *down, ln1_next if nxt else ln2, *q, bar],
         template=[("HID", hidden), ("FFN", ffn), ("NQKV", nqkv), ("R", rows), ("S", stages),
-                  ("RED", red), ("NEXT", nxt), ("PROBE", probe),
+                  ("RED", red), ("TICKS", ticks), ("NEXT", nxt), ("PROBE", probe),
                   ("EPS2", _float_bits(eps2)), ("EPS1", _float_bits(eps1))],
         grid=(blocks * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),

@@ -49,6 +49,7 @@ from tandem.kernels import linear
 from tandem.kernels import paged_attention as pa
 from tandem.kernels import paged_attention_cuda as pac
 from tandem.kernels import kv_write_cuda as kvw
+from tandem.kernels import w4wgmma
 from tandem.kernels.quantized_matmul import cuda_available
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.model_runner import PagedRunner
@@ -306,7 +307,7 @@ class FusedBlock(nn.Module):
         hidden = self.o_proj.output_dims
         nqkv = nxt.qkv.output_dims if nxt is not None else dblk.ROWS
         return (self.ln2.dtype == mx.float16 and (nxt is None or nxt.ln1.dtype == mx.float16)
-                and dblk.supports(hidden, self.ffn, nqkv, {m.group_size for m in mods}))
+                and dblk.supports(hidden, self.ffn, nqkv, {m.group_size for m in mods}, blocks=w4wgmma.sm_count()))
 
 
 class KernelRunner(PagedRunner):

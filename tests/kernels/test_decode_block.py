@@ -74,13 +74,21 @@ def test_support_rules():
 
 
 def test_partial_sums_fit_the_largest_phase():
-    # 8B shape, 132 SMs, 4 rows a pass: gate/up is 7,168 units over 528 groups -> 14 passes
-    # of 4 groups x 4 rows x 4 warps.
-    assert db.red_floats(4096, 14336, 6144, 4, 132) == 14 * 4 * 4 * 4
+    # 8B shape, 132 SMs, 4 rows a pass: gate/up is 7,168 units over 528 groups, 14 passes
+    # a group's fair share; room for 21 of 4 groups x 4 rows x 4 warps.
+    red = db.red_floats(4096, 14336, 6144, 4, 132, 5)
+    assert red == 21 * 4 * 4 * 4
+    # Ticket lists: 4 groups of K = 4096 with 21 passes each, 5 ahead and a count.
+    assert db.ticket_ints(4096, 14336, 6144, 4, red, 5) == 4 * (21 + 5 + 1)
+    # A small model: the room is at least the stages for every product, however few
+    # passes its fair share is.
+    assert db.red_floats(1024, 2048, 1536, 4, 132, 5) == 5 * 16 * 4 * 1
     # Per stage: 4 groups x 4 rows x (2 KB of weights + 64 scales + 64 biases).
     assert db.shared_bytes([(4096, 64), (14336, 224)], 4, 5) == 5 * 4 * 4 * (2048 + 256)
-    assert db.shared_bytes([(4096, 64), (14336, 224)], 4, 5) <= db.MAX_SHARED
+    assert db.supports(4096, 14336, 6144, {64}, rows=4, stages=5)
     assert not db.supports(4096, 14336, 6144, {64}, rows=8, stages=4)   # stages past shared memory
+    # Fewer SMs: each group's share of passes, and with it the partial sums, grows.
+    assert db.red_floats(4096, 14336, 6144, 4, 66, 5) > red
 
 
 @gpu
@@ -103,7 +111,10 @@ def test_kernel_matches_reference(hidden, ffn, nqkv, gs, nxt):
             assert _rel_err(got_y, want_y) < 5e-3
         else:
             assert got_y is None
+    # Arrivals back at zero, a generation a barrier, and the tickets of o and gate/up,
+    # whose last barrier has passed, back at zero.
     assert bar[0].item() == 0 and bar[1].item() == 2 * (3 if nxt else 2)
+    assert bar[32].item() == 0 and bar[33].item() == 0
 
 
 @gpu
