@@ -25,12 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
+from tandem.kernels import constants  # noqa: E402
 from tandem.kernels import paged_attention_cuda as pac  # noqa: E402
 from tandem.kernels import decode_attention_cuda as dac  # noqa: E402
 from tandem.kernels import decode_block  # noqa: E402
 from tandem.kernels import embed_cuda  # noqa: E402
 from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels import qgemv as qg  # noqa: E402
+from tandem.kernels import quantized_matmul as qmm  # noqa: E402
 from tandem.kernels import swiglu_cuda  # noqa: E402
 from tandem.kernels import w4gemm  # noqa: E402
 from tandem.kernels import w4mma  # noqa: E402
@@ -60,6 +62,29 @@ def variant(name: str, source: str, header: str, inputs: list[tuple[str, str]],
     return PRELUDE + header + body + inst
 
 
+def eps_consts(on: bool) -> list[tuple[str, str, str]]:
+    """kernels.constants' eps arguments: in the template (on) or read from fparams."""
+    bits = str(constants.float_bits(1e-5)) if on else "0"
+    return [("bool", "CONSTS", str(on).lower()), ("int", "EPS_BITS", bits)]
+
+
+def att_consts(on: bool) -> list[tuple[str, str, str]]:
+    """kernels.constants' attention arguments (scale 1/sqrt(128), 64-token partitions) or none."""
+    bits = str(constants.float_bits(128 ** -0.5)) if on else "0"
+    return [("bool", "CONSTS", str(on).lower()), ("int", "PART_C", "64" if on else "0"), ("int", "SCALE_BITS", bits)]
+
+
+def multirow_variants():
+    ins = [("x", "__half"), ("w", "uint32_t"), ("scales", "__half"), ("biases", "__half"),
+           ("norm_w", "__half"), ("res", "__half"), ("fparams", "float")]
+    for norm, swiglu, res in ((True, False, False), (True, True, False), (False, False, True)):
+        t = [("typename", "T", "__half"), ("int", "BITS", "4"), ("int", "MMAX", "4"), ("int", "R", "2"),
+             ("bool", "HALF", "true"), ("bool", "NORM", str(norm).lower()), ("bool", "SWIGLU", str(swiglu).lower()),
+             ("bool", "RES", str(res).lower())] + eps_consts(norm and not swiglu)
+        yield (f"multirow norm={norm} swiglu={swiglu} res={res}",
+               variant("tandem_qmv", qmm._SOURCE, qmm._HEADER, ins, [("y", "__half")], t))
+
+
 def qgemv_variants():
     ins = [("x", "__half"), ("w", "uint32_t"), ("scales", "__half"), ("biases", "__half"),
            ("norm_w", "__half"), ("res", "__half"), ("fparams", "float")]
@@ -68,7 +93,7 @@ def qgemv_variants():
             ("qkv", 4096, 2, 0, 0, 0), ("o+res", 4096, 2, 0, 0, 1), ("gate/up pair", 4096, 2, 0, 1, 0),
             ("down+res", 14336, 2, 0, 0, 1), ("qkv+norm", 4096, 2, 1, 0, 0)]:
         t = [("int", "K", str(k)), ("int", "R", str(r)), ("bool", "NORM", str(bool(norm)).lower()),
-             ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower())]
+             ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower())] + eps_consts(bool(norm))
         yield f"qgemv {label}", variant("tandem_qgemv", qg._SOURCE, qg._HEADER, ins, outs, t)
 
 
@@ -87,7 +112,7 @@ def qgemv_stream_variants():
             t = [("int", "K", str(k)), ("int", "CPL", str(cpl)), ("int", "H", str(h)), ("int", "P", str(p)),
                  ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower()),
                  ("bool", "NORM", str(bool(norm)).lower()), ("int", "UNPACK", str(unpack)),
-                 ("bool", "LOADS_ONLY", str(bool(lo)).lower())]
+                 ("bool", "LOADS_ONLY", str(bool(lo)).lower())] + eps_consts(bool(norm and unpack))
             yield (f"qgemv-stream {label} c{cpl} h{h} p{p}",
                    variant("tandem_qgemv_stream", qg._STREAM_SOURCE, qg._HEADER, ins, outs, t))
 
@@ -102,12 +127,13 @@ def attention_variants():
                  ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower())]
             if ver != "v2":
                 t.append(("bool", "VSM", str(ver == "v6").lower()))
+            t += att_consts(single)
             outs = [("out", "T" if single else "float")]
             yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac.HEADER, ins, outs, t)
     for dtype, d, g in (("__half", 128, 4), ("__nv_bfloat16", 128, 4), ("__half", 64, 4), ("__half", 128, 8)):
         for single in (True, False):
             t = [("typename", "T", dtype), ("int", "D", str(d)), ("int", "KVH", "8"), ("int", "G", str(g)),
-                 ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower())]
+                 ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower())] + att_consts(single)
             yield (f"attention tc {dtype} D={d} G={g} single={single}",
                    variant("tandem_paged_decode_tc", pac._ATT_TC_SOURCE + pac._MERGE_TAIL,
                            pac.kernel_header("tc"), ins, [("out", "T" if single else "float")], t))
@@ -130,7 +156,8 @@ def attention_variants():
         for smerge in ("false", "true"):
             yield (f"decode attention fused {dtype} D={d} staged-merge={smerge}",
                    variant("tandem_decode_attention_fused", dac._SOURCE, pac.HEADER, ins,
-                           [("out", "T"), ("part", "float")], t + [("bool", "SMERGE", smerge)]))
+                           [("out", "T"), ("part", "float")],
+                           t + [("bool", "SMERGE", smerge)] + att_consts(smerge == "true")))
 
 
 def tile_write_variants():
@@ -140,7 +167,7 @@ def tile_write_variants():
         kind, extra, _ = pac.tile_variant(ver, mx.float16, 128, 4)
         t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
              ("int", "BS", "16"), ("bool", "SINGLE", single), ("bool", "TRAD", "false")]
-        t += [("bool", name, str(value).lower()) for name, value in extra]
+        t += [("bool", name, str(value).lower()) for name, value in extra] + att_consts(single == "true")
         outs = [("out", "T" if single == "true" else "float")]
         yield (f"decode attention tile+write {ver} single={single}",
                variant("tandem_paged_decode_tile_write", dac._TILE_WRITE_SOURCES[kind],
@@ -228,7 +255,7 @@ def main() -> int:
     work = Path(args.keep or tempfile.mkdtemp(prefix="tandem-cu-"))
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for i, (label, code) in enumerate([*qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(), *w4gemm_variants(), *w4wgmma_variants(),
+    for i, (label, code) in enumerate([*multirow_variants(), *qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(), *w4gemm_variants(), *w4wgmma_variants(),
                                       *embed_variants(), *swiglu_variants(), *decode_block_variants()]):
         if args.only not in label:
             continue

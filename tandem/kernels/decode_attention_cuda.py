@@ -31,6 +31,7 @@ import os
 
 import mlx.core as mx
 
+from tandem.kernels import constants
 from tandem.kernels import paged_attention_cuda as pac
 
 MAX_ROWS = int(os.environ.get("TANDEM_DECODE_FUSED_MAX_ROWS", str(pac.V4_MIN_BATCH)))
@@ -76,8 +77,8 @@ _SOURCE = r"""
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
   const int NB = table_shape[1];
-  const float sc = params[0];
-  const int PART = (int)params[1];
+  const float sc = CONSTS ? __int_as_float(SCALE_BITS) : params[0];
+  const int PART = CONSTS ? PART_C : (int)params[1];
   const int p = pos[b];
   const int t0 = part_i * PART;
   const int t1 = min(p, t0 + PART);          // pool tokens of this partition: [t0, t1)
@@ -336,7 +337,8 @@ def decode_attention(qkv: mx.array, pos: mx.array, slots: mx.array, inv_freq: mx
                 pac._params(float(scale), part), counters_],
         template=[("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
                   ("ROPE", bool(rope)), ("TRAD", bool(traditional)), ("NIT", CHUNK // 16),
-                  ("SMERGE", STAGED_MERGE if staged_merge is None else bool(staged_merge))],
+                  ("SMERGE", STAGED_MERGE if staged_merge is None else bool(staged_merge))]
+                 + constants.attention_template(float(scale), part),
         grid=(npart * 128, KVH, B),
         threadgroup=(128, 1, 1),
         output_shapes=[(B, H * D), (B, H, npart, D + 2)],
@@ -450,7 +452,8 @@ def decode_attention_tile(qkv: mx.array, pos: mx.array, slots: mx.array, inv_fre
         inputs=[qkv, k_pool, v_pool, pac.i32(table), pac.i32(lens), pac._params(float(scale), part),
                 pac.i32(pos), pac.i32(slots), inv_freq],
         template=[("T", qkv.dtype), ("D", D), ("KVH", KVH), ("G", H // KVH), ("BS", block_size),
-                  ("SINGLE", single), ("TRAD", bool(traditional))] + variant,
+                  ("SINGLE", single), ("TRAD", bool(traditional))] + variant
+                 + constants.attention_template(float(scale), part),
         grid=(npart * pac._ATT_THREADS, KVH, B),
         threadgroup=(pac._ATT_THREADS, 1, 1),
         output_shapes=[(B, H * D) if single else (B, H, npart, D + 2)],

@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import functools
 import os
-import struct
 
 import mlx.core as mx
 
+from tandem.kernels import constants
 from tandem.kernels import qgemv as qg
 from tandem.kernels import w4wgmma
 
@@ -535,15 +535,6 @@ def supports(hidden: int, ffn: int, nqkv: int, group_sizes: set[int], rows: int 
             + static_bytes(red, ticket_ints(hidden, ffn, nqkv, rows, red, stages)) <= SHARED_LIMIT)
 
 
-def _float_bits(x: float) -> int:
-    """An fp32's bits as a template int. The norms' eps travel in the kernel's name, not in
-    an input array: a float array of one or two values comes from MLX's read-mostly scalar
-    pool, whose pages the host invalidates each time it writes a step's small inputs, and
-    every block's read of it then waits for a page fault (run 86: the engine's one-row step
-    4.8 ms with the eps array against 3.3 ms for the separate kernels)."""
-    return struct.unpack("<i", struct.pack("<f", x))[0]
-
-
 def decode_block(a, h, o, ln2, gate_up, down, ln1_next=None, qkv_next=None, *, eps2: float,
                  eps1: float = 1e-5, bar: mx.array, rows: int | None = None,
                  stages: int | None = None, probe: int = 0) -> tuple[mx.array, mx.array | None]:
@@ -573,7 +564,7 @@ def decode_block(a, h, o, ln2, gate_up, down, ln1_next=None, qkv_next=None, *, e
         inputs=[a, h, *o, ln2, *gate_up, *down, ln1_next if nxt else ln2, *q, bar],
         template=[("HID", hidden), ("FFN", ffn), ("NQKV", nqkv), ("R", rows), ("S", stages),
                   ("RED", red), ("TICKS", ticks), ("NEXT", nxt), ("PROBE", probe),
-                  ("EPS2", _float_bits(eps2)), ("EPS1", _float_bits(eps1))],
+                  ("EPS2", constants.float_bits(eps2)), ("EPS1", constants.float_bits(eps1))],
         grid=(blocks * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         # Unused outputs of 16 bytes, not 2 or 8: the scalar pool's pages are the ones to avoid.

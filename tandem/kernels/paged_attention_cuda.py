@@ -22,6 +22,8 @@ import os
 
 import mlx.core as mx
 
+from tandem.kernels import constants
+
 _ATT_THREADS = 128  # 4 warps x 4 token slots x 8 lanes
 _SLOTS = 16
 MAX_PARTITION = 2048  # tokens per partition; the kernel holds its table slice in shared memory
@@ -113,11 +115,11 @@ _ATT_PROLOGUE = r"""
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
   const int NB = table_shape[1];
-  const int PART = (int)params[1];
+  const int PART = CONSTS ? PART_C : (int)params[1];
   const int len = lens[b];
   const int t0 = part * PART;
   const int t1 = min(len, t0 + PART);
-  const float sc = params[0];
+  const float sc = CONSTS ? __int_as_float(SCALE_BITS) : params[0];
 
   // The scaled queries of the group live in shared memory, not registers: registers
   // bound how many blocks an SM holds, and that bounds the K/V loads in flight.
@@ -808,7 +810,7 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     if version != "v2" and (q.dtype not in (mx.float16, mx.bfloat16) or D not in (64, 128)):
         version = "v2"
     template = [("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
-                ("SINGLE", single)]
+                ("SINGLE", single)] + constants.attention_template(float(scale), part)
     kind, smem = "v2", 0
     if version != "v2":
         kind, variant, smem = tile_variant(version, q.dtype, D, H // kvh)

@@ -33,6 +33,7 @@ import os
 
 import mlx.core as mx
 
+from tandem.kernels import constants
 from tandem.kernels import quantized_matmul as qmm
 
 MAX_K = 16384  # 32 KB of fp16 input + 2 KB of chunk sums
@@ -113,7 +114,7 @@ _SOURCE = r"""
         ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
       }
     }
-    rs = qgemv_block_rs<NW>(ss, sred, lane, warp, K, fparams[0]);
+    rs = qgemv_block_rs<NW>(ss, sred, lane, warp, K, (CONSTS ? __int_as_float(EPS_BITS) : fparams[0]));
   }
   for (int e = tid * 8; e < K; e += NW * 32 * 8) {
     const uint4 u = *reinterpret_cast<const uint4*>(x + e);
@@ -260,7 +261,7 @@ _STREAM_SOURCE = r"""
             ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
           }
         }
-      rs = qgemv_block_rs<NW>(ss, sred, lane, warp, K, fparams[0]);
+      rs = qgemv_block_rs<NW>(ss, sred, lane, warp, K, (CONSTS ? __int_as_float(EPS_BITS) : fparams[0]));
     }
 #pragma unroll
     for (int j = 0; j < CPL; ++j) {
@@ -487,7 +488,7 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
         template=[("K", k), ("CPL", cpl), ("H", h), ("P", p), ("PAIR", bool(pair)),
                   ("RES", residual is not None), ("NORM", norm_weight is not None),
                   ("UNPACK", STREAM_UNPACK if unpack is None else unpack),
-                  ("LOADS_ONLY", bool(loads_only))],
+                  ("LOADS_ONLY", bool(loads_only))] + constants.eps_template(eps),
         grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(1, n_out)],
@@ -554,7 +555,7 @@ def qgemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_si
                 residual if residual is not None else qmm._dummy(mx.float16),
                 qmm._fparams(float(eps))],
         template=[("K", k), ("R", r), ("NORM", norm_weight is not None), ("PAIR", bool(pair)),
-                  ("RES", residual is not None)],
+                  ("RES", residual is not None)] + constants.eps_template(eps),
         grid=(blocks * _WARPS * 32, 1, 1),
         threadgroup=(_WARPS * 32, 1, 1),
         output_shapes=[(1, n_out)],

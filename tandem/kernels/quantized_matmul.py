@@ -23,6 +23,8 @@ import functools
 
 import mlx.core as mx
 
+from tandem.kernels import constants
+
 MAX_KERNEL_ROWS = 16
 """Largest row count the multirow kernel takes; larger products go to GEMM paths."""
 
@@ -146,7 +148,7 @@ _SOURCE = r"""
 #pragma unroll
         for (int i = 0; i < 8; ++i) ss = fmaf(f[i], f[i], ss);
       }
-      rs[m] = rsqrtf(tq_warp_sum(ss) / K + fparams[0]);
+      rs[m] = rsqrtf(tq_warp_sum(ss) / K + (CONSTS ? __int_as_float(EPS_BITS) : fparams[0]));
     }
   }
 
@@ -373,7 +375,7 @@ def quantized_matmul_cuda(x: mx.array, w: mx.array, scales: mx.array, biases: mx
                 _fparams(float(eps))],
         template=[("T", x.dtype), ("BITS", bits), ("MMAX", bucket), ("R", r),
                   ("HALF", bool(half_math)), ("NORM", norm_weight is not None),
-                  ("SWIGLU", bool(swiglu)), ("RES", residual is not None)],
+                  ("SWIGLU", bool(swiglu)), ("RES", residual is not None)] + constants.eps_template(eps),
         grid=(n // r * 32, 1, 1),
         threadgroup=(_THREADS, 1, 1),
         output_shapes=[(m, n)],
