@@ -27,6 +27,14 @@ block resets, so one buffer serves every layer and every step (the layers run in
 one stream). A block that spins past ~2 s traps: a launch that cannot have every block
 resident fails with an error instead of hanging the device.
 
+What the H200 showed (runs 86-87, docs/benchmarks/gpu_decode.md): correct (10/10 GPU
+tests, bit-equal to the separate kernels over 8 chained layers), but slower on the GPU,
+77.8 us a layer against 59.7 for the separate kernels: the phases stream about as fast as
+``qgemv`` does alone (gate/up 28.0 us median a block, down 14.2), and each grid barrier,
+with the sums and the next prologue, costs 5-7 us where the bare barrier took 1.9. The
+engine thread's tick fell from 2.2-3.4 to 1.5-2.0 ms, but the GPU then set the step: batch 1
+252 / 253 tok/s against 299 / 283. Hence off by default.
+
 Layout is MLX's affine 4-bit (fp16 scales and biases, groups of 32-128); K % 1024 == 0
 for every product. ``decode_block_reference`` is the same chain through ``qgemv``'s
 reference.
@@ -166,8 +174,9 @@ __device__ __forceinline__ void prep(const uint4 (&u)[4], const __half* norm_w, 
 // One product's streaming over this block: K (a multiple of 1024) split into CH chunks,
 // a group of CH threads per row, NGB groups a block; each pass of a group is one unit of
 // R rows (PAIR: R/2 gate rows and their up rows, N/2 further). Units are handed out by a
-// ticket counter, not by block index: some SMs stream a third slower than others (run 86:
-// gate/up 26-48 us a block), and with a fixed share every phase waited for the slowest.
+// ticket counter, not by block index, so a block that streams faster takes more of them:
+// with a fixed share every phase waited for its slowest block, 1.3-2.7 us a phase past
+// the median one (run 87: gate/up 25.5 / 28.0 / 29.6 us min / median / max a block).
 // The group's leader takes the ticket of pass p + S during pass p (the atomic's latency
 // hides behind the pass's arithmetic) into the group's list in shared memory, where the
 // group's barrier at pass p + 1 publishes it before that pass issues its copies. A group
