@@ -59,7 +59,7 @@ ENABLED = os.environ.get("TANDEM_DECODE_BLOCK", "0") == "1"
 separate kernels (the default: runs 86-87 measured this kernel slower on the GPU, 77.8
 against 59.7 us a layer, and the engine at batch 1 252 / 253 against 299 / 283 tok/s)."""
 
-_HEADER = r"""
+_HEADER = qg._HEADER + r"""
 namespace tdb {
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -247,7 +247,6 @@ struct Product {
     const int lane = threadIdx.x & 31;
     const int gidx = c * 32 / (K / ng);
     const __half2 k1032 = __floats2half2_rn(1032.f, 1032.f);
-    const __half2 k16th = __floats2half2_rn(1.f / 16.f, 1.f / 16.f), k72 = __floats2half2_rn(-72.f, -72.f);
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -259,43 +258,15 @@ struct Product {
       float dot = 0.f;
 #pragma unroll
       for (int w4 = 0; w4 < 4; ++w4) {
-        // qgemv's unpacking: low nibbles of each byte pair in place (1024 + n), high
-        // nibbles too (1024 + 16 n) rescaled by an fma; one shift a word.
-        const uint32_t wd = wd4[w4], wd8 = wd >> 8;
-        uint32_t t0 = (wd & 0x000F000Fu) | 0x64006400u, t1 = (wd & 0x00F000F0u) | 0x64006400u;
-        uint32_t t2 = (wd8 & 0x000F000Fu) | 0x64006400u, t3 = (wd8 & 0x00F000F0u) | 0x64006400u;
-        const __half2 q0 = __hsub2(*reinterpret_cast<__half2*>(&t0), k1032);
-        const __half2 q1 = __hfma2(*reinterpret_cast<__half2*>(&t1), k16th, k72);
-        const __half2 q2 = __hsub2(*reinterpret_cast<__half2*>(&t2), k1032);
-        const __half2 q3 = __hfma2(*reinterpret_cast<__half2*>(&t3), k16th, k72);
-        __half2 a = __hmul2(X.xp[w4 * 4], q0);
-        a = __hfma2(X.xp[w4 * 4 + 1], q1, a);
-        a = __hfma2(X.xp[w4 * 4 + 2], q2, a);
-        a = __hfma2(X.xp[w4 * 4 + 3], q3, a);
-        const float2 f = __half22float2(a);
+        const float2 f = __half22float2(qgemv_word_dot(wd4[w4], &X.xp[w4 * 4], k1032));
         dot += f.x + f.y;
       }
       const float s = __half2float(s16);
       acc[r] = s * dot + fmaf(8.f, s, __half2float(b16)) * X.xs;
     }
-    // Transposed butterfly (qgemv's): after log2(R) exchanges each lane holds one row's
-    // sum over R lanes, then a plain reduction over the rest.
-    int row_ix = 0;
-#pragma unroll
-    for (int wdt = R / 2, off = 16; wdt >= 1; wdt /= 2, off /= 2) {
-      const bool upper = (lane & off) != 0;
-#pragma unroll
-      for (int i = 0; i < wdt; ++i) {
-        const float send = upper ? acc[i] : acc[i + wdt];
-        const float keep = upper ? acc[i + wdt] : acc[i];
-        acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
-      }
-      if (upper) row_ix += wdt;
-    }
-#pragma unroll
-    for (int off = 16 / R; off >= 1; off /= 2) acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], off);
-    if ((lane & (32 / R - 1)) == 0)
-      red[((p * NGB + gi) * R + row_ix) * WPG + c / 32] = acc[0];
+    int row_ix;
+    const float sum = qgemv_row_sums<R>(acc, lane, row_ix);
+    if ((lane & (32 / R - 1)) == 0) red[((p * NGB + gi) * R + row_ix) * WPG + c / 32] = sum;
   }
   // Pass p, once this thread's copies have landed and the group's barrier (named, one a
   // group) says the others' have too and that everyone is done with pass p - 1, whose
@@ -398,13 +369,16 @@ _SOURCE = r"""
   grid_sync(barrier, 0b1101);
   stamp(2);
 
-  // B: g = swiglu(gate_up(rms_norm(h2))).
-  {
+  // A phase's input chunk c of x (written by other blocks before the barrier: read from
+  // L2), through rms_norm with weight norm_w.
+  auto load_normed = [&](const __half* x, const __half* norm_w, int c, float eps) {
     uint4 u[4];
-    load_chunk(h2, pgu.c, u, true);
-    const float rs = block_rs<HID / 1024>(sum_squares(u), sred, HID, __int_as_float(EPS2));
-    prep(u, ln2, pgu.c, rs, X);
-  }
+    load_chunk(x, c, u, true);
+    prep(u, norm_w, c, block_rs<HID / 1024>(sum_squares(u), sred, HID, eps), X);
+  };
+
+  // B: g = swiglu(gate_up(rms_norm(h2))).
+  load_normed(h2, ln2, pgu.c, __int_as_float(EPS2));
   pgu.run(dyn, X, red);
   __syncthreads();
   stamp(3);
@@ -434,12 +408,7 @@ _SOURCE = r"""
     stamp(6);
 
     // D: y = qkv'(rms_norm'(h')).
-    {
-      uint4 u[4];
-      load_chunk(h_out, pq.c, u, true);
-      const float rs = block_rs<HID / 1024>(sum_squares(u), sred, HID, __int_as_float(EPS1));
-      prep(u, ln1, pq.c, rs, X);
-    }
+    load_normed(h_out, ln1, pq.c, __int_as_float(EPS1));
     pq.run(dyn, X, red);
     __syncthreads();
     stamp(7);

@@ -57,6 +57,47 @@ __device__ __forceinline__ float qgemv_block_rs(float ss, float* sred, int lane,
   for (int i = 0; i < NW; ++i) t += sred[i];
   return rsqrtf(t / k + eps);
 }
+
+// One 32-bit word of 4-bit weights (8 nibbles, byte pairs as MLX packs them) against its
+// 8 inputs xp4[0..3] (as the unpacking pairs them): low nibbles of each byte pair masked in
+// place (1024 + n), high nibbles too (1024 + 16 n, scaled back by an fma), one shift a
+// word instead of three. k1032 is fp16 1032 twice (a caller may tie it to its loads).
+__device__ __forceinline__ __half2 qgemv_word_dot(uint32_t wd, const __half2* xp4, __half2 k1032) {
+  const __half2 k16th = __floats2half2_rn(1.f / 16.f, 1.f / 16.f), k72 = __floats2half2_rn(-72.f, -72.f);
+  const uint32_t wd8 = wd >> 8;
+  uint32_t t0 = (wd & 0x000F000Fu) | 0x64006400u, t1 = (wd & 0x00F000F0u) | 0x64006400u;
+  uint32_t t2 = (wd8 & 0x000F000Fu) | 0x64006400u, t3 = (wd8 & 0x00F000F0u) | 0x64006400u;
+  const __half2 q0 = __hsub2(*reinterpret_cast<__half2*>(&t0), k1032);
+  const __half2 q1 = __hfma2(*reinterpret_cast<__half2*>(&t1), k16th, k72);
+  const __half2 q2 = __hsub2(*reinterpret_cast<__half2*>(&t2), k1032);
+  const __half2 q3 = __hfma2(*reinterpret_cast<__half2*>(&t3), k16th, k72);
+  __half2 a = __hmul2(xp4[0], q0);
+  a = __hfma2(xp4[1], q1, a);
+  a = __hfma2(xp4[2], q2, a);
+  return __hfma2(xp4[3], q3, a);
+}
+
+// Transposed butterfly: after log2(H) exchanges each lane holds one row's sum over H
+// lanes (H - 1 shuffles instead of 5 H); the rest is a plain reduction. Returns the sum
+// of row ``row_ix``, complete in lanes with (lane & (32 / H - 1)) == 0.
+template <int H>
+__device__ __forceinline__ float qgemv_row_sums(float (&acc)[H], int lane, int& row_ix) {
+  row_ix = 0;
+#pragma unroll
+  for (int wdt = H / 2, off = 16; wdt >= 1; wdt /= 2, off /= 2) {
+    const bool upper = (lane & off) != 0;
+#pragma unroll
+    for (int i = 0; i < wdt; ++i) {
+      const float send = upper ? acc[i] : acc[i + wdt];
+      const float keep = upper ? acc[i + wdt] : acc[i];
+      acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+    if (upper) row_ix += wdt;
+  }
+#pragma unroll
+  for (int off = 16 / H; off >= 1; off /= 2) acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], off);
+  return acc[0];
+}
 """
 
 _SOURCE = r"""
@@ -324,7 +365,6 @@ _STREAM_SOURCE = r"""
                ^ (LOADS_ONLY ? wb[r][j].y ^ wb[r][j].z ^ wb[r][j].w : 0u);
     uint32_t kbits = 0x64086408u ^ (dep & zero);   // fp16 1032 twice
     const __half2 k1032 = *reinterpret_cast<const __half2*>(&kbits);
-    const __half2 k16th = __floats2half2_rn(1.f / 16.f, 1.f / 16.f), k72 = __floats2half2_rn(-72.f, -72.f);
 
     float acc[H];
 #pragma unroll
@@ -339,19 +379,7 @@ _STREAM_SOURCE = r"""
         for (int w4 = 0; w4 < 4; ++w4) {
           __half2 a;
           if constexpr (UNPACK == 1) {
-            // Low nibbles of each byte pair masked in place (1024 + n), high nibbles too
-            // (1024 + 16 n, scaled back by an fma): one shift per word instead of three.
-            const uint32_t wd = wd4[w4], wd8 = wd >> 8;
-            uint32_t t0 = (wd & 0x000F000Fu) | 0x64006400u, t1 = (wd & 0x00F000F0u) | 0x64006400u;
-            uint32_t t2 = (wd8 & 0x000F000Fu) | 0x64006400u, t3 = (wd8 & 0x00F000F0u) | 0x64006400u;
-            const __half2 q0 = __hsub2(*reinterpret_cast<__half2*>(&t0), k1032);
-            const __half2 q1 = __hfma2(*reinterpret_cast<__half2*>(&t1), k16th, k72);
-            const __half2 q2 = __hsub2(*reinterpret_cast<__half2*>(&t2), k1032);
-            const __half2 q3 = __hfma2(*reinterpret_cast<__half2*>(&t3), k16th, k72);
-            a = __hmul2(xp[j][w4 * 4], q0);
-            a = __hfma2(xp[j][w4 * 4 + 1], q1, a);
-            a = __hfma2(xp[j][w4 * 4 + 2], q2, a);
-            a = __hfma2(xp[j][w4 * 4 + 3], q3, a);
+            a = qgemv_word_dot(wd4[w4], &xp[j][w4 * 4], k1032);
           } else {
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
@@ -370,23 +398,9 @@ _STREAM_SOURCE = r"""
       }
       acc[r] = a_r;
     }
-    // Transposed butterfly: after log2(H) exchanges each lane holds one row's sum over
-    // H lanes (H - 1 shuffles instead of 5 H); the rest is a plain reduction.
-    int row_ix = 0;
-#pragma unroll
-    for (int wdt = H / 2, off = 16; wdt >= 1; wdt /= 2, off /= 2) {
-      const bool upper = (lane & off) != 0;
-#pragma unroll
-      for (int i = 0; i < wdt; ++i) {
-        const float send = upper ? acc[i] : acc[i + wdt];
-        const float keep = upper ? acc[i + wdt] : acc[i];
-        acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
-      }
-      if (upper) row_ix += wdt;
-    }
-#pragma unroll
-    for (int off = 16 / H; off >= 1; off /= 2) acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], off);
-    if ((lane & (32 / H - 1)) == 0) red[p * H + row_ix][warp] = acc[0];
+    int row_ix;
+    const float sum = qgemv_row_sums<H>(acc, lane, row_ix);
+    if ((lane & (32 / H - 1)) == 0) red[p * H + row_ix][warp] = sum;
   }
   __syncthreads();
   if (tid < (PAIR ? ROWS / 2 : ROWS)) {
