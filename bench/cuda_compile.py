@@ -9,12 +9,19 @@ the template arguments; this script writes the same shape of function and runs
 
     python bench/cuda_compile.py            # every variant the engine uses on the 8B shape
     python bench/cuda_compile.py --keep /tmp/cu   # keep the .cu files
+
+Each line ends with a digest of the variant's machine code (the cubin's ``.text``
+sections, not its symbol names): a refactor, or a new template argument that leaves a
+variant's code alone, shows the same digest as before, so the kernels a GPU run measured
+are known to be the kernels now (compare two checkouts' outputs line by line).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
+import struct
 import shutil
 import subprocess
 import sys
@@ -242,6 +249,26 @@ def decode_block_variants():
                    variant("tandem_decode_block", decode_block._SOURCE, header, ins, outs, t))
 
 
+def code_digest(cubin: Path) -> str:
+    """12 hex digits of sha256 over a cubin's ``.text.*`` section contents, in section order
+    (a cubin is an ELF64 file; its section names carry the mangled kernel name, which a
+    template argument changes, its contents only the code)."""
+    data = cubin.read_bytes()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    def section(i):
+        name, _, _, _, offset, size = struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize)
+        return name, offset, size
+    _, str_off, _ = section(shstrndx)
+    h = hashlib.sha256()
+    for i in range(shnum):
+        name, offset, size = section(i)
+        end = data.index(b"\0", str_off + name)
+        if data[str_off + name:end].startswith(b".text."):
+            h.update(data[offset:offset + size])
+    return h.hexdigest()[:12]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
@@ -276,7 +303,8 @@ def main() -> int:
         spill = re.search(r"(\d+) bytes spill stores", info)
         smem = re.search(r"(\d+) bytes smem", info)
         print(f"ok   {label:32s} regs {regs.group(1) if regs else '?':>4s}  "
-              f"spill {spill.group(1) if spill else '0':>5s} B  smem {smem.group(1) if smem else '0':>6s} B")
+              f"spill {spill.group(1) if spill else '0':>5s} B  smem {smem.group(1) if smem else '0':>6s} B  "
+              f"code {code_digest(cu.with_suffix('.cubin'))}")
     return 1 if failed else 0
 
 
