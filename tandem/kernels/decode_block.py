@@ -15,15 +15,17 @@ where a product needs its whole input:
 
 Each phase streams its weights as ``qgemv``'s streaming kernel does (a group of threads
 covers one row's K, one 16-byte chunk of 32 weights a thread, the input in registers), but
-through ``cp.async`` into shared memory, ``STAGES - 1`` passes of ``ROWS`` rows ahead, and
-each thread reads back only what it copied, so no barrier guards the stages. Before a
+through ``cp.async`` into shared memory, ``STAGES - 1`` passes of ``ROWS`` rows ahead; a
+named barrier a group and pass guards the stages (a row's scales and biases are copied
+by a few threads and read by all). Units of rows are handed out by ticket counters. Before a
 grid barrier every thread already issues the next phase's first passes: the weights do
 not depend on the barrier, so their latency hides behind it. The rms norms are computed
 by every block from the whole input row (4 K fp16 values) instead of by a launch of their
 own.
 
 The barrier's counter is one int32 pair (arrivals, generation) that the last arriving
-block resets, so one buffer serves every layer and every step (the layers run in order on
+block resets, and the phases' ticket counters sit beside it, zeroed at barriers every block
+has passed, so one buffer serves every layer and every step (the layers run in order on
 one stream). A block that spins past ~2 s traps: a launch that cannot have every block
 resident fails with an error instead of hanging the device.
 
@@ -67,9 +69,6 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 }
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(smem_u32(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(smem_u32(dst)), "l"(src));
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -220,7 +219,7 @@ struct Product {
   // then its ng scales and ng biases (each thread reads its chunk and its group's pair).
   __device__ int row_bytes() const { return CH * 16 + ng * 4; }
   __device__ unsigned char* slot(unsigned char* dyn, int st, int r) const {
-    return dyn + ((st * NGB + threadIdx.x / CH) * R + r) * row_bytes();
+    return dyn + ((st * NGB + gi) * R + r) * row_bytes();
   }
   // Copies pass p into stage st and closes a cp.async group, also when there is nothing to
   // copy, so every thread counts the same groups. Each thread copies its weight chunk; the
@@ -240,10 +239,8 @@ struct Product {
     }
     commit();
   }
-  // Pass p from stage st: each warp's R row sums into red[(p * NGB + gi) * R + row][warp in group].
+  // Pass p (a unit this group holds) from stage st: each warp's R row sums into red[(p * NGB + gi) * R + row][warp in group].
   __device__ void compute(unsigned char* dyn, int st, int p, const XChunk& X, float* red) const {
-    const int u = unit(p);
-    if (!active || u >= units) return;
     const int lane = threadIdx.x & 31;
     const int gidx = c * 32 / (K / ng);
     const __half2 k1032 = __floats2half2_rn(1032.f, 1032.f);
