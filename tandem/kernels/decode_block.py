@@ -453,6 +453,12 @@ def _products(hidden: int, ffn: int, nqkv: int) -> list[tuple[int, int]]:
     return [(hidden, hidden), (hidden, 2 * ffn), (ffn, hidden), (hidden, nqkv)]
 
 
+def _pass_floats(k: int, rows: int) -> int:
+    """Partial sums a pass of every group of a block leaves over rows of k weights: the
+    kernel's NGB x R x WPG, which divides the room into its CAP passes."""
+    return THREADS // (k // 32) * rows * (k // 1024)
+
+
 def red_floats(hidden: int, ffn: int, nqkv: int, rows: int, blocks: int, stages: int = STAGES) -> int:
     """Shared floats for one phase's partial sums, which also bound the passes a group may
     take (``CAP`` in the kernel): room for 1.5 x a group's fair share of passes, at least
@@ -460,10 +466,8 @@ def red_floats(hidden: int, ffn: int, nqkv: int, rows: int, blocks: int, stages:
     and 1.5 x every group's cap still covers every unit."""
     need = 0
     for k, n in _products(hidden, ffn, nqkv):
-        ch = k // 32
-        ngb = THREADS // ch
-        fair = -(-(n // rows) // (blocks * ngb))
-        need = max(need, max(-(-3 * fair // 2), stages) * ngb * rows * (ch // 32))
+        fair = -(-(n // rows) // (blocks * (THREADS // (k // 32))))
+        need = max(need, max(-(-3 * fair // 2), stages) * _pass_floats(k, rows))
     return need
 
 
@@ -472,9 +476,7 @@ def ticket_ints(hidden: int, ffn: int, nqkv: int, rows: int, red: int, stages: i
     ``stages`` taken ahead, and its count."""
     need = 0
     for k, _ in _products(hidden, ffn, nqkv):
-        ch = k // 32
-        ngb = THREADS // ch
-        need = max(need, ngb * (red // (ngb * rows * (ch // 32)) + stages + 1))
+        need = max(need, THREADS // (k // 32) * (red // _pass_floats(k, rows) + stages + 1))
     return need
 
 
@@ -487,9 +489,9 @@ def counter() -> mx.array:
     """The barrier's (arrivals, generation), padding, and from word 32 the four phases'
     ticket counters: zeros, made and evaluated outside any compiled function. The kernel
     leaves arrivals at zero and zeroes each phase's tickets once every block is past them,
-    so one buffer serves every launch. 64 words, not 2: MLX serves 8 bytes and less from a small pool of managed
-    memory that stays in the host's RAM, where every atomic crossed PCIe (H200: 374 us a
-    barrier against 1.9 with 64 words, bench/barrier_probe.py)."""
+    so one buffer serves every launch. 64 words, not 2: MLX serves 8 bytes and less from a
+    small pool of managed memory advised read-mostly, where every atomic waits on the page's
+    copies (run 86: 339 us a barrier against 1.9 with 64 words, bench/barrier_probe.py)."""
     c = mx.zeros((64,), mx.int32)
     mx.eval(c)
     return c
