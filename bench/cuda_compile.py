@@ -238,14 +238,17 @@ def decode_block_variants():
            ("q_s", f16), ("q_b", f16), ("bar", "int32_t")]
     outs = [("h_out", f16), ("y", f16), ("h2", f16), ("g", f16), ("ts", "uint64_t")]
     header = f"constexpr int THREADS = {decode_block.THREADS};\n" + decode_block._HEADER
-    for rows, stages in ((4, 5), (8, 2), (2, 8)):
+    # The 8B shape, and the runner test's model (hidden 1024, FFN 2048, QKV 1536).
+    shapes = [(4096, 14336, 6144, rows, stages) for rows, stages in ((4, 5), (8, 2), (2, 8))]
+    for hid, ffn, nqkv, rows, stages in shapes + [(1024, 2048, 1536, decode_block.ROWS, decode_block.STAGES)]:
         for nxt in (True, False):
-            red = decode_block.red_floats(4096, 14336, 6144, rows, 132, stages)
-            ticks = decode_block.ticket_ints(4096, 14336, 6144, rows, red, stages)
-            t = [("int", "HID", "4096"), ("int", "FFN", "14336"), ("int", "NQKV", "6144"), ("int", "R", str(rows)),
+            nq = nqkv if nxt else rows
+            red = decode_block.red_floats(hid, ffn, nq, rows, 132, stages)
+            ticks = decode_block.ticket_ints(hid, ffn, nq, rows, red, stages)
+            t = [("int", "HID", str(hid)), ("int", "FFN", str(ffn)), ("int", "NQKV", str(nq)), ("int", "R", str(rows)),
                  ("int", "S", str(stages)), ("int", "RED", str(red)), ("int", "TICKS", str(ticks)), ("bool", "NEXT", str(nxt).lower()),
                  ("int", "PROBE", "0"), ("int", "EPS2", "925353388"), ("int", "EPS1", "925353388")]
-            yield (f"decode_block r{rows} s{stages} next={nxt}",
+            yield (f"decode_block {hid}x{ffn} r{rows} s{stages} next={nxt}",
                    variant("tandem_decode_block", decode_block._SOURCE, header, ins, outs, t))
 
 

@@ -490,8 +490,9 @@ def counter() -> mx.array:
     ticket counters: zeros, made and evaluated outside any compiled function. The kernel
     leaves arrivals at zero and zeroes each phase's tickets once every block is past them,
     so one buffer serves every launch. 64 words, not 2: MLX serves 8 bytes and less from a
-    small pool of managed memory advised read-mostly, where every atomic waits on the page's
-    copies (run 86: 339 us a barrier against 1.9 with 64 words, bench/barrier_probe.py)."""
+    small pool of managed memory (advised accessed-by the GPU in the 0.32.4 wheel) that
+    the host touches too, where every atomic waits on the page (run 86: 339 us a barrier
+    against 1.9 with 64 words, bench/barrier_probe.py)."""
     c = mx.zeros((64,), mx.int32)
     mx.eval(c)
     return c

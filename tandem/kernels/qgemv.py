@@ -466,13 +466,16 @@ def stream_shape(k: int) -> tuple[int, int, int]:
     return (1, 4, 4) if k >= 8192 else (1, 8, 1)
 
 
-STREAM_NORM = os.environ.get("TANDEM_QGEMV_STREAM_NORM", "0") == "1"
+STREAM_NORM = os.environ.get("TANDEM_QGEMV_STREAM_NORM", "1") == "1"
 """Whether the streaming kernel applies a preceding rms_norm itself (one block reduction
-per block) instead of ``mx.fast.rms_norm`` running first as its own launch (the default).
-The fused kernel is slower alone (H200 run 40, CUPTI: qkv 12.1 us against 10.1 for norm +
-kernel, gate/up 34.4 against 28.5) and saves two launches a layer; in the engine at
-batch 1 (runs 40 and 42) it gave 271 / 260 / 293 / 212 tok/s against 279 / 277 / 247 /
-245 / 276 with the norm first, machine to machine: no gain shown, so it stays off."""
+per block; the default) instead of ``mx.fast.rms_norm`` running first as its own launch
+(``0``): two launches fewer a layer, 64 a step, at one row, where the engine thread's
+encoding sets the step. H200, engine at batch 1, alternating processes, with the eps in
+the kernel's template (``constants.IN_TEMPLATE``): 368 / 300 / 342 / 323 tok/s against
+296 / 269 / 273 / 282 with the norm first (runs 88 and 91), the thread's encoding 1.87-2.19
+ms a step against 2.33-2.63. With the eps read from MLX's scalar pool the fused kernel lost
+(runs 40-42, 49, 89: 214-231 against 274-282 tok/s; in run 89 the thread waited 1.14 ms a
+step for the device against 0.05)."""
 
 STREAM_UNPACK = int(os.environ.get("TANDEM_QGEMV_UNPACK", "1"))
 """Nibble unpacking in the streaming kernel: 0 shifts each word three times, 1 masks the

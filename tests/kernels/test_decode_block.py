@@ -95,7 +95,8 @@ def test_partial_sums_fit_the_largest_phase():
 @pytest.mark.gpu
 @hang_guard
 @pytest.mark.parametrize("hidden,ffn,nqkv,gs,nxt", [(4096, 14336, 6144, 64, True), (4096, 14336, 6144, 64, False),
-                                                    (1024, 2048, 1536, 32, True), (2048, 5120, 3072, 128, True)])
+                                                    (1024, 2048, 1536, 32, True), (2048, 5120, 3072, 128, True),
+                                                    (1024, 2048, 1536, 64, True), (1024, 2048, 1536, 64, False)])
 def test_kernel_matches_reference(hidden, ffn, nqkv, gs, nxt):
     a, h, ln2, wts = _case(hidden, ffn, nqkv, gs, seed=hidden + ffn, nxt=nxt)
     bar = db.counter()
