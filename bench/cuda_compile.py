@@ -122,6 +122,11 @@ def qgemv_stream_variants():
                  ("bool", "LOADS_ONLY", str(bool(lo)).lower())] + eps_consts(bool(norm and unpack))
             yield (f"qgemv-stream {label} c{cpl} h{h} p{p}",
                    variant("tandem_qgemv_stream", qg._STREAM_SOURCE, qg._HEADER, ins, outs, t))
+            if not lo and cpl == 1:  # TANDEM_QGEMV_LEAN: only the inputs the call reads
+                names = qg.lean_inputs(bool(norm), bool(res), not (norm and unpack))
+                yield (f"qgemv-stream-lean {label} c{cpl} h{h} p{p}",
+                       variant("tandem_qgemv_stream_lean", qg.lean_source(names), qg._HEADER,
+                               [i for i in ins if i[0] in names], outs, t))
 
 
 def attention_variants():

@@ -443,6 +443,40 @@ def _kernel(stream: bool = False):
     )
 
 
+LEAN = os.environ.get("TANDEM_QGEMV_LEAN", "0") == "1"
+"""Whether the streaming kernel takes only the inputs a call reads: no stand-in for an
+absent norm weight or residual, no eps array when the eps is in the template. MLX spends
+~0.4 us of the engine thread on each input of each kernel it encodes (H200 run 91,
+``bench/encode_probe.py``: 3.15 / 3.81 / 5.32 us an op at 1 / 4 / 8 inputs, compiled), and
+a one-row step runs this kernel 128 times with two such inputs each. Off until an engine
+A/B on the GPU shows the ~0.1 ms a step it should save."""
+
+_ABSENT_TYPES = {"norm_w": "const __half*", "res": "const __half*", "fparams": "const float*"}
+
+
+def lean_inputs(norm: bool, res: bool, params: bool) -> list[str]:
+    """The streaming kernel's input names for a call with (norm weight, residual, eps array)."""
+    return ["x", "w", "scales", "biases"] + [n for n, keep in (("norm_w", norm), ("res", res),
+                                                               ("fparams", params)) if keep]
+
+
+def lean_source(names: list[str]) -> str:
+    """The streaming source for these inputs: each dropped input's name, which the source
+    reads only under a template flag that is false for such a call, becomes a null pointer
+    of its type for the kernel body alone."""
+    absent = [n for n in _ABSENT_TYPES if n not in names]
+    return ("".join(f"#define {n} (({_ABSENT_TYPES[n]})nullptr)\n" for n in absent) + _STREAM_SOURCE
+            + "".join(f"\n#undef {n}" for n in absent) + "\n")
+
+
+@functools.cache
+def _lean_kernel(norm: bool, res: bool, params: bool):
+    names = lean_inputs(norm, res, params)
+    return mx.fast.cuda_kernel(
+        name=f"tandem_qgemv_stream_n{int(norm)}r{int(res)}p{int(params)}",
+        input_names=names, output_names=["y"], source=lean_source(names), header=_HEADER)
+
+
 KERNEL = os.environ.get("TANDEM_QGEMV_KERNEL", "stream")
 """Which one-row kernel runs: ``stream`` (the default: lane-fixed K chunks, the input in
 registers, rows streamed past) or ``staged`` (the input staged in shared memory per block).
@@ -497,11 +531,19 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     rows_per_block = p * h
     n_out = n // 2 if pair else n
     blocks = -(-n_out // (rows_per_block // 2 if pair else rows_per_block))
-    (y,) = _kernel(stream=True)(
-        inputs=[x, w, scales, biases,
-                norm_weight if norm_weight is not None else qmm._dummy(mx.float16),
-                residual if residual is not None else qmm._dummy(mx.float16),
-                qmm._fparams(float(eps))],
+    if LEAN:
+        params = not constants.IN_TEMPLATE
+        kernel = _lean_kernel(norm_weight is not None, residual is not None, params)
+        inputs = [x, w, scales, biases] + [a for a in (norm_weight, residual) if a is not None] \
+            + ([qmm._fparams(float(eps))] if params else [])
+    else:
+        kernel = _kernel(stream=True)
+        inputs = [x, w, scales, biases,
+                  norm_weight if norm_weight is not None else qmm._dummy(mx.float16),
+                  residual if residual is not None else qmm._dummy(mx.float16),
+                  qmm._fparams(float(eps))]
+    (y,) = kernel(
+        inputs=inputs,
         template=[("K", k), ("CPL", cpl), ("H", h), ("P", p), ("PAIR", bool(pair)),
                   ("RES", residual is not None), ("NORM", norm_weight is not None),
                   ("UNPACK", STREAM_UNPACK if unpack is None else unpack),

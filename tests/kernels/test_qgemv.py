@@ -117,11 +117,14 @@ def test_stream_pair_matches_reference(n, k):
 @gpu
 @pytest.mark.gpu
 @hang_guard
-def test_dispatch_to_the_stream_kernel_normalizes_first(monkeypatch):
+@pytest.mark.parametrize("stream_norm", [True, False])
+def test_dispatch_to_the_stream_kernel_applies_the_norm(monkeypatch, stream_norm):
+    """The norm inside the kernel (the default) or rms_norm first: the reference's result."""
     n, k = 2048, 4096
     x, wq, s, b = _case(n, k, 64, seed=11)
     g = (1 + 0.1 * mx.random.normal((k,))).astype(mx.float16)
     monkeypatch.setattr(qg, "KERNEL", "stream")
+    monkeypatch.setattr(qg, "STREAM_NORM", stream_norm)
     got = qg.qgemv(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5, pair=True)
     want = qg.qgemv_reference(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5, pair=True)
     assert _rel_err(got, want) < 5e-3
@@ -141,3 +144,35 @@ def test_stream_fused_norm_and_unpacking_match_reference(n, k, pair, unpack):
         assert _rel_err(got, want) < 5e-3, shape
         got = qg.qgemv_stream(x, wq, s, b, pair=pair, shape=shape, unpack=unpack)
         assert _rel_err(got, qg.qgemv_reference(x, wq, s, b, 64, pair=pair)) < 5e-3, shape
+
+
+def test_lean_inputs_drop_what_a_call_does_not_read():
+    assert qg.lean_inputs(False, True, False) == ["x", "w", "scales", "biases", "res"]
+    assert qg.lean_inputs(True, False, True) == ["x", "w", "scales", "biases", "norm_w", "fparams"]
+    src = qg.lean_source(qg.lean_inputs(True, False, False))
+    # The dropped names are null pointers for the body alone; a kept one is left alone.
+    assert "#define res ((const __half*)nullptr)" in src and "#undef res" in src
+    assert "#define fparams" in src and "#define norm_w" not in src
+
+
+@gpu
+@pytest.mark.gpu
+@hang_guard
+@pytest.mark.parametrize("in_template", [True, False])
+def test_lean_kernel_is_bit_equal_to_the_full_one(monkeypatch, in_template):
+    """TANDEM_QGEMV_LEAN: the same arithmetic with fewer inputs, for every kind of call a
+    decode layer makes (QKV and gate/up with their norm, o and down with their residual)."""
+    from tandem.kernels import constants
+    monkeypatch.setattr(constants, "IN_TEMPLATE", in_template)
+    for n, k, pair, norm, res in [(6144, 4096, False, True, False), (4096, 4096, False, False, True),
+                                  (2048, 4096, True, True, False), (4096, 14336, False, False, True)]:
+        x, wq, s, b = _case(n, k, 64, seed=n + k)
+        g = (1 + 0.1 * mx.random.normal((k,))).astype(mx.float16) if norm else None
+        r = mx.random.normal((1, n // 2 if pair else n)).astype(mx.float16) if res else None
+        outs = []
+        for lean in (False, True):
+            monkeypatch.setattr(qg, "LEAN", lean)
+            outs.append(qg.qgemv_stream(3 * x, wq, s, b, norm_weight=g, eps=1e-5, residual=r, pair=pair))
+        assert mx.array_equal(outs[0], outs[1]).item(), (n, k, pair, norm, res)
+        want = qg.qgemv_reference(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5, residual=r, pair=pair)
+        assert _rel_err(outs[1], want) < 5e-3
