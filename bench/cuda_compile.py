@@ -35,6 +35,7 @@ import mlx.core as mx  # noqa: E402
 from tandem.kernels import constants  # noqa: E402
 from tandem.kernels import paged_attention_cuda as pac  # noqa: E402
 from tandem.kernels import decode_attention_cuda as dac  # noqa: E402
+from tandem.kernels import argmax_cuda  # noqa: E402
 from tandem.kernels import decode_block  # noqa: E402
 from tandem.kernels import embed_cuda  # noqa: E402
 from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
@@ -236,6 +237,13 @@ def swiglu_variants():
                                           [("out", dtype)], [("typename", "T", dtype)]))
 
 
+def argmax_variants():
+    for dtype in ("__half", "__nv_bfloat16"):
+        yield (f"argmax {dtype}", variant("tandem_argmax_rows", argmax_cuda._SOURCE,
+                                          f"constexpr int THREADS = {argmax_cuda.THREADS};\n",
+                                          [("logits", dtype)], [("out", "int32_t")], [("typename", "T", dtype)]))
+
+
 def decode_block_variants():
     u32, f16 = "uint32_t", "__half"
     ins = [("a", f16), ("h", f16), ("o_w", u32), ("o_s", f16), ("o_b", f16), ("ln2", f16), ("gu_w", u32),
@@ -291,7 +299,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
     for i, (label, code) in enumerate([*multirow_variants(), *qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(), *w4gemm_variants(), *w4wgmma_variants(),
-                                      *embed_variants(), *swiglu_variants(), *decode_block_variants()]):
+                                      *embed_variants(), *swiglu_variants(), *argmax_variants(), *decode_block_variants()]):
         if args.only not in label:
             continue
         cu = work / f"k{i}.cu"

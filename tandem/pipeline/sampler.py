@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from tandem.kernels import argmax_cuda
 from tandem.kvtypes import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -47,6 +48,9 @@ class Sampled:
 def sample(logits: mx.array, params: list[SamplingParams], indices: list[int]) -> Sampled:
     """logits: (B, V); params[b] and indices[b] (the token's index within its request)."""
     B, V = logits.shape
+    if (argmax_cuda.applies(logits) and all(p.temperature <= 0 and p.logprobs is None and not p.logit_bias
+                                            for p in params)):
+        return Sampled(argmax_cuda.argmax_kernel(logits))  # greedy rows only: one launch
     logits = logits.astype(mx.float32)
     bias_rows, bias_cols, bias_vals = [], [], []
     for b, p in enumerate(params):
