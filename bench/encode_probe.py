@@ -51,11 +51,12 @@ def chains(ops: int, host: list) -> dict[str, callable]:
     cuda = mx.cuda.is_available()
     out: dict[str, callable] = {}
 
-    def kernel_chain(n_inputs, reads_shape=False):
-        k = _copy_kernel(abs(n_inputs) % 100, reads_shape)
+    def kernel_chain(n_inputs, reads_shape=False, others_from="device"):
+        """others_from: the extra inputs are device arrays, 2-byte ones, or made on the host."""
+        k = _copy_kernel(n_inputs, reads_shape)
 
         def build(x, extras, tiny):
-            others = (tiny if n_inputs < 0 else host if n_inputs > 100 else extras)[: abs(n_inputs) % 100 - 1]
+            others = {"device": extras, "tiny": tiny, "host": host}[others_from][: n_inputs - 1]
             for _ in range(ops):
                 (x,) = k(inputs=[x, *others], grid=(N, 1, 1), threadgroup=(256, 1, 1),
                          output_shapes=[(N,)], output_dtypes=[mx.float16])
@@ -66,9 +67,9 @@ def chains(ops: int, host: list) -> dict[str, callable]:
         out["kernel, 1 input"] = kernel_chain(1)
         out["kernel, 4 inputs"] = kernel_chain(4)
         out["kernel, 8 inputs"] = kernel_chain(8)
-        out["kernel, 8 inputs, 7 of them 2-byte arrays"] = kernel_chain(-8)
+        out["kernel, 8 inputs, 7 of them 2-byte arrays"] = kernel_chain(8, others_from="tiny")
         out["kernel, 1 input, source reads its shape"] = kernel_chain(1, True)
-        out["kernel, 8 inputs, 7 of them host-made (managed) arrays"] = kernel_chain(108)
+        out["kernel, 8 inputs, 7 of them host-made (managed) arrays"] = kernel_chain(8, others_from="host")
 
         def distinct(x, extras, tiny):
             # Five kernels in turn, as a layer's are: commits of 20 ops repeat one topology.
