@@ -13,6 +13,7 @@ before step N+1 is scheduled.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import threading
@@ -38,10 +39,47 @@ from tandem.pipeline.settings import EngineSettings
 log = logging.getLogger("tandem.engine")
 
 
+def parse_cpus(text: str | None) -> frozenset[int] | None:
+    """``"3"``, ``"2,3"``, ``"4-7"`` -> those CPU numbers, each one this process may use;
+    None or "" -> None (no pinning). Raises ValueError naming the allowed CPUs."""
+    if not text or not text.strip():
+        return None
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if allowed is None:
+        raise ValueError("engine.cpus: this platform cannot pin a thread to CPUs (Linux only); leave it unset")
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ValueError(f"engine.cpus={text!r}: expected CPU numbers such as 3, 2,3 or 4-7") from None
+        if first > last:
+            raise ValueError(f"engine.cpus={text!r}: range {part.strip()} runs backwards")
+        cpus.update(range(first, last + 1))
+    if not cpus <= allowed:
+        raise ValueError(f"engine.cpus={text!r}: CPU(s) {sorted(cpus - allowed)} are not available to this "
+                         f"process; it may use {_ranges(allowed)}")
+    return frozenset(cpus)
+
+
+def _ranges(cpus) -> str:
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
 class Engine:
     def __init__(self, model, settings: EngineSettings, *, model_id: str, eos_token_ids=()):
         self.model = model
         self.settings = settings
+        self._cpus = parse_cpus(settings.cpus)  # before any work: a bad value fails the start
         self.model_id = model_id
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.shape = probe(model)
@@ -201,6 +239,8 @@ class Engine:
     def _loop(self) -> None:
         # Streams are per thread in mlx 0.32: a thread that exits with its streams alive
         # makes the process abort at exit ("terminate called without an active exception").
+        if self._cpus is not None:
+            os.sched_setaffinity(0, self._cpus)  # 0: the calling thread, on Linux
         try:
             self._run()
         finally:

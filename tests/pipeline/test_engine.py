@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
@@ -9,7 +10,7 @@ import pytest
 
 from tandem.kvtypes import SamplingParams
 from tandem.pipeline.api import EngineRefused, EngineRequest
-from tandem.pipeline.engine import Engine
+from tandem.pipeline.engine import Engine, parse_cpus
 from tandem.pipeline.settings import EngineSettings
 from tests.pipeline.conftest import EOS, oracle, random_prompts
 
@@ -425,3 +426,29 @@ def test_the_kv_store_starts_at_a_full_engine_of_mid_length_prompts(tiny):
     finally:
         big.stop()
     assert big.store.capacity == 128 and got == [oracle(tiny, p, 4, eos=()) for p in prompts]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU pinning is Linux-only")
+def test_engine_thread_runs_on_the_cpus_asked_for(tiny):
+    allowed = sorted(os.sched_getaffinity(0))
+    eng = make(tiny, cpus=str(allowed[-1]))
+    eng.start()
+    try:
+        assert eng.generate_many([([5, 6, 7], greedy(2))]) and eng._thread is not None
+        assert os.sched_getaffinity(eng._thread.native_id) == {allowed[-1]}
+    finally:
+        eng.stop()
+    assert os.sched_getaffinity(0) == set(allowed)  # the caller's own threads are left alone
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU pinning is Linux-only")
+def test_bad_cpu_settings_fail_with_what_is_allowed():
+    allowed = os.sched_getaffinity(0)
+    assert parse_cpus(None) is None and parse_cpus(" ") is None
+    assert parse_cpus(f"{min(allowed)}") == {min(allowed)}
+    if len(allowed) > 1 and {0, 1} <= allowed:
+        assert parse_cpus("0-1") == {0, 1} and parse_cpus("1,0") == {0, 1}
+    for text, words in (("x", "expected CPU numbers"), ("3-1", "runs backwards"),
+                        (str(max(allowed) + 1000), "not available to this process")):
+        with pytest.raises(ValueError, match=words):
+            parse_cpus(text)
