@@ -12,6 +12,7 @@ before step N+1 is scheduled.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -64,13 +65,10 @@ def parse_cpus(text: str | None) -> frozenset[int] | None:
 
 
 def _ranges(cpus) -> str:
-    out, run = [], []
-    for c in sorted(cpus):
-        if run and c != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(c)
-    if run:
+    """{0, 1, 2, 5} -> "0-2,5"."""
+    out = []
+    for _, run in itertools.groupby(enumerate(sorted(cpus)), lambda ic: ic[1] - ic[0]):
+        run = [c for _, c in run]
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ",".join(out)
 

@@ -10,7 +10,7 @@ import pytest
 
 from tandem.kvtypes import SamplingParams
 from tandem.pipeline.api import EngineRefused, EngineRequest
-from tandem.pipeline.engine import Engine, parse_cpus
+from tandem.pipeline.engine import Engine, _ranges, parse_cpus
 from tandem.pipeline.settings import EngineSettings
 from tests.pipeline.conftest import EOS, oracle, random_prompts
 
@@ -448,7 +448,8 @@ def test_bad_cpu_settings_fail_with_what_is_allowed():
     assert parse_cpus(f"{min(allowed)}") == {min(allowed)}
     if len(allowed) > 1 and {0, 1} <= allowed:
         assert parse_cpus("0-1") == {0, 1} and parse_cpus("1,0") == {0, 1}
+    assert _ranges({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
     for text, words in (("x", "expected CPU numbers"), ("3-1", "runs backwards"),
-                        (str(max(allowed) + 1000), "not available to this process")):
+                        (str(max(allowed) + 1000), "not available to this process; it may use " + _ranges(allowed))):
         with pytest.raises(ValueError, match=words):
             parse_cpus(text)
