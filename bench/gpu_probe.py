@@ -1028,6 +1028,28 @@ def kernel_records(trace_path: Path) -> list[dict]:
             if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
 
 
+def api_summary(trace_path: Path, label: str, steps: int) -> list[dict]:
+    """The host's CUDA calls in a trace (CUPTI runtime and driver records, every thread):
+    count and time per step by name, so graph instantiations, updates and node adds show
+    next to the kernels they launch."""
+    data = json.loads(trace_path.read_text())
+    by_name: dict[str, list[float]] = {}
+    for e in data.get("traceEvents", []):
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
+            by_name.setdefault(f"{e['cat'][5:]}:{e['name'][:50]}", []).append(e["dur"])
+    if not by_name:
+        log(f"{label}: no runtime/driver records in the trace")
+        return []
+    log(f"\n== {label}: host CUDA calls ({sum(map(len, by_name.values()))} records over {steps} steps)")
+    log(f"{'call':60s} {'n/step':>7s} {'us each':>8s} {'us/step':>8s}")
+    table = []
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:20]:
+        table.append({"call": name, "per_step": len(durs) / steps, "us_each": float(np.mean(durs)),
+                      "us_per_step": sum(durs) / steps})
+        log(f"{name:60s} {len(durs) / steps:7.1f} {np.mean(durs):8.1f} {sum(durs) / steps:8.1f}")
+    return table
+
+
 def summarize(records: list[dict], label: str, steps: int) -> dict:
     if not records:
         log(f"{label}: no kernel records (CUPTI did not see MLX's launches)")
@@ -1194,9 +1216,73 @@ def section_engine_trace(layers: int, batches: list[int], out: Path) -> None:
             prof.export_chrome_trace(str(path))
             r = summarize(kernel_records(path), f"engine, {layers} layers, decode batch {B}", max(steps, 1))
             r.update(batch=B, phase="decode", steps=steps, wall_us_per_step=wall / max(steps, 1) * 1e6)
+            r["host_calls"] = api_summary(path, f"engine, decode batch {B}", max(steps, 1))
             log(f"engine decode wall {wall / max(steps, 1) * 1e6:.0f} us/step over {steps} steps (profiled)")
             RESULTS["engine_trace"].append(r)
             path.unlink()
+    finally:
+        eng.stop()
+        os.environ.pop("TANDEM_PAGED_KERNELS", None)
+
+
+def section_engine_sample(layers: int, batches: list[int], seconds: float, interval_us: int) -> None:
+    """Where the engine thread's time goes in steady decode, by C++ function: a wall-clock
+    stack sampler (``native_sampler.py``) on the thread while B sequences decode. The tick
+    split says forward 0.6-0.75 ms + encode 1.9-2.2 ms a one-row step (runs 88-91); this
+    says in what."""
+    import os
+    import threading
+
+    import gpu_decode as gd
+    from native_sampler import Sampler, report
+    from tandem.kvtypes import SamplingParams
+    from tandem.pipeline.api import EngineRequest
+
+    sampler = Sampler()
+    eng = _probe_engine(layers, max(batches))
+    eng.start()
+    vocab = gd._vocab()
+    RESULTS.setdefault("engine_sample", [])
+    try:
+        engine_thread = next(t for t in threading.enumerate() if t.name == "tandem-engine")
+        for n in sorted({1, *batches}):
+            eng.generate_many([(np.random.randint(0, vocab, 512).tolist(),
+                                SamplingParams(max_tokens=8, ignore_eos=True))] * n, timeout=300)
+        for B in batches:
+            produced = [0]
+            finished = threading.Event()
+            lock = threading.Lock()
+
+            def on_event(ev, B=B):
+                with lock:
+                    produced[0] += len(ev.tokens)
+                    if ev.finish_reason is not None:
+                        produced.append(1)
+                        if len(produced) - 1 == B:
+                            finished.set()
+
+            tokens = 4096 if B == 1 else 512
+            ids = [os.urandom(16) for _ in range(B)]
+            for rid in ids:
+                eng.submit(EngineRequest(rid, np.random.randint(0, vocab, 512).tolist(),
+                                         SamplingParams(max_tokens=tokens, ignore_eos=True), on_event))
+            while produced[0] < 16 * B:
+                time.sleep(0.002)
+            c0, t0 = produced[0], time.perf_counter()
+            sampler.start(engine_thread.native_id, interval_us=interval_us)
+            time.sleep(seconds)
+            stacks = sampler.stop()
+            rate = (produced[0] - c0) / (time.perf_counter() - t0)
+            log(f"\n== engine thread, decode batch {B}, {layers} layers: {rate:,.0f} tok/s while sampled "
+                f"every {interval_us} us for {seconds:.1f} s")
+            r = report(stacks, top=40, log=log, focus=("mlx", "cuda", "libcu", "core.cpython", "tandem"),
+                       parents=("mlx::core::eval_impl", "mlx::core::gpu::eval", "eval_gpu", "commit",
+                                "mlx::core::compile", "libcuda", "libcudart"))
+            r.update(batch=B, tok_per_s=rate, interval_us=interval_us)
+            RESULTS["engine_sample"].append(r)
+            for rid in ids:
+                eng.abort(rid)
+            finished.wait(300)
     finally:
         eng.stop()
         os.environ.pop("TANDEM_PAGED_KERNELS", None)
@@ -1217,6 +1303,8 @@ def main() -> int:
     ap.add_argument("--w4g-parts", action="store_true",
                     help="w4gemm: also its probe variants (math only, no dequant, loads only)")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--sample-seconds", type=float, default=3.0, help="engine-sample: seconds sampled a batch")
+    ap.add_argument("--sample-interval", type=int, default=250, help="engine-sample: us between samples")
     ap.add_argument("--ctx", type=int, default=576, help="attention-serial: context tokens")
     ap.add_argument("--stream-shapes", default="1x8x1,1x8x2,1x16x1,1x4x4,1x8x4,2x8x1,2x4x2,1x4x1",
                     help="qgemv-stream: CPLxHxP block shapes to time")
@@ -1255,6 +1343,9 @@ def main() -> int:
                        args.w4g_parts)
     if "step-replay" in secs:
         section_step_replay(args.layers, [int(b) for b in args.batches.split(",")], args.profile_forward)
+    if "engine-sample" in secs:
+        section_engine_sample(args.layers, [int(b) for b in args.batches.split(",")], args.sample_seconds,
+                              args.sample_interval)
     if "engine-trace" in secs:
         section_engine_trace(args.layers, [int(b) for b in args.batches.split(",")], out)
     if "trace" in secs:
