@@ -21,6 +21,7 @@ import os
 
 import mlx.core as mx
 
+from tandem.kernels import kernel_files
 from tandem.kernels.quantized_matmul import cuda_available
 
 ENABLED = os.environ.get("TANDEM_ARGMAX_KERNEL", "0") == "1"
@@ -72,8 +73,8 @@ _SOURCE = r"""
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(name="tandem_argmax_rows", input_names=["logits"], output_names=["out"],
-                               source=_SOURCE, header=f"constexpr int THREADS = {THREADS};\n")
+    return kernel_files.cuda_kernel(name="tandem_argmax_rows", input_names=["logits"], output_names=["out"],
+                                    source=_SOURCE, header=f"constexpr int THREADS = {THREADS};\n")
 
 
 def applies(logits: mx.array) -> bool:

@@ -32,6 +32,7 @@ import os
 import mlx.core as mx
 
 from tandem.kernels import constants
+from tandem.kernels import kernel_files
 from tandem.kernels import paged_attention_cuda as pac
 
 MAX_ROWS = int(os.environ.get("TANDEM_DECODE_FUSED_MAX_ROWS", str(pac.V4_MIN_BATCH)))
@@ -289,7 +290,7 @@ _SOURCE = r"""
 @functools.cache
 def _kernel():
     # Not ensure_row_contiguous: a contiguity copy of a pool would swallow the writes.
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name="tandem_decode_attention_fused",
         input_names=["qkv", "pos", "slots", "inv_freq", "k_pool", "v_pool", "table", "params", "counters"],
         output_names=["out", "part"],
@@ -407,7 +408,7 @@ attention). H200 runs 56-57, engine batch 64, alternating processes: 8,746 / 8,8
 @functools.cache
 def _tile_write_kernel(kind: str = "tile", shared_bytes: int = 0):
     # Not ensure_row_contiguous: a contiguity copy of a pool would swallow the writes.
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name="tandem_paged_decode_tile_write" if kind == "tile" else "tandem_paged_decode_tc_write",
         input_names=["qkv", "k_pool", "v_pool", "table", "lens", "params", "pos", "slots", "inv_freq"],
         output_names=["out"],

@@ -50,6 +50,7 @@ import os
 import mlx.core as mx
 
 from tandem.kernels import constants
+from tandem.kernels import kernel_files
 from tandem.kernels import qgemv as qg
 from tandem.kernels import w4wgmma
 
@@ -423,7 +424,7 @@ _INPUTS = ["a", "h", "o_w", "o_s", "o_b", "ln2", "gu_w", "gu_s", "gu_b", "d_w", 
 @functools.cache
 def _kernel(shared_bytes: int):
     # Not ensure_row_contiguous: every input is already a contiguous parameter or result.
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name="tandem_decode_block",
         input_names=_INPUTS,
         output_names=["h_out", "y", "h2", "g", "ts"],

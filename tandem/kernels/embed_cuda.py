@@ -16,6 +16,8 @@ import functools
 import os
 
 import mlx.core as mx
+
+from tandem.kernels import kernel_files
 import mlx.nn as nn
 
 from tandem.kernels.paged_attention_cuda import i32
@@ -58,7 +60,7 @@ _SOURCE = r"""
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name="tandem_quantized_embedding",
         input_names=["ids", "w", "scales", "biases"],
         output_names=["out"],

@@ -16,6 +16,7 @@ import os
 
 import mlx.core as mx
 
+from tandem.kernels import kernel_files
 from tandem.kernels.paged_attention_cuda import HEADER, i32
 
 # Template: T, H, KVH, D, ROPE, TRAD, HPT (heads per thread).
@@ -79,7 +80,7 @@ WRITE_HEADS_PER_THREAD = int(os.environ.get("TANDEM_WRITE_HPT", "8"))
 @functools.cache
 def _write_kernel():
     # Not ensure_row_contiguous: a contiguity copy of a pool would swallow the writes.
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name="tandem_write_kv_rope",
         input_names=["qkv", "pos", "slots", "inv_freq", "k_pool", "v_pool"],
         output_names=["q_out", "k_out"],

@@ -23,6 +23,7 @@ import os
 import mlx.core as mx
 
 from tandem.kernels import constants
+from tandem.kernels import kernel_files
 
 _ATT_THREADS = 128  # 4 warps x 4 token slots x 8 lanes
 _SLOTS = 16
@@ -730,7 +731,7 @@ _KERNEL_SOURCES = {"v2": ("tandem_paged_decode", _ATT_SOURCE), "tile": ("tandem_
 @functools.cache
 def _attention_kernel(kind: str, shared_bytes: int = 0):
     name, source = _KERNEL_SOURCES[kind]
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name=name,
         input_names=["q", "k_pool", "v_pool", "table", "lens", "params"],
         output_names=["out"],
@@ -742,7 +743,7 @@ def _attention_kernel(kind: str, shared_bytes: int = 0):
 
 @functools.cache
 def _reduce_kernel(parallel: bool = False):
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name="tandem_paged_reduce_par" if parallel else "tandem_paged_reduce",
         input_names=["part"],
         output_names=["o"],

@@ -34,6 +34,7 @@ import os
 import mlx.core as mx
 
 from tandem.kernels import constants
+from tandem.kernels import kernel_files
 from tandem.kernels import quantized_matmul as qmm
 
 MAX_K = 16384  # 32 KB of fp16 input + 2 KB of chunk sums
@@ -434,7 +435,7 @@ _STREAM_SOURCE = r"""
 
 @functools.cache
 def _kernel(stream: bool = False):
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name="tandem_qgemv_stream" if stream else "tandem_qgemv",
         input_names=lean_inputs(True, True, True),  # every input, stand-ins for the absent
         output_names=["y"],
@@ -472,7 +473,7 @@ def lean_source(names: list[str]) -> str:
 @functools.cache
 def _lean_kernel(norm: bool, res: bool, params: bool):
     names = lean_inputs(norm, res, params)
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name=f"tandem_qgemv_stream_n{int(norm)}r{int(res)}p{int(params)}",
         input_names=names, output_names=["y"], source=lean_source(names), header=_HEADER)
 

@@ -24,6 +24,7 @@ import functools
 import mlx.core as mx
 
 from tandem.kernels import constants
+from tandem.kernels import kernel_files
 
 MAX_KERNEL_ROWS = 16
 """Largest row count the multirow kernel takes; larger products go to GEMM paths."""
@@ -290,7 +291,7 @@ _SOURCE = r"""
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name="tandem_qmv",
         input_names=["x", "w", "scales", "biases", "norm_w", "res", "fparams"],
         output_names=["y"],

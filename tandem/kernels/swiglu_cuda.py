@@ -20,6 +20,7 @@ import os
 
 import mlx.core as mx
 
+from tandem.kernels import kernel_files
 from tandem.kernels.quantized_matmul import cuda_available
 
 try:  # the compiled activation mlx-lm's models use, so results match them exactly
@@ -65,7 +66,7 @@ _SOURCE = r"""
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name="tandem_swiglu",
         input_names=["y"],
         output_names=["out"],

@@ -37,6 +37,7 @@ import os
 
 import mlx.core as mx
 
+from tandem.kernels import kernel_files
 from tandem.kernels import quantized_matmul as qmm
 from tandem.kernels import w4mma
 
@@ -232,7 +233,7 @@ _MT_BUCKETS = (2, 4, 8)  # ldmatrix.x4 reads two 8-row tiles
 
 @functools.cache
 def _kernel(shared_bytes: int):
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name="tandem_w4gemm",
         input_names=["x", "wp", "sbp", "res"],
         output_names=["y"],

@@ -32,6 +32,7 @@ import os
 
 import mlx.core as mx
 
+from tandem.kernels import kernel_files
 from tandem.kernels import quantized_matmul as qmm
 
 MAX_ROWS = 64
@@ -226,7 +227,7 @@ _MT_BUCKETS = (1, 2, 4, 8)
 
 @functools.cache
 def _kernel(shared_bytes: int):
-    return mx.fast.cuda_kernel(
+    return kernel_files.cuda_kernel(
         name="tandem_w4mma",
         input_names=["x", "w", "scales", "biases", "res"],
         output_names=["y"],
