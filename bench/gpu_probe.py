@@ -1050,6 +1050,14 @@ def api_summary(trace_path: Path, label: str, steps: int) -> list[dict]:
     return table
 
 
+def kernel_label(name: str, width: int = 70) -> str:
+    """A kernel's name with its template arguments (which tell QKV from o from gate/up among
+    the streaming products) and without MLX's prefix and the argument list."""
+    name = name.replace("mlx::core::cu::custom_kernel_", "").replace("mlx::core::cu::", "")
+    name = name.split("(", 1)[0] if not name.startswith("void ") else name[5:].split("(", 1)[0]
+    return name[:width]
+
+
 def summarize(records: list[dict], label: str, steps: int) -> dict:
     if not records:
         log(f"{label}: no kernel records (CUPTI did not see MLX's launches)")
@@ -1061,7 +1069,9 @@ def summarize(records: list[dict], label: str, steps: int) -> dict:
     gaps = [max(0.0, b["ts"] - (a["ts"] + a["dur"])) for a, b in zip(records, records[1:])]
     by_name: dict[str, list[float]] = {}
     for e in records:
-        by_name.setdefault(e["name"][:60], []).append(e["dur"])
+        grid = e.get("args", {}).get("grid")
+        key = kernel_label(e["name"]) + (f" {grid}" if grid else "")
+        by_name.setdefault(key, []).append(e["dur"])
     log(f"\n== {label}: {len(records)} kernels over {steps} steps; span {(end - start) / steps:.0f} us/step, "
         f"busy {busy / steps:.0f} us/step ({busy / (end - start):.0%}), "
         f"gap p50 {np.median(gaps):.1f} us, mean {np.mean(gaps):.1f} us")
@@ -1079,12 +1089,12 @@ def summarize(records: list[dict], label: str, steps: int) -> dict:
     for gap, a, b in idle:
         log(f"  idle {gap:.0f} us between {a} | {b}")
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
-    log(f"{'kernel':60s} {'n/step':>7s} {'us each':>8s} {'us/step':>8s}")
+    log(f"{'kernel, grid':90s} {'n/step':>7s} {'us each':>8s} {'us/step':>8s}")
     table = []
     for name, durs in rows[:25]:
         table.append({"kernel": name, "per_step": len(durs) / steps, "us_each": float(np.mean(durs)),
                       "us_per_step": sum(durs) / steps})
-        log(f"{name:60s} {len(durs) / steps:7.1f} {np.mean(durs):8.1f} {sum(durs) / steps:8.1f}")
+        log(f"{name:90s} {len(durs) / steps:7.1f} {np.mean(durs):8.1f} {sum(durs) / steps:8.1f}")
     return {"label": label, "kernels": len(records), "span_us_per_step": (end - start) / steps,
             "busy_us_per_step": busy / steps, "gap_p50_us": float(np.median(gaps)),
             "gap_mean_us": float(np.mean(gaps)), "by_kernel": table}

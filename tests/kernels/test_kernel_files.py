@@ -16,7 +16,7 @@ from tests.kernels.test_paged_attention_cuda import gpu, hang_guard
 BODY = """
   // one thread an element; reads the input's length from its shape
   int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < x_shape[0]) y[i] = x[i] * SCALE + bias[0];
+  if (i < x_shape[0]) y[i] = __float2half(__half2float(x[i]) * SCALE + __half2float(bias[0]));
 """
 
 
