@@ -16,10 +16,9 @@ import functools
 import os
 
 import mlx.core as mx
-
-from tandem.kernels import kernel_files
 import mlx.nn as nn
 
+from tandem.kernels import kernel_files
 from tandem.kernels.paged_attention_cuda import i32
 from tandem.kernels.quantized_matmul import cuda_available
 

@@ -94,3 +94,11 @@ def test_a_kernel_from_included_files_computes_what_the_inline_one_does(private_
     mx.eval(outs)
     assert mx.array_equal(outs[0], outs[1]).item()
     assert mx.allclose(outs[1], x * 3 + bias[0], atol=1e-2).item()
+
+
+def test_every_kernel_module_builds_its_kernels_through_the_wrapper():
+    """A kernel built with ``mx.fast.cuda_kernel`` directly would have its whole text hashed
+    at every launch again."""
+    root = Path(kernel_files.__file__).parent
+    direct = [p.name for p in root.glob("*.py") if p.name != "kernel_files.py" and "mx.fast.cuda_kernel(" in p.read_text()]
+    assert direct == []
