@@ -2,7 +2,9 @@
  * to the thread every interval and the handler stores backtrace() into a buffer allocated up
  * front (nothing is allocated in the handler). bench/native_sampler.py builds this file with
  * the machine's C compiler, resolves the addresses and prints where the thread spent its time;
- * the GPU machine has no perf, gdb or py-spy, and torch's profiler does not see MLX's C++. */
+ * the GPU machine has no perf, gdb or py-spy, and torch's profiler does not see MLX's C++.
+ * backtrace() is not async-signal-safe: the unwinder takes the loader's lock, so a thread
+ * sampled inside dlopen could deadlock. Sample a thread in its steady state, in a bench. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <execinfo.h>
