@@ -1259,16 +1259,16 @@ def section_engine_sample(layers: int, batches: list[int], seconds: float, inter
             eng.generate_many([(np.random.randint(0, vocab, 512).tolist(),
                                 SamplingParams(max_tokens=8, ignore_eos=True))] * n, timeout=300)
         for B in batches:
-            produced = [0]
+            counts = {"tokens": 0, "finished": 0}
             finished = threading.Event()
             lock = threading.Lock()
 
             def on_event(ev, B=B):
                 with lock:
-                    produced[0] += len(ev.tokens)
+                    counts["tokens"] += len(ev.tokens)
                     if ev.finish_reason is not None:
-                        produced.append(1)
-                        if len(produced) - 1 == B:
+                        counts["finished"] += 1
+                        if counts["finished"] == B:
                             finished.set()
 
             tokens = 4096 if B == 1 else 512
@@ -1276,13 +1276,13 @@ def section_engine_sample(layers: int, batches: list[int], seconds: float, inter
             for rid in ids:
                 eng.submit(EngineRequest(rid, np.random.randint(0, vocab, 512).tolist(),
                                          SamplingParams(max_tokens=tokens, ignore_eos=True), on_event))
-            while produced[0] < 16 * B:
+            while counts["tokens"] < 16 * B:
                 time.sleep(0.002)
-            c0, t0 = produced[0], time.perf_counter()
+            c0, t0 = counts["tokens"], time.perf_counter()
             sampler.start(engine_thread.native_id, interval_us=interval_us)
             time.sleep(seconds)
             stacks = sampler.stop()
-            rate = (produced[0] - c0) / (time.perf_counter() - t0)
+            rate = (counts["tokens"] - c0) / (time.perf_counter() - t0)
             log(f"\n== engine thread, decode batch {B}, {layers} layers: {rate:,.0f} tok/s while sampled "
                 f"every {interval_us} us for {seconds:.1f} s")
             r = report(stacks, top=40, log=log, focus=("mlx", "cuda", "libcu", "core.cpython", "tandem"),

@@ -56,6 +56,8 @@ def include_line(tag: str, text: str) -> str:
     """``#include "<dir>/<tag>-<digest>.cuh"`` for ``text``, the file written if absent."""
     digest = hashlib.sha256(text.encode()).hexdigest()[:20]
     path = kernel_dir() / f"{tag}-{digest}.cuh"
+    if '"' in str(path) or "\\" in str(path):
+        raise RuntimeError(f"kernel source path {path} cannot be written in an #include line")
     if _written.get(path) != text:
         if path.exists():
             if path.read_text() != text:
@@ -65,8 +67,6 @@ def include_line(tag: str, text: str) -> str:
             tmp.write_text(text)
             tmp.replace(path)
         _written[path] = text
-    if '"' in str(path) or "\\" in str(path):
-        raise RuntimeError(f"kernel source path {path} cannot be written in an #include line")
     return f'#include "{path}"\n'
 
 
