@@ -402,6 +402,96 @@ def section_decode_block(layers: int = 8) -> None:
         log(f"  {label:24s} GPU {gpu:7.1f} us/layer   wall {wall:7.1f} us/layer")
 
 
+def _kernel_us_by_label(fn, iters: int = 5) -> dict[str, float]:
+    """GPU us per call of ``fn`` for each kernel label (name with template arguments),
+    CUPTI, ``iters`` calls one at a time."""
+    from torch.profiler import ProfilerActivity, profile
+    mx.eval(fn())
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            mx.eval(fn())
+        mx.synchronize()
+    path = Path("/tmp/gpu_probe_kernel_trace.json")
+    prof.export_chrome_trace(str(path))
+    by: dict[str, float] = {}
+    for e in kernel_records(path):
+        key = kernel_label(e["name"], 120)
+        by[key] = by.get(key, 0.0) + e["dur"] / iters
+    return by
+
+
+QGEMV_CHAIN_VARIANTS = [
+    # label, narrow shape (QKV, o, gate/up), wide shape (down), PF_OWN, PF_AHEAD
+    ("defaults", (1, 8, 1), (1, 4, 4), False, 0),
+    ("ahead 330", (1, 8, 1), (1, 4, 4), False, 330),
+    ("ahead 660", (1, 8, 1), (1, 4, 4), False, 660),
+    ("ahead 1320", (1, 8, 1), (1, 4, 4), False, 1320),
+    ("own", (1, 8, 1), (1, 4, 4), True, 0),
+    ("own ahead 660", (1, 8, 1), (1, 4, 4), True, 660),
+    ("own ahead 660 wide 1x2x8", (1, 8, 1), (1, 2, 8), True, 660),
+    ("own ahead 660 wide 1x4x8", (1, 8, 1), (1, 4, 8), True, 660),
+    ("own ahead 660 wide 1x8x2", (1, 8, 1), (1, 8, 2), True, 660),
+    ("own ahead 330 narrow 1x8x2", (1, 8, 2), (1, 4, 4), True, 330),
+    ("own ahead 396 narrow 1x4x4", (1, 4, 4), (1, 4, 4), True, 396),
+    ("own ahead 792 narrow 1x4x2", (1, 4, 2), (1, 4, 4), True, 792),
+]
+
+
+def section_qgemv_chain(layers: int = 8, only: str = "") -> None:
+    """The one-row layer products (o + residual, norm + gate/up + swiglu, down + residual,
+    norm + QKV) chained over ``layers`` layers of distinct weights (1 GB for 8, so each
+    product reads its weights from memory as in a decode step), for block shapes and L2
+    prefetch settings of the streaming kernel (``qgemv.PF_OWN``, ``PF_AHEAD``). GPU us a
+    layer (CUPTI), per product and summed; every variant's result against the defaults'."""
+    from tandem.kernels import qgemv as qg
+    hid, ffn, nqkv = 4096, 14336, 6144
+    ws = [dict(o=one_row_case(hid, hid)[:3], gu=one_row_case(2 * ffn, hid)[:3],
+               down=one_row_case(hid, ffn)[:3], qkv=one_row_case(nqkv, hid)[:3],
+               ln2=(1 + 0.1 * mx.random.normal((hid,))).astype(mx.float16),
+               ln1=(1 + 0.1 * mx.random.normal((hid,))).astype(mx.float16)) for _ in range(layers)]
+    a0 = mx.random.normal((1, hid)).astype(mx.float16)
+    h0 = (4 * mx.random.normal((1, hid))).astype(mx.float16)
+    mx.eval(ws, a0, h0)
+
+    def chain():
+        a, h = a0, h0
+        for w in ws:
+            h2 = qg.qgemv(a, *w["o"], 64, residual=h)
+            g = qg.qgemv(h2, *w["gu"], 64, norm_weight=w["ln2"], pair=True)
+            h = qg.qgemv(g, *w["down"], 64, residual=h2)
+            a = qg.qgemv(h, *w["qkv"], 64, norm_weight=w["ln1"])[:, :hid]
+        return h
+
+    saved = (qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.PF_OWN, qg.PF_AHEAD, qg.STREAM_SHAPE)
+    RESULTS["qgemv_chain"] = rows = []
+    log(f"\n== one-row products chained over {layers} layers (GPU us a layer, CUPTI; max rel diff to defaults)")
+    want = None
+    try:
+        qg.STREAM_SHAPE = None
+        for label, narrow, wide, own, ahead in QGEMV_CHAIN_VARIANTS:
+            if only and only not in label:
+                continue
+            qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.PF_OWN, qg.PF_AHEAD = narrow, wide, own, ahead
+            try:
+                got = chain().astype(mx.float32)
+                if want is None:
+                    want = got
+                err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+                by = _kernel_us_by_label(chain)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is a result too
+                log(f"  {label}: {type(e).__name__}: {e}"[:400])
+                continue
+            total = sum(by.values()) / layers
+            parts = {k: v / layers for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
+            rows.append(dict(variant=label, narrow=narrow, wide=wide, pf_own=own, pf_ahead=ahead,
+                             gpu_us_per_layer=total, rel_diff=err, kernels=parts))
+            log(f"  {label:30s} {total:7.1f} us/layer  diff {err:.1e}  | " + "; ".join(
+                f"{k[:70]} {v:.1f}" for k, v in parts.items()))
+    finally:
+        qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.PF_OWN, qg.PF_AHEAD, qg.STREAM_SHAPE = saved
+
+
 def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,down,head",
                    parts: bool = False) -> None:
     """The fragment-order 4-bit product (``w4gemm``) against the dense fp16 GEMM it would
@@ -1089,12 +1179,16 @@ def summarize(records: list[dict], label: str, steps: int) -> dict:
     for gap, a, b in idle:
         log(f"  idle {gap:.0f} us between {a} | {b}")
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
-    log(f"{'kernel, grid':90s} {'n/step':>7s} {'us each':>8s} {'us/step':>8s}")
+    # min / median / max each: one slow instance a step (a page the GPU faults in, say)
+    # shows as a max far above the median.
+    log(f"{'kernel, grid':90s} {'n/step':>7s} {'us each':>8s} {'min/p50/max':>17s} {'us/step':>8s}")
     table = []
     for name, durs in rows[:25]:
         table.append({"kernel": name, "per_step": len(durs) / steps, "us_each": float(np.mean(durs)),
-                      "us_per_step": sum(durs) / steps})
-        log(f"{name:90s} {len(durs) / steps:7.1f} {np.mean(durs):8.1f} {sum(durs) / steps:8.1f}")
+                      "us_min": float(np.min(durs)), "us_p50": float(np.median(durs)),
+                      "us_max": float(np.max(durs)), "us_per_step": sum(durs) / steps})
+        spread = f"{np.min(durs):.1f}/{np.median(durs):.1f}/{np.max(durs):.1f}"
+        log(f"{name:90s} {len(durs) / steps:7.1f} {np.mean(durs):8.1f} {spread:>17s} {sum(durs) / steps:8.1f}")
     return {"label": label, "kernels": len(records), "span_us_per_step": (end - start) / steps,
             "busy_us_per_step": busy / steps, "gap_p50_us": float(np.median(gaps)),
             "gap_mean_us": float(np.mean(gaps)), "by_kernel": table}
@@ -1318,6 +1412,7 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=576, help="attention-serial: context tokens")
     ap.add_argument("--stream-shapes", default="1x8x1,1x8x2,1x16x1,1x4x4,1x8x4,2x8x1,2x4x2,1x4x1",
                     help="qgemv-stream: CPLxHxP block shapes to time")
+    ap.add_argument("--only", default="", help="qgemv-chain: only the variants whose label contains this")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -1346,6 +1441,8 @@ def main() -> int:
         section_attention_serial([int(b) for b in args.batches.split(",")], args.ctx, flush=True)
     if "decode-block" in secs:
         section_decode_block()
+    if "qgemv-chain" in secs:
+        section_qgemv_chain(only=args.only)
     if "w4mma" in secs:
         section_w4mma(tuple(int(r) for r in args.w4_rows.split(",")), args.w4_products)
     if "w4gemm" in secs:

@@ -78,6 +78,16 @@ __device__ __forceinline__ __half2 qgemv_word_dot(uint32_t wd, const __half2* xp
   return __hfma2(xp4[3], q3, a);
 }
 
+// Asks the L2 for [p, p + n) now: sm_90's bulk prefetch, a hint that holds no register and
+// that nothing waits for; at most 16 KB an instruction.
+__device__ __forceinline__ void qgemv_prefetch_l2(const void* p, size_t n) {
+  const size_t lo = (size_t)p & ~(size_t)15, hi = ((size_t)p + n) & ~(size_t)15;
+  for (size_t a = lo; a < hi; a += 16384) {
+    const unsigned len = (unsigned)min((size_t)16384, hi - a);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a), "r"(len) : "memory");
+  }
+}
+
 // Transposed butterfly: after log2(H) exchanges each lane holds one row's sum over H
 // lanes (H - 1 shuffles instead of 5 H); the rest is a plain reduction. Returns the sum
 // of row ``row_ix``, complete in lanes with (lane & (32 / H - 1)) == 0.
@@ -271,6 +281,32 @@ _STREAM_SOURCE = r"""
   const int out0 = blockIdx.x * (PAIR ? ROWS / 2 : ROWS);
   // Zero at run time, unknown to the compiler (N < 2^30): see the dependency below.
   const uint32_t zero = (uint32_t)N >> 30;
+
+  // L2 prefetches, issued before anything else: with PF_OWN this block's rows after its first
+  // pass (its passes would otherwise load one after another, each after the previous one's
+  // arithmetic); with PF_AHEAD > 0 every row of block blockIdx.x + PF_AHEAD, which starts
+  // about that many blocks later, so the memory keeps streaming while the resident blocks
+  // compute. Threads 0-5 this block's ranges, 6-11 the block ahead's (weights, scales,
+  // biases; PAIR: gate and up rows).
+  if constexpr (PF_OWN || PF_AHEAD > 0) {
+    if (tid < 12) {
+      const int outs_blk = PAIR ? ROWS / 2 : ROWS;
+      const int job = tid % 6, arr = job / 2, upper = job % 2;
+      int o0 = 0, o1 = 0;
+      if (tid < 6 && PF_OWN) {
+        o0 = out0 + (PAIR ? H / 2 : H);
+        o1 = min(out0 + outs_blk, rows_out);
+      } else if (tid >= 6 && PF_AHEAD > 0) {
+        o0 = (blockIdx.x + PF_AHEAD) * outs_blk;
+        o1 = min(o0 + outs_blk, rows_out);
+      }
+      if (o0 < o1 && (PAIR || !upper)) {
+        const size_t r0 = (size_t)o0 + (upper ? half_n : 0), nr = o1 - o0;
+        if (arr == 0) qgemv_prefetch_l2(w + r0 * (K / 8), nr * (K / 2));
+        else qgemv_prefetch_l2((arr == 1 ? scales : biases) + r0 * NG, nr * NG * 2);
+      }
+    }
+  }
 
   // The input (normalized first when NORM) goes into registers before any weight load.
   // Deferring it until the first pass's weights were in flight, so that the norm's
@@ -485,9 +521,23 @@ H200 run 39, engine, 8B shape, batch 1, alternating processes: stream 279 / 277 
 tok/s, staged 234 / 245."""
 
 
-STREAM_SHAPE = tuple(int(v) for v in os.environ["TANDEM_QGEMV_SHAPE"].split("x")) \
-    if os.environ.get("TANDEM_QGEMV_SHAPE") else None
+def _shape_env(name: str) -> tuple[int, int, int] | None:
+    spec = os.environ.get(name)
+    if not spec:
+        return None
+    try:
+        cpl, h, p = (int(v) for v in spec.split("x"))
+    except ValueError:
+        raise ValueError(f"{name}={spec!r}: write CPLxHxP, for example 1x8x1") from None
+    return cpl, h, p
+
+
+STREAM_SHAPE = _shape_env("TANDEM_QGEMV_SHAPE")
 """``CPLxHxP`` for every product (measurements)."""
+SHAPE_NARROW = _shape_env("TANDEM_QGEMV_SHAPE_NARROW") or (1, 8, 1)
+SHAPE_WIDE = _shape_env("TANDEM_QGEMV_SHAPE_WIDE") or (1, 4, 4)
+"""The shapes for rows under 8,192 weights (QKV, o, gate/up at the 8B shape) and for wider
+ones (down), each overridable for measurements."""
 
 
 def stream_shape(k: int) -> tuple[int, int, int]:
@@ -498,7 +548,18 @@ def stream_shape(k: int) -> tuple[int, int, int]:
     18.5-23.0 and 23.4 staged."""
     if STREAM_SHAPE:
         return STREAM_SHAPE
-    return (1, 4, 4) if k >= 8192 else (1, 8, 1)
+    return SHAPE_WIDE if k >= 8192 else SHAPE_NARROW
+
+
+PF_OWN = os.environ.get("TANDEM_QGEMV_PF_OWN", "0") == "1"
+"""Whether each block of the streaming kernel first asks the L2 for its rows after its first
+pass (sm_90 bulk prefetch): a block's passes otherwise load one after another, and a
+product of fewer blocks than the card holds (down at (1, 4, 4): 256 blocks) leaves the memory
+idle while they compute."""
+PF_AHEAD = int(os.environ.get("TANDEM_QGEMV_PF_AHEAD", "0"))
+"""Blocks ahead whose rows each block of the streaming kernel asks the L2 for (0: none).
+About a resident wave (132 SMs x the blocks an SM holds) keeps the memory streaming while
+the resident blocks compute; a product with fewer blocks than that prefetches nothing."""
 
 
 STREAM_NORM = os.environ.get("TANDEM_QGEMV_STREAM_NORM", "1") == "1"
@@ -522,9 +583,11 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
                  norm_weight: mx.array | None = None, eps: float = 1e-5,
                  residual: mx.array | None = None, pair: bool = False,
                  shape: tuple[int, int, int] | None = None, unpack: int | None = None,
-                 loads_only: bool = False) -> mx.array:
-    """The streaming kernel. shape overrides ``stream_shape``, unpack ``STREAM_UNPACK``
-    (measurements); loads_only skips the arithmetic (a bandwidth probe, wrong results)."""
+                 loads_only: bool = False, prefetch: tuple[bool, int] | None = None) -> mx.array:
+    """The streaming kernel. shape overrides ``stream_shape``, unpack ``STREAM_UNPACK``,
+    prefetch ``(PF_OWN, PF_AHEAD)`` (measurements); loads_only skips the arithmetic (a
+    bandwidth probe, wrong results)."""
+    pf_own, pf_ahead = prefetch if prefetch is not None else (PF_OWN, PF_AHEAD)
     n, words = w.shape
     k = words * 8
     cpl, h, p = shape or stream_shape(k)
@@ -548,7 +611,8 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
         template=[("K", k), ("CPL", cpl), ("H", h), ("P", p), ("PAIR", bool(pair)),
                   ("RES", residual is not None), ("NORM", norm_weight is not None),
                   ("UNPACK", STREAM_UNPACK if unpack is None else unpack),
-                  ("LOADS_ONLY", bool(loads_only))] + constants.eps_template(eps),
+                  ("LOADS_ONLY", bool(loads_only)), ("PF_OWN", bool(pf_own)),
+                  ("PF_AHEAD", max(0, int(pf_ahead)))] + constants.eps_template(eps),
         grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(1, n_out)],
