@@ -122,7 +122,7 @@ def qgemv_stream_variants():
                  ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower()),
                  ("bool", "NORM", str(bool(norm)).lower()), ("int", "UNPACK", str(unpack)),
                  ("bool", "LOADS_ONLY", str(bool(lo)).lower()), ("bool", "PF_OWN", str(bool(pf_own)).lower()),
-                 ("int", "PF_AHEAD", str(pf_ahead))] + eps_consts(bool(norm and unpack))
+                 ("int", "PF_AHEAD", str(pf_ahead)), ("bool", "NORM_HMUL", "false")] + eps_consts(bool(norm and unpack))
             pf = f" pf{pf_own}/{pf_ahead}" if pf_own or pf_ahead else ""
             yield (f"qgemv-stream {label} c{cpl} h{h} p{p}{pf}",
                    variant("tandem_qgemv_stream", qg._STREAM_SOURCE, qg._HEADER, ins, outs, t))

@@ -350,12 +350,16 @@ _STREAM_SOURCE = r"""
         __half h[8];
         *reinterpret_cast<uint4*>(h) = xr[j][w4];
         if constexpr (NORM) {
-          // The reference's roundings: x * rs to fp16, times the weight, to fp16.
+          // The reference's roundings: x * rs to fp16, times the weight, to fp16. With
+          // NORM_HMUL the second product is one __hmul: two fp16 values multiply exactly in
+          // fp32, so rounding that product is fp16's correctly rounded multiply, the same
+          // bits in fewer instructions (the prologue runs in every block).
           const uint4 v = *reinterpret_cast<const uint4*>(norm_w + c * 32 + w4 * 8);
           const __half* g = reinterpret_cast<const __half*>(&v);
 #pragma unroll
           for (int i = 0; i < 8; ++i)
-            h[i] = __float2half(__half2float(__float2half(__half2float(h[i]) * rs)) * __half2float(g[i]));
+            h[i] = NORM_HMUL ? __hmul(__float2half(__half2float(h[i]) * rs), g[i])
+                             : __float2half(__half2float(__float2half(__half2float(h[i]) * rs)) * __half2float(g[i]));
         }
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -562,6 +566,13 @@ About a resident wave (132 SMs x the blocks an SM holds) keeps the memory stream
 the resident blocks compute; a product with fewer blocks than that prefetches nothing."""
 
 
+NORM_HMUL = os.environ.get("TANDEM_QGEMV_NORM_HMUL", "0") == "1"
+"""Whether the streaming kernel's fused norm multiplies by the norm weight in fp16 (one
+``__hmul``, the same bits: see the kernel) instead of in fp32 and back. Fewer
+instructions in every block's prologue, but 108 registers against 96 for gate/up (one
+block fewer an SM), so off until the engine shows which wins."""
+
+
 STREAM_NORM = os.environ.get("TANDEM_QGEMV_STREAM_NORM", "1") == "1"
 """Whether the streaming kernel applies a preceding rms_norm itself (one block reduction
 per block; the default) instead of ``mx.fast.rms_norm`` running first as its own launch
@@ -612,7 +623,8 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
                   ("RES", residual is not None), ("NORM", norm_weight is not None),
                   ("UNPACK", STREAM_UNPACK if unpack is None else unpack),
                   ("LOADS_ONLY", bool(loads_only)), ("PF_OWN", bool(pf_own)),
-                  ("PF_AHEAD", max(0, int(pf_ahead)))] + constants.eps_template(eps),
+                  ("PF_AHEAD", max(0, int(pf_ahead))),
+                  ("NORM_HMUL", NORM_HMUL and norm_weight is not None)] + constants.eps_template(eps),
         grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(1, n_out)],

@@ -166,6 +166,21 @@ def test_stream_prefetch_leaves_the_result_bit_equal(n, k, pair, shape):
             assert mx.array_equal(got, base).item(), (pf, kw.keys())
 
 
+@gpu
+@pytest.mark.gpu
+@hang_guard
+@pytest.mark.parametrize("n,k,pair", [(2 * 14336, 4096, True), (6144, 4096, False), (1000, 14336, False)])
+def test_stream_norm_in_fp16_is_bit_equal(monkeypatch, n, k, pair):
+    """NORM_HMUL: the norm weight's product in fp16 gives the fp32 path's bits."""
+    x, wq, s, b = _case(n, k, 64, seed=n + 3 * k)
+    g = (1 + 0.1 * mx.random.normal((k,))).astype(mx.float16)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(qg, "NORM_HMUL", on)
+        outs.append(qg.qgemv_stream(3 * x, wq, s, b, norm_weight=g, eps=1e-5, pair=pair))
+    assert mx.array_equal(outs[0], outs[1]).item()
+
+
 def test_lean_inputs_drop_what_a_call_does_not_read():
     assert qg.lean_inputs(False, True, False) == ["x", "w", "scales", "biases", "res"]
     assert qg.lean_inputs(True, False, True) == ["x", "w", "scales", "biases", "norm_w", "fparams"]

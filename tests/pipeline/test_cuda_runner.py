@@ -313,3 +313,32 @@ def test_decode_steps_reuse_few_table_shapes(tiny_model_dir, tiny, monkeypatch):
     # ~12 blocks of 4 tokens are crossed; the widths seen are buckets 4, 6, 8, 12, 16
     assert max(len(p) + 40 for p in prompts) // 4 >= 11
     assert len(seen) >= 39 and set(seen) <= {4, 6, 8, 12, 16}
+
+
+def test_step_state_is_uploaded_only_when_rows_leave_their_blocks(tiny_model_dir, tiny, monkeypatch):
+    """A one-row decode re-uses the last step's device array of positions, slots and table
+    plus an increment while the row stays in its block, and uploads a new one when it
+    enters a block: every step's device state equals what the host computed, and the
+    tokens are mlx_lm's."""
+    import mlx.core as mx
+    import numpy as np
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
+    prompt = random_prompts(1, 9, 9, seed=8)[0]
+    eng = _engine(_fresh(tiny_model_dir), block_size=4, max_batch_size=1)
+    runner = eng.runner
+    states = []
+    step_state = runner._step_state
+
+    def recording(host, B):
+        dev = step_state(host, B)
+        states.append((host.copy(), dev))
+        return dev
+
+    monkeypatch.setattr(runner, "_step_state", recording)
+    got = eng.generate_many([(prompt, greedy(40))])
+    assert got == [oracle(tiny, prompt, 40)]
+    assert len(states) >= 39
+    assert all(np.array_equal(np.array(dev), host) for host, dev in states)
+    # 40 tokens cross 10 blocks of 4 (and 2 table widths): an upload at each, not each step
+    assert 10 <= runner.state_uploads <= 14
