@@ -114,19 +114,16 @@ def qgemv_stream_variants():
             ("down+res", 14336, 0, 1, 0, 0, 0), ("qkv+norm", 4096, 0, 0, 1, 0, 0),
             ("gate/up pair+norm unpack1", 4096, 1, 0, 1, 1, 0), ("down+res unpack1", 14336, 0, 1, 0, 1, 0),
             ("gate/up loads-only", 4096, 1, 0, 0, 0, 1)]:
-        for cpl, h, p, pf_own, pf_ahead in [(1, 8, 1, 0, 0), (1, 4, 4, 0, 0), (1, 8, 1, 0, 660),
-                                            (1, 4, 4, 1, 0), (1, 8, 2, 1, 330)]:
-            if (k // 32) % (32 * cpl) or (pf_own or pf_ahead) and (lo or unpack != (norm or k > 8192)):
+        for cpl, h, p in [(1, 8, 1), (1, 4, 4)]:
+            if (k // 32) % (32 * cpl):
                 continue
             t = [("int", "K", str(k)), ("int", "CPL", str(cpl)), ("int", "H", str(h)), ("int", "P", str(p)),
                  ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower()),
                  ("bool", "NORM", str(bool(norm)).lower()), ("int", "UNPACK", str(unpack)),
-                 ("bool", "LOADS_ONLY", str(bool(lo)).lower()), ("bool", "PF_OWN", str(bool(pf_own)).lower()),
-                 ("int", "PF_AHEAD", str(pf_ahead)), ("bool", "NORM_HMUL", "false")] + eps_consts(bool(norm and unpack))
-            pf = f" pf{pf_own}/{pf_ahead}" if pf_own or pf_ahead else ""
-            yield (f"qgemv-stream {label} c{cpl} h{h} p{p}{pf}",
+                 ("bool", "LOADS_ONLY", str(bool(lo)).lower())] + eps_consts(bool(norm and unpack))
+            yield (f"qgemv-stream {label} c{cpl} h{h} p{p}",
                    variant("tandem_qgemv_stream", qg._STREAM_SOURCE, qg._HEADER, ins, outs, t))
-            if not lo and cpl == 1 and not pf:  # TANDEM_QGEMV_LEAN: only the inputs the call reads
+            if not lo and cpl == 1:  # TANDEM_QGEMV_LEAN: only the inputs the call reads
                 names = qg.lean_inputs(bool(norm), bool(res), not (norm and unpack))
                 yield (f"qgemv-stream-lean {label} c{cpl} h{h} p{p}",
                        variant("tandem_qgemv_stream_lean", qg.lean_source(names), qg._HEADER,

@@ -422,28 +422,26 @@ def _kernel_us_by_label(fn, iters: int = 5) -> dict[str, float]:
 
 
 QGEMV_CHAIN_VARIANTS = [
-    # label, narrow shape (QKV, o, gate/up), wide shape (down), PF_OWN, PF_AHEAD
-    ("defaults", (1, 8, 1), (1, 4, 4), False, 0),
-    ("ahead 330", (1, 8, 1), (1, 4, 4), False, 330),
-    ("ahead 660", (1, 8, 1), (1, 4, 4), False, 660),
-    ("ahead 1320", (1, 8, 1), (1, 4, 4), False, 1320),
-    ("own", (1, 8, 1), (1, 4, 4), True, 0),
-    ("own ahead 660", (1, 8, 1), (1, 4, 4), True, 660),
-    ("own ahead 660 wide 1x2x8", (1, 8, 1), (1, 2, 8), True, 660),
-    ("own ahead 660 wide 1x4x8", (1, 8, 1), (1, 4, 8), True, 660),
-    ("own ahead 660 wide 1x8x2", (1, 8, 1), (1, 8, 2), True, 660),
-    ("own ahead 330 narrow 1x8x2", (1, 8, 2), (1, 4, 4), True, 330),
-    ("own ahead 396 narrow 1x4x4", (1, 4, 4), (1, 4, 4), True, 396),
-    ("own ahead 792 narrow 1x4x2", (1, 4, 2), (1, 4, 4), True, 792),
+    # label, narrow shape (QKV, o, gate/up), wide shape (down)
+    ("defaults", (1, 8, 1), (1, 4, 4)),
+    ("narrow 1x8x2", (1, 8, 2), (1, 4, 4)),
+    ("narrow 1x4x2", (1, 4, 2), (1, 4, 4)),
+    ("narrow 1x4x4", (1, 4, 4), (1, 4, 4)),
+    ("wide 1x2x8", (1, 8, 1), (1, 2, 8)),
+    ("wide 1x8x2", (1, 8, 1), (1, 8, 2)),
+    ("wide 1x4x2", (1, 8, 1), (1, 4, 2)),
 ]
+"""(H200 run 97 also timed L2 bulk prefetches, ``cp.async.bulk.prefetch.L2``, of a block's
+later passes and of the block a resident wave ahead: slower everywhere, 62.8-72.7 us a
+layer against 57.9; removed.)"""
 
 
 def section_qgemv_chain(layers: int = 8, only: str = "") -> None:
     """The one-row layer products (o + residual, norm + gate/up + swiglu, down + residual,
     norm + QKV) chained over ``layers`` layers of distinct weights (1 GB for 8, so each
-    product reads its weights from memory as in a decode step), for block shapes and L2
-    prefetch settings of the streaming kernel (``qgemv.PF_OWN``, ``PF_AHEAD``). GPU us a
-    layer (CUPTI), per product and summed; every variant's result against the defaults'."""
+    product reads its weights from memory as in a decode step), for block shapes of the
+    streaming kernel. GPU us a layer (CUPTI), per product and summed; every variant's
+    result against the defaults'."""
     from tandem.kernels import qgemv as qg
     hid, ffn, nqkv = 4096, 14336, 6144
     ws = [dict(o=one_row_case(hid, hid)[:3], gu=one_row_case(2 * ffn, hid)[:3],
@@ -463,16 +461,16 @@ def section_qgemv_chain(layers: int = 8, only: str = "") -> None:
             a = qg.qgemv(h, *w["qkv"], 64, norm_weight=w["ln1"])[:, :hid]
         return h
 
-    saved = (qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.PF_OWN, qg.PF_AHEAD, qg.STREAM_SHAPE)
+    saved = (qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.STREAM_SHAPE)
     RESULTS["qgemv_chain"] = rows = []
     log(f"\n== one-row products chained over {layers} layers (GPU us a layer, CUPTI; max rel diff to defaults)")
     want = None
     try:
         qg.STREAM_SHAPE = None
-        for label, narrow, wide, own, ahead in QGEMV_CHAIN_VARIANTS:
+        for label, narrow, wide in QGEMV_CHAIN_VARIANTS:
             if only and only not in label:
                 continue
-            qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.PF_OWN, qg.PF_AHEAD = narrow, wide, own, ahead
+            qg.SHAPE_NARROW, qg.SHAPE_WIDE = narrow, wide
             try:
                 got = chain().astype(mx.float32)
                 if want is None:
@@ -484,12 +482,12 @@ def section_qgemv_chain(layers: int = 8, only: str = "") -> None:
                 continue
             total = sum(by.values()) / layers
             parts = {k: v / layers for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
-            rows.append(dict(variant=label, narrow=narrow, wide=wide, pf_own=own, pf_ahead=ahead,
-                             gpu_us_per_layer=total, rel_diff=err, kernels=parts))
+            rows.append(dict(variant=label, narrow=narrow, wide=wide, gpu_us_per_layer=total,
+                             rel_diff=err, kernels=parts))
             log(f"  {label:30s} {total:7.1f} us/layer  diff {err:.1e}  | " + "; ".join(
                 f"{k[:70]} {v:.1f}" for k, v in parts.items()))
     finally:
-        qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.PF_OWN, qg.PF_AHEAD, qg.STREAM_SHAPE = saved
+        qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.STREAM_SHAPE = saved
 
 
 def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,down,head",

@@ -78,16 +78,6 @@ __device__ __forceinline__ __half2 qgemv_word_dot(uint32_t wd, const __half2* xp
   return __hfma2(xp4[3], q3, a);
 }
 
-// Asks the L2 for [p, p + n) now: sm_90's bulk prefetch, a hint that holds no register and
-// that nothing waits for; at most 16 KB an instruction.
-__device__ __forceinline__ void qgemv_prefetch_l2(const void* p, size_t n) {
-  const size_t lo = (size_t)p & ~(size_t)15, hi = ((size_t)p + n) & ~(size_t)15;
-  for (size_t a = lo; a < hi; a += 16384) {
-    const unsigned len = (unsigned)min((size_t)16384, hi - a);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a), "r"(len) : "memory");
-  }
-}
-
 // Transposed butterfly: after log2(H) exchanges each lane holds one row's sum over H
 // lanes (H - 1 shuffles instead of 5 H); the rest is a plain reduction. Returns the sum
 // of row ``row_ix``, complete in lanes with (lane & (32 / H - 1)) == 0.
@@ -282,32 +272,6 @@ _STREAM_SOURCE = r"""
   // Zero at run time, unknown to the compiler (N < 2^30): see the dependency below.
   const uint32_t zero = (uint32_t)N >> 30;
 
-  // L2 prefetches, issued before anything else: with PF_OWN this block's rows after its first
-  // pass (its passes would otherwise load one after another, each after the previous one's
-  // arithmetic); with PF_AHEAD > 0 every row of block blockIdx.x + PF_AHEAD, which starts
-  // about that many blocks later, so the memory keeps streaming while the resident blocks
-  // compute. Threads 0-5 this block's ranges, 6-11 the block ahead's (weights, scales,
-  // biases; PAIR: gate and up rows).
-  if constexpr (PF_OWN || PF_AHEAD > 0) {
-    if (tid < 12) {
-      const int outs_blk = PAIR ? ROWS / 2 : ROWS;
-      const int job = tid % 6, arr = job / 2, upper = job % 2;
-      int o0 = 0, o1 = 0;
-      if (tid < 6 && PF_OWN) {
-        o0 = out0 + (PAIR ? H / 2 : H);
-        o1 = min(out0 + outs_blk, rows_out);
-      } else if (tid >= 6 && PF_AHEAD > 0) {
-        o0 = (blockIdx.x + PF_AHEAD) * outs_blk;
-        o1 = min(o0 + outs_blk, rows_out);
-      }
-      if (o0 < o1 && (PAIR || !upper)) {
-        const size_t r0 = (size_t)o0 + (upper ? half_n : 0), nr = o1 - o0;
-        if (arr == 0) qgemv_prefetch_l2(w + r0 * (K / 8), nr * (K / 2));
-        else qgemv_prefetch_l2((arr == 1 ? scales : biases) + r0 * NG, nr * NG * 2);
-      }
-    }
-  }
-
   // The input (normalized first when NORM) goes into registers before any weight load.
   // Deferring it until the first pass's weights were in flight, so that the norm's
   // barrier overlapped their latency, made the fused-norm kernel slower (H200 run 41,
@@ -350,16 +314,12 @@ _STREAM_SOURCE = r"""
         __half h[8];
         *reinterpret_cast<uint4*>(h) = xr[j][w4];
         if constexpr (NORM) {
-          // The reference's roundings: x * rs to fp16, times the weight, to fp16. With
-          // NORM_HMUL the second product is one __hmul: two fp16 values multiply exactly in
-          // fp32, so rounding that product is fp16's correctly rounded multiply, the same
-          // bits in fewer instructions (the prologue runs in every block).
+          // The reference's roundings: x * rs to fp16, times the weight, to fp16.
           const uint4 v = *reinterpret_cast<const uint4*>(norm_w + c * 32 + w4 * 8);
           const __half* g = reinterpret_cast<const __half*>(&v);
 #pragma unroll
           for (int i = 0; i < 8; ++i)
-            h[i] = NORM_HMUL ? __hmul(__float2half(__half2float(h[i]) * rs), g[i])
-                             : __float2half(__half2float(__float2half(__half2float(h[i]) * rs)) * __half2float(g[i]));
+            h[i] = __float2half(__half2float(__float2half(__half2float(h[i]) * rs)) * __half2float(g[i]));
         }
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -484,13 +444,15 @@ def _kernel(stream: bool = False):
     )
 
 
-LEAN = os.environ.get("TANDEM_QGEMV_LEAN", "0") == "1"
-"""Whether the streaming kernel takes only the inputs a call reads: no stand-in for an
-absent norm weight or residual, no eps array when the eps is in the template. MLX spends
-~0.4 us of the engine thread on each input of each kernel it encodes (H200 run 91,
-``bench/encode_probe.py``: 3.15 / 3.81 / 5.32 us an op at 1 / 4 / 8 inputs, compiled), and
-a one-row step runs this kernel 128 times with two such inputs each. Off until an engine
-A/B on the GPU shows the ~0.1 ms a step it should save."""
+LEAN = os.environ.get("TANDEM_QGEMV_LEAN", "1") == "1"
+"""Whether the streaming kernel takes only the inputs a call reads (``0``: every input, with
+stand-ins for an absent norm weight or residual and an eps array even when the eps is in
+the template). MLX spends ~0.4 us of the engine thread on each input of each kernel it
+encodes (H200 run 91, ``bench/encode_probe.py``: 3.15 / 3.81 / 5.32 us an op at 1 / 4 / 8
+inputs, compiled), and a one-row step runs this kernel 128 times with two such inputs
+each. Bit-equal to the full kernel (its GPU test, run 93). With ``argmax_cuda.ENABLED``:
+388 / 375 / 392 / 390 tok/s against 373 / 370 / 377 / 391 without the two (H200 runs 100
+and 102, alternating processes), within the spread, but never more work."""
 
 _ABSENT_TYPES = {"norm_w": "const __half*", "res": "const __half*", "fparams": "const float*"}
 
@@ -555,24 +517,6 @@ def stream_shape(k: int) -> tuple[int, int, int]:
     return SHAPE_WIDE if k >= 8192 else SHAPE_NARROW
 
 
-PF_OWN = os.environ.get("TANDEM_QGEMV_PF_OWN", "0") == "1"
-"""Whether each block of the streaming kernel first asks the L2 for its rows after its first
-pass (sm_90 bulk prefetch): a block's passes otherwise load one after another, and a
-product of fewer blocks than the card holds (down at (1, 4, 4): 256 blocks) leaves the memory
-idle while they compute."""
-PF_AHEAD = int(os.environ.get("TANDEM_QGEMV_PF_AHEAD", "0"))
-"""Blocks ahead whose rows each block of the streaming kernel asks the L2 for (0: none).
-About a resident wave (132 SMs x the blocks an SM holds) keeps the memory streaming while
-the resident blocks compute; a product with fewer blocks than that prefetches nothing."""
-
-
-NORM_HMUL = os.environ.get("TANDEM_QGEMV_NORM_HMUL", "0") == "1"
-"""Whether the streaming kernel's fused norm multiplies by the norm weight in fp16 (one
-``__hmul``, the same bits: see the kernel) instead of in fp32 and back. Fewer
-instructions in every block's prologue, but 108 registers against 96 for gate/up (one
-block fewer an SM), so off until the engine shows which wins."""
-
-
 STREAM_NORM = os.environ.get("TANDEM_QGEMV_STREAM_NORM", "1") == "1"
 """Whether the streaming kernel applies a preceding rms_norm itself (one block reduction
 per block; the default) instead of ``mx.fast.rms_norm`` running first as its own launch
@@ -594,11 +538,9 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
                  norm_weight: mx.array | None = None, eps: float = 1e-5,
                  residual: mx.array | None = None, pair: bool = False,
                  shape: tuple[int, int, int] | None = None, unpack: int | None = None,
-                 loads_only: bool = False, prefetch: tuple[bool, int] | None = None) -> mx.array:
-    """The streaming kernel. shape overrides ``stream_shape``, unpack ``STREAM_UNPACK``,
-    prefetch ``(PF_OWN, PF_AHEAD)`` (measurements); loads_only skips the arithmetic (a
-    bandwidth probe, wrong results)."""
-    pf_own, pf_ahead = prefetch if prefetch is not None else (PF_OWN, PF_AHEAD)
+                 loads_only: bool = False) -> mx.array:
+    """The streaming kernel. shape overrides ``stream_shape``, unpack ``STREAM_UNPACK``
+    (measurements); loads_only skips the arithmetic (a bandwidth probe, wrong results)."""
     n, words = w.shape
     k = words * 8
     cpl, h, p = shape or stream_shape(k)
@@ -622,9 +564,7 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
         template=[("K", k), ("CPL", cpl), ("H", h), ("P", p), ("PAIR", bool(pair)),
                   ("RES", residual is not None), ("NORM", norm_weight is not None),
                   ("UNPACK", STREAM_UNPACK if unpack is None else unpack),
-                  ("LOADS_ONLY", bool(loads_only)), ("PF_OWN", bool(pf_own)),
-                  ("PF_AHEAD", max(0, int(pf_ahead))),
-                  ("NORM_HMUL", NORM_HMUL and norm_weight is not None)] + constants.eps_template(eps),
+                  ("LOADS_ONLY", bool(loads_only))] + constants.eps_template(eps),
         grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(1, n_out)],
