@@ -332,6 +332,36 @@ def _cold_gpu_us(fn, flush, flush_names: set[str], iters: int = 10) -> float:
     return sum(e["dur"] for e in kernel_records(path) if e["name"] not in flush_names) / iters
 
 
+HID, FFN, NQKV = 4096, 14336, 6144  # the 8B shape's hidden, FFN and fused QKV widths
+
+
+def _one_row_layers(layers: int):
+    """``layers`` layers of distinct 4-bit one-row tail weights at the 8B shape (o, gate/up,
+    down, QKV, the two norms), an attention output and a residual row, evaluated."""
+    def q(n, k):
+        return one_row_case(n, k)[:3]
+    ws = [dict(o=q(HID, HID), gu=q(2 * FFN, HID), down=q(HID, FFN), qkv=q(NQKV, HID),
+               ln2=(1 + 0.1 * mx.random.normal((HID,))).astype(mx.float16),
+               ln1=(1 + 0.1 * mx.random.normal((HID,))).astype(mx.float16)) for _ in range(layers)]
+    a0 = mx.random.normal((1, HID)).astype(mx.float16)
+    h0 = (4 * mx.random.normal((1, HID))).astype(mx.float16)
+    mx.eval(ws, a0, h0)
+    return ws, a0, h0
+
+
+def _one_row_chain(ws, a0, h0):
+    """The separate one-row kernels over the layers: o + residual, norm + gate/up + swiglu,
+    down + residual, the next norm + QKV (its first HID columns stand in for attention)."""
+    from tandem.kernels import qgemv as qg
+    a, h = a0, h0
+    for w in ws:
+        h2 = qg.qgemv(a, *w["o"], 64, residual=h)
+        g = qg.qgemv(h2, *w["gu"], 64, norm_weight=w["ln2"], pair=True)
+        h = qg.qgemv(g, *w["down"], 64, residual=h2)
+        a = qg.qgemv(h, *w["qkv"], 64, norm_weight=w["ln1"])[:, :HID]
+    return h
+
+
 def section_decode_block(layers: int = 8) -> None:
     """A one-row layer tail (o + residual, norm, gate/up + swiglu, down + residual, the next
     layer's norm + QKV) at the 8B shape, over ``layers`` layers of distinct weights (1 GB
@@ -339,33 +369,18 @@ def section_decode_block(layers: int = 8) -> None:
     ``decode_block``'s one launch a layer. GPU: CUPTI, every kernel summed, per layer; wall:
     queued calls, per layer (MLX's per-op cost included)."""
     from tandem.kernels import decode_block as db
-    from tandem.kernels import qgemv as qg
-    hid, ffn, nqkv = 4096, 14336, 6144
-    def q(n, k):
-        return one_row_case(n, k)[:3]
-    ws = [dict(o=q(hid, hid), gu=q(2 * ffn, hid), down=q(hid, ffn), qkv=q(nqkv, hid),
-               ln2=(1 + 0.1 * mx.random.normal((hid,))).astype(mx.float16),
-               ln1=(1 + 0.1 * mx.random.normal((hid,))).astype(mx.float16)) for _ in range(layers)]
-    a0 = mx.random.normal((1, hid)).astype(mx.float16)
-    h0 = (4 * mx.random.normal((1, hid))).astype(mx.float16)
-    mx.eval(ws, a0, h0)
+    ws, a0, h0 = _one_row_layers(layers)
     bar = db.counter()
 
     def separate():
-        a, h = a0, h0
-        for w in ws:
-            h2 = qg.qgemv(a, *w["o"], 64, residual=h)
-            g = qg.qgemv(h2, *w["gu"], 64, norm_weight=w["ln2"], pair=True)
-            h = qg.qgemv(g, *w["down"], 64, residual=h2)
-            a = qg.qgemv(h, *w["qkv"], 64, norm_weight=w["ln1"])[:, :hid]
-        return h
+        return _one_row_chain(ws, a0, h0)
 
     def fused(rows=None, stages=None, probe=0):
         a, h = a0, h0
         for w in ws:
             h, y = db.decode_block(a, h, w["o"], w["ln2"], w["gu"], w["down"], w["ln1"], w["qkv"],
                                    eps2=1e-5, bar=bar, rows=rows, stages=stages, probe=probe)
-            a = y[:, :hid]
+            a = y[:, :HID]
         return h
 
     want, got = separate().astype(mx.float32), fused().astype(mx.float32)
@@ -443,23 +458,10 @@ def section_qgemv_chain(layers: int = 8, only: str = "") -> None:
     streaming kernel. GPU us a layer (CUPTI), per product and summed; every variant's
     result against the defaults'."""
     from tandem.kernels import qgemv as qg
-    hid, ffn, nqkv = 4096, 14336, 6144
-    ws = [dict(o=one_row_case(hid, hid)[:3], gu=one_row_case(2 * ffn, hid)[:3],
-               down=one_row_case(hid, ffn)[:3], qkv=one_row_case(nqkv, hid)[:3],
-               ln2=(1 + 0.1 * mx.random.normal((hid,))).astype(mx.float16),
-               ln1=(1 + 0.1 * mx.random.normal((hid,))).astype(mx.float16)) for _ in range(layers)]
-    a0 = mx.random.normal((1, hid)).astype(mx.float16)
-    h0 = (4 * mx.random.normal((1, hid))).astype(mx.float16)
-    mx.eval(ws, a0, h0)
+    ws, a0, h0 = _one_row_layers(layers)
 
     def chain():
-        a, h = a0, h0
-        for w in ws:
-            h2 = qg.qgemv(a, *w["o"], 64, residual=h)
-            g = qg.qgemv(h2, *w["gu"], 64, norm_weight=w["ln2"], pair=True)
-            h = qg.qgemv(g, *w["down"], 64, residual=h2)
-            a = qg.qgemv(h, *w["qkv"], 64, norm_weight=w["ln1"])[:, :hid]
-        return h
+        return _one_row_chain(ws, a0, h0)
 
     saved = (qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.STREAM_SHAPE)
     RESULTS["qgemv_chain"] = rows = []

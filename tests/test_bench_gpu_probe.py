@@ -1,0 +1,39 @@
+"""bench/gpu_probe.py's trace summary on made-up CUPTI records (the device runs are not
+testable here): a kernel whose one slow instance a step hides in its mean shows in its max."""
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("gpu_probe",
+                                               Path(__file__).resolve().parents[1] / "bench" / "gpu_probe.py")
+gpu_probe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_probe)
+
+
+def _records(durations: list[tuple[str, float]]) -> list[dict]:
+    """Kernels back to back with a 1 us gap, in this order."""
+    out, t = [], 0.0
+    for name, dur in durations:
+        out.append({"name": name, "ts": t, "dur": dur, "cat": "kernel", "args": {"grid": [8, 1, 1]}})
+        t += dur + 1.0
+    return out
+
+
+def test_summary_keeps_each_kernels_min_median_and_max():
+    attention = "mlx::core::cu::custom_kernel_tandem_decode_attention_fused_float16_t_128(float*)"
+    step = [(attention, 12.0), ("void mlx::core::cu::copy_v<int>(int*)", 2.0), (attention, 11.0)]
+    recs = _records([(attention, 170.0)] + step[1:] + step + step)  # step 1 starts with a slow one
+    s = gpu_probe.summarize(recs, "test", steps=3)
+    rows = {r["kernel"]: r for r in s["by_kernel"]}
+    att = rows["tandem_decode_attention_fused_float16_t_128 [8, 1, 1]"]
+    assert att["per_step"] == 2.0
+    assert (att["us_min"], att["us_p50"], att["us_max"]) == (11.0, 11.5, 170.0)
+    assert att["us_each"] == (170 + 11 + 12 + 11 + 12 + 11) / 6
+    assert rows["copy_v<int> [8, 1, 1]"]["us_per_step"] == 2.0
+    assert s["busy_us_per_step"] == sum(d for _, d in [(attention, 170.0)] + step[1:] + step + step) / 3
+
+
+def test_kernel_label_keeps_template_arguments_and_drops_mlx_prefix():
+    name = "mlx::core::cu::custom_kernel_tandem_qgemv_stream_4096_1_8_1_t_f_t(const __half*, int)"
+    assert gpu_probe.kernel_label(name) == "tandem_qgemv_stream_4096_1_8_1_t_f_t"
+    assert gpu_probe.kernel_label("void mlx::core::cu::copy_v<__half, float>(__half*)") == "copy_v<__half, float>"
