@@ -114,8 +114,8 @@ def qgemv_stream_variants():
             ("down+res", 14336, 0, 1, 0, 0, 0), ("qkv+norm", 4096, 0, 0, 1, 0, 0),
             ("gate/up pair+norm unpack1", 4096, 1, 0, 1, 1, 0), ("down+res unpack1", 14336, 0, 1, 0, 1, 0),
             ("gate/up loads-only", 4096, 1, 0, 0, 0, 1)]:
-        for cpl, h, p in [(1, 8, 1), (1, 4, 4)]:
-            if (k // 32) % (32 * cpl):
+        for cpl, h, p in [(1, 8, 1), (1, 4, 4), (1, 8, 2), (1, 4, 2)]:
+            if (k // 32) % (32 * cpl) or (lo and (h, p) not in ((8, 1), (4, 4))):
                 continue
             t = [("int", "K", str(k)), ("int", "CPL", str(cpl)), ("int", "H", str(h)), ("int", "P", str(p)),
                  ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower()),

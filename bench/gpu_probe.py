@@ -437,14 +437,16 @@ def _kernel_us_by_label(fn, iters: int = 5) -> dict[str, float]:
 
 
 QGEMV_CHAIN_VARIANTS = [
-    # label, narrow shape (QKV, o, gate/up), wide shape (down)
-    ("defaults", (1, 8, 1), (1, 4, 4)),
-    ("narrow 1x8x2", (1, 8, 2), (1, 4, 4)),
-    ("narrow 1x4x2", (1, 4, 2), (1, 4, 4)),
-    ("narrow 1x4x4", (1, 4, 4), (1, 4, 4)),
-    ("wide 1x2x8", (1, 8, 1), (1, 2, 8)),
-    ("wide 1x8x2", (1, 8, 1), (1, 8, 2)),
-    ("wide 1x4x2", (1, 8, 1), (1, 4, 2)),
+    # label, small shape (QKV, o), narrow (gate/up), wide (down): qgemv.SHAPE_*
+    ("defaults", (1, 8, 1), (1, 8, 1), (1, 4, 4)),
+    ("small 1x8x2", (1, 8, 2), (1, 8, 1), (1, 4, 4)),
+    ("small 1x4x2", (1, 4, 2), (1, 8, 1), (1, 4, 4)),
+    ("small 1x4x4", (1, 4, 4), (1, 8, 1), (1, 4, 4)),
+    ("narrow 1x8x2", (1, 8, 1), (1, 8, 2), (1, 4, 4)),
+    ("narrow 1x4x2", (1, 8, 1), (1, 4, 2), (1, 4, 4)),
+    ("wide 1x2x8", (1, 8, 1), (1, 8, 1), (1, 2, 8)),
+    ("wide 1x8x2", (1, 8, 1), (1, 8, 1), (1, 8, 2)),
+    ("wide 1x4x2", (1, 8, 1), (1, 8, 1), (1, 4, 2)),
 ]
 """(H200 run 97 also timed L2 bulk prefetches, ``cp.async.bulk.prefetch.L2``, of a block's
 later passes and of the block a resident wave ahead: slower everywhere, 62.8-72.7 us a
@@ -463,16 +465,16 @@ def section_qgemv_chain(layers: int = 8, only: str = "") -> None:
     def chain():
         return _one_row_chain(ws, a0, h0)
 
-    saved = (qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.STREAM_SHAPE)
+    saved = (qg.SHAPE_SMALL, qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.STREAM_SHAPE)
     RESULTS["qgemv_chain"] = rows = []
     log(f"\n== one-row products chained over {layers} layers (GPU us a layer, CUPTI; max rel diff to defaults)")
     want = None
     try:
         qg.STREAM_SHAPE = None
-        for label, narrow, wide in QGEMV_CHAIN_VARIANTS:
+        for label, small, narrow, wide in QGEMV_CHAIN_VARIANTS:
             if only and only not in label:
                 continue
-            qg.SHAPE_NARROW, qg.SHAPE_WIDE = narrow, wide
+            qg.SHAPE_SMALL, qg.SHAPE_NARROW, qg.SHAPE_WIDE = small, narrow, wide
             try:
                 got = chain().astype(mx.float32)
                 if want is None:
@@ -484,12 +486,12 @@ def section_qgemv_chain(layers: int = 8, only: str = "") -> None:
                 continue
             total = sum(by.values()) / layers
             parts = {k: v / layers for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
-            rows.append(dict(variant=label, narrow=narrow, wide=wide, gpu_us_per_layer=total,
+            rows.append(dict(variant=label, small=small, narrow=narrow, wide=wide, gpu_us_per_layer=total,
                              rel_diff=err, kernels=parts))
             log(f"  {label:30s} {total:7.1f} us/layer  diff {err:.1e}  | " + "; ".join(
                 f"{k[:70]} {v:.1f}" for k, v in parts.items()))
     finally:
-        qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.STREAM_SHAPE = saved
+        qg.SHAPE_SMALL, qg.SHAPE_NARROW, qg.SHAPE_WIDE, qg.STREAM_SHAPE = saved
 
 
 def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,down,head",

@@ -256,7 +256,8 @@ class FlatLinear(nn.Module):
         return y if residual is None else residual + y
 
     def _qgemv(self, x2: mx.array, norm_weight, eps: float, *, residual=None, pair: bool = False) -> mx.array:
-        if norm_weight is not None and not QGEMV_FUSE_NORM and not qg.stream_fuses_norm(x2.shape[-1], pair):
+        if norm_weight is not None and not QGEMV_FUSE_NORM and not qg.stream_fuses_norm(
+                x2.shape[-1], pair, self["qweight"].shape[0]):
             x2, norm_weight = mx.fast.rms_norm(x2, norm_weight, eps), None
         return qg.qgemv(x2, self["qweight"], self["scales"], self["biases"], self.group_size,
                         norm_weight=norm_weight, eps=eps, residual=residual, pair=pair)

@@ -501,20 +501,27 @@ def _shape_env(name: str) -> tuple[int, int, int] | None:
 STREAM_SHAPE = _shape_env("TANDEM_QGEMV_SHAPE")
 """``CPLxHxP`` for every product (measurements)."""
 SHAPE_NARROW = _shape_env("TANDEM_QGEMV_SHAPE_NARROW") or (1, 8, 1)
+SHAPE_SMALL = _shape_env("TANDEM_QGEMV_SHAPE_SMALL") or SHAPE_NARROW
 SHAPE_WIDE = _shape_env("TANDEM_QGEMV_SHAPE_WIDE") or (1, 4, 4)
-"""The shapes for rows under 8,192 weights (QKV, o, gate/up at the 8B shape) and for wider
-ones (down), each overridable for measurements."""
+"""The shapes for rows under 8,192 weights: ``SMALL`` for products of at most
+``SMALL_ROWS`` rows (QKV and o at the 8B shape: 768 and 512 blocks at (1, 8, 1), about one
+wave of a card that holds 660), ``NARROW`` for more (gate/up: 3,584 blocks); ``WIDE`` for
+wider rows (down). Each overridable for measurements (``gpu_probe.py --sections
+qgemv-chain``)."""
+SMALL_ROWS = 8192
 
 
-def stream_shape(k: int) -> tuple[int, int, int]:
-    """(chunks per lane, rows per pass, passes per block) for the streaming kernel over
+def stream_shape(k: int, n: int | None = None) -> tuple[int, int, int]:
+    """(chunks per lane, rows per pass, passes per block) for the streaming kernel over n
     rows of k weights: the fastest in H200 run 38 (CUPTI, one call at a time; gpu_probe
     --sections qgemv-stream): gate/up 28672x4096 26.6 us at (1, 8, 1) against 28.3-30.5
     for the other shapes and 31.2 staged; down 4096x14336 16.3 us at (1, 4, 4) against
     18.5-23.0 and 23.4 staged."""
     if STREAM_SHAPE:
         return STREAM_SHAPE
-    return SHAPE_WIDE if k >= 8192 else SHAPE_NARROW
+    if k >= 8192:
+        return SHAPE_WIDE
+    return SHAPE_SMALL if n is not None and n <= SMALL_ROWS else SHAPE_NARROW
 
 
 STREAM_NORM = os.environ.get("TANDEM_QGEMV_STREAM_NORM", "1") == "1"
@@ -543,7 +550,7 @@ def qgemv_stream(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *
     (measurements); loads_only skips the arithmetic (a bandwidth probe, wrong results)."""
     n, words = w.shape
     k = words * 8
-    cpl, h, p = shape or stream_shape(k)
+    cpl, h, p = shape or stream_shape(k, n)
     threads = k // 32 // cpl
     rows_per_block = p * h
     n_out = n // 2 if pair else n
@@ -586,15 +593,16 @@ def supports(x: mx.array, w: mx.array, scales: mx.array, bits: int, group_size: 
             and n % (4 if pair else 2) == 0)
 
 
-def _stream_fits(k: int, pair: bool) -> bool:
-    cpl, h, _ = stream_shape(k)
+def _stream_fits(k: int, pair: bool, n: int | None = None) -> bool:
+    cpl, h, _ = stream_shape(k, n)
     threads = k // 32 // cpl
     return threads % 32 == 0 and threads <= 1024 and (not pair or h % 2 == 0)
 
 
-def stream_fuses_norm(k: int, pair: bool) -> bool:
-    """Whether ``qgemv`` given a norm weight runs it inside the streaming kernel."""
-    return KERNEL == "stream" and STREAM_NORM and _stream_fits(k, pair)
+def stream_fuses_norm(k: int, pair: bool, n: int | None = None) -> bool:
+    """Whether ``qgemv`` given a norm weight runs it inside the streaming kernel (for a
+    product of n rows of k weights)."""
+    return KERNEL == "stream" and STREAM_NORM and _stream_fits(k, pair, n)
 
 
 def rows_per_warp(n: int, k: int, pair: bool) -> int:
@@ -616,7 +624,7 @@ def qgemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_si
     """
     n, words = w.shape
     k = words * 8
-    if KERNEL == "stream" and rows_override is None and _stream_fits(k, pair):
+    if KERNEL == "stream" and rows_override is None and _stream_fits(k, pair, n):
         if norm_weight is not None and not STREAM_NORM:
             x, norm_weight = mx.fast.rms_norm(x, norm_weight, eps), None
         return qgemv_stream(x, w, scales, biases, norm_weight=norm_weight, eps=eps,

@@ -146,6 +146,26 @@ def test_stream_fused_norm_and_unpacking_match_reference(n, k, pair, unpack):
         assert _rel_err(got, qg.qgemv_reference(x, wq, s, b, 64, pair=pair)) < 5e-3, shape
 
 
+def test_stream_shape_by_product(monkeypatch):
+    """QKV and o (at most SMALL_ROWS rows) take SHAPE_SMALL, gate/up SHAPE_NARROW, rows of
+    8,192 weights and more SHAPE_WIDE; TANDEM_QGEMV_SHAPE overrides all three; the defaults
+    give QKV and o gate/up's shape."""
+    assert qg.stream_shape(4096, 6144) == qg.stream_shape(4096, 28672) == (1, 8, 1)
+    assert qg.stream_shape(14336, 4096) == (1, 4, 4)
+    monkeypatch.setattr(qg, "SHAPE_SMALL", (1, 4, 2))
+    assert qg.stream_shape(4096, 6144) == qg.stream_shape(4096, 4096) == (1, 4, 2)
+    assert qg.stream_shape(4096, 28672) == qg.stream_shape(4096) == (1, 8, 1)
+    assert qg.stream_shape(14336, 4096) == (1, 4, 4)
+    monkeypatch.setattr(qg, "STREAM_SHAPE", (2, 4, 1))
+    assert {qg.stream_shape(4096, 6144), qg.stream_shape(4096, 28672), qg.stream_shape(14336, 4096)} == {(2, 4, 1)}
+
+
+def test_shape_settings_refuse_a_malformed_value(monkeypatch):
+    monkeypatch.setenv("TANDEM_QGEMV_SHAPE_SMALL", "1x8")
+    with pytest.raises(ValueError, match="TANDEM_QGEMV_SHAPE_SMALL='1x8': write CPLxHxP"):
+        qg._shape_env("TANDEM_QGEMV_SHAPE_SMALL")
+
+
 def test_lean_inputs_drop_what_a_call_does_not_read():
     assert qg.lean_inputs(False, True, False) == ["x", "w", "scales", "biases", "res"]
     assert qg.lean_inputs(True, False, True) == ["x", "w", "scales", "biases", "norm_w", "fparams"]
