@@ -1331,11 +1331,26 @@ def section_engine_trace(layers: int, batches: list[int], out: Path) -> None:
         os.environ.pop("TANDEM_PAGED_KERNELS", None)
 
 
-def section_engine_sample(layers: int, batches: list[int], seconds: float, interval_us: int) -> None:
-    """Where the engine thread's time goes in steady decode, by C++ function: a wall-clock
-    stack sampler (``native_sampler.py``) on the thread while B sequences decode. The tick
-    split says forward 0.6-0.75 ms + encode 1.9-2.2 ms a one-row step (runs 88-91); this
-    says in what."""
+def _sample_prefills(eng, vocab: int, seconds: float) -> int:
+    """One 512-token prompt at a time (max_tokens 1), each submitted when the last one is
+    done, for ``seconds``: the prefills' count. The thread's waits between them are in the
+    samples too (as the engine's queue wait)."""
+    from tandem.kvtypes import SamplingParams
+    t_end, n = time.perf_counter() + seconds, 0
+    while time.perf_counter() < t_end:
+        eng.generate_many([(np.random.randint(0, vocab, 512).tolist(),
+                            SamplingParams(max_tokens=1, ignore_eos=True))], timeout=60)
+        n += 1
+    return n
+
+
+def section_engine_sample(layers: int, batches: list[int], seconds: float, interval_us: int,
+                          phase: str = "decode") -> None:
+    """Where the engine thread's time goes, by C++ function: a wall-clock stack sampler
+    (``native_sampler.py``) on the thread while B sequences decode (``phase`` decode), or
+    while 512-token prompts prefill one after another (``prefill``: at one row the GPU idles
+    ~2 ms of a 13.3 ms prefill, run 98). The tick split says forward 0.45-0.6 ms + encode
+    1.3-1.9 ms a one-row decode step (runs 100-102); this says in what."""
     import os
     import threading
 
@@ -1354,6 +1369,20 @@ def section_engine_sample(layers: int, batches: list[int], seconds: float, inter
         for n in sorted({1, *batches}):
             eng.generate_many([(np.random.randint(0, vocab, 512).tolist(),
                                 SamplingParams(max_tokens=8, ignore_eos=True))] * n, timeout=300)
+        if phase == "prefill":
+            sampler.start(engine_thread.native_id, interval_us=interval_us)
+            t0 = time.perf_counter()
+            count = _sample_prefills(eng, vocab, seconds)
+            elapsed = time.perf_counter() - t0
+            stacks = sampler.stop()
+            log(f"\n== engine thread, prefill 1 x 512, {layers} layers: {count} prefills in {elapsed:.1f} s "
+                f"({count * 512 / elapsed:,.0f} tok/s with the gaps), sampled every {interval_us} us")
+            r = report(stacks, top=40, log=log, focus=("mlx", "cuda", "libcu", "core.cpython", "tandem"),
+                       parents=("mlx::core::eval_impl", "mlx::core::gpu::eval", "eval_gpu", "commit",
+                                "mlx::core::compile", "libcuda", "libcudart"))
+            r.update(phase="prefill", prefills=count, seconds=elapsed, interval_us=interval_us)
+            RESULTS["engine_sample"].append(r)
+            return
         for B in batches:
             counts = {"tokens": 0, "finished": 0}
             finished = threading.Event()
@@ -1411,6 +1440,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sample-seconds", type=float, default=3.0, help="engine-sample: seconds sampled a batch")
     ap.add_argument("--sample-interval", type=int, default=250, help="engine-sample: us between samples")
+    ap.add_argument("--sample-phase", choices=("decode", "prefill"), default="decode",
+                    help="engine-sample: sample steady decode at --batches, or one-row prefills back to back")
     ap.add_argument("--ctx", type=int, default=576, help="attention-serial: context tokens")
     ap.add_argument("--stream-shapes", default="1x8x1,1x8x2,1x16x1,1x4x4,1x8x4,2x8x1,2x4x2,1x4x1",
                     help="qgemv-stream: CPLxHxP block shapes to time")
@@ -1454,7 +1485,7 @@ def main() -> int:
         section_step_replay(args.layers, [int(b) for b in args.batches.split(",")], args.profile_forward)
     if "engine-sample" in secs:
         section_engine_sample(args.layers, [int(b) for b in args.batches.split(",")], args.sample_seconds,
-                              args.sample_interval)
+                              args.sample_interval, args.sample_phase)
     if "engine-trace" in secs:
         section_engine_trace(args.layers, [int(b) for b in args.batches.split(",")], out)
     if "trace" in secs:
