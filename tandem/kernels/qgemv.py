@@ -495,6 +495,9 @@ def _shape_env(name: str) -> tuple[int, int, int] | None:
         cpl, h, p = (int(v) for v in spec.split("x"))
     except ValueError:
         raise ValueError(f"{name}={spec!r}: write CPLxHxP, for example 1x8x1") from None
+    if cpl < 1 or p < 1 or h not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"{name}={spec!r}: chunks a lane and passes a block are at least 1, "
+                         "rows a pass one of 1, 2, 4, 8, 16, 32")
     return cpl, h, p
 
 

@@ -164,6 +164,11 @@ def test_shape_settings_refuse_a_malformed_value(monkeypatch):
     monkeypatch.setenv("TANDEM_QGEMV_SHAPE_SMALL", "1x8")
     with pytest.raises(ValueError, match="TANDEM_QGEMV_SHAPE_SMALL='1x8': write CPLxHxP"):
         qg._shape_env("TANDEM_QGEMV_SHAPE_SMALL")
+    monkeypatch.setenv("TANDEM_QGEMV_SHAPE_SMALL", "1x6x1")
+    with pytest.raises(ValueError, match="rows a pass one of 1, 2, 4, 8, 16, 32"):
+        qg._shape_env("TANDEM_QGEMV_SHAPE_SMALL")
+    monkeypatch.setenv("TANDEM_QGEMV_SHAPE_SMALL", "1x4x2")
+    assert qg._shape_env("TANDEM_QGEMV_SHAPE_SMALL") == (1, 4, 2)
 
 
 def test_lean_inputs_drop_what_a_call_does_not_read():
