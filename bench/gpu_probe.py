@@ -116,19 +116,15 @@ def gpu_us(fn, match: str, iters: int = 20, serial: bool = False) -> float:
     return gpu_us_by(fn, (match,), iters, serial)[0]
 
 
-def gpu_us_by(fn, matches: tuple[str, ...], iters: int = 20, serial: bool = False,
-              median: bool = False) -> list[float]:
-    """GPU time per call (CUPTI, us): for each of ``matches``, the kernels whose name contains it, summed
-    over ``iters`` calls, divided by ``iters`` (``median``: the median kernel); nan without torch. Wall time per queued call includes MLX's per-op
-    cost (~7 us for a custom kernel, ``floor``), which hides a small kernel's own time."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        return [float("nan")] * len(matches)
+def _profiled_kernels(fn, iters: int, serial: bool) -> list[dict]:
+    """CUPTI kernel records of ``iters`` calls of ``fn`` after one warm-up call: one call at
+    a time (``serial``; independent calls in one graph may overlap) or all queued at once.
+    Raises ImportError without torch."""
+    from torch.profiler import ProfilerActivity, profile
     mx.eval(fn())
     mx.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        if serial:  # one call at a time: independent calls in one graph may overlap
+        if serial:
             for _ in range(iters):
                 mx.eval(fn())
         else:
@@ -136,7 +132,18 @@ def gpu_us_by(fn, matches: tuple[str, ...], iters: int = 20, serial: bool = Fals
         mx.synchronize()
     path = Path("/tmp/gpu_probe_kernel_trace.json")
     prof.export_chrome_trace(str(path))
-    recs = kernel_records(path)
+    return kernel_records(path)
+
+
+def gpu_us_by(fn, matches: tuple[str, ...], iters: int = 20, serial: bool = False,
+              median: bool = False) -> list[float]:
+    """GPU time per call (CUPTI, us): for each of ``matches``, the kernels whose name contains it, summed
+    over ``iters`` calls, divided by ``iters`` (``median``: the median kernel); nan without torch. Wall time per queued call includes MLX's per-op
+    cost (~7 us for a custom kernel, ``floor``), which hides a small kernel's own time."""
+    try:
+        recs = _profiled_kernels(fn, iters, serial)
+    except ImportError:
+        return [float("nan")] * len(matches)
     out = []
     for match in matches:
         durs = [e["dur"] for e in recs if match in e["name"]]
@@ -420,17 +427,8 @@ def section_decode_block(layers: int = 8) -> None:
 def _kernel_us_by_label(fn, iters: int = 5) -> dict[str, float]:
     """GPU us per call of ``fn`` for each kernel label (name with template arguments),
     CUPTI, ``iters`` calls one at a time."""
-    from torch.profiler import ProfilerActivity, profile
-    mx.eval(fn())
-    mx.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            mx.eval(fn())
-        mx.synchronize()
-    path = Path("/tmp/gpu_probe_kernel_trace.json")
-    prof.export_chrome_trace(str(path))
     by: dict[str, float] = {}
-    for e in kernel_records(path):
+    for e in _profiled_kernels(fn, iters, serial=True):
         key = kernel_label(e["name"], 120)
         by[key] = by.get(key, 0.0) + e["dur"] / iters
     return by
@@ -1360,6 +1358,12 @@ def section_engine_sample(layers: int, batches: list[int], seconds: float, inter
     from tandem.pipeline.api import EngineRequest
 
     sampler = Sampler()
+
+    def thread_report(stacks):
+        return report(stacks, top=40, log=log, focus=("mlx", "cuda", "libcu", "core.cpython", "tandem"),
+                      parents=("mlx::core::eval_impl", "mlx::core::gpu::eval", "eval_gpu", "commit",
+                               "mlx::core::compile", "libcuda", "libcudart"))
+
     eng = _probe_engine(layers, max(batches))
     eng.start()
     vocab = gd._vocab()
@@ -1377,9 +1381,7 @@ def section_engine_sample(layers: int, batches: list[int], seconds: float, inter
             stacks = sampler.stop()
             log(f"\n== engine thread, prefill 1 x 512, {layers} layers: {count} prefills in {elapsed:.1f} s "
                 f"({count * 512 / elapsed:,.0f} tok/s with the gaps), sampled every {interval_us} us")
-            r = report(stacks, top=40, log=log, focus=("mlx", "cuda", "libcu", "core.cpython", "tandem"),
-                       parents=("mlx::core::eval_impl", "mlx::core::gpu::eval", "eval_gpu", "commit",
-                                "mlx::core::compile", "libcuda", "libcudart"))
+            r = thread_report(stacks)
             r.update(phase="prefill", prefills=count, seconds=elapsed, interval_us=interval_us)
             RESULTS["engine_sample"].append(r)
             return
@@ -1410,9 +1412,7 @@ def section_engine_sample(layers: int, batches: list[int], seconds: float, inter
             rate = (counts["tokens"] - c0) / (time.perf_counter() - t0)
             log(f"\n== engine thread, decode batch {B}, {layers} layers: {rate:,.0f} tok/s while sampled "
                 f"every {interval_us} us for {seconds:.1f} s")
-            r = report(stacks, top=40, log=log, focus=("mlx", "cuda", "libcu", "core.cpython", "tandem"),
-                       parents=("mlx::core::eval_impl", "mlx::core::gpu::eval", "eval_gpu", "commit",
-                                "mlx::core::compile", "libcuda", "libcudart"))
+            r = thread_report(stacks)
             r.update(batch=B, tok_per_s=rate, interval_us=interval_us)
             RESULTS["engine_sample"].append(r)
             for rid in ids:
