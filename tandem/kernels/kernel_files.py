@@ -29,6 +29,9 @@ import hashlib
 import os
 import stat
 import tempfile
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -87,5 +90,60 @@ def cuda_kernel(*, name: str, input_names: list[str], output_names: list[str], s
     """``mx.fast.cuda_kernel`` with the texts in files when ``include`` (default ``INCLUDE``)."""
     if INCLUDE if include is None else include:
         source, header = short_texts(name, source, header, input_names)
-    return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
-                               source=source, header=header, **kwargs)
+    fn = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
+                             source=source, header=header, **kwargs)
+    return _Kernel(fn, KernelSpec(name, list(input_names), list(output_names), source, header))
+
+
+# A recorder, while one is active on this thread, sees every kernel call made through
+# ``cuda_kernel``: ``pipeline.graph_step`` records one decode step's launches this way and
+# replays them as a CUDA graph.
+_local = threading.local()
+
+
+@dataclass
+class KernelSpec:
+    """What a kernel was made from: the texts MLX was handed and its argument names."""
+    name: str
+    input_names: list[str]
+    output_names: list[str]
+    source: str
+    header: str
+
+
+@dataclass
+class Launch:
+    spec: KernelSpec
+    inputs: list
+    outputs: list
+    template: list
+    grid: tuple
+    threadgroup: tuple
+    init_value: float | None
+
+
+class _Kernel:
+    """``mx.fast.cuda_kernel``'s callable, and the spec a recorder needs."""
+
+    def __init__(self, fn, spec: KernelSpec):
+        self._fn, self.spec = fn, spec
+
+    def __call__(self, **kw):
+        outs = self._fn(**kw)
+        rec = getattr(_local, "recorder", None)
+        if rec is not None:
+            rec.append(Launch(self.spec, list(kw["inputs"]), list(outs), list(kw.get("template") or []),
+                              tuple(kw["grid"]), tuple(kw["threadgroup"]), kw.get("init_value")))
+        return outs
+
+
+@contextmanager
+def recording():
+    """Collect the launches made on this thread inside the block (a list of :class:`Launch`)."""
+    prev = getattr(_local, "recorder", None)
+    launches: list[Launch] = []
+    _local.recorder = launches
+    try:
+        yield launches
+    finally:
+        _local.recorder = prev

@@ -70,8 +70,11 @@ def test_the_wrapper_hands_mlx_the_texts_it_is_asked_for(private_dir, monkeypatc
     seen = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: seen.append(kw) or "kernel")
     for include in (False, True):
-        assert kernel_files.cuda_kernel(name="k", input_names=["x", "bias"], output_names=["y"],
-                                        source=BODY, header="", include=include) == "kernel"
+        k = kernel_files.cuda_kernel(name="k", input_names=["x", "bias"], output_names=["y"],
+                                     source=BODY, header="", include=include)
+        # MLX's kernel, and the texts it was handed (what a recorder rebuilds it from).
+        assert k._fn == "kernel" and (k.spec.source, k.spec.header) == (seen[-1]["source"], seen[-1]["header"])
+        assert (k.spec.name, k.spec.input_names, k.spec.output_names) == ("k", ["x", "bias"], ["y"])
     plain, short = seen
     assert plain["source"] == BODY and plain["header"] == ""
     assert short["source"].startswith("#include") and _expand(short["source"]).startswith(BODY)
