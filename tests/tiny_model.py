@@ -49,12 +49,15 @@ def build_tokenizer(out: Path, corpus: list[str]) -> int:
 
 def build_tiny_model(out: Path, *, seed: int = 0, quantize: bool = False, model_type: str = "llama",
                      head_dim: int = 16, dtype: str = "float32", hidden: int = 64, ffn: int = 128,
-                     heads: int = 4, kv_heads: int = 2) -> Path:
+                     heads: int = 4, kv_heads: int = 2, tie: bool = True, vocab_multiple: int = 1) -> Path:
     """Write an mlx-lm model directory (config.json, model.safetensors, tokenizer) to ``out``.
 
     ``head_dim`` 64 and ``dtype`` float16 give the shape the GPU's tile-wise attention
     kernels take (they cover fp16/bf16 and head sizes 64 and 128 only); ``hidden`` and
-    ``ffn`` multiples of 1024 (quantized, fp16) the one-row layer-tail kernel's."""
+    ``ffn`` multiples of 1024 (quantized, fp16) the one-row layer-tail kernel's. ``tie``
+    False gives the model a head of its own; ``vocab_multiple`` pads the vocabulary (rows
+    no token id reaches) to a multiple, as real checkpoints are (the argmax kernel reads
+    rows of whole 16-byte chunks)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -67,6 +70,7 @@ def build_tiny_model(out: Path, *, seed: int = 0, quantize: bool = False, model_
         "user assistant system im_start im_end",
     ]
     vocab = build_tokenizer(out, corpus)
+    vocab = -(-vocab // vocab_multiple) * vocab_multiple
     config = {
         "model_type": model_type,
         "hidden_size": hidden,
@@ -78,7 +82,7 @@ def build_tiny_model(out: Path, *, seed: int = 0, quantize: bool = False, model_
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": tie,
         "max_position_embeddings": 4096,
         "eos_token_id": SPECIAL.index("<|im_end|>"),
     }

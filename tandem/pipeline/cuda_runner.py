@@ -51,6 +51,7 @@ from tandem.kernels import paged_attention_cuda as pac
 from tandem.kernels import kv_write_cuda as kvw
 from tandem.kernels import w4wgmma
 from tandem.kernels.quantized_matmul import cuda_available
+from tandem.pipeline import graph_step
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.model_runner import PagedRunner
 from tandem.pipeline.sequence import Row
@@ -67,6 +68,8 @@ PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "2"))
 """A fresh prefill hands the GPU its graph every this many layers (0: once, at the end)."""
 PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
 PREFILL_COMPILE_MULTIPLE = 64
+GRAPH_PREPARE_TOKENS = int(os.environ.get("TANDEM_GRAPH_PREPARE_TOKENS", "4096"))
+"""Contexts up to this many tokens have their one-row graph captured when the runner starts."""
 
 
 def paged_runner(model, store: KVStore, *, mirror: bool, kernels: str | None = None) -> PagedRunner:
@@ -391,6 +394,21 @@ class KernelRunner(PagedRunner):
             t = time.perf_counter()
             self.warm_kernels()
             log.info("paged runner: decode kernel variants compiled in %.1f s", time.perf_counter() - t)
+        # One greedy row decodes through a captured CUDA graph of these kernels.
+        self.graph_step = graph_step.make(self) if ops == "cuda" else None
+        if self.graph_step is not None:
+            log.info("paged runner: one-row greedy decode through captured CUDA graphs (TANDEM_GRAPH_STEP=0: off)")
+            if store.keys and os.environ.get("TANDEM_WARM_KERNELS", "1") != "0":
+                self.graph_step.prepare(min(GRAPH_PREPARE_TOKENS, store.num_blocks * store.block_size))
+
+    def graph_sync(self) -> None:
+        """Wait for captured steps in flight: MLX work on the pools follows."""
+        if getattr(self, "graph_step", None) is not None:
+            self.graph_step.sync()
+
+    def flush(self) -> None:
+        self.graph_sync()
+        super().flush()
 
     def warm_kernels(self, row_counts=tuple(sorted({1, 2, 3, 4, 8, pac.V4_MIN_BATCH, pac.TC_MIN_BATCH}))) -> None:
         """Run a decode step per row-count class against the scratch block, split and
@@ -412,6 +430,7 @@ class KernelRunner(PagedRunner):
 
     def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
         B, L = inputs.shape
+        self.graph_sync()  # captured steps in flight touch the pools this step reads
         # Decode through the CUDA write kernel touches the pools in place only (the
         # reference ops return new pools, as the portable path does).
         self.last_step_in_place = L == 1 and self.pipelined
@@ -419,6 +438,21 @@ class KernelRunner(PagedRunner):
             if self.fresh_prefill and all(r.start == 0 for r in rows):
                 return self._fresh_prefill(rows, inputs)
             return super().forward(rows, inputs)
+        host, nb = self.decode_state(rows)
+        L = len(self.blocks)
+        packed = self._step_state(host, B)
+        out = self._step_fn(inputs, packed[:B], packed[B : 2 * B], packed[3 * B :].reshape(B, nb),
+                            packed[2 * B : 3 * B], *self.store.keys, *self.store.values)
+        if self.compiled:
+            return out
+        if isinstance(self.ops, _ReferenceOps):  # new pools, not written in place
+            self.store.keys[:], self.store.values[:] = out[1 : 1 + L], out[1 + L :]
+        return out[0]
+
+    def decode_state(self, rows: list[Row]) -> tuple[np.ndarray, int]:
+        """A decode step's positions, slots, lengths and block table, concatenated as one
+        int32 host array, and the table's width."""
+        B = len(rows)
         bs = self.store.block_size
         pos = np.fromiter((r.start for r in rows), np.int32, B)
         lens = pos + 1
@@ -431,15 +465,7 @@ class KernelRunner(PagedRunner):
         table[np.arange(nb)[None, :] < counts[:, None]] = np.fromiter(
             itertools.chain.from_iterable(chunks), np.int32, int(counts.sum())) + 1
         slots = table[np.arange(B), pos // bs] * bs + pos % bs
-        L = len(self.blocks)
-        packed = self._step_state(np.concatenate([pos, slots.astype(np.int32), lens, table.reshape(-1)]), B)
-        out = self._step_fn(inputs, packed[:B], packed[B : 2 * B], packed[3 * B :].reshape(B, nb),
-                            packed[2 * B : 3 * B], *self.store.keys, *self.store.values)
-        if self.compiled:
-            return out
-        if isinstance(self.ops, _ReferenceOps):  # new pools, not written in place
-            self.store.keys[:], self.store.values[:] = out[1 : 1 + L], out[1 + L :]
-        return out[0]
+        return np.concatenate([pos, slots.astype(np.int32), lens, table.reshape(-1)]), nb
 
     def _step_state(self, host: np.ndarray, B: int) -> mx.array:
         """A decode step's positions, slots, lengths and block table (``host``: those of

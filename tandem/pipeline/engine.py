@@ -32,7 +32,8 @@ from tandem.pipeline.block_pool import BlockPool
 from tandem.pipeline.kv_store import KVStore, dtype_name
 from tandem.pipeline.cuda_runner import paged_runner
 from tandem.pipeline.model_runner import DenseRunner, probe
-from tandem.pipeline.sampler import sample
+from tandem.pipeline import graph_step
+from tandem.pipeline.sampler import Sampled, sample
 from tandem.pipeline.scheduler import Plan, Scheduler
 from tandem.pipeline.sequence import Sequence, Status
 from tandem.pipeline.settings import EngineSettings
@@ -109,6 +110,7 @@ class Engine:
         else:
             self.store = None
             self.runner = DenseRunner(model)
+        self._graph_step = getattr(self.runner, "graph_step", None)
         self.scheduler = Scheduler(settings, self.pool, prefix_caching=settings.enable_prefix_caching and sh.pageable)
         self._inbox: queue.Queue = queue.Queue()
         self._by_id: dict[bytes, Sequence] = {}
@@ -332,12 +334,13 @@ class Engine:
         # A step whose KV writes go into the pools in place (the CUDA decode kernels) can
         # be queued before step N is read back: the device then runs N+1 while this
         # thread reads N, completes it and schedules N+2.
-        early = launched is not None and self.runner.last_step_in_place
-        if early:
+        # (A captured step has nothing for MLX to evaluate: it is queued already.)
+        early = launched is not None and (not launched[3] or self.runner.last_step_in_place)
+        if early and launched[3]:
             mx.async_eval(*launched[3])
         if self._inflight is not None:
             produced += self._read_back()
-        if launched is not None and not early:
+        if launched is not None and not early and launched[3]:
             # Otherwise queue step N+1 only now that step N has been read back: while step
             # N's graph is alive its views pin the KV arrays, so N+1's functional writes
             # would copy every array they touch (measured: 2 s instead of 5 ms per step on
@@ -351,7 +354,8 @@ class Engine:
         to read, but its graph must let go of the KV arrays) and emit its tokens."""
         inflight, self._inflight = self._inflight, None
         try:
-            mx.eval(*inflight[3])
+            if inflight[3]:
+                mx.eval(*inflight[3])
             return self._complete(*inflight[:3])
         except Exception as exc:  # the device work of that step failed
             log.exception("step failed")
@@ -362,6 +366,8 @@ class Engine:
     def _launch(self, plan: Plan):
         rows = plan.rows
         if self.store is not None:
+            if self.pool.high_water > self.store.capacity:
+                self.runner.flush()  # growing copies the pools: steps in flight write them first
             self.store.ensure_capacity(self.pool.high_water)
             self.pool.addressable = self.store.capacity  # evict cached blocks before growing it again
             if plan.copies or any(r.seq.imported is not None for r in rows):
@@ -376,25 +382,29 @@ class Engine:
                     r.seq.imported = None
         L = max(r.n for r in rows)
         sampled_before = self._inflight[1] if self._inflight is not None else None
-        if (L == 1 and sampled_before is not None and sampled_before.tokens.shape[0] == len(rows)
-                and all(len(r.seq.tokens) <= r.start and r.seq.pending_index == i for i, r in enumerate(rows))):
+        prev = sampled_before.tokens if sampled_before is not None else None
+        steady = (L == 1 and prev is not None and prev.shape[0] == len(rows)
+                  and all(len(r.seq.tokens) <= r.start and r.seq.pending_index == i for i, r in enumerate(rows)))
+        graph = self._graph_step
+        if (graph is not None and L == 1 and all(r.samples for r in rows)
+                and graph.applies(rows, [r.seq.sampling for r in rows])):
+            # One greedy row: the captured step (pipeline/graph_step.py), no MLX launches.
+            toks = graph.launch(rows, prev if steady else self._host_inputs(rows, prev))
+            if toks is not None:
+                self.scheduler.advance(plan)
+                rows[0].seq.pending_index = 0
+                return (plan, Sampled(toks), [0], [])
+        if isinstance(prev, graph_step.DeviceTokens):
+            prev = prev.as_mlx()  # MLX's path reads the token as an array of its own
+        if graph is not None:
+            graph.sync()  # this step's MLX work touches the pools the captured steps wrote
+        if steady:
             # Steady decode: every input is the in-flight sample, in its order. No host
             # array: each one is managed memory that the GPU faults in (H200 run 26: a
             # 64-index gather took 151 us), and no per-row copying on this thread.
-            inputs = sampled_before.tokens[:, None]
+            inputs = prev[:, None]
         else:
-            host = np.zeros((len(rows), L), np.int32)
-            dev_rows, dev_idx = [], []
-            for i, r in enumerate(rows):
-                known = r.seq.tokens[r.start : r.start + r.n]
-                host[i, : len(known)] = known
-                if len(known) < r.n:  # the last input is the in-flight step's sample
-                    dev_rows.append(i)
-                    dev_idx.append(r.seq.pending_index)
-            inputs = mx.array(host)
-            if dev_rows:
-                prev = sampled_before.tokens
-                inputs = inputs.at[mx.array(dev_rows), mx.array([rows[i].n - 1 for i in dev_rows])].add(prev[mx.array(dev_idx)])
+            inputs = self._host_inputs(rows, prev)
         logits = self.runner.forward(rows, inputs)
         samplers = [i for i, r in enumerate(rows) if r.samples]
         sampled = None
@@ -410,6 +420,28 @@ class Engine:
         for j, i in enumerate(samplers):
             rows[i].seq.pending_index = j
         return (plan, sampled, samplers, pending)
+
+    def _host_inputs(self, rows, prev) -> mx.array:
+        """The step's input tokens from the sequences, the in-flight step's samples
+        (``prev``) where a row's last input is still pending."""
+        L = max(r.n for r in rows)
+        host = np.zeros((len(rows), L), np.int32)
+        dev_rows, dev_idx = [], []
+        for i, r in enumerate(rows):
+            known = r.seq.tokens[r.start : r.start + r.n]
+            host[i, : len(known)] = known
+            if len(known) < r.n:  # the last input is the in-flight step's sample
+                dev_rows.append(i)
+                dev_idx.append(r.seq.pending_index)
+        if dev_rows and isinstance(prev, graph_step.DeviceTokens):
+            vals = prev.tolist()
+            for i, j in zip(dev_rows, dev_idx):
+                host[i, rows[i].n - 1] = vals[j]
+            dev_rows = []
+        inputs = mx.array(host)
+        if dev_rows:
+            inputs = inputs.at[mx.array(dev_rows), mx.array([rows[i].n - 1 for i in dev_rows])].add(prev[mx.array(dev_idx)])
+        return inputs
 
     def _complete(self, plan: Plan, sampled, samplers: list[int]) -> int:
         produced = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.kvtypes import SamplingParams
 from tandem.pipeline import cuda_runner
 from tandem.pipeline.engine import Engine
 from tandem.pipeline.model_runner import PagedRunner
@@ -188,6 +189,67 @@ def test_one_row_layer_tail_kernel_gives_mlx_lm_tokens(wide_quantized_model_dir,
     agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
              for g, w in zip(got, want)]
     assert sum(agree) >= 0.75 * sum(len(w) for w in want), (got, want)
+
+
+@pytest.fixture(scope="module")
+def graph_model_dir(tmp_path_factory):
+    """The wide 4-bit model with a head of its own and a vocabulary padded to 64: every op
+    of its one-row step is a tandem kernel (the tied head would be MLX's own matmul)."""
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("graph-q4"), quantize=True, dtype="float16", head_dim=128,
+                            hidden=1024, ffn=2048, heads=8, kv_heads=2, tie=False, vocab_multiple=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(300, method="thread")
+def test_captured_one_row_steps_give_the_tokens_of_mlx_launches(graph_model_dir, monkeypatch):
+    """One greedy row at a time, 40 tokens each (several table widths): the CUDA graph
+    replays (pipeline/graph_step.py) give exactly the tokens of MLX's own launches of the
+    same kernels, and mlx_lm's up to a late near-tie; sampled rows still run through MLX."""
+    from tandem.pipeline import graph_step
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
+    prompts = random_prompts(3, 1, 70, seed=17)
+    n = 40
+    ref = _fresh(graph_model_dir)
+    want = [oracle(ref, p, n) for p in prompts]
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(graph_step, "ENABLED", on)
+        eng = _engine(_fresh(graph_model_dir), max_batch_size=1)
+        assert (eng._graph_step is not None) == on
+        runs[on] = [eng.generate_many([(p, greedy(n))], timeout=240)[0] for p in prompts]
+        if on:
+            g = eng._graph_step
+            assert g.failed is None and g.replays >= len(prompts) * (n - 2), (g.failed, g.replays)
+            assert len(g._graphs) >= 2  # contexts of 1-110 tokens span more than one width
+            sampled = eng.generate_many([(prompts[0], SamplingParams(temperature=0.7, max_tokens=8, seed=3))])
+            assert len(sampled[0]) == 8 and g.replays >= len(prompts) * (n - 2)
+    assert runs[True] == runs[False]
+    agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+             for g, w in zip(runs[True], want)]
+    assert sum(agree) >= 0.75 * sum(len(w) for w in want), (runs[True], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(240, method="thread")
+def test_a_step_with_mlx_ops_between_kernels_is_not_captured(tiny_model_dir, monkeypatch):
+    """fp16 weights: the step runs MLX's own matmuls between the kernels, which a replay
+    would not redo; the capture's check refuses it and MLX's launches give the tokens."""
+    from tandem.pipeline import graph_step
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
+    monkeypatch.setattr(graph_step, "ENABLED", True)
+    ref = _fresh(tiny_model_dir)
+    prompts = random_prompts(2, 1, 40, seed=19)
+    want = [oracle(ref, p, MAX_TOKENS) for p in prompts]
+    eng = _engine(_fresh(tiny_model_dir), max_batch_size=1)
+    got = [eng.generate_many([(p, greedy(MAX_TOKENS))], timeout=180)[0] for p in prompts]
+    assert got == want
+    assert eng._graph_step is not None and eng._graph_step.failed is not None
 
 
 @pytest.mark.gpu

@@ -1,0 +1,199 @@
+"""The captured one-row step's host side: finding MLX's compiled modules, recording launches,
+and the engine's use of a step queued outside MLX (a fake graph step on the CPU; the real
+one is tested on the GPU in test_cuda_runner.py)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tandem.kernels import kernel_files
+from tandem.kernels import nvrtc
+from tandem.kvtypes import SamplingParams
+from tandem.pipeline import graph_step
+from tandem.pipeline.engine import Engine
+from tandem.pipeline.settings import EngineSettings
+from tests.pipeline.conftest import EOS, oracle, random_prompts
+
+
+def test_template_constants_are_the_ones_mlx_writes():
+    t = [("T", mx.float16), ("K", 4096), ("PAIR", True), ("RES", False), ("U", mx.int32)]
+    assert graph_step.template_lines(t) == ("  using T = __half;\n  constexpr int K = 4096;\n"
+                                             "  constexpr bool PAIR = true;\n  constexpr bool RES = false;\n"
+                                             "  using U = int32_t;\n")
+    with pytest.raises(graph_step.Unsupported, match="not a type MLX passes"):
+        graph_step.template_lines([("T", object())])
+
+
+def test_recording_sees_this_threads_calls_inside_the_block_only():
+    calls = []
+
+    def fake(**kw):
+        calls.append(kw)
+        return [mx.array([len(calls)])]
+
+    k = kernel_files._Kernel(fake, kernel_files.KernelSpec("k", ["x"], ["y"], "src", ""))
+    x = mx.zeros((2,))
+    k(inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.int32])
+    with kernel_files.recording() as launches:
+        (y,) = k(inputs=[x], template=[("N", 3)], grid=(64, 1, 1), threadgroup=(32, 1, 1),
+                 output_shapes=[(1,)], output_dtypes=[mx.int32])
+        other = threading.Thread(target=k, kwargs=dict(inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                                                       output_shapes=[(1,)], output_dtypes=[mx.int32]))
+        other.start()
+        other.join()
+        with kernel_files.recording() as inner:
+            k(inputs=[y], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.int32])
+        k(inputs=[y], grid=(2, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.int32])
+    assert len(calls) == 5
+    assert [(ln.grid, ln.template) for ln in launches] == [((64, 1, 1), [("N", 3)]), ((2, 1, 1), [])]
+    assert launches[0].inputs[0] is x and launches[0].outputs[0] is y and launches[1].inputs[0] is y
+    assert len(inner) == 1
+
+
+class FakeGraphStep:
+    """Stands in for GraphStep: computes each step at once through the runner's MLX
+    forward and hands the token out as DeviceTokens. Logs launches, syncs and the
+    engine's own forwards, so a test can check that MLX never runs on a pending step."""
+
+    failed = None
+    applies = graph_step.GraphStep.applies
+
+    def __init__(self, runner):
+        self.runner, self.forward = runner, runner.forward
+        self.values: list[int] = []
+        self.events: list[str] = []
+        self.pending = False
+        runner.forward = self._engine_forward
+
+    def _engine_forward(self, rows, inputs):
+        self.events.append("mlx-after-pending" if self.pending else "mlx")
+        return self.forward(rows, inputs)
+
+    def launch(self, rows, prev):
+        tok = prev.tolist() if isinstance(prev, graph_step.DeviceTokens) else np.asarray(prev).reshape(-1).tolist()
+        logits = self.forward(rows, mx.array([[tok[0]]], dtype=mx.int32))
+        self.values.append(int(mx.argmax(logits, axis=-1).item()))
+        self.events.append("graph")
+        self.pending = True
+        return graph_step.DeviceTokens(self, 0, len(self.values) - 1)
+
+    def _read(self, slot, serial):
+        return [self.values[serial]]
+
+    def sync(self):
+        self.pending = False
+        self.events.append("sync")
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_engine_decodes_greedy_single_rows_through_the_graph_step_and_matches(tiny, pipelined):
+    prompts = random_prompts(5, 3, 40, seed=11)
+    expected = [oracle(tiny, p, 12) for p in prompts]
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
+    eng._read_back_first = not pipelined
+    fake = eng._graph_step = FakeGraphStep(eng.runner)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    # One at a time: every decode step is one greedy row.
+    got = [eng.generate_many([(p, greedy)])[0] for p in prompts[:2]]
+    assert got == expected[:2]
+    assert fake.events.count("graph") >= 2 * 10
+    # Together, and with a sampled request: rows join and leave, so MLX's steps and
+    # captured ones alternate, and the tokens still match.
+    sampled = SamplingParams(temperature=0.8, max_tokens=12, seed=5)
+    mixed = eng.generate_many([(p, greedy) for p in prompts[2:]] + [(prompts[0], sampled)])
+    assert mixed[:3] == expected[2:]
+    alone = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
+    assert mixed[3] == alone.generate_many([(prompts[0], sampled)])[0]
+    assert "mlx-after-pending" not in fake.events
+
+
+def _spec(name, inputs, outputs, source, header=""):
+    return kernel_files.KernelSpec(name, inputs, outputs, *kernel_files.short_texts(name, source, header, inputs))
+
+
+def test_kernel_text_declares_what_the_body_reads_in_mlxs_order():
+    spec = kernel_files.KernelSpec("k", ["w", "ids"], ["y"], "// reads w_shape ids_ndim\ny[0] = w[0];", "#define H 1\n")
+    ln = kernel_files.Launch(spec, [mx.zeros((2, 4), mx.float16), mx.zeros((3,), mx.int32)], [mx.zeros((2,), mx.float32)],
+                             [("T", mx.bfloat16), ("N", 7), ("F", False)], (1, 1, 1), (1, 1, 1), None)
+    text, layout = graph_step.kernel_text(ln)
+    assert ('extern "C" __global__ void tandem_graph_kernel(const __half* w, const Shape w_shape, '
+            'const int32_t* ids, const int ids_ndim, float* y) {\n  using T = __nv_bfloat16;\n'
+            '  constexpr int N = 7;\n  constexpr bool F = false;\n\n// reads w_shape ids_ndim\ny[0] = w[0];\n}\n') in text
+    assert text.index("#define H 1") < text.index("tandem_graph_kernel")
+    assert layout == [("in", 0), ("shape", 0), ("in", 1), ("ndim", 1), ("out", 0)]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernel_texts_of_real_kernels_compile(tmp_path):
+    """The argmax and embedding kernels as the graph step writes them compile for sm_90
+    (nvcc here; NVRTC on the GPU machine, whose branch of the prelude differs only in the
+    integer typedefs)."""
+    from tandem.kernels import argmax_cuda, embed_cuda
+
+    cases = [
+        (_spec("tandem_argmax_rows", ["logits"], ["out"], argmax_cuda._SOURCE,
+               f"constexpr int THREADS = {argmax_cuda.THREADS};\n"),
+         [mx.zeros((1, 1024), mx.float16)], [mx.zeros((1,), mx.int32)], [("T", mx.float16)]),
+        (_spec("tandem_quantized_embedding", ["ids", "w", "scales", "biases"], ["out"], embed_cuda._SOURCE),
+         [mx.zeros((1,), mx.int32), mx.zeros((8, 128), mx.uint32), mx.zeros((8, 32), mx.float16),
+          mx.zeros((8, 32), mx.float16)], [mx.zeros((1, 1024), mx.float16)],
+         [("T", mx.float16), ("BITS", 4), ("GS", 32), ("WPR", 128)]),
+    ]
+    for spec, ins, outs, template in cases:
+        text, _ = graph_step.kernel_text(kernel_files.Launch(spec, ins, outs, template, (1, 1, 1), (1, 1, 1), None))
+        src = tmp_path / f"{spec.name}.cu"
+        src.write_text(text)
+        run = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-o", str(tmp_path / f"{spec.name}.cubin"), str(src)],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+
+
+_CTYPES = {"__half": mx.float16, "__nv_bfloat16": mx.bfloat16, "float": mx.float32, "int32_t": mx.int32,
+           "uint32_t": mx.uint32}
+
+
+def _launch_from_variant(name, source, header, inputs, outputs, template):
+    """bench/cuda_compile.py's description of a variant as a recorded launch."""
+    tvals = []
+    for kind, n, v in template:
+        tvals.append((n, _CTYPES[v] if kind == "typename" else (v == "true") if kind == "bool" else int(v)))
+    types = dict(_CTYPES, **{n: v for n, v in tvals if isinstance(v, mx.Dtype)})
+    spec = _spec(name, [n for n, _ in inputs], [n for n, _ in outputs], source, header)
+    return kernel_files.Launch(spec, [mx.zeros((2,), types[t]) for _, t in inputs],
+                               [mx.zeros((2,), types[t]) for _, t in outputs], tvals, (1, 1, 1), (1, 1, 1), None)
+
+
+ONE_ROW_KERNELS = ("embedding __half 4-bit g64", "qgemv-stream-lean qkv+norm c1 h8 p1", "qgemv-stream-lean o+res c1 h8 p1",
+                   "qgemv-stream-lean gate/up pair+norm unpack1 c1 h8 p1", "qgemv-stream-lean down+res c1 h4 p4",
+                   "decode attention fused __half D=128 staged-merge=true", "multirow norm=True swiglu=False res=False",
+                   "argmax __half")
+
+
+@pytest.mark.skipif(nvrtc.library() is None, reason="needs libnvrtc (the nvidia-cuda-nvrtc wheel)")
+def test_one_row_kernels_compile_through_nvrtc_as_the_graph_step_writes_them(tmp_path, monkeypatch):
+    """Every kernel of the 8B shape's one-row step, as ``kernel_text`` writes it, compiles
+    with NVRTC for sm_90: the compiler the graph step uses on the GPU machine, whose
+    environment (no C++ library, none of MLX's headers) nvcc does not reproduce."""
+    import importlib.util
+
+    monkeypatch.setenv("TANDEM_KERNEL_DIR", str(tmp_path))
+    path = Path(__file__).resolve().parents[2] / "bench" / "cuda_compile.py"
+    spec = importlib.util.spec_from_file_location("cuda_compile_for_test", path)
+    cc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cc)
+    monkeypatch.setattr(cc, "variant", lambda *a: a)
+    found = {label: args for gen in (cc.embed_variants, cc.qgemv_stream_variants, cc.attention_variants,
+                                     cc.multirow_variants, cc.argmax_variants) for label, args in gen()}
+    for label in ONE_ROW_KERNELS:
+        text, _ = graph_step.kernel_text(_launch_from_variant(*found[label]))
+        try:
+            assert nvrtc.compile_cubin(text, "sm_90", "k.cu")[:4] == b"\x7fELF", label
+        except nvrtc.CompileError as exc:
+            pytest.fail(f"{label}: {exc}")
