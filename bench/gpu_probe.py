@@ -10,8 +10,10 @@ Prints (and writes ``gpu_probe.json`` under ``--out``):
   kernel the process launches, MLX's included) for a few decode steps of the kernel loop
   of ``bench/gpu_decode.py`` at batch 1 and 64 with a few layers: time per kernel name,
   GPU busy time against the wall time, and the gaps between kernels.
+* ``graph-replay``: the captured one-row step (``pipeline/graph_step.py``) replayed with
+  no engine around it, queued back to back and waited for one at a time.
 
-Needs the GPU machine (MLX on CUDA); ``torch`` only for the trace.
+(Other sections: see ``main``.) Needs the GPU machine (MLX on CUDA); ``torch`` only for the trace.
 """
 
 from __future__ import annotations
@@ -690,6 +692,53 @@ def section_step_replay(layers: int, batches: list[int], profile_forward: bool =
     finally:
         eng.stop()
         cuda_runner.KernelRunner._decode_graph = graph
+
+
+def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
+    """The captured one-row step (pipeline/graph_step.py) replayed with no engine around it:
+    back to back (the GPU's own step time: the host queues ahead) and one at a time (each
+    replay waited for: the latency a token would see with no pipelining). The step state
+    points every table column at the scratch block with the context ``8`` tokens short of
+    the width, so the attention reads a context of the width's length."""
+    from tandem.pipeline import graph_step
+
+    graph_step.ENABLED = True
+    eng = _probe_engine(layers, 1)
+    gs = eng.runner.graph_step
+    RESULTS["graph_replay"] = rows = []
+    if gs is None or gs.failed:
+        log(f"graph step unavailable: {None if gs is None else gs.failed}")
+        RESULTS["graph_replay_failed"] = None if gs is None else gs.failed
+        return
+    drv, bs = gs.drv, eng.store.block_size
+    log(f"\n== graph replay, {layers} layers, {len(gs._graphs)} widths captured at start")
+    for nb in widths:
+        t0 = time.perf_counter()
+        g = gs._graph(nb)
+        capture_ms = (time.perf_counter() - t0) * 1e3
+        pos = nb * bs - 8
+        host = np.zeros(3 + nb, np.int32)
+        host[:3] = (pos, pos % bs, pos + 1)
+        drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, gs.stream)
+        drv.call("cuStreamSynchronize", gs.stream)
+        for _ in range(10):
+            drv.call("cuGraphLaunch", g.exec, gs.stream)
+        drv.call("cuStreamSynchronize", gs.stream)
+        t = time.perf_counter()
+        for _ in range(reps):
+            drv.call("cuGraphLaunch", g.exec, gs.stream)
+        drv.call("cuStreamSynchronize", gs.stream)
+        queued = (time.perf_counter() - t) / reps
+        t = time.perf_counter()
+        for _ in range(reps):
+            drv.call("cuGraphLaunch", g.exec, gs.stream)
+            drv.call("cuStreamSynchronize", gs.stream)
+        waited = (time.perf_counter() - t) / reps
+        rec = {"width": nb, "context": pos + 1, "capture_ms": capture_ms, "queued_ms": queued * 1e3,
+               "waited_ms": waited * 1e3, "queued_tps": 1 / queued, "waited_tps": 1 / waited}
+        rows.append(rec)
+        log(f"width {nb:4d} (context {pos + 1:5d}): queued {queued * 1e3:.3f} ms a step ({1 / queued:,.0f} tok/s), "
+            f"waited {waited * 1e3:.3f} ms ({1 / waited:,.0f} tok/s); capture {capture_ms:.0f} ms")
 
 
 def section_attention() -> None:
@@ -1481,6 +1530,8 @@ def main() -> int:
     if "w4gemm" in secs:
         section_w4gemm(tuple(int(r) for r in args.w4g_rows.split(",")), args.w4_products + ",head",
                        args.w4g_parts)
+    if "graph-replay" in secs:
+        section_graph_replay(args.layers)
     if "step-replay" in secs:
         section_step_replay(args.layers, [int(b) for b in args.batches.split(",")], args.profile_forward)
     if "engine-sample" in secs:
