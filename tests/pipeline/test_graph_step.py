@@ -4,6 +4,7 @@ one is tested on the GPU in test_cuda_runner.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 import threading
@@ -197,3 +198,93 @@ def test_one_row_kernels_compile_through_nvrtc_as_the_graph_step_writes_them(tmp
             assert nvrtc.compile_cubin(text, "sm_90", "k.cu")[:4] == b"\x7fELF", label
         except nvrtc.CompileError as exc:
             pytest.fail(f"{label}: {exc}")
+
+
+class FakeDriver:
+    """The driver calls GraphStep.launch makes, on a simulated device: a replay turns the
+    token in tok_dev and the position in the state buffer into the next token."""
+
+    def __init__(self):
+        self.dev: dict[int, int] = {}  # device address -> int32 value (token, first state word)
+        self._keep, self.uploads, self.launches = [], [], 0
+
+    def bind_context(self):
+        pass
+
+    def arch(self):
+        return "sm_90"
+
+    def stream(self):
+        return 7
+
+    def event(self):
+        return 0
+
+    def mem_alloc(self, n):
+        addr = 0x1000 * (len(self.dev) + 1)
+        self.dev[addr] = 0
+        return addr
+
+    def host_alloc(self, n):
+        buf = ctypes.create_string_buffer(n)
+        self._keep.append(buf)
+        return ctypes.addressof(buf)
+
+    def call(self, name, *args):
+        if name == "cuMemcpyHtoDAsync_v2":
+            dst, src, n, _ = args
+            self.dev[dst] = ctypes.c_int32.from_address(src).value
+            self.uploads.append(dst)
+        elif name == "cuGraphLaunch":
+            self.launches += 1
+            tok, pos = self.dev[FakeGraph.tok], self.dev[FakeGraph.state]
+            self.dev[FakeGraph.tok] = (tok * 31 + pos) % 1000
+        elif name == "cuMemcpyDtoHAsync_v2":
+            dst, src, n, _ = args
+            ctypes.c_int32.from_address(dst).value = self.dev[src]
+
+
+class FakeGraph:
+    tok = state = 0
+    exec = 1
+
+
+class _Row:
+    def __init__(self, start):
+        self.start, self.n = start, 1
+
+
+def test_launch_keeps_the_token_on_the_device_and_uploads_only_when_it_must(monkeypatch):
+    drv = FakeDriver()
+    runner = type("R", (), {"decode_state": lambda self, rows: (np.array([rows[0].start, 0, 0, 0], np.int32), 1)})()
+    g = graph_step.GraphStep(runner, drv)
+    FakeGraph.tok, FakeGraph.state = g.tok_dev, drv.mem_alloc(16)
+    g._graph = lambda nb: type("G", (), {"exec": 1, "state_dev": FakeGraph.state})()
+    synced = []
+    monkeypatch.setattr(mx, "synchronize", lambda *a: synced.append(1))
+    want, tok = [], 5
+    prev = mx.array([tok], dtype=mx.int32)  # the prefill's sample: an MLX array
+    got = []
+    for pos in range(10, 30):
+        before = prev
+        prev = g.launch([_Row(pos)], prev)
+        if isinstance(before, graph_step.DeviceTokens):  # read back one step behind, as the engine does
+            got.append(before.tolist()[0])
+        tok = (tok * 31 + pos) % 1000
+        want.append(tok)
+    got.append(prev.tolist()[0])
+    assert got == want  # every token is the chained value, though none went through the host
+    tok_uploads = [d for d in drv.uploads if d == g.tok_dev]
+    assert len(tok_uploads) == 1 and len(synced) == 1  # the MLX-made first input only
+    # A capture in between (its check writes tok_dev) makes the next launch upload again.
+    g._tok_serial = -1
+    nxt = g.launch([_Row(30)], prev)
+    assert [d for d in drv.uploads if d == g.tok_dev] == [g.tok_dev] * 2
+    assert nxt.tolist()[0] == (want[-1] * 31 + 30) % 1000
+    # A token left unread for more launches than the ring holds is refused, not misread.
+    stale = nxt
+    for pos in range(31, 31 + graph_step.RING + 1):
+        nxt = g.launch([_Row(pos)], nxt)
+    stale._value = None
+    with pytest.raises(RuntimeError, match="overwritten"):
+        stale.tolist()
