@@ -695,11 +695,13 @@ def section_step_replay(layers: int, batches: list[int], profile_forward: bool =
 
 
 def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
-    """The captured one-row step (pipeline/graph_step.py) replayed with no engine around it:
-    back to back (the GPU's own step time: the host queues ahead) and one at a time (each
-    replay waited for: the latency a token would see with no pipelining). The step state
-    points every table column at the scratch block with the context ``8`` tokens short of
-    the width, so the attention reads a context of the width's length."""
+    """The captured one-row step (pipeline/graph_step.py) replayed with no engine around it,
+    captured without and with programmatic dependent launch (``TANDEM_GRAPH_PDL``), each
+    capture checked against MLX's step as the engine's are: queued back to back (the GPU's
+    own step time: the host queues ahead) and waited for one at a time (the latency a token
+    would see with no pipelining). The step state points every table column at the
+    scratch block with the context 8 tokens short of the width, so the attention reads a
+    context of the width's length."""
     from tandem.pipeline import graph_step
 
     graph_step.ENABLED = True
@@ -712,33 +714,41 @@ def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
         return
     drv, bs = gs.drv, eng.store.block_size
     log(f"\n== graph replay, {layers} layers, {len(gs._graphs)} widths captured at start")
+
+    def replay_ms(g, wait_each: bool) -> float:
+        t = time.perf_counter()
+        for _ in range(reps):
+            drv.call("cuGraphLaunch", g.exec, gs.stream)
+            if wait_each:
+                drv.call("cuStreamSynchronize", gs.stream)
+        drv.call("cuStreamSynchronize", gs.stream)
+        return (time.perf_counter() - t) / reps * 1e3
+
     for nb in widths:
-        t0 = time.perf_counter()
-        g = gs._graph(nb)
-        capture_ms = (time.perf_counter() - t0) * 1e3
-        pos = nb * bs - 8
-        host = np.zeros(3 + nb, np.int32)
-        host[:3] = (pos, pos % bs, pos + 1)
-        drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, gs.stream)
-        drv.call("cuStreamSynchronize", gs.stream)
-        for _ in range(10):
-            drv.call("cuGraphLaunch", g.exec, gs.stream)
-        drv.call("cuStreamSynchronize", gs.stream)
-        t = time.perf_counter()
-        for _ in range(reps):
-            drv.call("cuGraphLaunch", g.exec, gs.stream)
-        drv.call("cuStreamSynchronize", gs.stream)
-        queued = (time.perf_counter() - t) / reps
-        t = time.perf_counter()
-        for _ in range(reps):
-            drv.call("cuGraphLaunch", g.exec, gs.stream)
-            drv.call("cuStreamSynchronize", gs.stream)
-        waited = (time.perf_counter() - t) / reps
-        rec = {"width": nb, "context": pos + 1, "capture_ms": capture_ms, "queued_ms": queued * 1e3,
-               "waited_ms": waited * 1e3, "queued_tps": 1 / queued, "waited_tps": 1 / waited}
-        rows.append(rec)
-        log(f"width {nb:4d} (context {pos + 1:5d}): queued {queued * 1e3:.3f} ms a step ({1 / queued:,.0f} tok/s), "
-            f"waited {waited * 1e3:.3f} ms ({1 / waited:,.0f} tok/s); capture {capture_ms:.0f} ms")
+        for pdl in (False, True):
+            graph_step.PDL = pdl
+            if nb in gs._graphs:
+                gs._drop(nb)
+            t0 = time.perf_counter()
+            try:
+                g = gs._graph(nb)
+            except Exception as exc:  # a PDL capture that fails its check: say so, go on
+                log(f"width {nb} pdl {pdl}: capture failed: {exc}")
+                rows.append({"width": nb, "pdl": pdl, "failed": str(exc)})
+                continue
+            capture_ms = (time.perf_counter() - t0) * 1e3
+            pos = nb * bs - 8
+            host = np.zeros(3 + nb, np.int32)
+            host[:3] = (pos, pos % bs, pos + 1)
+            drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, gs.stream)
+            replay_ms(g, False)  # warm
+            queued, waited = replay_ms(g, False), replay_ms(g, True)
+            rec = {"width": nb, "pdl": pdl, "context": pos + 1, "capture_ms": capture_ms, "queued_ms": queued,
+                   "waited_ms": waited, "queued_tps": 1e3 / queued, "waited_tps": 1e3 / waited}
+            rows.append(rec)
+            log(f"width {nb:4d} (context {pos + 1:5d}) pdl {int(pdl)}: queued {queued:.3f} ms a step "
+                f"({1e3 / queued:,.0f} tok/s), waited {waited:.3f} ms ({1e3 / waited:,.0f} tok/s); "
+                f"capture {capture_ms:.0f} ms")
 
 
 def section_attention() -> None:

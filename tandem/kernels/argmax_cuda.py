@@ -35,6 +35,9 @@ THREADS = 1024
 
 # Template: T. Input: logits (B, V), row-contiguous, V % 8 == 0. Output: out (B,) int32.
 _SOURCE = r"""
+#ifdef TANDEM_PDL
+  tandem_pdl_start();  // captured with programmatic dependent launch: see pipeline/graph_step.py
+#endif
   constexpr int NW = THREADS / 32;
   constexpr int NONE = 0x7fffffff;           // no index yet: any value beats it
   const int V = logits_shape[1];

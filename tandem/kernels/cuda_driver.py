@@ -29,6 +29,24 @@ _ptr = ctypes.c_void_p
 _u64 = ctypes.c_uint64
 
 
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _AttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
+
+
+class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", _ptr), ("attrs", ctypes.POINTER(LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
 class CudaError(RuntimeError):
     """A driver call failed; ``code`` is its CUresult."""
 
@@ -50,6 +68,7 @@ _SIGNATURES = {
     "cuFuncGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, _ptr],
     "cuLaunchKernel": [_ptr, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                        ctypes.c_uint, ctypes.c_uint, _ptr, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)],
+    "cuLaunchKernelEx": [ctypes.c_void_p, _ptr, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)],
     "cuStreamCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
     "cuStreamSynchronize": [_ptr],
     ("cuStreamBeginCapture_v2", "cuStreamBeginCapture"): [_ptr, ctypes.c_int],
@@ -147,8 +166,17 @@ class Driver:
     def host_alloc(self, nbytes: int) -> int:
         return self._out("cuMemHostAlloc", _ptr, int(nbytes), 0)
 
-    def launch(self, func: int, grid, block, stream: int, params) -> None:
-        self.call("cuLaunchKernel", func, *grid, *block, 0, stream, params, None)
+    def launch(self, func: int, grid, block, stream: int, params, programmatic: bool = False) -> None:
+        """Launch ``func``; ``programmatic``: it may start before the kernel queued before it
+        ends (programmatic dependent launch, sm_90): its own ``griddepcontrol.wait`` must
+        come before it reads what that kernel wrote."""
+        if not programmatic:
+            self.call("cuLaunchKernel", func, *grid, *block, 0, stream, params, None)
+            return
+        attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value.programmatic_stream_serialization_allowed = 1
+        cfg = LaunchConfig(*grid, *block, 0, stream, ctypes.pointer(attr), 1)
+        self.call("cuLaunchKernelEx", ctypes.byref(cfg), func, params, None)
 
     def begin_capture(self, stream: int) -> None:
         self.call("cuStreamBeginCapture_v2", stream, CU_STREAM_CAPTURE_MODE_RELAXED)

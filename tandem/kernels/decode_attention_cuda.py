@@ -65,6 +65,9 @@ if CHUNK < 16 or CHUNK % 16:
 # (2,) f32 = [scale, partition tokens], counters (>= B*KVH,) int32, zero. Outputs: out
 # (B, KVH*G*D) T; part (B, KVH*G, NPART, D + 2) f32 scratch for the partials.
 _SOURCE = r"""
+#ifdef TANDEM_PDL
+  tandem_pdl_start();  // captured with programmatic dependent launch: see pipeline/graph_step.py
+#endif
   constexpr int DL = D / 8;
   constexpr int H = KVH * G;
   constexpr int HEADS = H + 2 * KVH;

@@ -30,6 +30,9 @@ ENABLED = os.environ.get("TANDEM_EMBED_KERNEL", "1") != "0"  # 0: mlx's gathers 
 # Output: out (N, dims). One thread per 16 bytes of a packed row (4 words: 32 values at
 # 4 bits, 16 at 8), each inside one group since GS >= 32; blockIdx.y is the token.
 _SOURCE = r"""
+#ifdef TANDEM_PDL
+  tandem_pdl_start();  // captured with programmatic dependent launch: see pipeline/graph_step.py
+#endif
   constexpr int VPW = 32 / BITS;                 // values per word
   constexpr int DIMS = WPR * VPW;
   constexpr int NG = DIMS / GS;

@@ -88,11 +88,12 @@ def short_texts(name: str, source: str, header: str, input_names: list[str]) -> 
 def cuda_kernel(*, name: str, input_names: list[str], output_names: list[str], source: str,
                 header: str = "", include: bool | None = None, **kwargs):
     """``mx.fast.cuda_kernel`` with the texts in files when ``include`` (default ``INCLUDE``)."""
+    pdl = "TANDEM_PDL" in source + header
     if INCLUDE if include is None else include:
         source, header = short_texts(name, source, header, input_names)
     fn = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
                              source=source, header=header, **kwargs)
-    return _Kernel(fn, KernelSpec(name, list(input_names), list(output_names), source, header))
+    return _Kernel(fn, KernelSpec(name, list(input_names), list(output_names), source, header, pdl))
 
 
 # A recorder, while one is active on this thread, sees every kernel call made through
@@ -109,6 +110,7 @@ class KernelSpec:
     output_names: list[str]
     source: str
     header: str
+    pdl: bool = False  # its texts wait for the kernel before it under TANDEM_PDL (graph_step)
 
 
 @dataclass

@@ -271,6 +271,23 @@ _STREAM_SOURCE = r"""
   const int out0 = blockIdx.x * (PAIR ? ROWS / 2 : ROWS);
   // Zero at run time, unknown to the compiler (N < 2^30): see the dependency below.
   const uint32_t zero = (uint32_t)N >> 30;
+#ifdef TANDEM_PDL
+  // Captured with programmatic dependent launch (pipeline/graph_step.py), this block may
+  // start while the kernel before it finishes. Its weights do not depend on that kernel:
+  // the first pass's rows go to L2 now, and everything after the wait reads its outputs.
+  tandem_pdl_launch();
+#pragma unroll
+  for (int r = 0; r < H; ++r) {
+    const int o = PAIR ? out0 + r / 2 : out0 + r;
+    if (o < rows_out) {
+      const size_t row = PAIR ? o + (r % 2) * half_n : o;
+#pragma unroll
+      for (int j = 0; j < CPL; ++j)
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const uint4*>(w) + row * CH + tid + j * NT));
+    }
+  }
+  tandem_pdl_wait();
+#endif
 
   // The input (normalized first when NORM) goes into registers before any weight load.
   // Deferring it until the first pass's weights were in flight, so that the norm's

@@ -46,6 +46,10 @@ from tandem.kernels import nvrtc
 log = logging.getLogger("tandem.engine")
 
 ENABLED = os.environ.get("TANDEM_GRAPH_STEP", "0") == "1"
+PDL = os.environ.get("TANDEM_GRAPH_PDL", "0") == "1"
+"""Launch the kernels whose texts wait for their predecessor (``KernelSpec.pdl``) with
+programmatic dependent launch: each may start, and the one-row products prefetch their
+first rows to L2, while the kernel before it drains (sm_90 and later). Unmeasured."""
 RING = 8  # read-back slots: the engine holds at most two steps in flight
 MAX_GRAPHS = 24  # one per table width seen; the oldest goes when a new one would exceed it
 
@@ -92,6 +96,15 @@ struct Strides {
 """
 MAX_NDIM = 10
 KERNEL_NAME = "tandem_graph_kernel"
+# Defined only in the graph step's builds: MLX's compiles of the same sources never see
+# the macro, so their code is unchanged. A kernel that waits must wait in every block
+# before it exits: that keeps "the kernel before me has finished" transitive down the graph.
+PDL_PRELUDE = r"""
+#define TANDEM_PDL 1
+__device__ __forceinline__ void tandem_pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void tandem_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void tandem_pdl_start() { tandem_pdl_launch(); tandem_pdl_wait(); }
+"""
 
 
 def template_lines(template: list) -> str:
@@ -109,7 +122,7 @@ def template_lines(template: list) -> str:
     return "".join(lines)
 
 
-def kernel_text(launch: kernel_files.Launch) -> tuple[str, list[tuple[str, int]]]:
+def kernel_text(launch: kernel_files.Launch, pdl: bool = False) -> tuple[str, list[tuple[str, int]]]:
     """The launch's kernel as a source of its own, the one MLX generates (the same
     parameters in the same order, the template as constants, then the body) under
     ``extern "C"`` ``tandem_graph_kernel``; and the parameters' layout: (kind, index) with
@@ -130,7 +143,7 @@ def kernel_text(launch: kernel_files.Launch) -> tuple[str, list[tuple[str, int]]
         params.append(f"{_PARAM_TYPES[o.dtype]}* {n}")
         layout.append(("out", j))
     tl = template_lines(launch.template)
-    text = (PRELUDE + spec.header + f'\nextern "C" __global__ void {KERNEL_NAME}(' + ", ".join(params) + ") {\n"
+    text = (PRELUDE + (PDL_PRELUDE if pdl else "") + spec.header + f'\nextern "C" __global__ void {KERNEL_NAME}(' + ", ".join(params) + ") {\n"
             + tl + ("\n" if tl else "") + spec.source + "\n}\n")
     return text, layout
 
@@ -368,8 +381,10 @@ class GraphStep:
 
         drv.bind_context()
         plans = []
+        pdl_ok = PDL and int(self.arch[3:].rstrip("a")) >= 90
         for ln in launches:
-            text, layout = kernel_text(ln)
+            pdl = pdl_ok and ln.spec.pdl
+            text, layout = kernel_text(ln, pdl)
             func = self._function(text, ln.spec.name)
             outs_ptrs = [self.tok_dev if o is tokens else where(o) for o in ln.outputs]
             values = []
@@ -390,13 +405,14 @@ class GraphStep:
                         values.append(("i32", a.ndim))
             grid = tuple(-(-g // t) for g, t in zip(ln.grid, ln.threadgroup))
             plans.append((func, grid, ln.threadgroup, cuda_driver.KernelParams(values),
-                          [(p, o.nbytes) for p, o in zip(outs_ptrs, ln.outputs)] if ln.init_value is not None else []))
+                          [(p, o.nbytes) for p, o in zip(outs_ptrs, ln.outputs)] if ln.init_value is not None else [],
+                          pdl))
         drv.begin_capture(self.stream)
         try:
-            for func, grid, block, params, fills in plans:
+            for func, grid, block, params, fills, pdl in plans:
                 for p, n in fills:
                     drv.call("cuMemsetD8Async", p, 0, n, self.stream)
-                drv.launch(func, grid, block, self.stream, params.array)
+                drv.launch(func, grid, block, self.stream, params.array, programmatic=pdl and not fills)
         finally:
             graph = drv.end_capture(self.stream)
         exec_ = drv.instantiate(graph)

@@ -116,7 +116,8 @@ def test_engine_decodes_greedy_single_rows_through_the_graph_step_and_matches(ti
 
 
 def _spec(name, inputs, outputs, source, header=""):
-    return kernel_files.KernelSpec(name, inputs, outputs, *kernel_files.short_texts(name, source, header, inputs))
+    return kernel_files.KernelSpec(name, inputs, outputs, *kernel_files.short_texts(name, source, header, inputs),
+                                   "TANDEM_PDL" in source + header)
 
 
 def test_kernel_text_declares_what_the_body_reads_in_mlxs_order():
@@ -193,11 +194,16 @@ def test_one_row_kernels_compile_through_nvrtc_as_the_graph_step_writes_them(tmp
     found = {label: args for gen in (cc.embed_variants, cc.qgemv_stream_variants, cc.attention_variants,
                                      cc.multirow_variants, cc.argmax_variants) for label, args in gen()}
     for label in ONE_ROW_KERNELS:
-        text, _ = graph_step.kernel_text(_launch_from_variant(*found[label]))
-        try:
-            assert nvrtc.compile_cubin(text, "sm_90", "k.cu")[:4] == b"\x7fELF", label
-        except nvrtc.CompileError as exc:
-            pytest.fail(f"{label}: {exc}")
+        launch = _launch_from_variant(*found[label])
+        # Every one of them waits for its predecessor under programmatic dependent launch.
+        assert launch.spec.pdl, label
+        for pdl in (False, True):
+            text, _ = graph_step.kernel_text(launch, pdl)
+            assert ("griddepcontrol.wait" in text) == pdl
+            try:
+                assert nvrtc.compile_cubin(text, "sm_90", "k.cu")[:4] == b"\x7fELF", label
+            except nvrtc.CompileError as exc:
+                pytest.fail(f"{label} (pdl {pdl}): {exc}")
 
 
 class FakeDriver:
