@@ -28,7 +28,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 COLUMNS = (("decode_tps", "decode tok/s", "{:,.0f}"), ("prefill_tps_alone", "prefill alone", "{:,.0f}"),
            ("tick_forward_ms_p50", "forward ms", "{:.2f}"), ("tick_encode_ms_p50", "encode ms", "{:.2f}"),
-           ("tick_wait_ms_p50", "wait ms", "{:.2f}"), ("gap_max_ms", "max gap ms", "{:.1f}"))
+           ("tick_wait_ms_p50", "wait ms", "{:.2f}"), ("gap_max_ms", "max gap ms", "{:.1f}"),
+           ("graph_replays", "graph replays", "{:,}"))
 
 
 def parse_config(text: str) -> dict[str, str]:
@@ -48,7 +49,9 @@ def engine_rows(result: dict) -> list[dict]:
     for r in result.get("runs", []):
         if r.get("section") == "engine" and "batch" in r:
             gap = r.get("gap_ms_p50_p90_max")
-            rows.append({**r, "gap_max_ms": gap[-1] if gap else None})
+            g = r.get("graph_step")  # the captured one-row step: its replays (None: off)
+            rows.append({**r, "gap_max_ms": gap[-1] if gap else None,
+                         "graph_replays": g["replays"] if g else None})
     return rows
 
 

@@ -296,6 +296,12 @@ class _Ticks(list):
     undo = None
 
 
+def _graph_status(eng) -> dict | None:
+    """The captured one-row step's counters (pipeline/graph_step.py), when it is on."""
+    g = getattr(eng.runner, "graph_step", None)
+    return None if g is None else {"replays": g.replays, "graphs": len(g._graphs), "failed": g.failed}
+
+
 def _time_ticks(eng) -> _Ticks:
     """Wrap the engine's tick, read-back, the runner's forward and ``mx.async_eval``: a
     list that fills with (tick end, seconds waiting in read-back, seconds of the whole
@@ -440,6 +446,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                    gap_ms_p50_p90_max=gap, tick_wait_ms_p50=wait_ms, tick_host_ms_p50=host_ms,
                    tick_forward_ms_p50=forward_ms, tick_encode_ms_p50=encode_ms,
                    compiled=getattr(eng.runner, "compiled", None),
+                   graph_step=_graph_status(eng),
                    tokens=sum(n for evs in marks.values() for (_, n) in evs),
                    paths=linear.paths_used())
     finally:
