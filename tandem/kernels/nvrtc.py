@@ -2,9 +2,10 @@
 
 ``pipeline.graph_step`` compiles the kernels it captures itself: MLX's CUDA backend keeps
 the modules of ``mx.fast.cuda_kernel`` in memory only (its PTX cache directory holds its
-own fused kernels, not custom ones: H200, 2026-12-02), and exposes no handle to them. MLX
-loads the same library (``libnvrtc.so.13`` from its wheel's dependencies), so this finds
-it among the process's loaded libraries first.
+own fused kernels, not custom ones: H200, 2026-12-02), and exposes no handle to them.
+``kernels.w4wgmma`` compiles its ``sm_90a`` kernel here too. MLX loads the same library
+(``libnvrtc.so.13`` from its wheel's dependencies), so this finds it among the process's
+loaded libraries first, then in an ``nvidia-cuda-nvrtc`` wheel on ``sys.path``.
 
 Cubins go to ``kernel_files.kernel_dir()`` (private to the user, checked) under the
 digest of the source, the architecture and NVRTC's version: a restart loads them instead
@@ -86,7 +87,7 @@ def compile_cubin(source: str, arch: str, name: str = "kernel.cu") -> bytes:
         raise CompileError("no libnvrtc in this process or on the loader's path")
     opts = [f"--gpu-architecture={arch}", "--std=c++17"] + [f"--include-path={d}" for d in include_dirs()]
     key = hashlib.sha256("\0".join([source, *opts, repr(version())]).encode()).hexdigest()[:24]
-    path = kernel_files.kernel_dir() / f"graph-{key}.cubin"
+    path = kernel_files.kernel_dir() / f"nvrtc-{key}.cubin"
     if path.exists():
         return path.read_bytes()
     prog = ctypes.c_void_p()

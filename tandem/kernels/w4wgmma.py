@@ -21,15 +21,13 @@ can run it; ``TANDEM_W4WG=0`` turns it off.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
-import glob
 import logging
 import os
-import sys
 
 import mlx.core as mx
 
+from tandem.kernels import nvrtc
 from tandem.kernels import w4gemm
 
 log = logging.getLogger(__name__)
@@ -410,51 +408,12 @@ def shared_bytes(gs: int, stages: int = STAGES) -> int:
     return w4gemm.shared_bytes(ROWS_PER_BLOCK // 8, 2, stages, gs) + 1024
 
 
-class NvrtcError(RuntimeError):
-    """The sm_90a kernel could not be compiled on this machine (no NVRTC, or a compile error)."""
-
-
-@functools.cache
-def _nvrtc():
-    names = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-    found = ctypes.util.find_library("nvrtc")
-    if found:
-        names.append(found)
-    for p in sys.path:
-        names += sorted(glob.glob(os.path.join(p, "nvidia", "**", "libnvrtc.so*"), recursive=True))
-    for name in names:
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise NvrtcError("libnvrtc not found: the sm_90a kernel cannot be compiled here")
-
-
 @functools.cache
 def compile_cubin(gs: int, atomic: bool, res: bool, arch: str = "sm_90a", stages: int = STAGES,
                   min_blocks: int = MIN_BLOCKS, balanced: bool = False, probe: int = 0) -> tuple[str, bytes]:
-    """NVRTC-compiled cubin of one variant: (kernel name, bytes)."""
-    lib = _nvrtc()
+    """NVRTC-compiled cubin of one variant (``kernels.nvrtc``, cached on disk): (kernel name, bytes)."""
     name, src = kernel_source(gs, atomic, res, stages, min_blocks, balanced, probe)
-    prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{name}.cu".encode(), 0, None, None):
-        raise NvrtcError("nvrtcCreateProgram failed")
-    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
-    try:
-        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        if rc:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise NvrtcError(f"{name} did not compile for {arch}:\n{log.value.decode(errors='replace')}")
-        size = ctypes.c_size_t()
-        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-        cubin = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetCUBIN(prog, cubin)
-        return name, cubin.raw
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return name, nvrtc.compile_cubin(src, arch, f"{name}.cu")
 
 
 @functools.cache
@@ -469,7 +428,7 @@ def available() -> bool:
     try:
         compile_cubin(64, False, False)
         return True
-    except NvrtcError as e:
+    except nvrtc.CompileError as e:
         log.warning("w4wgmma unavailable, products of 17-64 rows stay on the dense GEMM: %s",
                     str(e).splitlines()[0])
         return False

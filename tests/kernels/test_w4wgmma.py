@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from tandem.kernels import quantized_matmul as qm
-from tandem.kernels import w4gemm, w4wgmma
+from tandem.kernels import nvrtc, w4gemm, w4wgmma
 from tests.kernels.four_bit import case, rel_err
 
 gpu = pytest.mark.skipif(not qm.cuda_available(), reason="needs MLX's CUDA backend (sm_90)")
@@ -26,6 +26,19 @@ def test_the_balanced_kernel_has_no_atomic_variant():
     with pytest.raises(ValueError, match="no fp32 atomics"):
         w4wgmma.kernel_source(64, True, False, balanced=True)
     assert w4wgmma.kernel_source(64, False, False, balanced=True)[0] != w4wgmma.kernel_source(64, False, False)[0]
+
+
+@pytest.mark.skipif(nvrtc.library() is None, reason="needs libnvrtc (the nvidia-cuda-nvrtc wheel)")
+def test_variants_compile_for_sm90a_through_nvrtc_and_the_cubin_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_KERNEL_DIR", str(tmp_path))
+    w4wgmma.compile_cubin.cache_clear()
+    name, cubin = w4wgmma.compile_cubin(64, False, True, balanced=True)
+    assert cubin[:4] == b"\x7fELF" and name == w4wgmma.kernel_source(64, False, True, balanced=True)[0]
+    (cached,) = tmp_path.glob("nvrtc-*.cubin")
+    assert cached.read_bytes() == cubin
+    with pytest.raises(nvrtc.CompileError, match="could not compile"):
+        nvrtc.compile_cubin("extern \"C\" __global__ void k() { undefined_thing(); }", "sm_90a")
+    w4wgmma.compile_cubin.cache_clear()
 
 
 def test_support_rules():
