@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -95,7 +96,11 @@ struct Strides {
 };
 """
 MAX_NDIM = 10
-KERNEL_NAME = "tandem_graph_kernel"
+
+
+def kernel_name(spec: kernel_files.KernelSpec) -> str:
+    """The captured kernel's function: named after MLX's kernel, so a trace tells them apart."""
+    return "graph_" + re.sub(r"\W", "_", spec.name)
 # Defined only in the graph step's builds: MLX's compiles of the same sources never see
 # the macro, so their code is unchanged. A kernel that waits must wait in every block
 # before it exits: that keeps "the kernel before me has finished" transitive down the graph.
@@ -125,7 +130,7 @@ def template_lines(template: list) -> str:
 def kernel_text(launch: kernel_files.Launch, pdl: bool = False) -> tuple[str, list[tuple[str, int]]]:
     """The launch's kernel as a source of its own, the one MLX generates (the same
     parameters in the same order, the template as constants, then the body) under
-    ``extern "C"`` ``tandem_graph_kernel``; and the parameters' layout: (kind, index) with
+    ``extern "C"`` ``graph_<kernel name>``; and the parameters' layout: (kind, index) with
     kind ``in``, ``shape``, ``strides``, ``ndim`` (of input index) or ``out``."""
     spec = launch.spec
     params, layout = [], []
@@ -143,7 +148,8 @@ def kernel_text(launch: kernel_files.Launch, pdl: bool = False) -> tuple[str, li
         params.append(f"{_PARAM_TYPES[o.dtype]}* {n}")
         layout.append(("out", j))
     tl = template_lines(launch.template)
-    text = (PRELUDE + (PDL_PRELUDE if pdl else "") + spec.header + f'\nextern "C" __global__ void {KERNEL_NAME}(' + ", ".join(params) + ") {\n"
+    text = (PRELUDE + (PDL_PRELUDE if pdl else "") + spec.header
+            + f'\nextern "C" __global__ void {kernel_name(spec)}(' + ", ".join(params) + ") {\n"
             + tl + ("\n" if tl else "") + spec.source + "\n}\n")
     return text, layout
 
@@ -385,7 +391,7 @@ class GraphStep:
         for ln in launches:
             pdl = pdl_ok and ln.spec.pdl
             text, layout = kernel_text(ln, pdl)
-            func = self._function(text, ln.spec.name)
+            func = self._function(text, kernel_name(ln.spec))
             outs_ptrs = [self.tok_dev if o is tokens else where(o) for o in ln.outputs]
             values = []
             for kind, i in layout:
@@ -429,7 +435,7 @@ class GraphStep:
                 raise Unsupported(str(exc)) from None
             mod = self.drv.load_module(cubin)
             self._modules.append(mod)
-            f = self._funcs[text] = self.drv.get_function(mod, KERNEL_NAME)
+            f = self._funcs[text] = self.drv.get_function(mod, name)
         return f
 
     def _check(self, g: _Graph, nb: int) -> None:

@@ -125,10 +125,10 @@ def test_kernel_text_declares_what_the_body_reads_in_mlxs_order():
     ln = kernel_files.Launch(spec, [mx.zeros((2, 4), mx.float16), mx.zeros((3,), mx.int32)], [mx.zeros((2,), mx.float32)],
                              [("T", mx.bfloat16), ("N", 7), ("F", False)], (1, 1, 1), (1, 1, 1), None)
     text, layout = graph_step.kernel_text(ln)
-    assert ('extern "C" __global__ void tandem_graph_kernel(const __half* w, const Shape w_shape, '
+    assert ('extern "C" __global__ void graph_k(const __half* w, const Shape w_shape, '
             'const int32_t* ids, const int ids_ndim, float* y) {\n  using T = __nv_bfloat16;\n'
             '  constexpr int N = 7;\n  constexpr bool F = false;\n\n// reads w_shape ids_ndim\ny[0] = w[0];\n}\n') in text
-    assert text.index("#define H 1") < text.index("tandem_graph_kernel")
+    assert text.index("#define H 1") < text.index("graph_k(")
     assert layout == [("in", 0), ("shape", 0), ("in", 1), ("ndim", 1), ("out", 0)]
 
 
