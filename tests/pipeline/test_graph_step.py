@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tandem.kernels import captured
 from tandem.kernels import kernel_files
 from tandem.kernels import nvrtc
 from tandem.kvtypes import SamplingParams
@@ -25,11 +26,11 @@ from tests.pipeline.conftest import EOS, oracle, random_prompts
 
 def test_template_constants_are_the_ones_mlx_writes():
     t = [("T", mx.float16), ("K", 4096), ("PAIR", True), ("RES", False), ("U", mx.int32)]
-    assert graph_step.template_lines(t) == ("  using T = __half;\n  constexpr int K = 4096;\n"
+    assert captured.template_lines(t) == ("  using T = __half;\n  constexpr int K = 4096;\n"
                                              "  constexpr bool PAIR = true;\n  constexpr bool RES = false;\n"
                                              "  using U = int32_t;\n")
-    with pytest.raises(graph_step.Unsupported, match="not a type MLX passes"):
-        graph_step.template_lines([("T", object())])
+    with pytest.raises(captured.Unsupported, match="not a type MLX passes"):
+        captured.template_lines([("T", object())])
 
 
 def test_recording_sees_this_threads_calls_inside_the_block_only():
@@ -124,7 +125,7 @@ def test_kernel_text_declares_what_the_body_reads_in_mlxs_order():
     spec = kernel_files.KernelSpec("k", ["w", "ids"], ["y"], "// reads w_shape ids_ndim\ny[0] = w[0];", "#define H 1\n")
     ln = kernel_files.Launch(spec, [mx.zeros((2, 4), mx.float16), mx.zeros((3,), mx.int32)], [mx.zeros((2,), mx.float32)],
                              [("T", mx.bfloat16), ("N", 7), ("F", False)], (1, 1, 1), (1, 1, 1), None)
-    text, layout = graph_step.kernel_text(ln)
+    text, layout = captured.kernel_text(ln)
     assert ('extern "C" __global__ void graph_k(const __half* w, const Shape w_shape, '
             'const int32_t* ids, const int ids_ndim, float* y) {\n  using T = __nv_bfloat16;\n'
             '  constexpr int N = 7;\n  constexpr bool F = false;\n\n// reads w_shape ids_ndim\ny[0] = w[0];\n}\n') in text
@@ -149,7 +150,7 @@ def test_kernel_texts_of_real_kernels_compile(tmp_path):
          [("T", mx.float16), ("BITS", 4), ("GS", 32), ("WPR", 128)]),
     ]
     for spec, ins, outs, template in cases:
-        text, _ = graph_step.kernel_text(kernel_files.Launch(spec, ins, outs, template, (1, 1, 1), (1, 1, 1), None))
+        text, _ = captured.kernel_text(kernel_files.Launch(spec, ins, outs, template, (1, 1, 1), (1, 1, 1), None))
         src = tmp_path / f"{spec.name}.cu"
         src.write_text(text)
         run = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-o", str(tmp_path / f"{spec.name}.cubin"), str(src)],
@@ -198,7 +199,7 @@ def test_one_row_kernels_compile_through_nvrtc_as_the_graph_step_writes_them(tmp
         # Every one of them waits for its predecessor under programmatic dependent launch.
         assert launch.spec.pdl, label
         for pdl in (False, True):
-            text, _ = graph_step.kernel_text(launch, pdl)
+            text, _ = captured.kernel_text(launch, pdl)
             assert ("griddepcontrol.wait" in text) == pdl
             try:
                 assert nvrtc.compile_cubin(text, "sm_90", "k.cu")[:4] == b"\x7fELF", label
