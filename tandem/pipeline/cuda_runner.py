@@ -402,7 +402,8 @@ class KernelRunner(PagedRunner):
                 self.graph_step.prepare(min(GRAPH_PREPARE_TOKENS, store.num_blocks * store.block_size))
 
     def graph_sync(self) -> None:
-        """Wait for captured steps in flight: MLX work on the pools follows."""
+        """Wait for captured steps in flight: MLX work on the pools follows (the engine
+        calls it through ``flush`` and before every step it runs through MLX)."""
         if getattr(self, "graph_step", None) is not None:
             self.graph_step.sync()
 
@@ -430,7 +431,6 @@ class KernelRunner(PagedRunner):
 
     def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
         B, L = inputs.shape
-        self.graph_sync()  # captured steps in flight touch the pools this step reads
         # Decode through the CUDA write kernel touches the pools in place only (the
         # reference ops return new pools, as the portable path does).
         self.last_step_in_place = L == 1 and self.pipelined
