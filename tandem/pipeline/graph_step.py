@@ -58,10 +58,8 @@ MAX_GRAPHS = 24  # one per table width seen; the oldest goes when a new one woul
 
 @dataclass
 class _Graph:
-    width: int
     exec: int
-    state_dev: int
-    state_len: int
+    state_dev: int  # the step's positions, slots, lengths and table: (3 + width) int32
     logits: mx.array  # the recorded head output, rewritten by every replay
     logits_ptr: int
     pools: tuple
@@ -298,7 +296,7 @@ class GraphStep:
         exec_ = drv.instantiate(graph)
         drv.call("cuGraphDestroy", graph)
         keep = [launches, arrays, state, tok, plans]
-        return _Graph(nb, exec_, state_dev, state_len, logits, where(logits), pools, keep)
+        return _Graph(exec_, state_dev, logits, where(logits), pools, keep)
 
     def _function(self, text: str, name: str) -> int:
         f = self._funcs.get(text)
