@@ -295,3 +295,79 @@ def test_launch_keeps_the_token_on_the_device_and_uploads_only_when_it_must(monk
     stale._value = None
     with pytest.raises(RuntimeError, match="overwritten"):
         stale.tolist()
+
+
+class FakeCaptureDriver(FakeDriver):
+    """Records what a capture launches, its parameters read back through the pointers."""
+
+    def __init__(self):
+        super().__init__()
+        self.captured, self.names = [], {}
+
+    def load_module(self, cubin):
+        return len(self.names) + 1
+
+    def get_function(self, module, name):
+        self.names[module] = name
+        return module
+
+    def begin_capture(self, stream):
+        self.capturing = True
+
+    def end_capture(self, stream):
+        self.capturing = False
+        return 99
+
+    def instantiate(self, graph):
+        return 100
+
+    def launch(self, func, grid, block, stream, params, programmatic=False):
+        assert self.capturing
+        self.captured.append((self.names[func], grid, block, params, programmatic))
+
+
+def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch):
+    """The recorded launches' parameters: every array where MLX put it, except the step
+    state's views (into the graph's state buffer, at their offsets), the token input and
+    the argmax's output (both the token buffer); shapes by value, grids in blocks."""
+    state = mx.array(np.arange(7, dtype=np.int32))  # pos, slot, len, 4 table columns
+    tok = mx.array([[3]], dtype=mx.int32)
+    w, y = mx.zeros((4, 8), mx.float16), mx.zeros((4,), mx.float16)
+    logits, tokens = mx.zeros((1, 64), mx.float16), mx.zeros((1,), mx.int32)
+    pos_v, tab_v, ids_v = state[:1], state[3:].reshape(1, 4), tok.reshape(-1)
+    spec = lambda name, ins, outs, src: kernel_files.KernelSpec(name, ins, outs, src, "", True)  # noqa: E731
+    launches = [
+        kernel_files.Launch(spec("a", ["w", "pos", "table", "ids"], ["y"], "// reads w_shape table_ndim"),
+                            [w, pos_v, tab_v, ids_v], [y], [("K", 8)], (8, 1, 1), (4, 1, 1), None),
+        kernel_files.Launch(spec("head", ["y"], ["logits"], "logits[0] = y[0];"), [y], [logits], [],
+                            (64, 1, 1), (64, 1, 1), None),
+        kernel_files.Launch(spec("argmax", ["logits"], ["out"], "// reads logits_shape"), [logits], [tokens],
+                            [("T", mx.float16)], (1024, 1, 1), (1024, 1, 1), None)]
+    where = {id(state): 0x10000, id(pos_v): 0x10000, id(tab_v): 0x1000C, id(tok): 0x20000, id(ids_v): 0x20000,
+             id(w): 0x30000, id(y): 0x40000, id(logits): 0x50000, id(tokens): 0x60000}
+    monkeypatch.setattr(graph_step, "device_pointers", lambda arrays: [where[id(a)] for a in arrays])
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda text, arch, name: text.encode())
+    monkeypatch.setattr(graph_step, "PDL", True)
+    drv = FakeCaptureDriver()
+    g = graph_step.GraphStep(type("R", (), {})(), drv)
+    g._record = lambda nb, token, pos, pools: (launches, state, tok, tokens, logits)
+    graph = g._capture(4, ())
+
+    def ptr(p):
+        return ctypes.c_uint64.from_address(p).value
+
+    (na, ga, ba, pa, pdl_a), (_, gh, _, ph, _), (nm, gm, _, pm, _) = drv.captured
+    assert (na, nm) == ("graph_a", "graph_argmax") and pdl_a
+    assert (ga, ba, gh, gm) == ((2, 1, 1), (4, 1, 1), (1, 1, 1), (1, 1, 1))
+    sd = graph.state_dev
+    assert [ptr(pa[0]), ptr(pa[2]), ptr(pa[3]), ptr(pa[5]), ptr(pa[6])] == [0x30000, sd, sd + 12, g.tok_dev, 0x40000]
+    assert list((ctypes.c_int32 * 10).from_address(pa[1]))[:3] == [4, 8, 0]  # w_shape
+    assert ctypes.c_int32.from_address(pa[4]).value == 2  # table_ndim
+    assert [ptr(ph[0]), ptr(ph[1])] == [0x40000, 0x50000]
+    assert ptr(pm[0]) == 0x50000 and list((ctypes.c_int32 * 2).from_address(pm[1])) == [1, 64]
+    assert ptr(pm[2]) == g.tok_dev  # the argmax writes the next step's input
+    assert graph.logits_ptr == 0x50000 and graph.exec == 100
+    # A step that does not end in the argmax is not captured.
+    g._record = lambda nb, token, pos, pools: (launches[:2], state, tok, tokens, logits)
+    with pytest.raises(graph_step.Unsupported, match="argmax"):
+        g._capture(4, ())
