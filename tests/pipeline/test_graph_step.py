@@ -371,3 +371,22 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
     g._record = lambda nb, token, pos, pools: (launches[:2], state, tok, tokens, logits)
     with pytest.raises(graph_step.Unsupported, match="argmax"):
         g._capture(4, ())
+
+
+def test_prepare_captures_every_width_to_the_bound_and_a_refusal_turns_the_step_off():
+    from tandem.pipeline.cuda_runner import table_width
+
+    store = type("S", (), {"block_size": 16})()
+    g = graph_step.GraphStep(type("R", (), {"store": store})(), FakeDriver())
+    seen = []
+    g._graph = lambda nb: seen.append(nb)
+    g.prepare(1000)
+    assert seen[0] == table_width(1) and seen[-1] * 16 >= 1000 > seen[-2] * 16
+    assert seen == sorted(set(seen)) and all(table_width(n) == n for n in seen) and g.failed is None
+
+    def refuse(nb):
+        raise graph_step.Unsupported("no")
+
+    g._graph = refuse
+    g.prepare(1000)
+    assert g.failed == "no" and not g.applies([_Row(5)], [SamplingParams(temperature=0.0)])
