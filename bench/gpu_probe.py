@@ -738,8 +738,7 @@ def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
                 continue
             capture_ms = (time.perf_counter() - t0) * 1e3
             pos = nb * bs - 8
-            host = np.zeros(3 + nb, np.int32)
-            host[:3] = (pos, pos % bs, pos + 1)
+            host = graph_step.scratch_state(nb, pos, bs)
             drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, gs.stream)
             replay_ms(g, False)  # warm
             queued, waited = replay_ms(g, False), replay_ms(g, True)

@@ -18,17 +18,17 @@ import mlx.core as mx
 from tandem.kernels import kernel_files
 
 
-_CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t",
-               mx.int64: "int64_t", mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t",
-               mx.uint64: "uint64_t", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
-               mx.float32: "float"}
-
-
 class Unsupported(RuntimeError):
     """This step cannot be captured; the reason says what to change."""
 
 
-_PARAM_TYPES = {**_CUDA_TYPES, mx.int64: "long long", mx.uint64: "unsigned long long"}
+# MLX's ``dtype_to_cuda_type``, with the 64-bit integers spelled without the typedefs the
+# prelude does not make under NVRTC.
+_PARAM_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t",
+                mx.int64: "long long", mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t",
+                mx.uint64: "unsigned long long", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
+                mx.float32: "float"}
+MAX_NDIM = 10  # the Shape / Strides a kernel takes by value
 
 # What a kernel body may use from MLX's prelude, without MLX's headers (which live inside
 # libmlx): fp16 / bf16, the 32-bit integer types, ``inf``, and Shape / Strides by value.
@@ -52,15 +52,13 @@ typedef unsigned short uint16_t;
 #ifndef NAN
 #define NAN (__int_as_float(0x7fffffff))
 #endif
-#define TANDEM_MAX_NDIM 10
+#define TANDEM_MAX_NDIM %d
 struct Shape { int v[TANDEM_MAX_NDIM]; __device__ __forceinline__ int operator[](int i) const { return v[i]; } };
 struct Strides {
   long long v[TANDEM_MAX_NDIM];
   __device__ __forceinline__ long long operator[](int i) const { return v[i]; }
 };
-"""
-MAX_NDIM = 10
-
+""" % MAX_NDIM
 
 def kernel_name(spec: kernel_files.KernelSpec) -> str:
     """The captured kernel's function: named after MLX's kernel, so a trace tells them apart."""

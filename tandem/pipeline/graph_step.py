@@ -56,6 +56,14 @@ RING = 8  # read-back slots: the engine holds at most two steps in flight
 MAX_GRAPHS = 24  # one per table width seen; the oldest goes when a new one would exceed it
 
 
+def scratch_state(nb: int, pos: int, block_size: int) -> np.ndarray:
+    """A one-row step state (position, slot, length, ``nb`` table columns) whose every
+    column is the store's scratch block 0: what a capture runs without touching a sequence."""
+    host = np.zeros(3 + nb, np.int32)
+    host[:3] = (pos, pos % block_size, pos + 1)
+    return host
+
+
 @dataclass
 class _Graph:
     exec: int
@@ -216,9 +224,7 @@ class GraphStep:
         """Run one decode step through MLX with every launch recorded: (launches, the state
         array, the token array, the tokens out, logits). Writes land in the scratch block."""
         r = self.runner
-        host = np.zeros(3 + nb, np.int32)
-        host[:3] = (pos, pos, pos + 1)  # table all scratch: slot = 0 * block_size + pos
-        state = mx.array(host)
+        state = mx.array(scratch_state(nb, pos, r.store.block_size))
         tok = mx.array(np.array([[token]], np.int32))
         mx.eval(state, tok)
         with kernel_files.recording() as launches:
@@ -316,8 +322,7 @@ class GraphStep:
         token, pos = 1 + (7919 % max(self.runner.embed.weight.shape[0] - 1, 1)), 2
         _, _, _, tokens, logits = self._record(nb, token, pos, g.pools)
         want_tok, want = int(tokens.item()), np.array(logits.astype(mx.float32))
-        host = np.zeros(3 + nb, np.int32)
-        host[:3] = (pos, pos, pos + 1)
+        host = scratch_state(nb, pos, self.runner.store.block_size)
         drv = self.drv
         drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, self.stream)
         t = np.array([token], np.int32)
