@@ -131,13 +131,19 @@ class Driver:
                 self.call("cuDeviceGet", ctypes.byref(dev), ordinal)
                 ctx = _ptr()
                 self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev.value)
-                self._ctx, self._dev = ctx.value, dev.value
+                self._ctx = ctx.value
         self.call("cuCtxSetCurrent", self._ctx)
 
+    def device_attribute(self, attribute: int, ordinal: int = 0) -> int:
+        """A ``CU_DEVICE_ATTRIBUTE_*`` value of device ``ordinal``."""
+        self.call("cuInit", 0)
+        dev = ctypes.c_int()
+        self.call("cuDeviceGet", ctypes.byref(dev), ordinal)
+        return self._out("cuDeviceGetAttribute", ctypes.c_int, attribute, dev.value)
+
     def arch(self) -> str:
-        """``sm_<major><minor>`` of the bound device."""
-        cc = [self._out("cuDeviceGetAttribute", ctypes.c_int, a, self._dev) for a in (75, 76)]
-        return f"sm_{cc[0]}{cc[1]}"
+        """``sm_<major><minor>`` of device 0."""
+        return "sm_%d%d" % (self.device_attribute(75), self.device_attribute(76))  # compute capability
 
     def _out(self, name: str, kind, *args) -> int:
         v = kind()

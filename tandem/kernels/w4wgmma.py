@@ -20,13 +20,13 @@ can run it; ``TANDEM_W4WG=0`` turns it off.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
 
 import mlx.core as mx
 
+from tandem.kernels import cuda_driver
 from tandem.kernels import nvrtc
 from tandem.kernels import w4gemm
 
@@ -448,15 +448,12 @@ def k_splits(n: int, k: int) -> int:
 
 
 def _device_attribute(attribute: int) -> int | None:
-    # The CUDA driver's value for device 0 (MLX has initialized the driver), None if unread.
+    # The CUDA driver's value for device 0, None where there is no driver or device.
+    drv = cuda_driver.driver()
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+        return None if drv is None else drv.device_attribute(attribute)
+    except cuda_driver.CudaError:
         return None
-    dev, value = ctypes.c_int(), ctypes.c_int()
-    if cuda.cuDeviceGet(ctypes.byref(dev), 0) or cuda.cuDeviceGetAttribute(ctypes.byref(value), attribute, dev):
-        return None
-    return value.value
 
 
 @functools.cache
