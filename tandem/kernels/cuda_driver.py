@@ -30,6 +30,7 @@ _u64 = ctypes.c_uint64
 
 
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 class _AttrValue(ctypes.Union):
@@ -66,6 +67,7 @@ _SIGNATURES = {
     "cuModuleLoadData": [ctypes.POINTER(_ptr), ctypes.c_char_p],
     "cuModuleGetFunction": [ctypes.POINTER(_ptr), _ptr, ctypes.c_char_p],
     "cuFuncGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, _ptr],
+    "cuFuncSetAttribute": [_ptr, ctypes.c_int, ctypes.c_int],
     "cuLaunchKernel": [_ptr, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                        ctypes.c_uint, ctypes.c_uint, _ptr, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)],
     "cuLaunchKernelEx": [ctypes.c_void_p, _ptr, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)],
@@ -172,16 +174,22 @@ class Driver:
     def host_alloc(self, nbytes: int) -> int:
         return self._out("cuMemHostAlloc", _ptr, int(nbytes), 0)
 
-    def launch(self, func: int, grid, block, stream: int, params, programmatic: bool = False) -> None:
+    def allow_shared(self, func: int, nbytes: int) -> None:
+        """Let ``func`` take ``nbytes`` of dynamic shared memory: above 48 KB a launch
+        fails unless the function was given leave first (as MLX does for its own)."""
+        self.call("cuFuncSetAttribute", func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
+
+    def launch(self, func: int, grid, block, stream: int, params, programmatic: bool = False,
+               shared_bytes: int = 0) -> None:
         """Launch ``func``; ``programmatic``: it may start before the kernel queued before it
         ends (programmatic dependent launch, sm_90): its own ``griddepcontrol.wait`` must
         come before it reads what that kernel wrote."""
         if not programmatic:
-            self.call("cuLaunchKernel", func, *grid, *block, 0, stream, params, None)
+            self.call("cuLaunchKernel", func, *grid, *block, shared_bytes, stream, params, None)
             return
         attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         attr.value.programmatic_stream_serialization_allowed = 1
-        cfg = LaunchConfig(*grid, *block, 0, stream, ctypes.pointer(attr), 1)
+        cfg = LaunchConfig(*grid, *block, shared_bytes, stream, ctypes.pointer(attr), 1)
         self.call("cuLaunchKernelEx", ctypes.byref(cfg), func, params, None)
 
     def begin_capture(self, stream: int) -> None:

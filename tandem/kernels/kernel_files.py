@@ -89,11 +89,12 @@ def cuda_kernel(*, name: str, input_names: list[str], output_names: list[str], s
                 header: str = "", include: bool | None = None, **kwargs):
     """``mx.fast.cuda_kernel`` with the texts in files when ``include`` (default ``INCLUDE``)."""
     pdl = "TANDEM_PDL" in source + header
+    shared = int(kwargs.get("shared_memory") or 0)
     if INCLUDE if include is None else include:
         source, header = short_texts(name, source, header, input_names)
     fn = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
                              source=source, header=header, **kwargs)
-    return _Kernel(fn, KernelSpec(name, list(input_names), list(output_names), source, header, pdl))
+    return _Kernel(fn, KernelSpec(name, list(input_names), list(output_names), source, header, pdl, shared))
 
 
 # A recorder, while one is active on this thread, sees every kernel call made through
@@ -111,6 +112,7 @@ class KernelSpec:
     source: str
     header: str
     pdl: bool = False  # its texts wait for the kernel before it under TANDEM_PDL (graph_step)
+    shared_memory: int = 0  # dynamic shared bytes each launch gets (``extern __shared__``)
 
 
 @dataclass

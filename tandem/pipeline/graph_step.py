@@ -270,6 +270,8 @@ class GraphStep:
             pdl = pdl_ok and ln.spec.pdl
             text, layout = kernel_text(ln, pdl)
             func = self._function(text, kernel_name(ln.spec))
+            if ln.spec.shared_memory > 48 * 1024:
+                drv.allow_shared(func, ln.spec.shared_memory)
             outs_ptrs = [self.tok_dev if o is tokens else where(o) for o in ln.outputs]
             values = []
             for kind, i in layout:
@@ -290,13 +292,14 @@ class GraphStep:
             grid = tuple(-(-g // t) for g, t in zip(ln.grid, ln.threadgroup))
             plans.append((func, grid, ln.threadgroup, cuda_driver.KernelParams(values),
                           [(p, o.nbytes) for p, o in zip(outs_ptrs, ln.outputs)] if ln.init_value is not None else [],
-                          pdl))
+                          pdl, ln.spec.shared_memory))
         drv.begin_capture(self.stream)
         try:
-            for func, grid, block, params, fills, pdl in plans:
+            for func, grid, block, params, fills, pdl, shared in plans:
                 for p, n in fills:
                     drv.call("cuMemsetD8Async", p, 0, n, self.stream)
-                drv.launch(func, grid, block, self.stream, params.array, programmatic=pdl and not fills)
+                drv.launch(func, grid, block, self.stream, params.array, programmatic=pdl and not fills,
+                           shared_bytes=shared)
         finally:
             graph = drv.end_capture(self.stream)
         exec_ = drv.instantiate(graph)

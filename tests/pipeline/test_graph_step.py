@@ -59,6 +59,17 @@ def test_recording_sees_this_threads_calls_inside_the_block_only():
     assert len(inner) == 1
 
 
+def test_a_kernels_spec_keeps_its_dynamic_shared_memory(monkeypatch):
+    """A capture launches with the bytes MLX launches with: the fused decode kernels carve
+    their stages out of ``extern __shared__``, and 0 there would overrun it."""
+    from tandem.kernels import decode_block
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: kw)  # CPU MLX has no CUDA back-end
+    assert decode_block._kernel.__wrapped__(70_000).spec.shared_memory == 70_000
+    assert kernel_files.cuda_kernel(name="k", input_names=["x"], output_names=["y"], source="y[0] = x[0];",
+                                    include=False).spec.shared_memory == 0
+
+
 class FakeGraphStep:
     """Stands in for GraphStep: computes each step at once through the runner's MLX
     forward and hands the token out as DeviceTokens. Logs launches, syncs and the
@@ -302,7 +313,7 @@ class FakeCaptureDriver(FakeDriver):
 
     def __init__(self):
         super().__init__()
-        self.captured, self.names = [], {}
+        self.captured, self.names, self.shared, self.allowed = [], {}, {}, {}
 
     def load_module(self, cubin):
         return len(self.names) + 1
@@ -321,9 +332,13 @@ class FakeCaptureDriver(FakeDriver):
     def instantiate(self, graph):
         return 100
 
-    def launch(self, func, grid, block, stream, params, programmatic=False):
+    def allow_shared(self, func, nbytes):
+        self.allowed[self.names[func]] = nbytes
+
+    def launch(self, func, grid, block, stream, params, programmatic=False, shared_bytes=0):
         assert self.capturing
         self.captured.append((self.names[func], grid, block, params, programmatic))
+        self.shared[self.names[func]] = shared_bytes
 
 
 def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch):
@@ -335,9 +350,9 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
     w, y = mx.zeros((4, 8), mx.float16), mx.zeros((4,), mx.float16)
     logits, tokens = mx.zeros((1, 64), mx.float16), mx.zeros((1,), mx.int32)
     pos_v, tab_v, ids_v = state[:1], state[3:].reshape(1, 4), tok.reshape(-1)
-    spec = lambda name, ins, outs, src: kernel_files.KernelSpec(name, ins, outs, src, "", True)  # noqa: E731
+    spec = lambda name, ins, outs, src, shared=0: kernel_files.KernelSpec(name, ins, outs, src, "", True, shared)  # noqa: E731
     launches = [
-        kernel_files.Launch(spec("a", ["w", "pos", "table", "ids"], ["y"], "// reads w_shape table_ndim"),
+        kernel_files.Launch(spec("a", ["w", "pos", "table", "ids"], ["y"], "// reads w_shape table_ndim", 80_000),
                             [w, pos_v, tab_v, ids_v], [y], [("K", 8)], (8, 1, 1), (4, 1, 1), None),
         kernel_files.Launch(spec("head", ["y"], ["logits"], "logits[0] = y[0];"), [y], [logits], [],
                             (64, 1, 1), (64, 1, 1), None),
@@ -367,6 +382,9 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
     assert ptr(pm[0]) == 0x50000 and list((ctypes.c_int32 * 2).from_address(pm[1])) == [1, 64]
     assert ptr(pm[2]) == g.tok_dev  # the argmax writes the next step's input
     assert graph.logits_ptr == 0x50000 and graph.exec == 100
+    # Dynamic shared memory as MLX gives it: each launch its bytes, and leave above 48 KB.
+    assert drv.shared == {"graph_a": 80_000, "graph_head": 0, "graph_argmax": 0}
+    assert drv.allowed == {"graph_a": 80_000}
     # A step that does not end in the argmax is not captured.
     g._record = lambda nb, token, pos, pools: (launches[:2], state, tok, tokens, logits)
     with pytest.raises(graph_step.Unsupported, match="argmax"):
