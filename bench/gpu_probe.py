@@ -699,9 +699,9 @@ def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
     captured without and with programmatic dependent launch (``TANDEM_GRAPH_PDL``), each
     capture checked against MLX's step as the engine's are: queued back to back (the GPU's
     own step time: the host queues ahead) and waited for one at a time (the latency a token
-    would see with no pipelining). The step state points every table column at the
-    scratch block with the context 8 tokens short of the width, so the attention reads a
-    context of the width's length."""
+    would see with no pipelining). The context is 8 tokens short of the width; the table
+    points every column at the scratch block (its K/V stay in L2) and, without PDL, also at
+    distinct blocks, whose K/V the attention reads from memory as in the engine."""
     from tandem.pipeline import graph_step
 
     graph_step.ENABLED = True
@@ -738,16 +738,25 @@ def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
                 continue
             capture_ms = (time.perf_counter() - t0) * 1e3
             pos = nb * bs - 8
-            host = graph_step.scratch_state(nb, pos, bs)
-            drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, gs.stream)
-            replay_ms(g, False)  # warm
-            queued, waited = replay_ms(g, False), replay_ms(g, True)
-            rec = {"width": nb, "pdl": pdl, "context": pos + 1, "capture_ms": capture_ms, "queued_ms": queued,
-                   "waited_ms": waited, "queued_tps": 1e3 / queued, "waited_tps": 1e3 / waited}
-            rows.append(rec)
-            log(f"width {nb:4d} (context {pos + 1:5d}) pdl {int(pdl)}: queued {queued:.3f} ms a step "
-                f"({1e3 / queued:,.0f} tok/s), waited {waited:.3f} ms ({1e3 / waited:,.0f} tok/s); "
-                f"capture {capture_ms:.0f} ms")
+            # The scratch block in every column (its K/V stay in L2), then distinct blocks
+            # as a sequence has them (the K/V come from memory, as in the engine).
+            for blocks in ("scratch", "distinct"):
+                if blocks == "distinct" and (pdl or eng.store.capacity <= nb):
+                    continue
+                host = graph_step.scratch_state(nb, pos, bs)
+                if blocks == "distinct":
+                    host[3:] = 1 + np.arange(nb, dtype=np.int32)
+                    host[1] = host[3 + pos // bs] * bs + pos % bs
+                drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, gs.stream)
+                replay_ms(g, False)  # warm
+                queued, waited = replay_ms(g, False), replay_ms(g, True)
+                rec = {"width": nb, "pdl": pdl, "blocks": blocks, "context": pos + 1, "capture_ms": capture_ms,
+                       "queued_ms": queued, "waited_ms": waited, "queued_tps": 1e3 / queued,
+                       "waited_tps": 1e3 / waited}
+                rows.append(rec)
+                log(f"width {nb:4d} (context {pos + 1:5d}) pdl {int(pdl)} {blocks:8s}: queued {queued:.3f} ms a "
+                    f"step ({1e3 / queued:,.0f} tok/s), waited {waited:.3f} ms ({1e3 / waited:,.0f} tok/s); "
+                    f"capture {capture_ms:.0f} ms")
 
 
 def section_attention() -> None:
