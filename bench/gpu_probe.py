@@ -757,6 +757,40 @@ def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
                 log(f"width {nb:4d} (context {pos + 1:5d}) pdl {int(pdl)} {blocks:8s}: queued {queued:.3f} ms a "
                     f"step ({1e3 / queued:,.0f} tok/s), waited {waited:.3f} ms ({1e3 / waited:,.0f} tok/s); "
                     f"capture {capture_ms:.0f} ms")
+            if not pdl:
+                # GraphStep.launch as the engine calls it (state upload, replay, token
+                # read-back a step behind), with host work between steps.
+                for delay in (0, 100, 250):
+                    ms = _graph_launch_pattern(gs, nb, bs, delay)
+                    rows.append({"width": nb, "pdl": pdl, "pattern": "engine", "host_delay_us": delay,
+                                 "step_ms": ms, "tps": 1e3 / ms})
+                    log(f"width {nb:4d} launch() as the engine, {delay:3d} us host work a step: "
+                        f"{ms:.3f} ms a token ({1e3 / ms:,.0f} tok/s)")
+
+
+def _graph_launch_pattern(gs, nb: int, bs: int, delay_us: float, steps: int = 200) -> float:
+    """ms a token when ``GraphStep.launch`` is driven as the pipelined engine drives it:
+    step N+1 queued with N's token still on the device, then N read back, then
+    ``delay_us`` of host work (the engine's emit and schedule). Equal to the replay time
+    at every delay when the GPU never waits for the thread."""
+    from types import SimpleNamespace
+
+    seq = SimpleNamespace(block_ids=list(range(nb)))
+    start = (nb - 1) * bs  # the last column's first token: the table stays nb wide
+    prev, last = mx.array(np.array([1], np.int32)), None
+    t = None
+    for i in range(steps + 10):
+        if i == 10:
+            t = time.perf_counter()  # after the first upload and the warm steps
+        toks = gs.launch([SimpleNamespace(start=start + i % 8, n=1, seq=seq)], prev)
+        if last is not None:
+            last.tolist()
+        end = time.perf_counter() + delay_us * 1e-6
+        while time.perf_counter() < end:
+            pass
+        last = prev = toks
+    last.tolist()
+    return (time.perf_counter() - t) / steps * 1e3
 
 
 def section_attention() -> None:

@@ -21,10 +21,11 @@ the same token and logits) before it is used; anything it cannot reproduce raise
 
 Limits: one row, greedy (no temperature, logprobs or logit bias), kernels made through
 ``kernel_files.cuda_kernel`` (no precompiled cubins, no MLX ops between kernels: the check
-catches them). Off by default (``TANDEM_GRAPH_STEP=1`` turns it on) until an H200 run has
-measured it: runs 104-106 (2026-12-02) got as far as compiling the kernels, whose NVRTC
-environment lacks what MLX's headers define (``INFINITY``); every one-row kernel of the 8B
-shape now compiles through NVRTC here (tests/pipeline/test_graph_step.py).
+catches them). On by default (``TANDEM_GRAPH_STEP=0`` turns it off). H200 runs 107-109
+(2026-12-02): replays give exactly the tokens of MLX's launches; the graph alone takes
+2.24-2.39 ms a step (57-761 tokens of context); the engine at one row 398 / 399 tok/s
+against MLX's launches' 404 / 395 on a fast host, 390 against 363 on a slow one, where
+MLX's encoding (1.9 ms a step) and not the GPU set the step.
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ from tandem.kernels.captured import MAX_NDIM, Unsupported, device_pointers, kern
 
 log = logging.getLogger("tandem.engine")
 
-ENABLED = os.environ.get("TANDEM_GRAPH_STEP", "0") == "1"
+ENABLED = os.environ.get("TANDEM_GRAPH_STEP", "1") != "0"
 PDL = os.environ.get("TANDEM_GRAPH_PDL", "0") == "1"
 """Launch the kernels whose texts wait for their predecessor (``KernelSpec.pdl``) with
 programmatic dependent launch: each may start, and the one-row products prefetch their
-first rows to L2, while the kernel before it drains (sm_90 and later). Unmeasured."""
+first rows to L2, while the kernel before it drains (sm_90 and later). H200 runs 107 and
+109: 2.252 / 2.256 ms a replay against 2.241 / 2.236 at 57 tokens of context, 2.411 / 2.414
+against 2.372 / 2.369 at 761 (``gpu_probe.py --sections graph-replay``): slower, so off."""
 RING = 8  # read-back slots: the engine holds at most two steps in flight
 MAX_GRAPHS = 24  # one per table width seen; the oldest goes when a new one would exceed it
 
