@@ -60,8 +60,9 @@ def test_recording_sees_this_threads_calls_inside_the_block_only():
 
 
 def test_a_kernels_spec_keeps_its_dynamic_shared_memory(monkeypatch):
-    """A capture launches with the bytes MLX launches with: the fused decode kernels carve
-    their stages out of ``extern __shared__``, and 0 there would overrun it."""
+    """A capture launches with the bytes MLX launches with: the one-launch layer tail
+    (``decode_block``) carves its stages out of ``extern __shared__``, and 0 there would
+    overrun them."""
     from tandem.kernels import decode_block
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: kw)  # CPU MLX has no CUDA back-end
