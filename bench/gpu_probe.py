@@ -743,10 +743,10 @@ def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
             for blocks in ("scratch", "distinct"):
                 if blocks == "distinct" and (pdl or eng.store.capacity <= nb):
                     continue
-                host = graph_step.scratch_state(nb, pos, bs)
                 if blocks == "distinct":
-                    host[3:] = 1 + np.arange(nb, dtype=np.int32)
-                    host[1] = host[3 + pos // bs] * bs + pos % bs
+                    host, _ = eng.runner.decode_state([_sequence_row(nb, pos)])
+                else:
+                    host = graph_step.scratch_state(nb, pos, bs)
                 drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, gs.stream)
                 replay_ms(g, False)  # warm
                 queued, waited = replay_ms(g, False), replay_ms(g, True)
@@ -768,21 +768,26 @@ def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
                         f"{ms:.3f} ms a token ({1e3 / ms:,.0f} tok/s)")
 
 
+def _sequence_row(nb: int, start: int):
+    """A one-row decode row at ``start`` whose sequence holds blocks 0..nb-1 (store blocks
+    1..nb), as ``KernelRunner.decode_state`` reads it."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(start=start, n=1, seq=SimpleNamespace(block_ids=list(range(nb))))
+
+
 def _graph_launch_pattern(gs, nb: int, bs: int, delay_us: float, steps: int = 200) -> float:
     """ms a token when ``GraphStep.launch`` is driven as the pipelined engine drives it:
     step N+1 queued with N's token still on the device, then N read back, then
     ``delay_us`` of host work (the engine's emit and schedule). Equal to the replay time
     at every delay when the GPU never waits for the thread."""
-    from types import SimpleNamespace
-
-    seq = SimpleNamespace(block_ids=list(range(nb)))
     start = (nb - 1) * bs  # the last column's first token: the table stays nb wide
     prev, last = mx.array(np.array([1], np.int32)), None
     t = None
     for i in range(steps + 10):
         if i == 10:
             t = time.perf_counter()  # after the first upload and the warm steps
-        toks = gs.launch([SimpleNamespace(start=start + i % 8, n=1, seq=seq)], prev)
+        toks = gs.launch([_sequence_row(nb, start + i % 8)], prev)
         if last is not None:
             last.tolist()
         end = time.perf_counter() + delay_us * 1e-6
