@@ -21,9 +21,7 @@ import threading
 CU_STREAM_NON_BLOCKING = 0x1
 CU_STREAM_CAPTURE_MODE_RELAXED = 2  # other threads' CUDA calls are not the capture's business
 CU_EVENT_DISABLE_TIMING = 0x2
-CU_EVENT_BLOCKING_SYNC = 0x1
 CUDA_SUCCESS = 0
-CUDA_ERROR_NOT_READY = 600
 
 _ptr = ctypes.c_void_p
 _u64 = ctypes.c_uint64
@@ -66,7 +64,6 @@ _SIGNATURES = {
     "cuCtxSetCurrent": [_ptr],
     "cuModuleLoadData": [ctypes.POINTER(_ptr), ctypes.c_char_p],
     "cuModuleGetFunction": [ctypes.POINTER(_ptr), _ptr, ctypes.c_char_p],
-    "cuFuncGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, _ptr],
     "cuFuncSetAttribute": [_ptr, ctypes.c_int, ctypes.c_int],
     "cuLaunchKernel": [_ptr, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                        ctypes.c_uint, ctypes.c_uint, _ptr, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)],
@@ -85,12 +82,10 @@ _SIGNATURES = {
     "cuMemFreeHost": [_ptr],
     ("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"): [_u64, _ptr, ctypes.c_size_t, _ptr],
     ("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync"): [_ptr, _u64, ctypes.c_size_t, _ptr],
-    ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"): [_u64, _u64, ctypes.c_size_t, _ptr],
     "cuMemsetD8Async": [_u64, ctypes.c_ubyte, ctypes.c_size_t, _ptr],
     "cuEventCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
     "cuEventRecord": [_ptr, _ptr],
     "cuEventSynchronize": [_ptr],
-    "cuEventQuery": [_ptr],
     "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
 }
 
@@ -114,10 +109,10 @@ class Driver:
         self._ctx_lock = threading.Lock()
         self._ctx: int | None = None
 
-    def call(self, name: str, *args, ok=(CUDA_SUCCESS,)) -> int:
+    def call(self, name: str, *args) -> int:
         real, fn = self._fns[name]
         rc = fn(*args)
-        if rc not in ok:
+        if rc != CUDA_SUCCESS:
             err = ctypes.c_char_p()
             self._fns["cuGetErrorName"][1](rc, ctypes.byref(err))
             raise CudaError(real, rc, (err.value or b"unknown").decode())
@@ -159,9 +154,6 @@ class Driver:
     def get_function(self, module: int, mangled: str) -> int:
         return self._out("cuModuleGetFunction", _ptr, module, mangled.encode())
 
-    def func_attribute(self, func: int, attr: int) -> int:
-        return self._out("cuFuncGetAttribute", ctypes.c_int, attr, func)
-
     def stream(self) -> int:
         return self._out("cuStreamCreate", _ptr, CU_STREAM_NON_BLOCKING)
 
@@ -202,9 +194,6 @@ class Driver:
 
     def instantiate(self, graph: int) -> int:
         return self._out("cuGraphInstantiateWithFlags", _ptr, graph, 0)
-
-    def event_done(self, event: int) -> bool:
-        return self.call("cuEventQuery", event, ok=(CUDA_SUCCESS, CUDA_ERROR_NOT_READY)) == CUDA_SUCCESS
 
 
 @functools.cache

@@ -401,14 +401,12 @@ class KernelRunner(PagedRunner):
             if store.keys and os.environ.get("TANDEM_WARM_KERNELS", "1") != "0":
                 self.graph_step.prepare(min(GRAPH_PREPARE_TOKENS, store.num_blocks * store.block_size))
 
-    def graph_sync(self) -> None:
-        """Wait for captured steps in flight: MLX work on the pools follows (the engine
-        calls it through ``flush`` and before every step it runs through MLX)."""
+    def flush(self) -> None:
+        # Captured steps in flight write the pools that the engine's work after a flush
+        # reads or replaces (copies, imports, exports, growth). The warm-up's forwards
+        # flush before the graph step exists.
         if getattr(self, "graph_step", None) is not None:
             self.graph_step.sync()
-
-    def flush(self) -> None:
-        self.graph_sync()
         super().flush()
 
     def warm_kernels(self, row_counts=tuple(sorted({1, 2, 3, 4, 8, pac.V4_MIN_BATCH, pac.TC_MIN_BATCH}))) -> None:

@@ -131,8 +131,7 @@ class GraphStep:
         try:
             g = self._graph(nb)
         except (Unsupported, cuda_driver.CudaError) as exc:
-            self.failed = str(exc)
-            log.warning("graph step off, MLX's launches instead: %s", exc)
+            self._refuse(exc)
             return None
         drv, slot = self.drv, self._serial % RING
         drv.bind_context()
@@ -186,11 +185,15 @@ class GraphStep:
                     break
                 nb = _table_width(nb + 1)
         except (Unsupported, cuda_driver.CudaError) as exc:
-            self.failed = str(exc)
-            log.warning("graph step off, MLX's launches instead: %s", exc)
+            self._refuse(exc)
             return
         log.info("graph step: %d table widths (contexts to %d tokens) captured in %.1f s",
                  len(self._graphs), nb * bs, time.perf_counter() - t)
+
+    def _refuse(self, exc: Exception) -> None:
+        """Turn the graph step off for good: the engine runs MLX's launches from now on."""
+        self.failed = str(exc)
+        log.warning("graph step off, MLX's launches instead: %s", exc)
 
     # -- capture -----------------------------------------------------------------------
     def _graph(self, nb: int) -> _Graph:
