@@ -72,7 +72,7 @@ def table(rows: list[dict], labels: list[str]) -> str:
 def run_process(env_extra: dict[str, str], args, log_path: Path) -> tuple[int, list[dict]]:
     part = Path(tempfile.mkdtemp(prefix="gpu-ab-"))
     cmd = [sys.executable, str(HERE / "gpu_decode.py"), "--sections", "engine", "--batches", args.batches,
-           "--prefill-reps", str(args.prefill_reps), "--out", str(part)] + (["--tiny"] if args.tiny else [])
+           "--prefill-reps", str(args.prefill_reps), "--steps", str(args.steps), "--out", str(part)] + (["--tiny"] if args.tiny else [])
     env = {**os.environ, **env_extra}
     try:
         with open(log_path, "w") as log:
@@ -94,6 +94,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batches", default="1")
     ap.add_argument("--prefill-reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=32,
+                    help="gpu_decode.py's decode steps (batch 4 and under generate 3 x steps + 2 tokens)")
     ap.add_argument("--timeout", type=int, default=100, help="seconds per process")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="gpu_decode.py's smoke-test shape")

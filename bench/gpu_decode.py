@@ -444,6 +444,10 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                    prefill_tps_alone_runs=prefill_runs, prefill_ms_p50=prefill_ms,
                    decode_tps=dec, step_ms=(1e3 * B / dec) if dec else None,
                    gap_ms_p50_p90_max=gap, tick_wait_ms_p50=wait_ms, tick_host_ms_p50=host_ms,
+                   # Every gap and tick at small batches: whether the slow ones recur
+                   # (every 16 tokens: a block boundary) or scatter (the host, the clock).
+                   gaps_ms=[round(g, 3) for g in gaps] if B <= 4 else None,
+                   ticks_wait_total_ms=[(round(w * 1e3, 3), round(t * 1e3, 3)) for w, t, f, a in ticks] if B <= 4 else None,
                    tick_forward_ms_p50=forward_ms, tick_encode_ms_p50=encode_ms,
                    compiled=getattr(eng.runner, "compiled", None),
                    graph_step=_graph_status(eng),

@@ -798,6 +798,217 @@ def _graph_launch_pattern(gs, nb: int, bs: int, delay_us: float, steps: int = 20
     return (time.perf_counter() - t) / steps * 1e3
 
 
+def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: str = "causes") -> None:
+    """Each captured one-row step's time, one at a time, after the GPU was busy, idle, or
+    running prefill-sized GEMMs. The engine's batch-1 decode (H200, 2026-12-02) ran its first
+    10-20 tokens after the prompt at 2.6-2.8 ms and the rest at 2.42-2.46, where a hot replay
+    takes ~2.41: this says whether the clocks after idle or after a prefill's power draw set
+    those first steps. Each step is launched and waited for alone (~20 us more than queued)."""
+    import ctypes
+
+    from tandem.pipeline import graph_step
+
+    graph_step.ENABLED = True
+    eng = _probe_engine(layers, 1)
+    gs = eng.runner.graph_step
+    RESULTS["graph_warmup"] = rows = []
+    if gs is None or gs.failed:
+        log(f"graph step unavailable: {None if gs is None else gs.failed}")
+        return
+    drv, bs = gs.drv, eng.store.block_size
+    g = gs._graph(nb)
+    host, _ = eng.runner.decode_state([_sequence_row(nb, (nb - 1) * bs)])
+    drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, gs.stream)
+    drv.call("cuStreamSynchronize", gs.stream)
+    # One prefill's GEMM work (~10 ms of fp16 products at 512 rows, the prefill's power draw).
+    x = mx.random.normal((512, 4096)).astype(mx.float16)
+    w = mx.random.normal((14336, 4096)).astype(mx.float16) * 0.01
+    mx.eval(x, w)
+
+    def gemms(n: int = 120) -> None:
+        y = x
+        for _ in range(n):
+            y = (y @ w.T)[:, :4096]
+        mx.eval(y)
+
+    cur = [g]
+
+    def fill_pools(make) -> None:
+        # New pool arrays (zeros or random K/V), and the graph captured again on them.
+        store = eng.store
+        store.keys[:] = [make(a.shape).astype(a.dtype) for a in store.keys]
+        store.values[:] = [make(a.shape).astype(a.dtype) for a in store.values]
+        mx.eval(store.keys, store.values)
+        cur[0] = gs._graph(nb)
+        drv.call("cuMemcpyHtoDAsync_v2", cur[0].state_dev, host.ctypes.data, host.nbytes, gs.stream)
+        drv.call("cuStreamSynchronize", gs.stream)
+
+    def timed_steps() -> list[float]:
+        g = cur[0]
+        out = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            drv.call("cuGraphLaunch", g.exec, gs.stream)
+            drv.call("cuStreamSynchronize", gs.stream)
+            out.append((time.perf_counter() - t) * 1e3)
+        return out
+
+    from mlx.utils import tree_flatten
+    from tandem.kvtypes import SamplingParams
+
+    big = [a for _, a in tree_flatten(eng.model.parameters()) if a.size >= 1 << 22]
+
+    def read_weights() -> None:
+        # Every large array once, the prefill's dense fp16 copy included (~20 GB): the
+        # decode's 4-bit weights lose whatever the TLB and L2 held of them.
+        mx.eval([mx.sum(a.view(mx.uint8).astype(mx.uint32)) for a in big])
+
+    def engine_prefill() -> None:
+        # The engine's own prefill path (MLX's launches, its dense products and KV writes),
+        # one fresh prompt that asks for one token: nothing of it decodes.
+        eng.generate_many([(np.random.randint(0, 1000, 512).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))],
+                          timeout=300)
+        cur[0] = gs._graph(nb)  # the store may have grown: new pools, a new capture
+        drv.call("cuMemcpyHtoDAsync_v2", cur[0].state_dev, host.ctypes.data, host.nbytes, gs.stream)
+
+    gemms()
+    t = time.perf_counter()
+    gemms()
+    log(f"\n== graph warm-up, width {nb}, {layers} layers: one step at a time; the GEMM burst takes "
+        f"{(time.perf_counter() - t) * 1e3:.1f} ms")
+    lib = drv._lib
+
+    def context_state() -> dict:
+        # Context-wide settings a library may change for every kernel after it: the
+        # limits (stack, heap, persisting L2 set-aside, ...) and the L1 / shared preference.
+        out = {}
+        for limit, name in ((0, "stack"), (1, "printf"), (2, "heap"), (3, "sync_depth"), (4, "pending_launches"),
+                            (5, "max_l2_fetch_granularity"), (6, "persisting_l2")):
+            v = ctypes.c_size_t()
+            out[name] = v.value if lib.cuCtxGetLimit(ctypes.byref(v), limit) == 0 else None
+        c = ctypes.c_int()
+        out["cache_config"] = c.value if lib.cuCtxGetCacheConfig(ctypes.byref(c)) == 0 else None
+        return out
+
+    def cupti_replays(label: str, n: int = 20) -> None:
+        from torch.profiler import ProfilerActivity, profile
+        g = cur[0]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                drv.call("cuGraphLaunch", g.exec, gs.stream)
+            drv.call("cuStreamSynchronize", gs.stream)
+        path = Path(f"/tmp/graph_warmup_{label.replace(' ', '_')}.json")
+        prof.export_chrome_trace(str(path))
+        recs = sorted(kernel_records(path), key=lambda e: e["ts"])
+        path.unlink()
+        by: dict[str, float] = {}
+        for e in recs:
+            key = e["name"].split("(")[0][:40]
+            by[key] = by.get(key, 0.0) + e["dur"] / n
+        span = (recs[-1]["ts"] + recs[-1]["dur"] - recs[0]["ts"]) / n if recs else 0.0
+        busy = sum(e["dur"] for e in recs) / n
+        rows.append({"cupti": label, "span_us": span, "busy_us": busy, "by_name": by})
+        log(f"CUPTI {label}: {span:.1f} us a step, {busy:.1f} busy; "
+            + ", ".join(f"{k} {v:.1f}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:5]))
+
+    def show_context(label: str) -> None:
+        st = context_state()
+        rows.append({"context": label, **st})
+        log(f"context {label}: {st}")
+
+    def sdpa() -> None:
+        q = mx.random.normal((1, 32, 512, 128)).astype(mx.float16)
+        k = mx.random.normal((1, 8, 512, 128)).astype(mx.float16)
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, k, scale=0.088, mask="causal"))
+
+    def reset_context(target: dict) -> None:
+        for limit, name in ((0, "stack"), (2, "heap"), (6, "persisting_l2")):
+            if target.get(name) is not None:
+                lib.cuCtxSetLimit(limit, ctypes.c_size_t(target[name]))
+        if target.get("cache_config") is not None:
+            lib.cuCtxSetCacheConfig(target["cache_config"])
+        lib.cuCtxResetPersistingL2Cache()
+
+    def new_graph_step() -> None:
+        # A GraphStep of its own: another stream, other device buffers, the graph captured again.
+        fresh = graph_step.GraphStep(eng.runner, drv)
+        cur[0] = fresh._graph(nb)
+        gs.stream = fresh.stream
+        drv.call("cuMemcpyHtoDAsync_v2", cur[0].state_dev, host.ctypes.data, host.nbytes, gs.stream)
+        drv.call("cuStreamSynchronize", gs.stream)
+        keep.append(fresh)
+
+    keep: list = []
+    before_state = context_state()
+    if plan_name == "remedies":
+        # After an engine prefill the replays' kernel gaps grew by ~57 us a step and stayed
+        # (CUPTI: busy 2,411 against 2,414 us, span 2,493 against 2,439; 2026-12-02): which
+        # of these undoes it, if any. No CUPTI here: its callbacks stay and slow every step.
+        plan = [
+            ("hot", lambda: [timed_steps() for _ in range(3)]),
+            ("an engine prefill, 512 tokens", engine_prefill),
+            ("idle 1 s", lambda: time.sleep(1.0)),
+            ("mx.clear_cache()", mx.clear_cache),
+            ("gc, mx.synchronize()", lambda: (__import__("gc").collect(), mx.synchronize())),
+            ("a new GraphStep (stream, buffers, capture)", new_graph_step),
+            ("the engine stopped", eng.stop),
+            ("hot again", lambda: [timed_steps() for _ in range(3)]),
+        ]
+    elif plan_name == "components":
+        # The engine's prefill in parts, each alone, the cheapest first: the first part
+        # after which the replay stays ~70 us slower is what the prefill leaves behind.
+        def host_array() -> None:  # numpy data in managed memory, faulted in by one kernel
+            mx.eval(mx.array(np.arange(1 << 20, dtype=np.int32)) + 1)
+
+        def read_back() -> None:  # a host sync on a GPU result
+            mx.argmax(mx.random.normal((1, 128256))).item()
+
+        def rope_norm() -> None:
+            xs = mx.random.normal((1, 512, 32, 128)).astype(mx.float16)
+            mx.eval(mx.fast.rope(xs.transpose(0, 2, 1, 3), 128, traditional=False, base=500000.0, scale=1.0,
+                                 offset=0),
+                    mx.fast.rms_norm(xs.reshape(512, 4096), mx.ones((4096,), mx.float16), 1e-5))
+
+        def compiled() -> None:
+            f = mx.compile(lambda a, b: mx.sigmoid(a) * a * b)
+            z = mx.random.normal((512, 14336)).astype(mx.float16)
+            mx.eval(f(z, z))
+
+        plan = [
+            ("hot", lambda: [timed_steps() for _ in range(3)]),
+            ("a host-made array read on the GPU", host_array),
+            ("an argmax read back (.item())", read_back),
+            ("mx.fast.rope and rms_norm, prefill shapes", rope_norm),
+            ("an mx.compile'd swiglu", compiled),
+            ("an engine prefill, 512 tokens", engine_prefill),
+            ("hot again", lambda: [timed_steps() for _ in range(3)]),
+        ]
+    else:
+        plan = [
+            ("hot", lambda: [timed_steps() for _ in range(3)]),
+            ("idle 2 s", lambda: time.sleep(2.0)),
+            ("five GEMM bursts", lambda: [gemms() for _ in range(5)]),
+            ("random K/V in the pools", lambda: fill_pools(lambda sh: mx.random.normal(sh))),
+            ("CUPTI before", lambda: (cupti_replays("before"), show_context("before"))),
+            ("an SDPA of prefill shapes", sdpa),
+            ("an engine prefill, 512 tokens", lambda: (engine_prefill(), show_context("after prefill"))),
+            ("CUPTI after", lambda: cupti_replays("after")),
+            ("context as before, persisting L2 reset", lambda: reset_context(before_state)),
+            ("an engine prefill, then reset", lambda: (engine_prefill(), reset_context(before_state))),
+            ("hot again", lambda: [timed_steps() for _ in range(3)]),
+        ]
+    eng.start()
+    try:
+        for name, fn in plan:
+            fn()
+            ms = timed_steps()
+            rows.append({"before": name, "step_ms": [round(m, 4) for m in ms]})
+            q = [float(np.mean(ms[i:i + 10])) for i in range(0, steps, 10)]
+            log(f"{name:38s}: ms a step, means of 10: " + " ".join(f"{v:.3f}" for v in q))
+    finally:
+        eng.stop()
+
+
 def section_attention() -> None:
     """Paged decode attention (8B shapes, block 16) at several partition sizes, and the write."""
     from tandem.kernels import paged_attention_cuda as pac
@@ -1435,6 +1646,77 @@ def section_engine_trace(layers: int, batches: list[int], out: Path) -> None:
         os.environ.pop("TANDEM_PAGED_KERNELS", None)
 
 
+def decode_steps(records: list[dict]) -> list[dict]:
+    """A trace's GPU records (sorted by start) cut into decode steps, each ending at its
+    argmax kernel: per step its span and busy time (us), the idle time since the step
+    before ended, its record count and time by kernel name. Records before the first
+    argmax (the prefill) belong to no step."""
+    ends = [i for i, e in enumerate(records) if "argmax" in e["name"]]
+    steps = []
+    for a, b in zip(ends, ends[1:]):
+        ks = records[a + 1 : b + 1]
+        by: dict[str, float] = {}
+        for e in ks:
+            key = e["name"].split("(")[0][:40]
+            by[key] = by.get(key, 0.0) + e["dur"]
+        steps.append({"start": ks[0]["ts"], "span_us": ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"],
+                      "busy_us": sum(e["dur"] for e in ks), "kernels": len(ks), "by_name": by,
+                      "gap_before_us": ks[0]["ts"] - (records[a]["ts"] + records[a]["dur"])})
+    return steps
+
+
+def section_engine_ramp(layers: int, out: Path, tokens: int = 80) -> None:
+    """One batch-1 request through the started engine under CUPTI, prompt to its last
+    token: each decode step's kernels (a step ends at its argmax) by name, the first
+    steps against the later ones, and any kernel between the steps that is not a step's.
+    The engine's first 10-35 tokens after a prompt take 2.6-2.8 ms against 2.46 later
+    (H200, 2026-12-02, gaps of ``gpu_decode.py``), while a replay alone does not slow down
+    after idle, GEMM bursts or a prefill (``graph-warmup``): this says which kernels."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+    import gpu_decode as gd
+    from tandem.kvtypes import SamplingParams
+
+    eng = _probe_engine(layers, 1)
+    eng.start()
+    vocab = gd._vocab()
+    try:
+        for _ in range(2):  # compiles, captures, the store's growth
+            eng.generate_many([(np.random.randint(0, vocab, 512).tolist(),
+                                SamplingParams(max_tokens=tokens, ignore_eos=True))], timeout=300)
+        mx.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            eng.generate_many([(np.random.randint(0, vocab, 512).tolist(),
+                                SamplingParams(max_tokens=tokens, ignore_eos=True))], timeout=300)
+            wall = time.perf_counter() - t0
+        path = out / "gpu_probe_engine_ramp.json"
+        prof.export_chrome_trace(str(path))
+        recs = sorted(kernel_records(path), key=lambda e: e["ts"])
+        path.unlink()
+    finally:
+        eng.stop()
+        os.environ.pop("TANDEM_PAGED_KERNELS", None)
+    steps = decode_steps(recs)
+    log(f"\n== engine ramp: one request, 512-token prompt, {tokens} tokens, {wall * 1e3:.1f} ms; "
+        f"{len(recs)} GPU records, {len(steps)} whole decode steps")
+    RESULTS["engine_ramp"] = {"wall_ms": wall * 1e3, "steps": steps}
+    if not steps:
+        return
+    log(f"{'step':>4s} {'span us':>8s} {'busy us':>8s} {'gap us':>7s} {'kernels':>7s}")
+    for i, st in enumerate(steps):
+        if i < 40 or i % 10 == 0:
+            log(f"{i:4d} {st['span_us']:8.1f} {st['busy_us']:8.1f} {st['gap_before_us']:7.1f} {st['kernels']:7d}")
+    early, late = steps[1:16], steps[-30:]
+    names = sorted({k for st in steps for k in st["by_name"]}, key=lambda k: -late[0]["by_name"].get(k, 0.0))
+    log(f"{'kernel':40s} {'steps 1-15 us':>14s} {'last 30 us':>11s}")
+    for k in names:
+        e = float(np.mean([st["by_name"].get(k, 0.0) for st in early]))
+        l_ = float(np.mean([st["by_name"].get(k, 0.0) for st in late]))
+        log(f"{k:40s} {e:14.1f} {l_:11.1f}")
+
+
 def _sample_prefills(eng, vocab: int, seconds: float) -> int:
     """One 512-token prompt at a time (max_tokens 1), each submitted when the last one is
     done, for ``seconds``: the prefills' count. The thread's waits between them are in the
@@ -1551,6 +1833,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=576, help="attention-serial: context tokens")
     ap.add_argument("--stream-shapes", default="1x8x1,1x8x2,1x16x1,1x4x4,1x8x4,2x8x1,2x4x2,1x4x1",
                     help="qgemv-stream: CPLxHxP block shapes to time")
+    ap.add_argument("--warmup-plan", choices=("causes", "remedies", "components"), default="causes",
+                    help="graph-warmup: what runs before each timed set of steps")
     ap.add_argument("--only", default="", help="qgemv-chain: only the variants whose label contains this")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks"))
     args = ap.parse_args()
@@ -1589,6 +1873,10 @@ def main() -> int:
                        args.w4g_parts)
     if "graph-replay" in secs:
         section_graph_replay(args.layers)
+    if "graph-warmup" in secs:
+        section_graph_warmup(args.layers, plan_name=args.warmup_plan)
+    if "engine-ramp" in secs:
+        section_engine_ramp(args.layers, out)
     if "step-replay" in secs:
         section_step_replay(args.layers, [int(b) for b in args.batches.split(",")], args.profile_forward)
     if "engine-sample" in secs:

@@ -37,3 +37,21 @@ def test_kernel_label_keeps_template_arguments_and_drops_mlx_prefix():
     name = "mlx::core::cu::custom_kernel_tandem_qgemv_stream_4096_1_8_1_t_f_t(const __half*, int)"
     assert gpu_probe.kernel_label(name) == "tandem_qgemv_stream_4096_1_8_1_t_f_t"
     assert gpu_probe.kernel_label("void mlx::core::cu::copy_v<__half, float>(__half*)") == "copy_v<__half, float>"
+
+
+def test_decode_steps_cut_at_each_argmax_and_keep_the_gaps_between():
+    prefill = [("gemm_prefill", 50.0), ("tandem_argmax_rows(int*)", 3.0)]
+    step = [("Memcpy HtoD", 1.0), ("tandem_qgemv_stream(x)", 20.0), ("tandem_argmax_rows(int*)", 3.0)]
+    recs = _records(prefill + step + step)
+    recs[-3]["ts"] += 40.0  # the second step starts 40 us late: its gap, not its span
+    for e in recs[-2:]:
+        e["ts"] += 40.0
+    steps = gpu_probe.decode_steps(recs)
+    assert len(steps) == 2  # the prefill's argmax opens the first step; nothing before it is one
+    first, second = steps
+    assert first["kernels"] == second["kernels"] == 3
+    assert first["busy_us"] == second["busy_us"] == 24.0
+    assert first["span_us"] == second["span_us"] == 24.0 + 2 * 1.0  # two 1 us gaps inside
+    assert (first["gap_before_us"], second["gap_before_us"]) == (1.0, 41.0)
+    assert first["by_name"]["tandem_qgemv_stream"] == 20.0
+    assert "gemm_prefill" not in first["by_name"]
