@@ -805,6 +805,7 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
     takes ~2.41: this says whether the clocks after idle or after a prefill's power draw set
     those first steps. Each step is launched and waited for alone (~20 us more than queued)."""
     import ctypes
+    import os
 
     from tandem.pipeline import graph_step
 
@@ -974,10 +975,51 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
             z = mx.random.normal((512, 14336)).astype(mx.float16)
             mx.eval(f(z, z))
 
+        def raw_managed() -> None:  # managed memory outside MLX: written by the GPU, read by the CPU
+            ptr, n = ctypes.c_uint64(), 64 << 20
+            lib.cuMemAllocManaged(ctypes.byref(ptr), ctypes.c_size_t(n), 1)
+            lib.cuMemsetD8_v2(ptr, 1, ctypes.c_size_t(n))
+            lib.cuCtxSynchronize()
+            ctypes.string_at(ptr.value, n)
+            keep.append(ptr)  # not freed: cuMemFree would synchronize the device mid-plan
+
+        def local_memory_kernel() -> None:
+            # A kernel with 16 KB of local memory a thread at full occupancy: the context's
+            # local-memory reservation grows for it, and stays grown.
+            from tandem.kernels import nvrtc
+            src = ('extern "C" __global__ void tandem_probe_lmem(float* out, int n) {\n'
+                   '  volatile float buf[4096];\n'
+                   '  for (int i = 0; i < 4096; ++i) buf[i] = i * n;\n'
+                   '  out[blockIdx.x * blockDim.x + threadIdx.x] = buf[(threadIdx.x * 7) & 4095];\n}\n')
+            f = drv.get_function(drv.load_module(nvrtc.compile_cubin(src, drv.arch(), "lmem.cu")), "tandem_probe_lmem")
+            out_buf = drv.mem_alloc(132 * 2048 * 4)
+            from tandem.kernels.cuda_driver import KernelParams
+            params = KernelParams([out_buf, ("i32", 3)])
+            drv.launch(f, (132 * 2, 1, 1), (1024, 1, 1), gs.stream, params.array)
+            drv.call("cuStreamSynchronize", gs.stream)
+            keep.append((params, out_buf))
+
+        def plain_module() -> None:  # a module of our own loaded and launched once (NVRTC)
+            from tandem.kernels import nvrtc
+            src = 'extern "C" __global__ void tandem_probe_nop(int* p) { if (p) *p = 1; }\n'
+            f = drv.get_function(drv.load_module(nvrtc.compile_cubin(src, drv.arch(), "nop.cu")), "tandem_probe_nop")
+            from tandem.kernels.cuda_driver import KernelParams
+            params = KernelParams([0])
+            drv.launch(f, (1, 1, 1), (32, 1, 1), gs.stream, params.array)
+            drv.call("cuStreamSynchronize", gs.stream)
+            keep.append(params)
+
+        rows.append({"concurrent_managed_access": drv.device_attribute(89)})
+        log(f"concurrentManagedAccess: {drv.device_attribute(89)}; CUDA_MODULE_LOADING="
+            f"{os.environ.get('CUDA_MODULE_LOADING', '(unset: lazy)')}, MLX_USE_CUDA_GRAPHS="
+            f"{os.environ.get('MLX_USE_CUDA_GRAPHS', '(unset)')}")
         plan = [
             ("hot", lambda: [timed_steps() for _ in range(3)]),
+            ("managed memory outside MLX, GPU then CPU", raw_managed),
             ("a host-made array read on the GPU", host_array),
             ("an argmax read back (.item())", read_back),
+            ("a module of our own, one launch", plain_module),
+            ("a 16 KB-a-thread local-memory kernel", local_memory_kernel),
             ("mx.fast.rope and rms_norm, prefill shapes", rope_norm),
             ("an mx.compile'd swiglu", compiled),
             ("an engine prefill, 512 tokens", engine_prefill),
