@@ -296,10 +296,23 @@ class _Ticks(list):
     undo = None
 
 
-def _graph_status(eng) -> dict | None:
-    """The captured one-row step's counters (pipeline/graph_step.py), when it is on."""
+def _graph_status(eng, timings_since: int | None = None) -> dict | None:
+    """The captured one-row step's counters (pipeline/graph_step.py), when it is on; with
+    ``TANDEM_GRAPH_TIMING=1`` also each replay's device ms and the device's idle ms before
+    it, for the replays after serial ``timings_since``."""
     g = getattr(eng.runner, "graph_step", None)
-    return None if g is None else {"replays": g.replays, "graphs": len(g._graphs), "failed": g.failed}
+    if g is None:
+        return None
+    out = {"replays": g.replays, "graphs": len(g._graphs), "failed": g.failed}
+    if timings_since is not None and g.timings:
+        out["timings_busy_idle_ms"] = [(round(b, 4), None if i is None else round(i, 4))
+                                       for s, b, i in g.timings if s > timings_since]
+    return out
+
+
+def _graph_serial(eng) -> int | None:
+    g = getattr(eng.runner, "graph_step", None)
+    return None if g is None else g._serial - 1
 
 
 def _time_ticks(eng) -> _Ticks:
@@ -410,6 +423,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                             all_done.set()
 
             waits = _time_ticks(eng)
+            serial0 = _graph_serial(eng)
             t0 = time.perf_counter()
             for i in range(B):
                 prompt = np.random.randint(0, _vocab(), prompt_len).tolist()
@@ -450,7 +464,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                    ticks_wait_total_ms=[(round(w * 1e3, 3), round(t * 1e3, 3)) for w, t, f, a in ticks] if B <= 4 else None,
                    tick_forward_ms_p50=forward_ms, tick_encode_ms_p50=encode_ms,
                    compiled=getattr(eng.runner, "compiled", None),
-                   graph_step=_graph_status(eng),
+                   graph_step=_graph_status(eng, serial0),
                    tokens=sum(n for evs in marks.values() for (_, n) in evs),
                    paths=linear.paths_used())
     finally:

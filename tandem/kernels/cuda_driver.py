@@ -86,6 +86,7 @@ _SIGNATURES = {
     "cuEventCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
     "cuEventRecord": [_ptr, _ptr],
     "cuEventSynchronize": [_ptr],
+    "cuEventElapsedTime": [ctypes.POINTER(ctypes.c_float), _ptr, _ptr],
     "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
 }
 
@@ -157,8 +158,14 @@ class Driver:
     def stream(self) -> int:
         return self._out("cuStreamCreate", _ptr, CU_STREAM_NON_BLOCKING)
 
-    def event(self) -> int:
-        return self._out("cuEventCreate", _ptr, CU_EVENT_DISABLE_TIMING)
+    def event(self, timing: bool = False) -> int:
+        return self._out("cuEventCreate", _ptr, 0 if timing else CU_EVENT_DISABLE_TIMING)
+
+    def elapsed_ms(self, start: int, end: int) -> float:
+        """Device time between two recorded timing events (both complete), in ms."""
+        v = ctypes.c_float()
+        self.call("cuEventElapsedTime", ctypes.byref(v), start, end)
+        return v.value
 
     def mem_alloc(self, nbytes: int) -> int:
         return self._out("cuMemAlloc_v2", _u64, max(int(nbytes), 1))

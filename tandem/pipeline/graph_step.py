@@ -30,6 +30,7 @@ MLX's encoding (1.9 ms a step) and not the GPU set the step.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import os
@@ -55,6 +56,12 @@ programmatic dependent launch: each may start, and the one-row products prefetch
 first rows to L2, while the kernel before it drains (sm_90 and later). H200 runs 107 and
 109: 2.252 / 2.256 ms a replay against 2.241 / 2.236 at 57 tokens of context, 2.411 / 2.414
 against 2.372 / 2.369 at 761 (``gpu_probe.py --sections graph-replay``): slower, so off."""
+TIMING = os.environ.get("TANDEM_GRAPH_TIMING", "0") == "1"
+"""Time every replay on the device for the benchmarks (``GraphStep.timings``): its state
+upload and graph between two timing events, and the device's idle time since the replay
+before. H200 runs 115-116 (2026-12-02): the engine's steps take 2.46 ms against a replay's
+2.40 alone, and its first 10-35 tokens after a prompt 2.6-2.8; CUPTI hides the second and
+its callbacks slow everything after them, so these events are the way to see both."""
 RING = 8  # read-back slots: the engine holds at most two steps in flight
 MAX_GRAPHS = 24  # one per table width seen; the oldest goes when a new one would exceed it
 
@@ -107,6 +114,11 @@ class GraphStep:
         self._pinned_state = drv.host_alloc(RING * 4 * self.max_state)
         self._pinned_tok = drv.host_alloc(RING * 8)
         self._events = [drv.event() for _ in range(RING)]
+        # TIMING: per slot, events before the state upload and after the graph; per read
+        # replay (its serial, ms from upload to graph end, ms idle since the replay before).
+        self._marks = [(drv.event(timing=True), drv.event(timing=True)) for _ in range(RING)] if TIMING else None
+        self.timings: collections.deque = collections.deque(maxlen=4096)
+        self._timed = -1  # the last serial whose timing is in ``timings``
         self._modules: list[int] = []
         self._funcs: dict[str, int] = {}  # kernel text -> function
         self._graphs: dict[int, _Graph] = {}
@@ -137,6 +149,8 @@ class GraphStep:
         drv.bind_context()
         st = self._pinned_state + slot * 4 * self.max_state
         ctypes.memmove(st, host.ctypes.data, host.nbytes)
+        if self._marks is not None:
+            drv.call("cuEventRecord", self._marks[slot][0], self.stream)
         drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, st, host.nbytes, self.stream)
         # The argmax leaves each step's token in tok_dev for the next; a capture since
         # (its check runs a token of its own) or an MLX-made input needs an upload.
@@ -150,6 +164,8 @@ class GraphStep:
             ctypes.c_int32.from_address(tok).value = int(value[0])
             drv.call("cuMemcpyHtoDAsync_v2", self.tok_dev, tok, 4, self.stream)
         drv.call("cuGraphLaunch", g.exec, self.stream)
+        if self._marks is not None:
+            drv.call("cuEventRecord", self._marks[slot][1], self.stream)
         drv.call("cuMemcpyDtoHAsync_v2", self._pinned_tok + slot * 8, self.tok_dev, 4, self.stream)
         drv.call("cuEventRecord", self._events[slot], self.stream)
         self._busy = True
@@ -170,7 +186,20 @@ class GraphStep:
             raise RuntimeError(f"graph step {serial}'s token was overwritten (now at {self._serial})")
         self.drv.bind_context()
         self.drv.call("cuEventSynchronize", self._events[slot])
+        if self._marks is not None and serial > self._timed:
+            self._time(slot, serial)
         return [ctypes.c_int32.from_address(self._pinned_tok + slot * 8).value]
+
+    def _time(self, slot: int, serial: int) -> None:
+        start, end = self._marks[slot]
+        busy = self.drv.elapsed_ms(start, end)
+        # The replay before is comparable only if it was this launch's predecessor on the
+        # stream and its marks are not yet reused (read back within RING launches).
+        idle = None
+        if serial > 0 and serial == self._timed + 1 and self._serial - (serial - 1) <= RING:
+            idle = self.drv.elapsed_ms(self._marks[(serial - 1) % RING][1], start)
+        self.timings.append((serial, busy, idle))
+        self._timed = serial
 
     def prepare(self, max_tokens: int) -> None:
         """Capture the steps of every table width up to ``max_tokens`` of context now: a

@@ -426,3 +426,67 @@ def test_prepare_captures_every_width_to_the_bound_and_a_refusal_turns_the_step_
     g._graph = refuse
     g.prepare(1000)
     assert g.failed == "no" and not g.applies([_Row(5)], [SamplingParams(temperature=0.0)])
+
+
+class TimedDriver(FakeDriver):
+    """FakeDriver with a device clock: a replay takes 2.4 ms, ``idle`` lets the device wait
+    for the host, and a timing event records the clock when the stream reaches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.clock, self.stamps, self._next_event = 0.0, {}, 100
+
+    def event(self, timing=False):
+        self._next_event += 1
+        return self._next_event
+
+    def idle(self, ms):
+        self.clock += ms
+
+    def elapsed_ms(self, start, end):
+        return self.stamps[end] - self.stamps[start]
+
+    def call(self, name, *args):
+        if name == "cuEventRecord":
+            self.stamps[args[0]] = self.clock
+        elif name == "cuGraphLaunch":
+            self.clock += 2.4
+        super().call(name, *args)
+
+
+def test_timing_gives_each_replays_device_time_and_the_idle_time_before_it(monkeypatch):
+    monkeypatch.setattr(graph_step, "TIMING", True)
+    drv = TimedDriver()
+    runner = type("R", (), {"decode_state": lambda self, rows: (np.array([rows[0].start, 0, 0, 0], np.int32), 1)})()
+    g = graph_step.GraphStep(runner, drv)
+    FakeGraph.tok, FakeGraph.state = g.tok_dev, drv.mem_alloc(16)
+    g._graph = lambda nb: type("G", (), {"exec": 1, "state_dev": FakeGraph.state})()
+    monkeypatch.setattr(mx, "synchronize", lambda *a: None)
+    prev, idles = mx.array([5], dtype=mx.int32), [0.0, 0.3, 0.0, 1.25]
+    for pos, wait in enumerate(idles):
+        drv.idle(wait)  # the host came late: the device sat idle before this launch
+        before = prev
+        prev = g.launch([_Row(pos)], prev)
+        if isinstance(before, graph_step.DeviceTokens):
+            before.tolist()
+    prev.tolist()
+    serials = [t[0] for t in g.timings]
+    assert serials == [0, 1, 2, 3]
+    assert [round(t[1], 6) for t in g.timings] == [2.4] * 4
+    assert g.timings[0][2] is None  # nothing ran before the first
+    assert [round(t[2], 6) for t in list(g.timings)[1:]] == idles[1:]
+    # A replay read back again adds nothing; one whose predecessor was never read has no idle.
+    prev.tolist()
+    assert len(g.timings) == 4
+    skipped = g.launch([_Row(9)], prev)
+    last = g.launch([_Row(10)], skipped)
+    last.tolist()
+    assert g.timings[-1][0] == 5 and g.timings[-1][2] is None
+
+
+def test_without_timing_no_timing_event_is_made_or_recorded(monkeypatch):
+    monkeypatch.setattr(graph_step, "TIMING", False)
+    drv = TimedDriver()
+    g = graph_step.GraphStep(type("R", (), {})(), drv)
+    made = drv._next_event - 100
+    assert g._marks is None and made == graph_step.RING  # the read-back events only
