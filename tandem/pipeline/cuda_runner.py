@@ -52,6 +52,7 @@ from tandem.kernels import kv_write_cuda as kvw
 from tandem.kernels import w4wgmma
 from tandem.kernels.quantized_matmul import cuda_available
 from tandem.pipeline import graph_step
+from tandem.pipeline import host_inputs
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.model_runner import PagedRunner
 from tandem.pipeline.sequence import Row
@@ -492,7 +493,7 @@ class KernelRunner(PagedRunner):
             if np.array_equal(host, prev[0] + bump):
                 dev = prev[1] + bump_dev
         if dev is None:
-            dev = mx.array(host)
+            dev = host_inputs.array(host)
             self.state_uploads += 1
         self._state_prev = (host, dev)
         return dev
@@ -512,9 +513,9 @@ class KernelRunner(PagedRunner):
             table[i, : len(ids)] = np.asarray(ids, np.int64) + 1
         p = np.arange(L, dtype=np.int64)
         slots = np.where(p[None, :] < ns[:, None], table[:, p // bs] * bs + p % bs, -1)
-        pos = mx.array(np.tile(p, B).astype(np.int32))
-        slots = mx.array(slots.reshape(-1).astype(np.int32))
-        last = mx.array((np.arange(B) * L + ns - 1).astype(np.int32))
+        pos = host_inputs.array(np.tile(p, B).astype(np.int32))
+        slots = host_inputs.array(slots.reshape(-1).astype(np.int32))
+        last = host_inputs.array((np.arange(B) * L + ns - 1).astype(np.int32))
         compiled = self._prefill_fns is not None and L % PREFILL_COMPILE_MULTIPLE == 0
         h = self._embed(inputs)  # (B, L, W)
         keys, values = self.store.keys, self.store.values

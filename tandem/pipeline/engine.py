@@ -33,6 +33,7 @@ from tandem.pipeline.kv_store import KVStore, dtype_name
 from tandem.pipeline.cuda_runner import paged_runner
 from tandem.pipeline.model_runner import DenseRunner, probe
 from tandem.pipeline import graph_step
+from tandem.pipeline import host_inputs
 from tandem.pipeline.sampler import Sampled, sample
 from tandem.pipeline.scheduler import Plan, Scheduler
 from tandem.pipeline.sequence import Sequence, Status
@@ -438,7 +439,7 @@ class Engine:
             for i, j in zip(dev_rows, dev_idx):
                 host[i, rows[i].n - 1] = vals[j]
             dev_rows = []
-        inputs = mx.array(host)
+        inputs = host_inputs.array(host)
         if dev_rows:
             inputs = inputs.at[mx.array(dev_rows), mx.array([rows[i].n - 1 for i in dev_rows])].add(prev[mx.array(dev_idx)])
         return inputs
