@@ -78,6 +78,7 @@ def run(args) -> int:
     from tandem.sdnotify import Notifier, Watchdog
     from tandem.wire.secret import require_cluster_secret
     from tandem.wire.sockets import is_loopback
+    from tandem.workers import roles
     from tandem.workers.worker import Worker
 
     cfg = config_mod.load(args.config, overrides={
@@ -91,6 +92,7 @@ def run(args) -> int:
         "worker.cpu_gate": args.cpu_gate,
     })
     role = cfg.worker.role
+    roles.engine_settings(cfg.engine, role)
     if role in ("prefill", "decode"):
         from tandem.wire.transfer import retain_freed_memory
 

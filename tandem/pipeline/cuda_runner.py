@@ -73,9 +73,10 @@ GRAPH_PREPARE_TOKENS = int(os.environ.get("TANDEM_GRAPH_PREPARE_TOKENS", "4096")
 """Contexts up to this many tokens have their one-row graph captured when the runner starts."""
 
 
-def paged_runner(model, store: KVStore, *, mirror: bool, kernels: str | None = None) -> PagedRunner:
+def paged_runner(model, store: KVStore, *, mirror: bool, kernels: str | None = None, graphs: bool = True) -> PagedRunner:
     """The runner for this backend. ``kernels``: see :data:`MODES` (default: the
-    ``TANDEM_PAGED_KERNELS`` environment variable, else ``auto`` = CUDA kernels on CUDA)."""
+    ``TANDEM_PAGED_KERNELS`` environment variable, else ``auto`` = CUDA kernels on CUDA).
+    ``graphs``: capture one-row decode steps as CUDA graphs (``pipeline/graph_step.py``)."""
     mode = (kernels or os.environ.get("TANDEM_PAGED_KERNELS", "auto")).strip().lower()
     if mode not in MODES:
         raise ValueError(f"TANDEM_PAGED_KERNELS={mode!r}: choose one of {', '.join(MODES)}")
@@ -89,7 +90,7 @@ def paged_runner(model, store: KVStore, *, mirror: bool, kernels: str | None = N
         if mode == "cuda":
             _prepare_linears(model)  # flattened rows still matter on CUDA
         return PagedRunner(model, store, mirror=mirror)
-    return KernelRunner(model, store, ops=mode)
+    return KernelRunner(model, store, ops=mode, graphs=graphs)
 
 
 def unsupported(model, store: KVStore) -> str:
@@ -328,7 +329,8 @@ class KernelRunner(PagedRunner):
     mirror stood in for on the CPU.
     """
 
-    def __init__(self, model, store: KVStore, ops: str = "cuda", compile_decode: bool | None = None):
+    def __init__(self, model, store: KVStore, ops: str = "cuda", compile_decode: bool | None = None,
+                 graphs: bool = True):
         if ops == "cuda":
             _prepare_linears(model)
         else:
@@ -396,7 +398,7 @@ class KernelRunner(PagedRunner):
             self.warm_kernels()
             log.info("paged runner: decode kernel variants compiled in %.1f s", time.perf_counter() - t)
         # One greedy row decodes through a captured CUDA graph of these kernels.
-        self.graph_step = graph_step.make(self) if ops == "cuda" else None
+        self.graph_step = graph_step.make(self) if ops == "cuda" and graphs else None
         if self.graph_step is not None:
             log.info("paged runner: one-row greedy decode through captured CUDA graphs (TANDEM_GRAPH_STEP=0: off)")
             if store.keys and os.environ.get("TANDEM_WARM_KERNELS", "1") != "0":

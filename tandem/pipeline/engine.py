@@ -103,7 +103,7 @@ class Engine:
             log.info("KV store: %d of %d blocks allocated at start (%.0f MB)", self.store.capacity, num_blocks,
                      self.store.nbytes / 1e6)
             self.pool.addressable = self.store.capacity
-            self.runner = paged_runner(model, self.store, mirror=settings.decode_mirror)
+            self.runner = paged_runner(model, self.store, mirror=settings.decode_mirror, graphs=settings.decode_graphs)
             if not settings.fast_forward:
                 self.runner.fast = None
             elif not settings.native_kernels and getattr(self.runner, "fast", None) is not None:

@@ -3,7 +3,10 @@
 The engine's defaults are a hybrid worker's: it both prefills and decodes. A worker with
 one role sets its engine up for that role:
 
-* **prefill**: ``worker.prefill_batch`` prompts at most are prefilled together (default
+* **prefill**: no one-row decode graphs (``engine.decode_graphs``: it exports each
+  sequence after its first token and never decodes, and on a GPU their capture costs
+  7-15 s of the start and their buffers); ``worker.prefill_batch`` prompts at most are
+  prefilled together (default
   0: the engine's ``max_batch_prefill``, as a hybrid worker; the engine reads each
   exporting step back before it starts the next). A prefill worker's product
   is first tokens and handoffs, and a batch holds every first token until its last
@@ -41,6 +44,12 @@ def imported_kv_not_cached(engine) -> bool:
     sched.prefix_caching = False
     pool.reset_prefix_cache()
     return True
+
+
+def engine_settings(settings, role: str) -> None:
+    """What ``role`` changes in the engine's settings before the engine is built."""
+    if role == "prefill":
+        settings.decode_graphs = False
 
 
 def set_up(engine, role: str, *, prefill_batch: int = 0) -> None:

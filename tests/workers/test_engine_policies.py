@@ -180,3 +180,24 @@ def test_a_prefill_worker_batches_as_its_engine_by_default_or_as_told(tiny):
     hybrid = make(tiny)
     roles.set_up(hybrid, "hybrid")  # the engine's own defaults are a hybrid worker's
     assert hybrid.settings.max_batch_prefill == 4 and hybrid.scheduler.prefix_caching
+
+
+def test_only_a_prefill_worker_builds_its_engine_without_decode_graphs():
+    from tandem.pipeline.settings import EngineSettings
+
+    for role, graphs in (("prefill", False), ("decode", True), ("hybrid", True)):
+        s = EngineSettings()
+        assert s.decode_graphs  # the engine's own default
+        roles.engine_settings(s, role)
+        assert s.decode_graphs is graphs, role
+
+
+def test_the_engine_hands_its_decode_graphs_setting_to_the_runner(tiny, monkeypatch):
+    import tandem.pipeline.engine as engine_mod
+
+    seen = []
+    real = engine_mod.paged_runner
+    monkeypatch.setattr(engine_mod, "paged_runner", lambda *a, **kw: seen.append(kw["graphs"]) or real(*a, **kw))
+    for graphs in (False, True):
+        make(tiny, decode_graphs=graphs)
+    assert seen == [False, True]
