@@ -465,6 +465,12 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                    tick_forward_ms_p50=forward_ms, tick_encode_ms_p50=encode_ms,
                    compiled=getattr(eng.runner, "compiled", None),
                    graph_step=_graph_status(eng, serial0),
+                   # MLX's eval waits for its queued work whenever more than 10 tasks are in
+                   # flight or the active memory passes its limit (95% of the device's, in
+                   # libmlx.so 0.32.4): near the limit, every async_eval would stall the GPU.
+                   mlx_memory_gib={k: round(f() / 2**30, 2) for k, f in (
+                       ("active", mx.get_active_memory), ("cache", mx.get_cache_memory),
+                       ("peak", mx.get_peak_memory), ("limit", mx.get_memory_limit))},
                    tokens=sum(n for evs in marks.values() for (_, n) in evs),
                    paths=linear.paths_used())
     finally:
