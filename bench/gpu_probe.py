@@ -964,11 +964,13 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
         def read_back() -> None:  # a host sync on a GPU result
             mx.argmax(mx.random.normal((1, 128256))).item()
 
-        def rope_norm() -> None:
+        def rope_norm() -> None:  # MLX's built-in kernels a prefill uses: RoPE, norm, gather, casts
             xs = mx.random.normal((1, 512, 32, 128)).astype(mx.float16)
+            rows = mx.random.randint(0, 512, (64,))
             mx.eval(mx.fast.rope(xs.transpose(0, 2, 1, 3), 128, traditional=False, base=500000.0, scale=1.0,
                                  offset=0),
-                    mx.fast.rms_norm(xs.reshape(512, 4096), mx.ones((4096,), mx.float16), 1e-5))
+                    mx.fast.rms_norm(xs.reshape(512, 4096), mx.ones((4096,), mx.float16), 1e-5),
+                    mx.take(xs.reshape(512, 4096), rows, axis=0).astype(mx.float32))
 
         def compiled() -> None:
             f = mx.compile(lambda a, b: mx.sigmoid(a) * a * b)
@@ -1020,7 +1022,7 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
             ("an argmax read back (.item())", read_back),
             ("a module of our own, one launch", plain_module),
             ("a 16 KB-a-thread local-memory kernel", local_memory_kernel),
-            ("mx.fast.rope and rms_norm, prefill shapes", rope_norm),
+            ("MLX's RoPE, rms_norm, gather, cast", rope_norm),
             ("an mx.compile'd swiglu", compiled),
             ("an engine prefill, 512 tokens", engine_prefill),
             ("hot again", lambda: [timed_steps() for _ in range(3)]),
