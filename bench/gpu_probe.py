@@ -694,6 +694,21 @@ def section_step_replay(layers: int, batches: list[int], profile_forward: bool =
         cuda_runner.KernelRunner._decode_graph = graph
 
 
+def _graph_engine(layers: int, key: str):
+    """The probe engine for one row with the graph step on, and its GraphStep (None, and
+    the reason in ``RESULTS[key + "_failed"]``, where it cannot run)."""
+    from tandem.pipeline import graph_step
+
+    graph_step.ENABLED = True
+    eng = _probe_engine(layers, 1)
+    gs = eng.runner.graph_step
+    if gs is None or gs.failed:
+        RESULTS[key + "_failed"] = None if gs is None else gs.failed
+        log(f"graph step unavailable: {RESULTS[key + '_failed']}")
+        return eng, None
+    return eng, gs
+
+
 def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
     """The captured one-row step (pipeline/graph_step.py) replayed with no engine around it,
     captured without and with programmatic dependent launch (``TANDEM_GRAPH_PDL``), each
@@ -704,13 +719,9 @@ def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
     distinct blocks, whose K/V the attention reads from memory as in the engine."""
     from tandem.pipeline import graph_step
 
-    graph_step.ENABLED = True
-    eng = _probe_engine(layers, 1)
-    gs = eng.runner.graph_step
     RESULTS["graph_replay"] = rows = []
-    if gs is None or gs.failed:
-        log(f"graph step unavailable: {None if gs is None else gs.failed}")
-        RESULTS["graph_replay_failed"] = None if gs is None else gs.failed
+    eng, gs = _graph_engine(layers, "graph_replay")
+    if gs is None:
         return
     drv, bs = gs.drv, eng.store.block_size
     log(f"\n== graph replay, {layers} layers, {len(gs._graphs)} widths captured at start")
@@ -809,12 +820,9 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
 
     from tandem.pipeline import graph_step
 
-    graph_step.ENABLED = True
-    eng = _probe_engine(layers, 1)
-    gs = eng.runner.graph_step
     RESULTS["graph_warmup"] = rows = []
-    if gs is None or gs.failed:
-        log(f"graph step unavailable: {None if gs is None else gs.failed}")
+    eng, gs = _graph_engine(layers, "graph_warmup")
+    if gs is None:
         return
     drv, bs = gs.drv, eng.store.block_size
     g = gs._graph(nb)
