@@ -14,7 +14,9 @@ kernel that reads such an array faults its pages over to the GPU:
   the move, a few microseconds a page.
 - ``mapped``: its pages stay in host memory, and the GPU reads them there (preferred
   location host, accessed by the GPU). Nothing migrates either way, not even when MLX
-  reuses the buffer for the next host array.
+  reuses the buffer for the next host array. The advice stays with the buffer: should
+  MLX's cache hand it out later for a GPU op's output (a few KB), that output lives in
+  host memory too.
 
 On a machine without the CUDA driver every mode is ``managed``.
 """
