@@ -1052,7 +1052,12 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
     eng.start()
     try:
         for name, fn in plan:
-            fn()
+            try:
+                fn()
+            except Exception as exc:  # one part that cannot run here: say so, time the rest
+                log(f"{name}: failed: {type(exc).__name__}: {exc}")
+                rows.append({"before": name, "failed": f"{type(exc).__name__}: {exc}"})
+                continue
             ms = timed_steps()
             rows.append({"before": name, "step_ms": [round(m, 4) for m in ms]})
             q = [float(np.mean(ms[i:i + 10])) for i in range(0, steps, 10)]
