@@ -1019,6 +1019,18 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
             drv.call("cuStreamSynchronize", gs.stream)
             keep.append(params)
 
+        def runner_prefill() -> None:
+            # The runner's fresh prefill of one 512-token prompt (its matmuls, tandem's
+            # prefill kernels, its host-made positions and slots), with no sampling and no
+            # read-back: the engine's prefill without the engine around it.
+            from types import SimpleNamespace
+            if eng.store.capacity < 40:
+                eng.store.ensure_capacity(40)
+            row = SimpleNamespace(n=512, start=0, seq=SimpleNamespace(block_ids=list(range(32))))
+            mx.eval(eng.runner.forward([row], mx.random.randint(0, 1000, (1, 512)).astype(mx.int32)))
+            cur[0] = gs._graph(nb)  # a grown store has new pools: a new capture
+            drv.call("cuMemcpyHtoDAsync_v2", cur[0].state_dev, host.ctypes.data, host.nbytes, gs.stream)
+
         rows.append({"concurrent_managed_access": drv.device_attribute(89)})
         log(f"concurrentManagedAccess: {drv.device_attribute(89)}; CUDA_MODULE_LOADING="
             f"{os.environ.get('CUDA_MODULE_LOADING', '(unset: lazy)')}, MLX_USE_CUDA_GRAPHS="
@@ -1032,6 +1044,7 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
             ("a 16 KB-a-thread local-memory kernel", local_memory_kernel),
             ("MLX's RoPE, rms_norm, gather, cast", rope_norm),
             ("an mx.compile'd swiglu", compiled),
+            ("the runner's prefill forward (no sampling, no read-back)", runner_prefill),
             ("an engine prefill, 512 tokens", engine_prefill),
             ("hot again", lambda: [timed_steps() for _ in range(3)]),
         ]
