@@ -810,11 +810,15 @@ def _graph_launch_pattern(gs, nb: int, bs: int, delay_us: float, steps: int = 20
 
 
 def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: str = "causes") -> None:
-    """Each captured one-row step's time, one at a time, after the GPU was busy, idle, or
-    running prefill-sized GEMMs. The engine's batch-1 decode (H200, 2026-12-02) ran its first
-    10-20 tokens after the prompt at 2.6-2.8 ms and the rest at 2.42-2.46, where a hot replay
-    takes ~2.41: this says whether the clocks after idle or after a prefill's power draw set
-    those first steps. Each step is launched and waited for alone (~20 us more than queued)."""
+    """Each captured one-row step's time (width ``nb``, distinct blocks), launched and waited
+    for alone (~20 us more than queued), after each entry of a plan has run:
+
+    - ``causes``: idle, GEMM bursts, every weight read, new K/V pools, SDPA, CUPTI and the
+      context's limits before and after an engine prefill (H200 runs 113-116: only the
+      engine's prefill slows the replays, 2.40 -> 2.47 ms, and for good);
+    - ``remedies``: what might undo that afterwards (run 117: none of them);
+    - ``components``: a prefill's parts one at a time, the cheapest first (not yet run).
+    """
     import ctypes
     import os
 
