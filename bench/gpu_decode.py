@@ -296,23 +296,17 @@ class _Ticks(list):
     undo = None
 
 
-def _graph_status(eng, timings_since: int | None = None) -> dict | None:
+def _graph_status(eng) -> dict | None:
     """The captured one-row step's counters (pipeline/graph_step.py), when it is on; with
     ``TANDEM_GRAPH_TIMING=1`` also each replay's device ms and the device's idle ms before
-    it, for the replays after serial ``timings_since``."""
+    it, for the replays timed since the measured window began (it clears them)."""
     g = getattr(eng.runner, "graph_step", None)
     if g is None:
         return None
     out = {"replays": g.replays, "graphs": len(g._graphs), "failed": g.failed}
-    if timings_since is not None and g.timings:
-        out["timings_busy_idle_ms"] = [(round(b, 4), None if i is None else round(i, 4))
-                                       for s, b, i in g.timings if s > timings_since]
+    if g.timings:
+        out["timings_busy_idle_ms"] = [(round(b, 4), None if i is None else round(i, 4)) for _, b, i in g.timings]
     return out
-
-
-def _graph_serial(eng) -> int | None:
-    g = getattr(eng.runner, "graph_step", None)
-    return None if g is None else g._serial - 1
 
 
 def _time_ticks(eng) -> _Ticks:
@@ -423,7 +417,8 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                             all_done.set()
 
             waits = _time_ticks(eng)
-            serial0 = _graph_serial(eng)
+            if getattr(eng.runner, "graph_step", None) is not None:
+                eng.runner.graph_step.timings.clear()  # the window's replays only
             t0 = time.perf_counter()
             for i in range(B):
                 prompt = np.random.randint(0, _vocab(), prompt_len).tolist()
@@ -464,7 +459,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                    ticks_wait_total_ms=[(round(w * 1e3, 3), round(t * 1e3, 3)) for w, t, f, a in ticks] if B <= 4 else None,
                    tick_forward_ms_p50=forward_ms, tick_encode_ms_p50=encode_ms,
                    compiled=getattr(eng.runner, "compiled", None),
-                   graph_step=_graph_status(eng, serial0),
+                   graph_step=_graph_status(eng),
                    # MLX's eval waits for its queued work whenever more than 10 tasks are in
                    # flight or the active memory passes its limit (95% of the device's, in
                    # libmlx.so 0.32.4): near the limit, every async_eval would stall the GPU.

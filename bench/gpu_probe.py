@@ -829,10 +829,17 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
     if gs is None:
         return
     drv, bs = gs.drv, eng.store.block_size
-    g = gs._graph(nb)
     host, _ = eng.runner.decode_state([_sequence_row(nb, (nb - 1) * bs)])
-    drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, gs.stream)
-    drv.call("cuStreamSynchronize", gs.stream)
+    cur = [None]
+
+    def use_graph(owner=gs) -> None:
+        # ``owner``'s graph of width nb (captured again where the pools changed) with the
+        # distinct blocks' state in its buffer: what the timed steps replay from now on.
+        cur[0] = owner._graph(nb)
+        drv.call("cuMemcpyHtoDAsync_v2", cur[0].state_dev, host.ctypes.data, host.nbytes, gs.stream)
+        drv.call("cuStreamSynchronize", gs.stream)
+
+    use_graph()
     # One prefill's GEMM work (~10 ms of fp16 products at 512 rows, the prefill's power draw).
     x = mx.random.normal((512, 4096)).astype(mx.float16)
     w = mx.random.normal((14336, 4096)).astype(mx.float16) * 0.01
@@ -844,17 +851,13 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
             y = (y @ w.T)[:, :4096]
         mx.eval(y)
 
-    cur = [g]
-
     def fill_pools(make) -> None:
         # New pool arrays (zeros or random K/V), and the graph captured again on them.
         store = eng.store
         store.keys[:] = [make(a.shape).astype(a.dtype) for a in store.keys]
         store.values[:] = [make(a.shape).astype(a.dtype) for a in store.values]
         mx.eval(store.keys, store.values)
-        cur[0] = gs._graph(nb)
-        drv.call("cuMemcpyHtoDAsync_v2", cur[0].state_dev, host.ctypes.data, host.nbytes, gs.stream)
-        drv.call("cuStreamSynchronize", gs.stream)
+        use_graph()
 
     def timed_steps() -> list[float]:
         g = cur[0]
@@ -881,8 +884,7 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
         # one fresh prompt that asks for one token: nothing of it decodes.
         eng.generate_many([(np.random.randint(0, 1000, 512).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))],
                           timeout=300)
-        cur[0] = gs._graph(nb)  # the store may have grown: new pools, a new capture
-        drv.call("cuMemcpyHtoDAsync_v2", cur[0].state_dev, host.ctypes.data, host.nbytes, gs.stream)
+        use_graph()  # the store may have grown: new pools, a new capture
 
     gemms()
     t = time.perf_counter()
@@ -945,10 +947,8 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
     def new_graph_step() -> None:
         # A GraphStep of its own: another stream, other device buffers, the graph captured again.
         fresh = graph_step.GraphStep(eng.runner, drv)
-        cur[0] = fresh._graph(nb)
         gs.stream = fresh.stream
-        drv.call("cuMemcpyHtoDAsync_v2", cur[0].state_dev, host.ctypes.data, host.nbytes, gs.stream)
-        drv.call("cuStreamSynchronize", gs.stream)
+        use_graph(fresh)
         keep.append(fresh)
 
     keep: list = []
@@ -1032,8 +1032,7 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
                 eng.store.ensure_capacity(40)
             row = SimpleNamespace(n=512, start=0, seq=SimpleNamespace(block_ids=list(range(32))))
             mx.eval(eng.runner.forward([row], mx.random.randint(0, 1000, (1, 512)).astype(mx.int32)))
-            cur[0] = gs._graph(nb)  # a grown store has new pools: a new capture
-            drv.call("cuMemcpyHtoDAsync_v2", cur[0].state_dev, host.ctypes.data, host.nbytes, gs.stream)
+            use_graph()  # a grown store has new pools: a new capture
 
         rows.append({"concurrent_managed_access": drv.device_attribute(89)})
         log(f"concurrentManagedAccess: {drv.device_attribute(89)}; CUDA_MODULE_LOADING="
