@@ -1530,6 +1530,53 @@ def api_summary(trace_path: Path, label: str, steps: int) -> list[dict]:
     return table
 
 
+def gap_causes(events: list[dict], min_gap_us: float = 10.0, top: int = 12) -> dict:
+    """Every idle span of the device in a trace's events (torch profiler's chrome trace)
+    of at least ``min_gap_us``, put down to the host or to the device. The work after a gap
+    was launched by the host call with its CUPTI correlation id (``cudaGraphLaunch``,
+    ``cuLaunchKernel``, ...): when that call returned after the gap began, the device had
+    nothing queued and waited for the host (``host``); when it had returned before, the
+    work was queued and the device itself idled (``device``: graph uploads, launch
+    latency, dependencies). Also the lead-in (the first host call to the first device
+    record) and the largest gaps with their neighbours."""
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                 key=lambda e: e["ts"])
+    calls = {e["args"]["correlation"]: e for e in events
+             if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e and "correlation" in e.get("args", {})}
+    out = {"records": len(gpu), "min_gap_us": min_gap_us, "host_us": 0.0, "device_us": 0.0, "unmatched_us": 0.0,
+           "host_n": 0, "device_n": 0, "unmatched_n": 0, "small_gaps_us": 0.0, "largest": []}
+    if not gpu:
+        return out
+    first_call = min((c["ts"] for c in calls.values()), default=None)
+    out["lead_in_us"] = None if first_call is None else gpu[0]["ts"] - first_call
+    out["span_us"] = max(e["ts"] + e["dur"] for e in gpu) - gpu[0]["ts"]
+    out["busy_us"] = sum(e["dur"] for e in gpu)
+    gaps = []
+    end, prev = gpu[0]["ts"] + gpu[0]["dur"], gpu[0]
+    for e in gpu[1:]:
+        gap = e["ts"] - end
+        if gap >= min_gap_us:
+            call = calls.get(e.get("args", {}).get("correlation"))
+            if call is None:
+                kind, lead = "unmatched", None
+            else:
+                returned = call["ts"] + call["dur"]
+                kind, lead = ("host" if returned > end else "device"), end - returned
+            out[f"{kind}_us"] += gap
+            out[f"{kind}_n"] += 1
+            gaps.append({"gap_us": round(gap, 1), "cause": kind, "before": kernel_label(prev["name"], 40),
+                         "after": kernel_label(e["name"], 40), "call": None if call is None else call["name"][:40],
+                         "queued_us": None if lead is None else round(lead, 1)})
+        elif gap > 0:
+            out["small_gaps_us"] += gap
+        if e["ts"] + e["dur"] > end:
+            end, prev = e["ts"] + e["dur"], e
+    out["largest"] = sorted(gaps, key=lambda g: -g["gap_us"])[:top]
+    for k in ("host_us", "device_us", "unmatched_us", "small_gaps_us"):
+        out[k] = round(out[k], 1)
+    return out
+
+
 def kernel_label(name: str, width: int = 70) -> str:
     """A kernel's name with its template arguments (which tell QKV from o from gate/up among
     the streaming products) and without MLX's prefix and the argument list."""
@@ -1692,7 +1739,13 @@ def section_engine_trace(layers: int, batches: list[int], out: Path) -> None:
             prof.export_chrome_trace(str(path))
             r = summarize(kernel_records(path), f"engine, {layers} layers, prefill {B} x 512 (submit -> done)", 1)
             r.update(batch=B, phase="prefill", wall_us=wall * 1e6, tok_per_s=B * 512 / wall)
-            log(f"engine prefill wall {wall * 1e3:.1f} ms = {B * 512 / wall:,.0f} tok/s (profiled)")
+            r["gap_causes"] = g = gap_causes(json.loads(path.read_text()).get("traceEvents", []))
+            log(f"engine prefill wall {wall * 1e3:.1f} ms = {B * 512 / wall:,.0f} tok/s (profiled); "
+                f"lead-in {g.get('lead_in_us') or 0:.0f} us; gaps >= {g['min_gap_us']:.0f} us: host "
+                f"{g['host_us']:.0f} us ({g['host_n']}), device {g['device_us']:.0f} us ({g['device_n']}), "
+                f"unmatched {g['unmatched_us']:.0f} us; smaller gaps {g['small_gaps_us']:.0f} us")
+            for row in g["largest"]:
+                log(f"  {row}")
             RESULTS["engine_trace"].append(r)
             path.unlink()
 

@@ -55,3 +55,43 @@ def test_decode_steps_cut_at_each_argmax_and_keep_the_gaps_between():
     assert (first["gap_before_us"], second["gap_before_us"]) == (1.0, 41.0)
     assert first["by_name"]["tandem_qgemv_stream"] == 20.0
     assert "gemm_prefill" not in first["by_name"]
+
+
+def _call(corr: int, ts: float, dur: float, name: str = "cudaGraphLaunch") -> dict:
+    return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def _kernel(corr: int, name: str, ts: float, dur: float) -> dict:
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def test_gap_causes_tells_a_late_host_from_an_idle_device():
+    events = [
+        _call(1, 0.0, 5.0),
+        _kernel(1, "void gemm_a(float*)", 10.0, 100.0),     # ends at 110
+        _call(2, 20.0, 5.0),                                 # queued long before the gap
+        _kernel(2, "void norm_b(float*)", 150.0, 10.0),      # 40 us gap: the device's
+        _call(3, 190.0, 20.0),                               # returns at 210, after the gap began
+        _kernel(3, "void gemm_c(float*)", 215.0, 50.0),      # 55 us gap: the host's
+        _kernel(3, "void add_d(float*)", 267.0, 3.0),        # 2 us gap: below the threshold
+        _kernel(99, "void stray(float*)", 300.0, 1.0),       # 30 us gap, no launching call
+    ]
+    g = gpu_probe.gap_causes(events, min_gap_us=10.0)
+    assert (g["device_us"], g["device_n"]) == (40.0, 1)
+    assert (g["host_us"], g["host_n"]) == (55.0, 1)
+    assert (g["unmatched_us"], g["unmatched_n"]) == (30.0, 1)
+    assert g["small_gaps_us"] == 2.0
+    assert g["lead_in_us"] == 10.0
+    assert g["span_us"] == 291.0 and g["busy_us"] == 164.0
+    top = g["largest"][0]
+    assert (top["gap_us"], top["cause"], top["before"], top["after"]) == (55.0, "host", "norm_b", "gemm_c")
+    assert top["queued_us"] == -50.0  # the call returned 50 us after the device ran dry
+    assert g["largest"][1]["queued_us"] == 85.0  # queued 85 us before the device ran dry
+
+
+def test_gap_causes_measures_gaps_from_the_latest_end_of_overlapping_records():
+    events = [_kernel(1, "void long_a(float*)", 0.0, 100.0), _kernel(1, "void short_b(float*)", 10.0, 5.0),
+              _kernel(1, "void next_c(float*)", 120.0, 5.0), _call(1, -5.0, 2.0)]
+    g = gpu_probe.gap_causes(events, min_gap_us=10.0)
+    assert g["device_n"] == 1 and g["device_us"] == 20.0
+    assert g["largest"][0]["before"] == "long_a"
