@@ -1791,6 +1791,118 @@ def decode_steps(records: list[dict]) -> list[dict]:
     return steps
 
 
+def prefill_timeline(events: list[dict], marks: list[tuple[str, float]], anchor: float) -> dict:
+    """One prefill's host marks and device records on one clock, in ms from the anchor.
+
+    ``marks``: (name, ``time.perf_counter()``) pairs from the engine thread (``tick``,
+    ``tick/end``, ``forward``, ``forward/end``, ``async_eval/end``, ``read_back``,
+    ``read_back/end``, ``returned``); ``anchor``: the perf counter just after the main
+    thread's ``cudaDeviceSynchronize`` returned, which the trace holds on the device's
+    clock. Says how long the device waited for its first work, how long after the host
+    had queued everything it still ran, and how long the host took to notice its end."""
+    sync = min((e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") == "cudaDeviceSynchronize"
+                and "dur" in e), key=lambda e: e["ts"], default=None)
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                 key=lambda e: e["ts"])
+    if sync is None or not gpu:
+        return {}
+    zero_us = sync["ts"] + sync["dur"]  # the anchor on the trace's clock
+
+    def dev(ts_us: float) -> float:
+        return round((ts_us - zero_us) / 1e3, 3)
+
+    def host(name: str, last: bool = False) -> float | None:
+        hits = [t for n, t in marks if n == name]
+        return None if not hits else round(((hits[-1] if last else hits[0]) - anchor) * 1e3, 3)
+
+    out = {"host": {n: host(n) for n in ("tick", "forward", "forward/end", "read_back/end", "returned")},
+           "first_async_eval_end": host("async_eval/end"), "last_async_eval_end": host("async_eval/end", True),
+           "first_tick_end": host("tick/end"), "device_first": dev(gpu[0]["ts"]),
+           "device_last_end": dev(max(e["ts"] + e["dur"] for e in gpu)),
+           "device_busy_ms": round(sum(e["dur"] for e in gpu) / 1e3, 3), "records": len(gpu)}
+    first_gemm = next((e for e in gpu if "nvjet" in e["name"] or "gemm" in e["name"].lower()), None)
+    out["device_first_gemm"] = None if first_gemm is None else dev(first_gemm["ts"])
+    queued = out["last_async_eval_end"]
+    if queued is not None:
+        # What the device still ran after the host had queued the last of the prefill.
+        out["device_after_queued_ms"] = round(out["device_last_end"] - queued, 3)
+        out["busy_after_queued_ms"] = round(sum(
+            min(e["dur"], max(0.0, e["ts"] + e["dur"] - (zero_us + queued * 1e3))) for e in gpu) / 1e3, 3)
+    if out["host"]["read_back/end"] is not None:
+        out["host_noticed_after_ms"] = round(out["host"]["read_back/end"] - out["device_last_end"], 3)
+    return out
+
+
+def section_prefill_timeline(layers: int, out: Path, reps: int = 3) -> None:
+    """A lone 512-token prefill (max_tokens 1) through the started engine, its engine-thread
+    marks and its device records on one clock (``prefill_timeline``). H200 run 120: under
+    CUPTI the device span was 11.56 ms of a 14.0 ms prefill, with no idle span of 10 us or
+    more inside it, so the rest lies before the first kernel or after the last."""
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile
+    import torch
+    import gpu_decode as gd
+    from tandem.kvtypes import SamplingParams
+
+    eng = _probe_engine(layers, 1)
+    marks: list[tuple[str, float]] = []
+    engine_thread: list[int] = []
+
+    def wrap(obj, name: str, label: str):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            if threading.get_ident() in engine_thread:
+                marks.append((label, time.perf_counter()))
+            try:
+                return fn(*a, **kw)
+            finally:
+                if threading.get_ident() in engine_thread:
+                    marks.append((label + "/end", time.perf_counter()))
+        setattr(obj, name, wrapper)
+        return fn
+
+    tick = eng._tick
+
+    def first_tick():
+        if not engine_thread:
+            engine_thread.append(threading.get_ident())
+        return tick()
+    eng._tick = first_tick
+    wrap(eng, "_tick", "tick")
+    wrap(eng, "_read_back", "read_back")
+    wrap(eng.runner, "forward", "forward")
+    async_eval = wrap(mx, "async_eval", "async_eval")
+    eng.start()
+    vocab = gd._vocab()
+    RESULTS.setdefault("prefill_timeline", [])
+    torch.cuda.synchronize()  # torch's own CUDA start-up, outside the traces
+    try:
+        for n in (1, 1, 2):
+            eng.generate_many([(np.random.randint(0, vocab, 512).tolist(),
+                                SamplingParams(max_tokens=4, ignore_eos=True))] * n, timeout=300)
+        for rep in range(reps):
+            prompt = [(np.random.randint(0, vocab, 512).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))]
+            mx.synchronize()
+            time.sleep(0.05)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                torch.cuda.synchronize()
+                anchor = time.perf_counter()
+                del marks[:]
+                eng.generate_many(prompt, timeout=60)
+                marks.append(("returned", time.perf_counter()))
+            path = out / f"gpu_probe_prefill_timeline_{rep}.json"
+            prof.export_chrome_trace(str(path))
+            t = prefill_timeline(json.loads(path.read_text()).get("traceEvents", []), list(marks), anchor)
+            path.unlink()
+            RESULTS["prefill_timeline"].append(t)
+            log(f"prefill timeline {rep}: {t}")
+    finally:
+        mx.async_eval = async_eval
+        eng.stop()
+
+
 def section_engine_ramp(layers: int, out: Path, tokens: int = 80) -> None:
     """One batch-1 request through the started engine under CUPTI, prompt to its last
     token: each decode step's kernels (a step ends at its argmax) by name, the first
@@ -2003,6 +2115,8 @@ def main() -> int:
         section_graph_warmup(args.layers, plan_name=args.warmup_plan)
     if "engine-ramp" in secs:
         section_engine_ramp(args.layers, out)
+    if "prefill-timeline" in secs:
+        section_prefill_timeline(args.layers, out)
     if "step-replay" in secs:
         section_step_replay(args.layers, [int(b) for b in args.batches.split(",")], args.profile_forward)
     if "engine-sample" in secs:

@@ -95,3 +95,27 @@ def test_gap_causes_measures_gaps_from_the_latest_end_of_overlapping_records():
     g = gpu_probe.gap_causes(events, min_gap_us=10.0)
     assert g["device_n"] == 1 and g["device_us"] == 20.0
     assert g["largest"][0]["before"] == "long_a"
+
+
+def test_prefill_timeline_puts_host_marks_and_device_records_on_one_clock():
+    # The trace's clock (us) runs 1,000,000 us ahead of the perf counter's (s * 1e6).
+    events = [{"cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": 1_000_000.0, "dur": 10.0},
+              _kernel(1, "void embed(int*)", 1_000_500.0, 100.0),
+              _kernel(2, "nvjet_sm90_gemm", 1_000_700.0, 9_000.0),
+              _kernel(3, "void argmax(float*)", 1_010_000.0, 20.0)]
+    anchor = 0.00001  # the perf counter when the synchronize returned (trace 1,000,010 us)
+    marks = [("tick", anchor + 0.0002), ("forward", anchor + 0.0003), ("async_eval/end", anchor + 0.001),
+             ("async_eval/end", anchor + 0.006), ("forward/end", anchor + 0.0061), ("tick/end", anchor + 0.0062),
+             ("read_back/end", anchor + 0.0105), ("returned", anchor + 0.0106)]
+    t = gpu_probe.prefill_timeline(events, marks, anchor)
+    assert t["device_first"] == 0.49 and t["device_first_gemm"] == 0.69
+    assert t["device_last_end"] == 10.01 and t["device_busy_ms"] == 9.12
+    assert t["first_async_eval_end"] == 1.0 and t["last_async_eval_end"] == 6.0
+    assert t["device_after_queued_ms"] == 4.01
+    assert t["busy_after_queued_ms"] == 3.71  # the GEMM's last 3.69 ms and the argmax
+    assert t["host_noticed_after_ms"] == 0.49
+    assert t["host"]["tick"] == 0.2 and t["host"]["returned"] == 10.6
+
+
+def test_prefill_timeline_is_empty_without_the_anchor():
+    assert gpu_probe.prefill_timeline([_kernel(1, "void k(int*)", 0.0, 1.0)], [], 0.0) == {}
