@@ -65,8 +65,10 @@ MODES = ("auto", "off", "cuda", "reference")
 # (mlx-lm loads mistral checkpoints with its llama module.)
 _SUPPORTED = {"mlx_lm.models.llama", "mlx_lm.models.qwen2"}
 
-PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "2"))
-"""A fresh prefill hands the GPU its graph every this many layers (0: once, at the end)."""
+PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "1"))
+"""A fresh prefill hands the GPU its graph every this many layers (0: once, at the end).
+Every layer, so the GPU starts one layer in: with MLX's graph byte limit lifted
+(``tandem._mlx_cuda``) each hand-over is one graph launch (H200 run 119)."""
 PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
 PREFILL_COMPILE_MULTIPLE = 64
 GRAPH_PREPARE_TOKENS = int(os.environ.get("TANDEM_GRAPH_PREPARE_TOKENS", "4096"))
