@@ -1502,10 +1502,14 @@ def section_embed(tokens: int = 512, vocab: int = 128256, dims: int = 4096, roun
         log(f"{name:28s} gpu {g:8.1f} us   wall {w:8.1f} us")
 
 
+def device_records(events: list[dict]) -> list[dict]:
+    """A trace's device records (kernels, copies, memsets), by start."""
+    return sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                  key=lambda e: e["ts"])
+
+
 def kernel_records(trace_path: Path) -> list[dict]:
-    data = json.loads(trace_path.read_text())
-    return [e for e in data.get("traceEvents", [])
-            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    return device_records(json.loads(trace_path.read_text()).get("traceEvents", []))
 
 
 def api_summary(trace_path: Path, label: str, steps: int) -> list[dict]:
@@ -1539,8 +1543,7 @@ def gap_causes(events: list[dict], min_gap_us: float = 10.0, top: int = 12) -> d
     work was queued and the device itself idled (``device``: graph uploads, launch
     latency, dependencies). Also the lead-in (the first host call to the first device
     record) and the largest gaps with their neighbours."""
-    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
-                 key=lambda e: e["ts"])
+    gpu = device_records(events)
     calls = {e["args"]["correlation"]: e for e in events
              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e and "correlation" in e.get("args", {})}
     out = {"records": len(gpu), "min_gap_us": min_gap_us, "host_us": 0.0, "device_us": 0.0, "unmatched_us": 0.0,
@@ -1802,8 +1805,7 @@ def prefill_timeline(events: list[dict], marks: list[tuple[str, float]], anchor:
     had queued everything it still ran, and how long the host took to notice its end."""
     sync = min((e for e in events if e.get("cat") == "cuda_runtime" and e.get("name") == "cudaDeviceSynchronize"
                 and "dur" in e), key=lambda e: e["ts"], default=None)
-    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
-                 key=lambda e: e["ts"])
+    gpu = device_records(events)
     if sync is None or not gpu:
         return {}
     zero_us = sync["ts"] + sync["dur"]  # the anchor on the trace's clock
