@@ -1849,29 +1849,23 @@ def section_prefill_timeline(layers: int, out: Path, reps: int = 3) -> None:
 
     eng = _probe_engine(layers, 1)
     marks: list[tuple[str, float]] = []
-    engine_thread: list[int] = []
 
     def wrap(obj, name: str, label: str):
+        """Mark the engine thread's calls of ``obj.name`` (not the main thread's)."""
         fn = getattr(obj, name)
 
         def wrapper(*a, **kw):
-            if threading.get_ident() in engine_thread:
+            mine = threading.current_thread() is getattr(eng, "_thread", None)
+            if mine:
                 marks.append((label, time.perf_counter()))
             try:
                 return fn(*a, **kw)
             finally:
-                if threading.get_ident() in engine_thread:
+                if mine:
                     marks.append((label + "/end", time.perf_counter()))
         setattr(obj, name, wrapper)
         return fn
 
-    tick = eng._tick
-
-    def first_tick():
-        if not engine_thread:
-            engine_thread.append(threading.get_ident())
-        return tick()
-    eng._tick = first_tick
     wrap(eng, "_tick", "tick")
     wrap(eng, "_read_back", "read_back")
     wrap(eng.runner, "forward", "forward")
