@@ -29,7 +29,9 @@ HERE = Path(__file__).resolve().parent
 COLUMNS = (("decode_tps", "decode tok/s", "{:,.0f}"), ("prefill_tps_alone", "prefill alone", "{:,.0f}"),
            ("tick_forward_ms_p50", "forward ms", "{:.2f}"), ("tick_encode_ms_p50", "encode ms", "{:.2f}"),
            ("tick_wait_ms_p50", "wait ms", "{:.2f}"), ("gap_max_ms", "max gap ms", "{:.1f}"),
-           ("graph_replays", "graph replays", "{:,}"))
+           ("graph_replays", "graph replays", "{:,}"), ("clock_start_ms", "device start ms", "{:.2f}"),
+           ("clock_span_ms", "device span ms", "{:.2f}"), ("clock_idle_ms", "device idle ms", "{:.2f}"),
+           ("clock_token_ms", "token ms", "{:.2f}"))
 
 
 def parse_config(text: str) -> dict[str, str]:
@@ -50,8 +52,13 @@ def engine_rows(result: dict) -> list[dict]:
         if r.get("section") == "engine" and "batch" in r:
             gap = r.get("gap_ms_p50_p90_max")
             g = r.get("graph_step")  # the captured one-row step: its replays (None: off)
+            c = r.get("prefill_clock") or {}  # gpu_decode.prefill_clocked: one row's prefill, device clock
             rows.append({**r, "gap_max_ms": gap[-1] if gap else None,
-                         "graph_replays": g["replays"] if g else None})
+                         "graph_replays": g["replays"] if g else None,
+                         "clock_start_ms": c.get("device_start"), "clock_span_ms": c.get("device_span_ms"),
+                         "clock_idle_ms": (c["device_idle_first_ms"] + c["device_idle_ms"]
+                                           if "device_idle_ms" in c else None),
+                         "clock_token_ms": c.get("token_done")})
     return rows
 
 

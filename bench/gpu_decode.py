@@ -292,6 +292,47 @@ def prefill_alone(eng, B: int, prompt_len: int, reps: int) -> tuple[list[float],
     return out, med
 
 
+CLOCK_REPS = int(os.environ.get("TANDEM_BENCH_CLOCK_REPS", "3"))
+
+
+def prefill_clocked(eng, prompt_len: int, reps: int = CLOCK_REPS) -> dict | None:
+    """``reps`` more rounds of one prompt, each marked on the GPU's own clock
+    (``prefill_clock.py``): medians, in ms from submit, of when the device started, finished
+    the embedding and the token, how long it waited on the host, and each layer's device
+    time. None without CUDA or with ``TANDEM_BENCH_CLOCK_REPS=0``."""
+    if reps <= 0 or not qm.cuda_available():
+        return None
+    import prefill_clock as pc
+    from tandem.kvtypes import SamplingParams
+
+    offset, within = pc.calibrate()
+    clock = pc.Clock(eng, offset)
+    rounds = []
+    try:
+        for _ in range(reps):
+            prompt = [(np.random.randint(0, _vocab(), prompt_len).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))]
+            clock.arm()
+            t = time.perf_counter()
+            eng.generate_many(prompt, timeout=300)
+            end = time.perf_counter()
+            clock.disarm()
+            if clock.rounds:
+                host, device = clock.rounds.pop()
+                rounds.append(pc.summarize(host, device, t, end))
+    finally:
+        clock.undo()
+    if not rounds:
+        return None
+    out: dict = {"rounds": len(rounds), "calibration_within_ms": round(within * 1e3, 3)}
+    for k, v in rounds[0].items():
+        vals = [r.get(k) for r in rounds]
+        if isinstance(v, list) and all(isinstance(x, list) and len(x) == len(v) for x in vals):
+            out[k] = [round(float(np.median(col)), 3) for col in zip(*vals)]
+        elif all(isinstance(x, (int, float)) for x in vals):
+            out[k] = round(float(np.median(vals)), 3)
+    return out
+
+
 class _Ticks(list):
     undo = None
 
@@ -399,6 +440,12 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
         record(name, what="warm-up (compiles)", seconds=time.perf_counter() - t, runner=runner)
         for B in batches:
             prefill_runs, prefill_ms = prefill_alone(eng, B, prompt_len, prefill_reps)
+            clocked = prefill_clocked(eng, prompt_len) if B == 1 else None
+            if clocked:
+                log(f"  prefill on the device's clock (ms from submit, medians of {clocked['rounds']}): "
+                    + " ".join(f"{k}={clocked[k]}" for k in ("forward", "device_start", "embed_ms", "device_span_ms",
+                                                             "device_idle_first_ms", "device_idle_ms", "head_ms",
+                                                             "token_done", "noticed_after_ms", "returned") if k in clocked))
             gen_tokens = (steps if B > 4 else 3 * steps) + 2
             marks: dict[bytes, list] = {}
             done = []
@@ -450,7 +497,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
             forward_ms, encode_ms = p50(lambda w, t, f, a: f), p50(lambda w, t, f, a: a)
             record(name, fmt=fmt, batch=B, runner=runner, prefill_tps=B * prompt_len / (first - t0),
                    prefill_tps_alone=(float(np.median(prefill_runs)) if prefill_runs else None),
-                   prefill_tps_alone_runs=prefill_runs, prefill_ms_p50=prefill_ms,
+                   prefill_tps_alone_runs=prefill_runs, prefill_ms_p50=prefill_ms, prefill_clock=clocked,
                    decode_tps=dec, step_ms=(1e3 * B / dec) if dec else None,
                    gap_ms_p50_p90_max=gap, tick_wait_ms_p50=wait_ms, tick_host_ms_p50=host_ms,
                    # Every gap and tick at small batches: whether the slow ones recur
