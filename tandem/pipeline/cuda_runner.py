@@ -69,6 +69,14 @@ PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "1"))
 """A fresh prefill hands the GPU its graph every this many layers (0: once, at the end).
 Every layer, so the GPU starts one layer in: with MLX's graph byte limit lifted
 (``tandem._mlx_cuda``) each hand-over is one graph launch (H200 run 119)."""
+PREFILL_PACKED = os.environ.get("TANDEM_PREFILL_PACKED", "0") == "1"
+"""A fresh prefill's ids, positions, slots and row ends travel in one host-made array.
+Each host-made array is managed memory that the GPU faults in at its first read (196-200
+us for a prompt's ids in the embedding, H200 runs 98 and 101); separately, the embedding,
+the first layer's KV write and the last row gather each waited on a fault of their own."""
+PREFILL_EMBED_FIRST = os.environ.get("TANDEM_PREFILL_EMBED_FIRST", "0") == "1"
+"""A fresh prefill hands the GPU its embedding before it builds the first layer, so the
+ids' fault and the embedding run while the thread builds and encodes layer 0."""
 PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
 PREFILL_COMPILE_MULTIPLE = 64
 GRAPH_PREPARE_TOKENS = int(os.environ.get("TANDEM_GRAPH_PREPARE_TOKENS", "4096"))
@@ -165,6 +173,18 @@ def table_width(nb: int) -> int:
     while w < nb:
         w = w * 3 // 2 if w & (w - 1) == 0 else w * 4 // 3
     return w
+
+
+def _known_ids(rows: list[Row], L: int) -> np.ndarray | None:
+    """The chunk's input ids (B, L), zero-padded, from the sequences' tokens; None where a
+    row's last input is a sample still in flight (the engine's array has it on the device)."""
+    ids = np.zeros((len(rows), L), np.int32)
+    for i, r in enumerate(rows):
+        known = r.seq.tokens[r.start : r.start + r.n]
+        if len(known) < r.n:
+            return None
+        ids[i, : r.n] = known
+    return ids
 
 
 class _Step:
@@ -516,12 +536,22 @@ class KernelRunner(PagedRunner):
             ids = r.seq.block_ids[: -(-int(ns[i]) // bs)]
             table[i, : len(ids)] = np.asarray(ids, np.int64) + 1
         p = np.arange(L, dtype=np.int64)
-        slots = np.where(p[None, :] < ns[:, None], table[:, p // bs] * bs + p % bs, -1)
-        pos = host_inputs.array(np.tile(p, B).astype(np.int32))
-        slots = host_inputs.array(slots.reshape(-1).astype(np.int32))
-        last = host_inputs.array((np.arange(B) * L + ns - 1).astype(np.int32))
+        slots = np.where(p[None, :] < ns[:, None], table[:, p // bs] * bs + p % bs, -1).reshape(-1).astype(np.int32)
+        pos = np.tile(p, B).astype(np.int32)
+        last = (np.arange(B) * L + ns - 1).astype(np.int32)
+        ids = _known_ids(rows, L) if PREFILL_PACKED else None
+        if ids is not None:
+            # One managed array, one fault; its slices are views of it.
+            n = B * L
+            packed = host_inputs.array(np.concatenate([ids.reshape(-1), pos, slots, last]))
+            inputs, pos, slots, last = (packed[:n].reshape(B, L), packed[n : 2 * n],
+                                        packed[2 * n : 3 * n], packed[3 * n :])
+        else:
+            pos, slots, last = host_inputs.array(pos), host_inputs.array(slots), host_inputs.array(last)
         compiled = self._prefill_fns is not None and L % PREFILL_COMPILE_MULTIPLE == 0
         h = self._embed(inputs)  # (B, L, W)
+        if PREFILL_EMBED_FIRST:
+            mx.async_eval(h)
         keys, values = self.store.keys, self.store.values
         for i, blk in enumerate(self.blocks):
             if compiled:

@@ -73,6 +73,34 @@ def test_reference_kernel_runner_matches_alone(tiny_model_dir, expected, monkeyp
     assert got == want
 
 
+@pytest.mark.parametrize("packed,embed_first", [(True, False), (True, True), (False, True)])
+def test_fresh_prefill_packed_inputs_and_early_embedding_keep_the_tokens(tiny_model_dir, expected, monkeypatch,
+                                                                        packed, embed_first):
+    """A fresh prefill's ids, positions, slots and row ends as slices of one host array
+    (``TANDEM_PREFILL_PACKED``), and its embedding handed over before the layers
+    (``TANDEM_PREFILL_EMBED_FIRST``): the same tokens, ragged batches included."""
+    import numpy as np
+
+    from tandem.pipeline import host_inputs
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
+    monkeypatch.setattr(cuda_runner, "PREFILL_PACKED", packed)
+    monkeypatch.setattr(cuda_runner, "PREFILL_EMBED_FIRST", embed_first)
+    made = []
+    real = host_inputs.array
+    monkeypatch.setattr(host_inputs, "array", lambda a: made.append(np.asarray(a).size) or real(a))
+    prompts, want = expected
+    eng = _engine(_fresh(tiny_model_dir), max_batch_prefill=3)
+    fresh = []
+    real_fresh = eng.runner._fresh_prefill
+    eng.runner._fresh_prefill = lambda rows, inputs: fresh.append(
+        (len(rows), inputs.shape[1])) or real_fresh(rows, inputs)
+    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
+    assert fresh and any(b > 1 for b, _ in fresh)
+    packs = [3 * b * L + b for b, L in fresh]
+    assert all(n in made for n in packs) == packed
+
+
 def test_reference_decode_logits_match_the_portable_runner(tiny_model_dir):
     """One decode step of a ragged batch: kernel-path logits == PagedRunner logits."""
     import mlx.core as mx
