@@ -315,8 +315,9 @@ def prefill_clocked(eng, prompt_len: int, reps: int = CLOCK_REPS) -> dict | None
             t = time.perf_counter()
             eng.generate_many(prompt, timeout=300)
             end = time.perf_counter()
+            got = clock.collected()
             clock.disarm()
-            if clock.rounds:
+            if got and clock.rounds:
                 host, device = clock.rounds.pop()
                 rounds.append(pc.summarize(host, device, t, end))
     finally:
@@ -440,8 +441,13 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
         record(name, what="warm-up (compiles)", seconds=time.perf_counter() - t, runner=runner)
         for B in batches:
             prefill_runs, prefill_ms = prefill_alone(eng, B, prompt_len, prefill_reps)
-            clocked = prefill_clocked(eng, prompt_len) if B == 1 else None
-            if clocked:
+            log(f"  prefill alone, B={B}: {[round(x) for x in prefill_runs]} tok/s, ms {prefill_ms}")
+            try:
+                clocked = prefill_clocked(eng, prompt_len) if B == 1 else None
+            except Exception as exc:  # noqa: BLE001 - a diagnostic must not cost the section its rows
+                log(f"  prefill clock failed: {traceback.format_exc()}")
+                clocked = {"error": f"{type(exc).__name__}: {exc}"}
+            if clocked and "rounds" in clocked:
                 log(f"  prefill on the device's clock (ms from submit, medians of {clocked['rounds']}): "
                     + " ".join(f"{k}={clocked[k]}" for k in ("forward", "device_start", "embed_ms", "device_span_ms",
                                                              "device_idle_first_ms", "device_idle_ms", "head_ms",

@@ -93,6 +93,7 @@ class Clock:
 
         self.eng, self.offset = eng, offset
         self.armed = False
+        self._collected = threading.Event()
         self.host: list[tuple[str, float]] = []
         self._pending: list[tuple[str, object]] = []
         self._sent: list[tuple[str, object]] = []
@@ -142,8 +143,11 @@ class Clock:
 
     def _read_back_wrapper(self, fn):
         def wrapper(*a, **kw):
+            mine = self._mine()
             out = fn(*a, **kw)
-            if self._mine():
+            # The client may have its token (emitted inside fn) and be waiting in
+            # ``collected`` already: this round's marks are complete only once read here.
+            if mine and self._sent:
                 self.host.append(("read_back/end", time.perf_counter()))
                 self._collect()
             return out
@@ -160,9 +164,15 @@ class Clock:
         secs = device_seconds(words) - self.offset
         self.rounds.append((list(self.host), list(zip(labels, secs.tolist()))))
         self._sent, self.host = [], []
+        self._collected.set()
 
     def arm(self) -> None:
+        self._collected.clear()
         self.host, self._pending, self._sent, self.armed = [], [], [], True
+
+    def collected(self, timeout: float = 5.0) -> bool:
+        """Wait until the engine thread has read the armed round's marks."""
+        return self._collected.wait(timeout)
 
     def disarm(self) -> None:
         self.armed = False
@@ -217,8 +227,9 @@ def summarize(host: list[tuple[str, float]], device: list[tuple[str, float]], su
         # Layer i was handed over when its async_eval returned (queued[i]); the device
         # finished layer i-1 at ends[i]. Waiting = the part of the gap the host caused.
         idle = [max(0.0, q - e) for q, e in zip(queued, ends)]
-        out["device_idle_ms"] = round(sum(idle[1:]) * 1e3, 3)
-        out["device_idle_first_ms"] = round(idle[0] * 1e3, 3)
+        if idle:
+            out["device_idle_ms"] = round(sum(idle[1:]) * 1e3, 3)
+            out["device_idle_first_ms"] = round(idle[0] * 1e3, 3)
     rb = first("read_back/end")
     if rb is not None:
         out["noticed_after_ms"] = round((rb - token) * 1e3, 3)

@@ -109,6 +109,7 @@ def test_clock_marks_the_engine_thread_and_undoes_itself(monkeypatch):
     mx.async_eval(mx.zeros(1))  # the main thread's calls are not marked
     clock.arm()
     eng.run_once()
+    assert clock.collected(timeout=1.0)
     clock.disarm()
     assert eng.tokens == [(2 + 4 + 6) + 9]  # the wrappers change no result
     assert len(clock.rounds) == 1
@@ -120,3 +121,47 @@ def test_clock_marks_the_engine_thread_and_undoes_itself(monkeypatch):
     clock.undo()
     assert mx.async_eval is orig_async_eval and eng.runner._embed is orig_embed
     assert "_tick" not in vars(eng) and "forward" not in vars(eng.runner)
+
+
+def test_prefill_clocked_on_a_real_engine_gives_one_summary_a_round(tiny_model_dir, monkeypatch):
+    """gpu_decode.prefill_clocked through the engine's own thread (the reference kernel
+    runner on the CPU, the host's clock for the GPU's): every round is collected before
+    the next is armed, with the embedding, one mark per layer and the token."""
+    import sys
+
+    from mlx_lm import load
+
+    from tandem.pipeline.engine import Engine
+    from tandem.pipeline.settings import EngineSettings
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    monkeypatch.syspath_prepend(bench)
+    import gpu_decode
+    import prefill_clock
+
+    monkeypatch.setattr(prefill_clock, "mark", _host_clock_mark)
+    monkeypatch.setattr(prefill_clock, "calibrate", lambda: (0.0, 0.0))
+    monkeypatch.setattr(gpu_decode.qm, "cuda_available", lambda: True)
+    monkeypatch.setattr(gpu_decode, "_vocab", lambda: 200)
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
+    model, _ = load(str(tiny_model_dir))
+    eng = Engine(model, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny")
+    layers = len(eng.runner.blocks)
+    eng.start()
+    try:
+        out = gpu_decode.prefill_clocked(eng, 64, reps=4)
+        assert out["rounds"] == 4
+        assert len(out["layer_ms"]) == layers
+        assert out["forward"] < out["device_start"] < out["token_done"] <= out["read_back/end"] < out["returned"]
+        assert out["device_span_ms"] > 0 and "device_idle_ms" in out
+        assert eng.generate_many([(list(range(3, 40)), _one_token())])  # the engine works after undo
+        assert "_tick" not in vars(eng)
+    finally:
+        eng.stop()
+        sys.modules.pop("gpu_decode", None)
+
+
+def _one_token():
+    from tandem.kvtypes import SamplingParams
+
+    return SamplingParams(max_tokens=1, ignore_eos=True)
