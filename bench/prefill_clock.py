@@ -85,7 +85,7 @@ def calibrate(tries: int = 40) -> tuple[float, float]:
 class Clock:
     """Marks an engine's prefills while armed (see the module doc). ``rounds`` holds one
     (host marks, device marks) pair a round: host marks are (name, seconds) of the engine
-    thread's ``tick``, ``forward``, ``async_eval/end``, ``read_back/end``; device marks are
+    thread's ``tick``, ``forward``, ``embed``, ``async_eval`` (and ``/end``), ``read_back/end``; device marks are
     (label, seconds on the host's clock). ``undo()`` puts the originals back."""
 
     def __init__(self, eng, offset: float):
@@ -124,6 +124,7 @@ class Clock:
         def wrapper(inputs):
             if not self._mine():
                 return fn(inputs)
+            self.host.append(("embed", time.perf_counter()))
             self._pending.append(("ids", mark(inputs)))
             out = fn(inputs)
             self._pending.append(("embed", mark(out)))
@@ -133,6 +134,7 @@ class Clock:
     def _async_eval_wrapper(self, *arrays):
         if not self._mine() or not arrays:
             return self._async_eval(*arrays)
+        self.host.append(("async_eval", time.perf_counter()))
         k = sum(1 for label, _ in self._sent if label.startswith("eval"))
         self._pending.append((f"eval{k}", mark(arrays[0])))
         sent, self._pending = self._pending, []
@@ -208,7 +210,7 @@ def summarize(host: list[tuple[str, float]], device: list[tuple[str, float]], su
     evals = [(label, t) for label, t in device if label.startswith("eval")]
     queued = [t for n, t in host if n == "async_eval/end"]
     out = {"tick": None, "forward": None}
-    for name in ("tick", "forward", "read_back/end"):
+    for name in ("tick", "forward", "embed", "async_eval", "async_eval/end", "read_back/end"):
         t = first(name)
         out[name] = None if t is None else ms(t)
     if "ids" not in dev or not evals:

@@ -114,7 +114,7 @@ def test_clock_marks_the_engine_thread_and_undoes_itself(monkeypatch):
     assert eng.tokens == [(2 + 4 + 6) + 9]  # the wrappers change no result
     assert len(clock.rounds) == 1
     host, device = clock.rounds[0]
-    assert [n for n, _ in host] == ["tick", "forward"] + ["async_eval/end"] * 4 + ["read_back/end"]
+    assert [n for n, _ in host] == ["tick", "forward", "embed"] + ["async_eval", "async_eval/end"] * 4 + ["read_back/end"]
     assert [label for label, _ in device] == ["ids", "embed", "eval0", "eval1", "eval2", "eval3"]
     times = [t for _, t in device]
     assert times == sorted(times)
@@ -153,6 +153,7 @@ def test_prefill_clocked_on_a_real_engine_gives_one_summary_a_round(tiny_model_d
         assert out["rounds"] == 4
         assert len(out["layer_ms"]) == layers
         assert out["forward"] < out["device_start"] < out["token_done"] <= out["read_back/end"] < out["returned"]
+        assert out["forward"] < out["embed"] < out["async_eval"] < out["async_eval/end"]
         assert out["device_span_ms"] > 0 and "device_idle_ms" in out
         assert eng.generate_many([(list(range(3, 40)), _one_token())])  # the engine works after undo
         assert "_tick" not in vars(eng)

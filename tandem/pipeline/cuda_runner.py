@@ -69,14 +69,23 @@ PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "1"))
 """A fresh prefill hands the GPU its graph every this many layers (0: once, at the end).
 Every layer, so the GPU starts one layer in: with MLX's graph byte limit lifted
 (``tandem._mlx_cuda``) each hand-over is one graph launch (H200 run 119)."""
-PREFILL_PACKED = os.environ.get("TANDEM_PREFILL_PACKED", "0") == "1"
-"""A fresh prefill's ids, positions, slots and row ends travel in one host-made array.
-Each host-made array is managed memory that the GPU faults in at its first read (196-200
-us for a prompt's ids in the embedding, H200 runs 98 and 101); separately, the embedding,
-the first layer's KV write and the last row gather each waited on a fault of their own."""
-PREFILL_EMBED_FIRST = os.environ.get("TANDEM_PREFILL_EMBED_FIRST", "0") == "1"
-"""A fresh prefill hands the GPU its embedding before it builds the first layer, so the
-ids' fault and the embedding run while the thread builds and encodes layer 0."""
+PREFILL_INPUT_MODES = ("separate", "packed", "mapped")
+
+
+def parse_prefill_inputs(value: str) -> str:
+    if value not in PREFILL_INPUT_MODES:
+        raise ValueError(f"TANDEM_PREFILL_INPUTS={value!r}: use one of {', '.join(PREFILL_INPUT_MODES)}")
+    return value
+
+
+PREFILL_INPUTS = parse_prefill_inputs(os.environ.get("TANDEM_PREFILL_INPUTS", "separate"))
+"""How a fresh prefill's ids, positions, slots and row ends reach the GPU. Each host-made
+array is managed memory that the GPU faults in at its first read: the embedding's read of
+the ids took 0.16-0.31 ms of the device's 12 ms (H200 run 124, ``bench/prefill_clock.py``).
+``separate``: an array each (``TANDEM_HOST_INPUTS`` places them); ``packed``: one array,
+sliced; ``mapped``: one array kept in host memory and mapped for the GPU, which one copy
+kernel reads into device memory before anything else does (no fault, and the layers read
+device memory: run 124, every array mapped, each layer 10 us slower)."""
 PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
 PREFILL_COMPILE_MULTIPLE = 64
 GRAPH_PREPARE_TOKENS = int(os.environ.get("TANDEM_GRAPH_PREPARE_TOKENS", "4096"))
@@ -539,19 +548,21 @@ class KernelRunner(PagedRunner):
         slots = np.where(p[None, :] < ns[:, None], table[:, p // bs] * bs + p % bs, -1).reshape(-1).astype(np.int32)
         pos = np.tile(p, B).astype(np.int32)
         last = (np.arange(B) * L + ns - 1).astype(np.int32)
-        ids = _known_ids(rows, L) if PREFILL_PACKED else None
+        ids = _known_ids(rows, L) if PREFILL_INPUTS != "separate" else None
         if ids is not None:
-            # One managed array, one fault; its slices are views of it.
             n = B * L
-            packed = host_inputs.array(np.concatenate([ids.reshape(-1), pos, slots, last]))
+            host = np.concatenate([ids.reshape(-1), pos, slots, last])
+            if PREFILL_INPUTS == "mapped":
+                packed = host_inputs.array(host, mode="mapped") + 0  # the one read of host memory
+            else:
+                packed = host_inputs.array(host)
+            # Views of the one array (the engine's own ids array goes unread).
             inputs, pos, slots, last = (packed[:n].reshape(B, L), packed[n : 2 * n],
                                         packed[2 * n : 3 * n], packed[3 * n :])
         else:
             pos, slots, last = host_inputs.array(pos), host_inputs.array(slots), host_inputs.array(last)
         compiled = self._prefill_fns is not None and L % PREFILL_COMPILE_MULTIPLE == 0
         h = self._embed(inputs)  # (B, L, W)
-        if PREFILL_EMBED_FIRST:
-            mx.async_eval(h)
         keys, values = self.store.keys, self.store.values
         for i, blk in enumerate(self.blocks):
             if compiled:

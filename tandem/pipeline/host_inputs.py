@@ -12,6 +12,8 @@ kernel that reads such an array faults its pages over to the GPU:
 - ``managed`` (the default): nothing, MLX's array as it is;
 - ``prefetch``: its pages move to the GPU (``cuMemPrefetchAsync``). The thread waits for
   the move, a few microseconds a page.
+- ``prefetch-async``: the move is queued and the thread goes on: it overlaps the building
+  of the step, and a kernel that reads the array before the move is done faults as before.
 - ``mapped``: its pages stay in host memory, and the GPU reads them there (preferred
   location host, accessed by the GPU). Nothing migrates either way, not even when MLX
   reuses the buffer for the next host array. The advice stays with the buffer: should
@@ -33,8 +35,9 @@ from tandem.kernels import cuda_driver
 
 log = logging.getLogger("tandem.engine")
 
-MODES = ("managed", "prefetch", "mapped")
-_NEEDS = {"prefetch": "cuMemPrefetchAsync_v2", "mapped": "cuMemAdvise_v2"}
+MODES = ("managed", "prefetch", "prefetch-async", "mapped")
+_NEEDS = {"prefetch": "cuMemPrefetchAsync_v2", "prefetch-async": "cuMemPrefetchAsync_v2",
+          "mapped": "cuMemAdvise_v2"}
 
 
 def parse_mode(value: str) -> str:
@@ -64,25 +67,27 @@ class _Placer:
         ptr = np.frombuffer(memoryview(a), np.uint8).ctypes.data
         drv = self.drv
         drv.bind_context()
-        if self.mode == "prefetch":
+        if self.mode.startswith("prefetch"):
             if self._stream is None:
                 self._stream = drv.stream()
             drv.prefetch_to_device(ptr, a.nbytes, self._stream)
-            # MLX's kernels are queued on its own stream after this returns: the pages are there.
-            drv.call("cuStreamSynchronize", self._stream)
+            if self.mode == "prefetch":
+                # MLX's kernels are queued on its own stream after this returns: the pages are there.
+                drv.call("cuStreamSynchronize", self._stream)
         else:
             drv.map_from_host(ptr, a.nbytes)
 
 
-_placer: _Placer | None = None
+_placers: dict[str, _Placer] = {}
 
 
-def array(host: np.ndarray) -> mx.array:
-    """``mx.array(host)``, placed as ``TANDEM_HOST_INPUTS`` says."""
-    global _placer
+def array(host: np.ndarray, mode: str | None = None) -> mx.array:
+    """``mx.array(host)``, placed as ``mode`` says (None: as ``TANDEM_HOST_INPUTS`` says)."""
+    mode = MODE if mode is None else mode
     a = mx.array(host)
-    if MODE != "managed":
-        if _placer is None:
-            _placer = _Placer(MODE, cuda_driver.driver())
-        _placer.place(a)
+    if mode != "managed":
+        placer = _placers.get(mode)
+        if placer is None:
+            placer = _placers[mode] = _Placer(mode, cuda_driver.driver())
+        placer.place(a)
     return a

@@ -73,22 +73,20 @@ def test_reference_kernel_runner_matches_alone(tiny_model_dir, expected, monkeyp
     assert got == want
 
 
-@pytest.mark.parametrize("packed,embed_first", [(True, False), (True, True), (False, True)])
-def test_fresh_prefill_packed_inputs_and_early_embedding_keep_the_tokens(tiny_model_dir, expected, monkeypatch,
-                                                                        packed, embed_first):
+@pytest.mark.parametrize("mode", ["packed", "mapped"])
+def test_fresh_prefill_inputs_in_one_array_keep_the_tokens(tiny_model_dir, expected, monkeypatch, mode):
     """A fresh prefill's ids, positions, slots and row ends as slices of one host array
-    (``TANDEM_PREFILL_PACKED``), and its embedding handed over before the layers
-    (``TANDEM_PREFILL_EMBED_FIRST``): the same tokens, ragged batches included."""
+    (``TANDEM_PREFILL_INPUTS``), mapped and copied or not: the same tokens, ragged batches
+    included, and the one array is made for every fresh prefill."""
     import numpy as np
 
     from tandem.pipeline import host_inputs
 
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
-    monkeypatch.setattr(cuda_runner, "PREFILL_PACKED", packed)
-    monkeypatch.setattr(cuda_runner, "PREFILL_EMBED_FIRST", embed_first)
+    monkeypatch.setattr(cuda_runner, "PREFILL_INPUTS", mode)
     made = []
     real = host_inputs.array
-    monkeypatch.setattr(host_inputs, "array", lambda a: made.append(np.asarray(a).size) or real(a))
+    monkeypatch.setattr(host_inputs, "array", lambda a, mode=None: made.append((np.asarray(a).size, mode)) or real(a))
     prompts, want = expected
     eng = _engine(_fresh(tiny_model_dir), max_batch_prefill=3)
     fresh = []
@@ -97,8 +95,14 @@ def test_fresh_prefill_packed_inputs_and_early_embedding_keep_the_tokens(tiny_mo
         (len(rows), inputs.shape[1])) or real_fresh(rows, inputs)
     assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
     assert fresh and any(b > 1 for b, _ in fresh)
-    packs = [3 * b * L + b for b, L in fresh]
-    assert all(n in made for n in packs) == packed
+    want_mode = "mapped" if mode == "mapped" else None
+    assert all((3 * b * L + b, want_mode) in made for b, L in fresh)
+
+
+def test_unknown_prefill_inputs_mode_is_refused():
+    assert cuda_runner.parse_prefill_inputs("mapped") == "mapped"
+    with pytest.raises(ValueError, match="separate, packed, mapped"):
+        cuda_runner.parse_prefill_inputs("pinned")
 
 
 def test_reference_decode_logits_match_the_portable_runner(tiny_model_dir):

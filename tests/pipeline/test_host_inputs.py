@@ -35,7 +35,7 @@ class RecordingDriver:
 
 def _placed(monkeypatch, mode, drv):
     monkeypatch.setattr(host_inputs, "MODE", mode)
-    monkeypatch.setattr(host_inputs, "_placer", None)
+    monkeypatch.setattr(host_inputs, "_placers", {})
     monkeypatch.setattr(cuda_driver, "driver", lambda: drv)
     host = np.arange(300, dtype=np.int32) * 7
     a = host_inputs.array(host)
@@ -50,6 +50,21 @@ def test_prefetch_moves_the_arrays_own_bytes_and_waits_for_them(monkeypatch):
     assert drv.calls == [("stream",), ("prefetch", ptr, host.nbytes, 42), ("cuStreamSynchronize", 42)]
     host_inputs.array(host)  # a second array: the same stream, no new one
     assert [c[0] for c in drv.calls].count("stream") == 1
+
+
+def test_prefetch_async_queues_the_move_and_does_not_wait(monkeypatch):
+    drv = RecordingDriver()
+    host, a = _placed(monkeypatch, "prefetch-async", drv)
+    ptr = np.frombuffer(memoryview(a), np.uint8).ctypes.data
+    assert drv.calls == [("stream",), ("prefetch", ptr, host.nbytes, 42)]
+    assert np.array_equal(np.array(a), host)
+
+
+def test_a_call_may_name_its_own_mode(monkeypatch):
+    drv = RecordingDriver()
+    host, _ = _placed(monkeypatch, "managed", drv)
+    a = host_inputs.array(host, mode="mapped")
+    assert drv.calls == [("map", np.frombuffer(memoryview(a), np.uint8).ctypes.data, host.nbytes)]
 
 
 def test_mapped_advises_the_arrays_range_and_queues_nothing(monkeypatch):
@@ -79,14 +94,14 @@ def test_a_driver_without_the_call_falls_back_with_one_warning(monkeypatch, capl
 
 def test_unknown_mode_is_refused_with_the_choices():
     assert host_inputs.parse_mode("mapped") == "mapped"
-    with pytest.raises(ValueError, match="managed, prefetch, mapped"):
+    with pytest.raises(ValueError, match="managed, prefetch, prefetch-async, mapped"):
         host_inputs.parse_mode("pinned")
 
 
 def test_empty_array_is_left_alone(monkeypatch):
     drv = RecordingDriver()
     monkeypatch.setattr(host_inputs, "MODE", "prefetch")
-    monkeypatch.setattr(host_inputs, "_placer", None)
+    monkeypatch.setattr(host_inputs, "_placers", {})
     monkeypatch.setattr(cuda_driver, "driver", lambda: drv)
     a = host_inputs.array(np.zeros((0,), np.int32))
     assert a.size == 0 and drv.calls == []
