@@ -34,6 +34,7 @@ from tandem.pipeline.cuda_runner import paged_runner
 from tandem.pipeline.model_runner import DenseRunner, probe
 from tandem.pipeline import graph_step
 from tandem.pipeline import host_inputs
+from tandem.pipeline import token_mailbox
 from tandem.pipeline.sampler import Sampled, sample
 from tandem.pipeline.scheduler import Plan, Scheduler
 from tandem.pipeline.sequence import Sequence, Status
@@ -112,6 +113,7 @@ class Engine:
             self.store = None
             self.runner = DenseRunner(model)
         self._graph_step = getattr(self.runner, "graph_step", None)
+        self._mailbox = token_mailbox.make(self.runner)
         self.scheduler = Scheduler(settings, self.pool, prefix_caching=settings.enable_prefix_caching and sh.pageable)
         self._inbox: queue.Queue = queue.Queue()
         self._by_id: dict[bytes, Sequence] = {}
@@ -355,7 +357,15 @@ class Engine:
         to read, but its graph must let go of the KV arrays) and emit its tokens."""
         inflight, self._inflight = self._inflight, None
         try:
-            if inflight[3]:
+            sampled = inflight[1]
+            ticket = getattr(sampled, "ticket", None)
+            if ticket is not None:
+                sampled.host_tokens = ticket.wait()
+                if sampled.host_tokens is None:
+                    self._mailbox.fell_back += 1
+                else:
+                    self._mailbox.spun += 1
+            if inflight[3] and (ticket is None or sampled.host_tokens is None):
                 mx.eval(*inflight[3])
             return self._complete(*inflight[:3])
         except Exception as exc:  # the device work of that step failed
@@ -415,6 +425,12 @@ class Engine:
             seqs = [rows[i].seq for i in samplers]
             sampled = sample(logits, [s.sampling for s in seqs], [s.num_generated + s.pending for s in seqs])
             pending = sampled.arrays()
+            box, checkpoint = self._mailbox, getattr(self.runner, "checkpoint", None)
+            if (box is not None and checkpoint is not None and not self.runner.last_step_in_place
+                    and len(pending) == 1 and box.applies(sampled.tokens)):
+                # Waited for alone (not queued behind): its tokens come back through the box.
+                sampled.ticket, done = box.post(sampled.tokens, checkpoint)
+                pending.append(done)
         else:
             pending = [logits]
         self.scheduler.advance(plan)
@@ -448,7 +464,7 @@ class Engine:
         produced = 0
         holds: list[Sequence] = []  # prefill-role sequences to export once this step's tokens are out
         if sampled is not None:
-            toks = sampled.tokens.tolist()
+            toks = sampled.host_tokens if sampled.host_tokens is not None else sampled.tokens.tolist()
             lps = sampled.logprobs.tolist() if sampled.logprobs is not None else None
             top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
             top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None

@@ -40,6 +40,10 @@ class Sampled:
     logprobs: mx.array | None = None  # (B,) chosen token's logprob, when any row asked
     top_ids: mx.array | None = None  # (B, N) when any row asked for top-N
     top_logprobs: mx.array | None = None
+    # A step waited for alone may have its tokens read from pinned memory (token_mailbox):
+    # the ticket that reads them, and what it read.
+    ticket: object | None = None
+    host_tokens: list[int] | None = None
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if a is not None]
