@@ -34,7 +34,7 @@ from tandem.kernels import kernel_files
 
 log = logging.getLogger("tandem.engine")
 
-ENABLED = os.environ.get("TANDEM_TOKEN_MAILBOX", "0") == "1"
+ENABLED = os.environ.get("TANDEM_TOKEN_MAILBOX", "1") == "1"
 MAX_ROWS = 256
 RING = 4  # the engine has at most two steps in flight
 SPIN_S = float(os.environ.get("TANDEM_TOKEN_MAILBOX_SPIN_MS", "20")) / 1e3
