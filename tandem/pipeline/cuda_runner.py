@@ -85,7 +85,9 @@ the ids took 0.16-0.31 ms of the device's 12 ms (H200 run 124, ``bench/prefill_c
 ``separate``: an array each (``TANDEM_HOST_INPUTS`` places them); ``packed``: one array,
 sliced; ``mapped``: one array kept in host memory and mapped for the GPU, which one copy
 kernel reads into device memory before anything else does (no fault, and the layers read
-device memory: run 124, every array mapped, each layer 10 us slower)."""
+device memory: run 124, every array mapped, each layer 10 us slower). Runs 124-125: both
+take the fault away and both reach the first hand-over 0.3-0.5 ms later, so the device
+starts later by as much (36.5k and 38.1k tok/s against 37.8k-38.8k): ``separate`` stays."""
 PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
 CHECKPOINT_LAYERS = 3
 """A fresh prefill's ``checkpoint`` is this many layers before its end (~1 ms of device

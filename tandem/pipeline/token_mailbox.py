@@ -16,7 +16,10 @@ after that, or if the box is never filled, it falls back to MLX's wait and read.
 
 Boxes are a ring of ``RING``; each has its own device-resident array holding its address,
 so posting uploads nothing (a host-made array would be managed memory the GPU faults in).
-``TANDEM_TOKEN_MAILBOX=0`` turns it off.
+``TANDEM_TOKEN_MAILBOX=0`` turns it off. H200 runs 125-126 (2026-12-02, engine at one row,
+512-token prompts): the read-back ends 0.11-0.13 ms after the token kernel against 0.20-0.30
+without the box, in every process; prefill alone 40.5k and 38.6k tok/s against 37.8k and
+39.6k, inside the processes' spread (the ids' fault and the first hand-over move more).
 """
 
 from __future__ import annotations
