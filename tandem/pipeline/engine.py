@@ -360,11 +360,7 @@ class Engine:
             sampled = inflight[1]
             ticket = getattr(sampled, "ticket", None)
             if ticket is not None:
-                sampled.host_tokens = ticket.wait()
-                if sampled.host_tokens is None:
-                    self._mailbox.fell_back += 1
-                else:
-                    self._mailbox.spun += 1
+                sampled.host_tokens = self._mailbox.read(ticket)
             if inflight[3] and (ticket is None or sampled.host_tokens is None):
                 mx.eval(*inflight[3])
             return self._complete(*inflight[:3])

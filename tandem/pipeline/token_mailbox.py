@@ -123,6 +123,15 @@ class TokenMailbox:
     def applies(self, tokens: mx.array) -> bool:
         return tokens.ndim == 1 and 0 < tokens.shape[0] <= MAX_ROWS and tokens.dtype == mx.int32
 
+    def read(self, ticket: Ticket) -> list[int] | None:
+        """The ticket's tokens, or None: read them MLX's way (counted either way)."""
+        got = ticket.wait()
+        if got is None:
+            self.fell_back += 1
+        else:
+            self.spun += 1
+        return got
+
     def post(self, tokens: mx.array, checkpoint: mx.array | None) -> tuple[Ticket, mx.array]:
         """A ticket for ``tokens`` and the array that fills its box: evaluate that with the step."""
         box = self.boxes[self._next]
@@ -136,8 +145,8 @@ class TokenMailbox:
 
 
 def make(runner) -> TokenMailbox | None:
-    """A mailbox for the CUDA kernel runner where ``TANDEM_TOKEN_MAILBOX=1`` and the driver
-    is there; its kernel is compiled and checked once now (a first use mid-serving would
+    """A mailbox for the CUDA kernel runner where the driver is there (unless
+    ``TANDEM_TOKEN_MAILBOX=0``); its kernel is compiled and checked once now (a first use mid-serving would
     stall every request for the NVRTC compile)."""
     from tandem.kernels import cuda_driver
     from tandem.kernels.quantized_matmul import cuda_available
