@@ -89,6 +89,10 @@ device memory: run 124, every array mapped, each layer 10 us slower). Runs 124-1
 take the fault away and both reach the first hand-over 0.3-0.5 ms later, so the device
 starts later by as much (36.5k and 38.1k tok/s against 37.8k-38.8k): ``separate`` stays."""
 PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
+PREFILL_FIRST_SPLIT = os.environ.get("TANDEM_PREFILL_FIRST_SPLIT", "0") == "1"
+"""A fresh prefill hands the GPU layer 0 in two graphs (attention, then the MLP), so the
+device starts on fewer encoded ops. The first hand-over (embedding + layer 0) took 0.32-0.43
+ms of MLX's encoding before the device started (H200 runs 125-126). Not yet measured."""
 CHECKPOINT_LAYERS = 3
 """A fresh prefill's ``checkpoint`` is this many layers before its end (~1 ms of device
 work at 512 tokens): what the engine waits for MLX's way before spinning on the token
@@ -421,6 +425,9 @@ class KernelRunner(PagedRunner):
         # The CUDA write kernel fills the pools in place, so a compiled layer returns h alone.
         self._prefill_fns = ([mx.compile(functools.partial(self._compiled_prefill_layer, b)) for b in self.blocks]
                              if self.compiled and PREFILL_COMPILE else None)
+        self._prefill_first = ((mx.compile(functools.partial(self._compiled_prefill_attention, self.blocks[0])),
+                                mx.compile(functools.partial(self._prefill_mlp, self.blocks[0])))
+                               if self._prefill_fns is not None else None)
         # Everything built here must be evaluated on this thread: the engine thread
         # cannot evaluate arrays left lazy on another thread's stream (docs/gpu.md).
         mx.eval(model.parameters(), [b.inv_freq for b in self.blocks])
@@ -572,7 +579,15 @@ class KernelRunner(PagedRunner):
         h = self._embed(inputs)  # (B, L, W)
         keys, values = self.store.keys, self.store.values
         for i, blk in enumerate(self.blocks):
-            if compiled:
+            if i == 0 and PREFILL_FIRST_SPLIT and PREFILL_EVAL_EVERY:
+                # The GPU's first graph: the embedding and layer 0's attention half only.
+                if compiled:
+                    x = self._prefill_first[0](h, pos, slots, keys[0], values[0])
+                else:
+                    x, keys[0], values[0] = self._prefill_attention(blk, h, pos, slots, keys[0], values[0])
+                mx.async_eval(x)
+                h = (self._prefill_first[1](x) if compiled else self._prefill_mlp(blk, x)).reshape(h.shape)
+            elif compiled:
                 h = self._prefill_fns[i](h, pos, slots, keys[i], values[i])
             else:
                 h, keys[i], values[i] = self._prefill_layer(blk, h, pos, slots, keys[i], values[i])
@@ -593,6 +608,13 @@ class KernelRunner(PagedRunner):
         """One layer of a fresh prefill: h (B, L, W) -> (h, kp, vp); writes the chunk's K/V
         into the pools and attends causally over the chunk's own keys."""
         B, L, W = h.shape
+        x, kp, vp = self._prefill_attention(blk, h, pos, slots, kp, vp)
+        return self._prefill_mlp(blk, x).reshape(B, L, W), kp, vp
+
+    def _prefill_attention(self, blk: FusedBlock, h, pos, slots, kp, vp):
+        """A fresh prefill layer's first half: h (B, L, W) -> (x (B*L, W), kp, vp), x the
+        residual stream after attention and the o product."""
+        B, L, W = h.shape
         H, KVH, D = blk.H, blk.KVH, blk.D
         step = _Step(pos, slots, None, None, self.store.block_size, 0)
         x = h.reshape(B * L, W)
@@ -603,12 +625,18 @@ class KernelRunner(PagedRunner):
         v = y[:, (H + KVH) * D :].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=blk.scale, mask="causal")
         x = blk.o_proj.fused(o.transpose(0, 2, 1, 3).reshape(B * L, H * D), residual=x)
+        return x, kp, vp
+
+    def _prefill_mlp(self, blk: FusedBlock, x):
+        """Its second half: x (B*L, W) -> x after the MLP."""
         g = blk.gate_up.fused(x, norm_weight=blk.ln2, eps=blk.eps2)
-        x = blk.down_proj.fused(g, swiglu=True, residual=x)
-        return x.reshape(B, L, W), kp, vp
+        return blk.down_proj.fused(g, swiglu=True, residual=x)
 
     def _compiled_prefill_layer(self, blk: FusedBlock, h, pos, slots, kp, vp):
         return self._prefill_layer(blk, h, pos, slots, kp, vp)[0]
+
+    def _compiled_prefill_attention(self, blk: FusedBlock, h, pos, slots, kp, vp):
+        return self._prefill_attention(blk, h, pos, slots, kp, vp)[0]
 
     def _decode_graph(self, inputs, pos, slots, table, lens, *pools):
         """One decode step over all layers: (logits, *keys, *values); pure in its inputs

@@ -99,6 +99,38 @@ def test_fresh_prefill_inputs_in_one_array_keep_the_tokens(tiny_model_dir, expec
     assert all((3 * b * L + b, want_mode) in made for b, L in fresh)
 
 
+@pytest.mark.parametrize("every", [1, 0])
+def test_fresh_prefill_with_layer_0_in_two_hand_overs_keeps_the_tokens(tiny_model_dir, expected, monkeypatch,
+                                                                      every):
+    """``TANDEM_PREFILL_FIRST_SPLIT``: layer 0's attention handed over before its MLP (and
+    not where the prefill is handed over once, at the end): the same tokens."""
+    import mlx.core as mx
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
+    monkeypatch.setattr(cuda_runner, "PREFILL_FIRST_SPLIT", True)
+    monkeypatch.setattr(cuda_runner, "PREFILL_EVAL_EVERY", every)
+    prompts, want = expected
+    eng = _engine(_fresh(tiny_model_dir), max_batch_prefill=3)
+    halves = []  # every attention half's output, in order
+    real = eng.runner._prefill_attention
+
+    def attention(*a):
+        out = real(*a)
+        halves.append(out[0])
+        return out
+    eng.runner._prefill_attention = attention
+    handed = []
+    real_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: handed.extend(a) or real_eval(*a))
+    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
+    layers = len(eng.runner.blocks)
+    firsts = halves[::layers]  # layer 0's of each fresh prefill
+    assert len(firsts) >= 3 and len(halves) == len(firsts) * layers
+    was_handed = [any(x is a for a in handed) for x in halves]
+    # Layer 0's first half is handed over on its own where the layers are; no other half is.
+    assert was_handed == [bool(every) and i % layers == 0 for i in range(len(halves))]
+
+
 def test_unknown_prefill_inputs_mode_is_refused():
     assert cuda_runner.parse_prefill_inputs("mapped") == "mapped"
     with pytest.raises(ValueError, match="separate, packed, mapped"):
@@ -312,6 +344,25 @@ def test_compiled_prefill_layers_give_mlx_lm_tokens(tiny_model_dir, monkeypatch)
     assert eng.generate_many([(prompts[3], greedy(MAX_TOKENS))]) == want[3:]
     layers = len(eng.runner.blocks)
     assert [c[:2] for c in calls[::layers]] == [(1, 64), (2, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(240, method="thread")
+def test_compiled_prefill_with_layer_0_split_gives_mlx_lm_tokens(tiny_model_dir, monkeypatch):
+    """The compiled halves of layer 0 (``TANDEM_PREFILL_FIRST_SPLIT``) at 64 and 128 tokens."""
+    import random
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
+    monkeypatch.setattr(cuda_runner, "PREFILL_FIRST_SPLIT", True)
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (64, 128, 128)]
+    ref = _fresh(tiny_model_dir)
+    want = [oracle(ref, p, MAX_TOKENS) for p in prompts]
+    eng = _engine(_fresh(tiny_model_dir), max_batch_prefill=2)
+    assert eng.runner._prefill_first is not None
+    assert eng.generate_many([(prompts[0], greedy(MAX_TOKENS))]) == want[:1]
+    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts[1:]]) == want[1:]
 
 
 @pytest.fixture(scope="module")
