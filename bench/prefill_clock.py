@@ -209,7 +209,7 @@ def summarize(host: list[tuple[str, float]], device: list[tuple[str, float]], su
     dev = dict(device)
     evals = [(label, t) for label, t in device if label.startswith("eval")]
     queued = [t for n, t in host if n == "async_eval/end"]
-    out = {"tick": None, "forward": None}
+    out = {}
     for name in ("tick", "forward", "embed", "async_eval", "async_eval/end", "read_back/end"):
         t = first(name)
         out[name] = None if t is None else ms(t)
