@@ -411,7 +411,7 @@ class Engine:
             # 64-index gather took 151 us), and no per-row copying on this thread.
             inputs = prev[:, None]
         else:
-            inputs = self._host_inputs(rows, prev)
+            inputs = self._host_inputs(rows, prev, keep_host=getattr(self.runner, "takes_host_ids", False))
         logits = self.runner.forward(rows, inputs)
         samplers = [i for i, r in enumerate(rows) if r.samples]
         sampled = None
@@ -434,9 +434,10 @@ class Engine:
             rows[i].seq.pending_index = j
         return (plan, sampled, samplers, pending)
 
-    def _host_inputs(self, rows, prev) -> mx.array:
+    def _host_inputs(self, rows, prev, keep_host: bool = False):
         """The step's input tokens from the sequences, the in-flight step's samples
-        (``prev``) where a row's last input is still pending."""
+        (``prev``) where a row's last input is still pending. ``keep_host``: the numpy array
+        where the host knows them all (the runner uploads them its own way)."""
         L = max(r.n for r in rows)
         host = np.zeros((len(rows), L), np.int32)
         dev_rows, dev_idx = [], []
@@ -451,6 +452,8 @@ class Engine:
             for i, j in zip(dev_rows, dev_idx):
                 host[i, rows[i].n - 1] = vals[j]
             dev_rows = []
+        if keep_host and not dev_rows:
+            return host
         inputs = host_inputs.array(host)
         if dev_rows:
             inputs = inputs.at[mx.array(dev_rows), mx.array([rows[i].n - 1 for i in dev_rows])].add(prev[mx.array(dev_idx)])
