@@ -53,6 +53,7 @@ from tandem.kernels import w4wgmma
 from tandem.kernels.quantized_matmul import cuda_available
 from tandem.pipeline import graph_step
 from tandem.pipeline import host_inputs
+from tandem.pipeline import input_box
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.model_runner import PagedRunner
 from tandem.pipeline.sequence import Row
@@ -69,7 +70,7 @@ PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "1"))
 """A fresh prefill hands the GPU its graph every this many layers (0: once, at the end).
 Every layer, so the GPU starts one layer in: with MLX's graph byte limit lifted
 (``tandem._mlx_cuda``) each hand-over is one graph launch (H200 run 119)."""
-PREFILL_INPUT_MODES = ("separate", "packed", "mapped")
+PREFILL_INPUT_MODES = ("separate", "packed", "mapped", "pinned")
 
 
 def parse_prefill_inputs(value: str) -> str:
@@ -78,7 +79,7 @@ def parse_prefill_inputs(value: str) -> str:
     return value
 
 
-PREFILL_INPUTS = parse_prefill_inputs(os.environ.get("TANDEM_PREFILL_INPUTS", "separate"))
+PREFILL_INPUTS = parse_prefill_inputs(os.environ.get("TANDEM_PREFILL_INPUTS", "pinned"))
 """How a fresh prefill's ids, positions, slots and row ends reach the GPU. Each host-made
 array is managed memory that the GPU faults in at its first read: the embedding's read of
 the ids took 0.16-0.31 ms of the device's 12 ms (H200 run 124, ``bench/prefill_clock.py``).
@@ -87,12 +88,19 @@ sliced; ``mapped``: one array kept in host memory and mapped for the GPU, which 
 kernel reads into device memory before anything else does (no fault, and the layers read
 device memory: run 124, every array mapped, each layer 10 us slower). Runs 124-125: both
 take the fault away and both reach the first hand-over 0.3-0.5 ms later, so the device
-starts later by as much (36.5k and 38.1k tok/s against 37.8k-38.8k): ``separate`` stays."""
+starts later by as much (36.5k and 38.1k tok/s against 37.8k-38.8k). ``pinned``: the host
+writes them into a ring of pinned boxes allocated once and the step's first kernel copies
+them to the device (``pipeline/input_box.py``): no fault and no driver call. Run 127, one
+process a config: 39.8k against the old default's 38.7k, and 40.4k with the split below
+(device span 11.59 against 11.84 ms). The default; where there is no CUDA box (the CPU), the
+arrays are ``separate``."""
 PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
-PREFILL_FIRST_SPLIT = os.environ.get("TANDEM_PREFILL_FIRST_SPLIT", "0") == "1"
+PREFILL_FIRST_SPLIT = os.environ.get("TANDEM_PREFILL_FIRST_SPLIT", "1") == "1"
 """A fresh prefill hands the GPU layer 0 in two graphs (attention, then the MLP), so the
 device starts on fewer encoded ops. The first hand-over (embedding + layer 0) took 0.32-0.43
-ms of MLX's encoding before the device started (H200 runs 125-126). Not yet measured."""
+ms of MLX's encoding before the device started (H200 runs 125-126). Run 127, with ``pinned``
+inputs: 40,448 against 39,792 tok/s without the split (batch 1 decode 406 / 403, batch 64
+10,370 / 10,602, within the processes' spread). The default."""
 CHECKPOINT_LAYERS = 3
 """A fresh prefill's ``checkpoint`` is this many layers before its end (~1 ms of device
 work at 512 tokens): what the engine waits for MLX's way before spinning on the token
@@ -425,6 +433,8 @@ class KernelRunner(PagedRunner):
         # The CUDA write kernel fills the pools in place, so a compiled layer returns h alone.
         self._prefill_fns = ([mx.compile(functools.partial(self._compiled_prefill_layer, b)) for b in self.blocks]
                              if self.compiled and PREFILL_COMPILE else None)
+        # A fresh prefill's ids, positions, slots and row ends through pinned memory.
+        self._input_box = input_box.make() if ops == "cuda" and PREFILL_INPUTS == "pinned" else None
         self._prefill_first = ((mx.compile(functools.partial(self._compiled_prefill_attention, self.blocks[0])),
                                 mx.compile(functools.partial(self._prefill_mlp, self.blocks[0])))
                                if self._prefill_fns is not None else None)
@@ -474,15 +484,24 @@ class KernelRunner(PagedRunner):
                                     *self.store.keys, *self.store.values)
                 mx.eval(out)
 
-    def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
+    @property
+    def takes_host_ids(self) -> bool:
+        """Whether ``forward`` takes the step's ids as a numpy array when the host knows them
+        all: a fresh prefill then sends them through the input box, and no managed array is made."""
+        return getattr(self, "_input_box", None) is not None
+
+    def forward(self, rows: list[Row], inputs) -> mx.array:
         B, L = inputs.shape
+        fresh = L != 1 and self.fresh_prefill and all(r.start == 0 for r in rows)
+        if isinstance(inputs, np.ndarray) and not fresh:
+            inputs = host_inputs.array(inputs)
         self.checkpoint = None  # a fresh prefill's, for token_mailbox
         # Decode through the CUDA write kernel touches the pools in place only (the
         # reference ops return new pools, as the portable path does).
         self.last_step_in_place = L == 1 and self.pipelined
+        if fresh:
+            return self._fresh_prefill(rows, inputs)
         if L != 1:
-            if self.fresh_prefill and all(r.start == 0 for r in rows):
-                return self._fresh_prefill(rows, inputs)
             return super().forward(rows, inputs)
         host, nb = self.decode_state(rows)
         L = len(self.blocks)
@@ -545,7 +564,7 @@ class KernelRunner(PagedRunner):
         self._state_prev = (host, dev)
         return dev
 
-    def _fresh_prefill(self, rows: list[Row], inputs: mx.array) -> mx.array:
+    def _fresh_prefill(self, rows: list[Row], inputs) -> mx.array:
         """Prompts from position 0 (no earlier context): every layer writes its K/V into
         the pools with the RoPE + write kernel and attends causally over the chunk's own
         keys, with no gather of blocks. Padded positions (past a row's ``n``) write nowhere
@@ -560,21 +579,8 @@ class KernelRunner(PagedRunner):
             table[i, : len(ids)] = np.asarray(ids, np.int64) + 1
         p = np.arange(L, dtype=np.int64)
         slots = np.where(p[None, :] < ns[:, None], table[:, p // bs] * bs + p % bs, -1).reshape(-1).astype(np.int32)
-        pos = np.tile(p, B).astype(np.int32)
         last = (np.arange(B) * L + ns - 1).astype(np.int32)
-        ids = _known_ids(rows, L) if PREFILL_INPUTS != "separate" else None
-        if ids is not None:
-            n = B * L
-            host = np.concatenate([ids.reshape(-1), pos, slots, last])
-            if PREFILL_INPUTS == "mapped":
-                packed = host_inputs.array(host, mode="mapped") + 0  # the one read of host memory
-            else:
-                packed = host_inputs.array(host)
-            # Views of the one array (the engine's own ids array goes unread).
-            inputs, pos, slots, last = (packed[:n].reshape(B, L), packed[n : 2 * n],
-                                        packed[2 * n : 3 * n], packed[3 * n :])
-        else:
-            pos, slots, last = host_inputs.array(pos), host_inputs.array(slots), host_inputs.array(last)
+        inputs, pos, slots, last = self._prefill_inputs(rows, inputs, slots, last)
         compiled = self._prefill_fns is not None and L % PREFILL_COMPILE_MULTIPLE == 0
         h = self._embed(inputs)  # (B, L, W)
         keys, values = self.store.keys, self.store.values
@@ -603,6 +609,32 @@ class KernelRunner(PagedRunner):
         if self.head is not None:
             return self.head.fused(h, norm_weight=norm.weight, eps=norm.eps)
         return self.embed.as_linear(norm(h))
+
+    def _prefill_inputs(self, rows: list[Row], inputs, slots: np.ndarray, last: np.ndarray):
+        """A fresh prefill's ids (B, L), positions, slots and row ends as device arrays, placed
+        as ``PREFILL_INPUTS`` says. ``inputs``: the ids, an MLX array or (``takes_host_ids``) numpy."""
+        B, L = inputs.shape
+        host_ids = inputs if isinstance(inputs, np.ndarray) else None
+        boxed = PREFILL_INPUTS == "pinned" and self._input_box is not None
+        if host_ids is None and (boxed or PREFILL_INPUTS in ("packed", "mapped")):
+            host_ids = _known_ids(rows, L)
+        if boxed and host_ids is not None:
+            got = self._input_box.post(host_ids, slots, last)
+            if got is not None:
+                return got.ids, got.pos, got.slots, got.last
+        pos = np.tile(np.arange(L, dtype=np.int32), B)
+        if PREFILL_INPUTS in ("packed", "mapped") and host_ids is not None:
+            n = B * L
+            host = np.concatenate([host_ids.reshape(-1), pos, slots, last])
+            if PREFILL_INPUTS == "mapped":
+                packed = host_inputs.array(host, mode="mapped") + 0  # the one read of host memory
+            else:
+                packed = host_inputs.array(host)
+            # Views of the one array (the engine's own ids array goes unread).
+            return packed[:n].reshape(B, L), packed[n : 2 * n], packed[2 * n : 3 * n], packed[3 * n :]
+        if isinstance(inputs, np.ndarray):
+            inputs = host_inputs.array(inputs)
+        return inputs, host_inputs.array(pos), host_inputs.array(slots), host_inputs.array(last)
 
     def _prefill_layer(self, blk: FusedBlock, h, pos, slots, kp, vp):
         """One layer of a fresh prefill: h (B, L, W) -> (h, kp, vp); writes the chunk's K/V

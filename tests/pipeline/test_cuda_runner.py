@@ -132,9 +132,9 @@ def test_fresh_prefill_with_layer_0_in_two_hand_overs_keeps_the_tokens(tiny_mode
 
 
 def test_unknown_prefill_inputs_mode_is_refused():
-    assert cuda_runner.parse_prefill_inputs("mapped") == "mapped"
-    with pytest.raises(ValueError, match="separate, packed, mapped"):
-        cuda_runner.parse_prefill_inputs("pinned")
+    assert cuda_runner.parse_prefill_inputs("pinned") == "pinned"
+    with pytest.raises(ValueError, match="separate, packed, mapped, pinned"):
+        cuda_runner.parse_prefill_inputs("boxed")
 
 
 def test_reference_decode_logits_match_the_portable_runner(tiny_model_dir):
