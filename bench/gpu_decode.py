@@ -304,7 +304,9 @@ def prefill_clocked(eng, prompt_len: int, reps: int = CLOCK_REPS) -> dict | None
         return None
     import prefill_clock as pc
     from tandem.kvtypes import SamplingParams
+    from tandem.pipeline import cuda_runner
 
+    split = cuda_runner.PREFILL_FIRST_SPLIT and cuda_runner.PREFILL_EVAL_EVERY > 0
     offset, within = pc.calibrate()
     clock = pc.Clock(eng, offset)
     rounds = []
@@ -319,7 +321,7 @@ def prefill_clocked(eng, prompt_len: int, reps: int = CLOCK_REPS) -> dict | None
             clock.disarm()
             if got and clock.rounds:
                 host, device = clock.rounds.pop()
-                rounds.append(pc.summarize(host, device, t, end))
+                rounds.append(pc.summarize(host, device, t, end, first_split=split))
     finally:
         clock.undo()
     if not rounds:

@@ -193,13 +193,15 @@ class Clock:
 
 
 def summarize(host: list[tuple[str, float]], device: list[tuple[str, float]], submitted: float,
-              returned: float) -> dict:
+              returned: float, first_split: bool = False) -> dict:
     """One clocked prefill, in ms from its submit: when the engine thread started its tick
     and the runner's forward, when the device started (``ids``) and finished the embedding,
     each layer and the token, and what the device did after the host had queued everything.
 
     ``device_idle_ms`` sums, layer by layer, the time the device had finished the layer
-    before and the host had not yet handed over the next: the device waiting for the host."""
+    before and the host had not yet handed over the next: the device waiting for the host.
+    ``first_split``: layer 0 was handed over in two (``TANDEM_PREFILL_FIRST_SPLIT``), so the
+    first mark is its attention half's (``layer0_attention_ms``) and ``layer_ms`` are whole layers."""
     def ms(t: float) -> float:
         return round((t - submitted) * 1e3, 3)
 
@@ -224,7 +226,11 @@ def summarize(host: list[tuple[str, float]], device: list[tuple[str, float]], su
                host_queued_all=ms(queued[-1]) if queued else None)
     if layers:
         ends = [dev.get("embed", start)] + layers
-        out["layer_ms"] = [round((b - a) * 1e3, 3) for a, b in zip(ends, ends[1:])]
+        whole = ends
+        if first_split and len(layers) >= 2:
+            out["layer0_attention_ms"] = round((ends[1] - ends[0]) * 1e3, 3)
+            whole = ends[:1] + ends[2:]
+        out["layer_ms"] = [round((b - a) * 1e3, 3) for a, b in zip(whole, whole[1:])]
         out["head_ms"] = round((token - layers[-1]) * 1e3, 3)
         # Layer i was handed over when its async_eval returned (queued[i]); the device
         # finished layer i-1 at ends[i]. Waiting = the part of the gap the host caused.

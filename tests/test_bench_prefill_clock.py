@@ -54,6 +54,21 @@ def test_summary_counts_the_device_waiting_for_a_late_layer():
     assert out["device_idle_first_ms"] == 0.4
 
 
+def test_summary_of_a_split_first_layer_reports_whole_layers():
+    """TANDEM_PREFILL_FIRST_SPLIT: layer 0's attention half has a mark of its own before the
+    layer's; layer_ms still holds one figure a layer, and the attention half its own."""
+    host = [("forward", 0.0001), ("async_eval/end", 0.001), ("async_eval/end", 0.0012),
+            ("async_eval/end", 0.0014), ("async_eval/end", 0.0016)]
+    device = [("ids", 0.0011), ("embed", 0.0013), ("eval0", 0.0021), ("eval1", 0.0043),
+              ("eval2", 0.0073), ("eval3", 0.0080)]
+    out = pc.summarize(host, device, 0.0, 0.0085, first_split=True)
+    assert out["layer0_attention_ms"] == 0.8
+    assert out["layer_ms"] == [3.0, 3.0]
+    assert out["head_ms"] == 0.7
+    unsplit = pc.summarize(host, device, 0.0, 0.0085)
+    assert unsplit["layer_ms"] == [0.8, 2.2, 3.0] and "layer0_attention_ms" not in unsplit
+
+
 class _Runner:
     def __init__(self):
         self._embed = lambda ids: ids.astype(mx.float32) * 2
