@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -34,3 +35,29 @@ def oracle(model, prompt: list[int], max_tokens: int, eos=(EOS,)) -> list[int]:
 def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 380) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+_pinned_stand_ins = []
+
+
+def host_alloc(nbytes: int) -> int:
+    """A stand-in for the driver's pinned allocation (tests on the CPU): host memory kept alive."""
+    buf = ctypes.create_string_buffer(nbytes)
+    _pinned_stand_ins.append(buf)
+    return ctypes.addressof(buf)
+
+
+def two_row_engine(model_dir, prompts: list[list[int]], max_tokens: int):
+    """An engine on the tiny model (prefills of two rows at most) and mlx-lm's tokens for each
+    prompt alone (from a model loaded apart, so nothing the engine does can touch it)."""
+    from mlx_lm import load
+
+    from tandem.pipeline.engine import Engine
+    from tandem.pipeline.settings import EngineSettings
+
+    ref, _ = load(str(model_dir))
+    want = [oracle(ref, p, max_tokens) for p in prompts]
+    model, _ = load(str(model_dir))
+    eng = Engine(model, EngineSettings(kv_cache_budget="16MiB", max_batch_prefill=2), model_id="tiny",
+                 eos_token_ids=[EOS])
+    return eng, want

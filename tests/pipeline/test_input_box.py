@@ -10,16 +10,8 @@ import numpy as np
 import pytest
 
 from tandem.pipeline import cuda_runner, input_box
-from tests.pipeline.conftest import EOS, oracle, random_prompts
+from tests.pipeline.conftest import host_alloc, random_prompts, two_row_engine
 from tests.pipeline.test_engine import greedy
-
-_keep = []
-
-
-def _host_alloc(nbytes):
-    buf = ctypes.create_string_buffer(nbytes)
-    _keep.append(buf)
-    return ctypes.addressof(buf)
 
 
 def _fake_kernel(done=True, reads=None):
@@ -42,7 +34,7 @@ def _fake_kernel(done=True, reads=None):
 
 def test_a_post_gives_the_host_arrays_and_the_ring_turns():
     reads = []
-    box = input_box.InputBox(_host_alloc, kernel=_fake_kernel(reads=reads))
+    box = input_box.InputBox(host_alloc, kernel=_fake_kernel(reads=reads))
     for i in range(input_box.RING + 2):
         ids = np.arange(6, dtype=np.int32).reshape(2, 3) + 10 * i
         slots = np.array([4, 5, -1, 8, 9, 10], np.int32) + i
@@ -57,7 +49,7 @@ def test_a_post_gives_the_host_arrays_and_the_ring_turns():
 
 
 def test_a_box_not_yet_read_is_not_written():
-    box = input_box.InputBox(_host_alloc, kernel=_fake_kernel(done=False))
+    box = input_box.InputBox(host_alloc, kernel=_fake_kernel(done=False))
     ids, slots, last = np.ones((1, 4), np.int32), np.arange(4, dtype=np.int32), np.array([3], np.int32)
     for _ in range(input_box.RING):
         assert box.post(ids, slots, last) is not None
@@ -76,7 +68,7 @@ def test_only_chunks_within_the_box_apply():
     assert not input_box.InputBox.applies(1, input_box.MAX_TOKENS + 1)
     assert not input_box.InputBox.applies(input_box.MAX_ROWS + 1, 1)
     assert not input_box.InputBox.applies(0, 8)
-    box = input_box.InputBox(_host_alloc, kernel=_fake_kernel())
+    box = input_box.InputBox(host_alloc, kernel=_fake_kernel())
     big = np.zeros((1, input_box.MAX_TOKENS + 1), np.int32)
     assert box.post(big, np.zeros(big.size, np.int32), np.zeros(1, np.int32)) is None and box.busy == 1
 
@@ -85,8 +77,8 @@ def test_the_check_catches_a_kernel_that_copies_wrong():
     def off_by_one(**kw):
         (out,) = _fake_kernel()(**kw)
         return [out + 1]
-    assert input_box.check(input_box.InputBox(_host_alloc, kernel=_fake_kernel()))
-    assert not input_box.check(input_box.InputBox(_host_alloc, kernel=off_by_one))
+    assert input_box.check(input_box.InputBox(host_alloc, kernel=_fake_kernel()))
+    assert not input_box.check(input_box.InputBox(host_alloc, kernel=off_by_one))
 
 
 def test_none_without_cuda():
@@ -97,21 +89,12 @@ def test_none_without_cuda():
 
 @pytest.mark.parametrize("done", [True, False])
 def test_engine_takes_fresh_prefill_inputs_from_the_box(tiny_model_dir, monkeypatch, done):
-    from mlx_lm import load
-
-    from tandem.pipeline.engine import Engine
-    from tandem.pipeline.settings import EngineSettings
-
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
     monkeypatch.setattr(cuda_runner, "PREFILL_INPUTS", "pinned")
     prompts = random_prompts(12, 1, 60, seed=5)
-    ref, _ = load(str(tiny_model_dir))
-    want = [oracle(ref, p, 6) for p in prompts]
-    model, _ = load(str(tiny_model_dir))
-    eng = Engine(model, EngineSettings(kv_cache_budget="16MiB", max_batch_prefill=2), model_id="tiny",
-                 eos_token_ids=[EOS])
+    eng, want = two_row_engine(tiny_model_dir, prompts, 6)
     assert isinstance(eng.runner, cuda_runner.KernelRunner)
-    box = input_box.InputBox(_host_alloc, kernel=_fake_kernel(done=done))
+    box = input_box.InputBox(host_alloc, kernel=_fake_kernel(done=done))
     eng.runner._input_box = box
     assert eng.runner.takes_host_ids
     assert eng.generate_many([(p, greedy(6)) for p in prompts]) == want
@@ -128,19 +111,10 @@ def test_engine_takes_fresh_prefill_inputs_from_the_box(tiny_model_dir, monkeypa
 def test_gpu_input_box_gives_mlx_lm_tokens(tiny_model_dir, monkeypatch):
     """The real kernel and pinned boxes: every fresh prefill's inputs come through the box,
     and the tokens are mlx-lm's."""
-    from mlx_lm import load
-
-    from tandem.pipeline.engine import Engine
-    from tandem.pipeline.settings import EngineSettings
-
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
     monkeypatch.setattr(cuda_runner, "PREFILL_INPUTS", "pinned")
     prompts = random_prompts(6, 1, 70, seed=9) + [list(range(3, 67))]
-    ref, _ = load(str(tiny_model_dir))
-    want = [oracle(ref, p, 8) for p in prompts]
-    model, _ = load(str(tiny_model_dir))
-    eng = Engine(model, EngineSettings(kv_cache_budget="16MiB", max_batch_prefill=2), model_id="tiny",
-                 eos_token_ids=[EOS])
+    eng, want = two_row_engine(tiny_model_dir, prompts, 8)
     box = eng.runner._input_box
     assert box is not None
     assert eng.generate_many([(p, greedy(8)) for p in prompts]) == want

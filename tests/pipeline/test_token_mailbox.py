@@ -9,16 +9,8 @@ import numpy as np
 import pytest
 
 from tandem.pipeline import cuda_runner, token_mailbox
-from tests.pipeline.conftest import EOS, oracle, random_prompts
+from tests.pipeline.conftest import host_alloc, random_prompts, two_row_engine
 from tests.pipeline.test_engine import greedy
-
-_keep = []
-
-
-def _host_alloc(nbytes):
-    buf = ctypes.create_string_buffer(nbytes)
-    _keep.append(buf)
-    return ctypes.addressof(buf)
 
 
 def _fake_kernel(count_offset=0, fill=True):
@@ -37,7 +29,7 @@ def _fake_kernel(count_offset=0, fill=True):
 
 
 def test_a_posted_box_gives_its_tokens_and_the_ring_turns():
-    box = token_mailbox.TokenMailbox(_host_alloc, kernel=_fake_kernel())
+    box = token_mailbox.TokenMailbox(host_alloc, kernel=_fake_kernel())
     seen = set()
     for i in range(token_mailbox.RING + 1):
         want = [i, 100 + i, 7]
@@ -48,16 +40,16 @@ def test_a_posted_box_gives_its_tokens_and_the_ring_turns():
 
 
 def test_a_box_never_filled_or_miscounted_gives_up():
-    empty = token_mailbox.TokenMailbox(_host_alloc, kernel=_fake_kernel(fill=False))
+    empty = token_mailbox.TokenMailbox(host_alloc, kernel=_fake_kernel(fill=False))
     ticket, _ = empty.post(mx.array([1, 2], mx.int32), None)
     assert ticket.wait(spin_s=0.002) is None
-    wrong = token_mailbox.TokenMailbox(_host_alloc, kernel=_fake_kernel(count_offset=1))
+    wrong = token_mailbox.TokenMailbox(host_alloc, kernel=_fake_kernel(count_offset=1))
     ticket, _ = wrong.post(mx.array([1, 2], mx.int32), None)
     assert ticket.wait(spin_s=0.002) is None
 
 
 def test_a_box_is_reset_before_its_next_post():
-    box = token_mailbox.TokenMailbox(_host_alloc, kernel=_fake_kernel())
+    box = token_mailbox.TokenMailbox(host_alloc, kernel=_fake_kernel())
     first, _ = box.post(mx.array([5], mx.int32), None)
     assert first.wait(spin_s=0.01) == [5]
     box._kernel = _fake_kernel(fill=False)
@@ -68,7 +60,7 @@ def test_a_box_is_reset_before_its_next_post():
 
 
 def test_only_int32_rows_within_the_box_apply():
-    box = token_mailbox.TokenMailbox(_host_alloc, kernel=_fake_kernel())
+    box = token_mailbox.TokenMailbox(host_alloc, kernel=_fake_kernel())
     assert box.applies(mx.zeros((3,), mx.int32))
     assert not box.applies(mx.zeros((3,), mx.uint32))
     assert not box.applies(mx.zeros((token_mailbox.MAX_ROWS + 1,), mx.int32))
@@ -81,20 +73,11 @@ def test_none_without_cuda():
 
 @pytest.mark.parametrize("works", [True, False])
 def test_engine_reads_a_fresh_prefills_tokens_from_the_box(tiny_model_dir, monkeypatch, works):
-    from mlx_lm import load
-
-    from tandem.pipeline.engine import Engine
-    from tandem.pipeline.settings import EngineSettings
-
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
     prompts = random_prompts(5, 1, 60, seed=3)
-    ref, _ = load(str(tiny_model_dir))
-    want = [oracle(ref, p, 6) for p in prompts]
-    model, _ = load(str(tiny_model_dir))
-    eng = Engine(model, EngineSettings(kv_cache_budget="16MiB", max_batch_prefill=2), model_id="tiny",
-                 eos_token_ids=[EOS])
+    eng, want = two_row_engine(tiny_model_dir, prompts, 6)
     assert isinstance(eng.runner, cuda_runner.KernelRunner)
-    box = token_mailbox.TokenMailbox(_host_alloc, kernel=_fake_kernel(count_offset=0 if works else 1))
+    box = token_mailbox.TokenMailbox(host_alloc, kernel=_fake_kernel(count_offset=0 if works else 1))
     monkeypatch.setattr(token_mailbox, "SPIN_S", 0.002)
     eng._mailbox = box
     assert eng.generate_many([(p, greedy(6)) for p in prompts]) == want
@@ -113,20 +96,11 @@ def test_engine_reads_a_fresh_prefills_tokens_from_the_box(tiny_model_dir, monke
 def test_gpu_box_gives_mlx_lm_tokens(tiny_model_dir, monkeypatch, inputs):
     """The real kernel and pinned boxes (and the prefill's inputs mapped or not): every fresh
     prefill's tokens come back through the box, and they are mlx-lm's."""
-    from mlx_lm import load
-
-    from tandem.pipeline.engine import Engine
-    from tandem.pipeline.settings import EngineSettings
-
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
     monkeypatch.setattr(token_mailbox, "ENABLED", True)
     monkeypatch.setattr(cuda_runner, "PREFILL_INPUTS", inputs)
     prompts = random_prompts(4, 1, 70, seed=8) + [list(range(3, 67))]
-    ref, _ = load(str(tiny_model_dir))
-    want = [oracle(ref, p, 8) for p in prompts]
-    model, _ = load(str(tiny_model_dir))
-    eng = Engine(model, EngineSettings(kv_cache_budget="16MiB", max_batch_prefill=2), model_id="tiny",
-                 eos_token_ids=[EOS])
+    eng, want = two_row_engine(tiny_model_dir, prompts, 8)
     assert eng._mailbox is not None
     assert eng.generate_many([(p, greedy(8)) for p in prompts]) == want
     assert eng._mailbox.spun >= 3 and eng._mailbox.fell_back == 0
