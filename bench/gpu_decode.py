@@ -451,7 +451,8 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                 clocked = {"error": f"{type(exc).__name__}: {exc}"}
             if clocked and "rounds" in clocked:
                 log(f"  prefill on the device's clock (ms from submit, medians of {clocked['rounds']}): "
-                    + " ".join(f"{k}={clocked[k]}" for k in ("tick", "forward", "embed", "async_eval", "async_eval/end",
+                    + " ".join(f"{k}={clocked[k]}" for k in ("tick", "forward", "inputs", "inputs/end", "embed", "embed/end",
+                                                             "async_eval", "async_eval/end",
                                                              "device_start", "embed_ms", "device_span_ms",
                                                              "device_idle_first_ms", "device_idle_ms", "head_ms",
                                                              "token_done", "noticed_after_ms", "returned") if k in clocked))

@@ -1964,6 +1964,51 @@ def _sample_prefills(eng, vocab: int, seconds: float) -> int:
     return n
 
 
+class _LeadInGate:
+    """Opens the sampler's gate when the engine thread starts a tick with nothing in flight
+    (a prefill's first tick after its wake) and closes it when that tick's first
+    ``mx.async_eval`` returns, or the tick ends: the samples are the lead-in alone."""
+
+    def __init__(self, eng, sampler):
+        import mlx.core as mx
+
+        self.eng, self.sampler, self.open, self.spans = eng, sampler, False, []
+        self._tick, self._async_eval = eng._tick, mx.async_eval
+        self._t0 = 0.0
+        eng._tick = self._gated_tick
+        mx.async_eval = self._gated_async_eval
+
+    def _close(self) -> None:
+        if self.open:
+            self.sampler.gate(False)
+            self.open = False
+            self.spans.append(time.perf_counter() - self._t0)
+
+    def _gated_tick(self):
+        if self.eng._inflight is None and self.eng.scheduler.waiting:
+            self._t0 = time.perf_counter()
+            self.open = True
+            self.sampler.gate(True)
+        try:
+            return self._tick()
+        finally:
+            self._close()
+
+    def _gated_async_eval(self, *arrays):
+        out = self._async_eval(*arrays)
+        self._close()
+        return out
+
+    def median_ms(self) -> float:
+        return float(np.median(self.spans)) * 1e3 if self.spans else float("nan")
+
+    def undo(self) -> None:
+        import mlx.core as mx
+
+        del self.eng._tick
+        mx.async_eval = self._async_eval
+
+
 def section_engine_sample(layers: int, batches: list[int], seconds: float, interval_us: int,
                           phase: str = "decode") -> None:
     """Where the engine thread's time goes, by C++ function: a wall-clock stack sampler
@@ -1995,16 +2040,26 @@ def section_engine_sample(layers: int, batches: list[int], seconds: float, inter
         for n in sorted({1, *batches}):
             eng.generate_many([(np.random.randint(0, vocab, 512).tolist(),
                                 SamplingParams(max_tokens=8, ignore_eos=True))] * n, timeout=300)
-        if phase == "prefill":
+        if phase in ("prefill", "prefill-lead"):
+            gated = _LeadInGate(eng, sampler) if phase == "prefill-lead" else None
             sampler.start(engine_thread.native_id, interval_us=interval_us)
+            if gated is not None:
+                sampler.gate(False)
             t0 = time.perf_counter()
-            count = _sample_prefills(eng, vocab, seconds)
-            elapsed = time.perf_counter() - t0
-            stacks = sampler.stop()
-            log(f"\n== engine thread, prefill 1 x 512, {layers} layers: {count} prefills in {elapsed:.1f} s "
-                f"({count * 512 / elapsed:,.0f} tok/s with the gaps), sampled every {interval_us} us")
+            try:
+                count = _sample_prefills(eng, vocab, seconds)
+            finally:
+                elapsed = time.perf_counter() - t0
+                stacks = sampler.stop()
+                if gated is not None:
+                    gated.undo()
+            what = "the lead-in (idle tick to its first hand-over's return) of " if gated else ""
+            log(f"\n== engine thread, {what}prefill 1 x 512, {layers} layers: {count} prefills in {elapsed:.1f} s "
+                f"({count * 512 / elapsed:,.0f} tok/s with the gaps), sampled every {interval_us} us"
+                + (f", lead-in median {gated.median_ms():.3f} ms" if gated else ""))
             r = thread_report(stacks)
-            r.update(phase="prefill", prefills=count, seconds=elapsed, interval_us=interval_us)
+            r.update(phase=phase, prefills=count, seconds=elapsed, interval_us=interval_us,
+                     lead_in_ms=gated.median_ms() if gated else None)
             RESULTS["engine_sample"].append(r)
             return
         for B in batches:
@@ -2062,8 +2117,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sample-seconds", type=float, default=3.0, help="engine-sample: seconds sampled a batch")
     ap.add_argument("--sample-interval", type=int, default=250, help="engine-sample: us between samples")
-    ap.add_argument("--sample-phase", choices=("decode", "prefill"), default="decode",
-                    help="engine-sample: sample steady decode at --batches, or one-row prefills back to back")
+    ap.add_argument("--sample-phase", choices=("decode", "prefill", "prefill-lead"), default="decode",
+                    help="engine-sample: sample steady decode at --batches, one-row prefills back to back, "
+                         "or only their lead-ins (idle tick to the first hand-over's return)")
     ap.add_argument("--ctx", type=int, default=576, help="attention-serial: context tokens")
     ap.add_argument("--stream-shapes", default="1x8x1,1x8x2,1x16x1,1x4x4,1x8x4,2x8x1,2x4x2,1x4x1",
                     help="qgemv-stream: CPLxHxP block shapes to time")

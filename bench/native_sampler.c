@@ -23,11 +23,14 @@ static int max_samples, max_depth;
 static volatile int taken;
 static timer_t timer;
 static int armed;
+/* Samples are kept only while the gate is open (sampler_gate): a bench can sample one phase
+ * of the thread's work, such as a prefill's lead-in, over many repeats. */
+static volatile int gate = 1;
 
 static void on_prof(int sig, siginfo_t *info, void *context) {
   (void)sig; (void)info; (void)context;
   int i = taken;
-  if (i >= max_samples) return;
+  if (i >= max_samples || !gate) return;
   int saved = errno;
   depths[i] = backtrace(frames + (size_t)i * max_depth, max_depth);
   taken = i + 1;
@@ -43,6 +46,7 @@ int sampler_start(int tid, int interval_us, int samples, int depth) {
   max_samples = samples;
   max_depth = depth;
   taken = 0;
+  gate = 1;
   void *warm[4];
   backtrace(warm, 4); /* loads the unwinder now, not inside the first signal */
 
@@ -71,6 +75,8 @@ int sampler_start(int tid, int interval_us, int samples, int depth) {
   armed = 1;
   return 0;
 }
+
+void sampler_gate(int open) { gate = open; }
 
 /* Stops the timer; returns the number of samples taken. */
 int sampler_stop(void) {

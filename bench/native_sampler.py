@@ -74,6 +74,10 @@ class Sampler:
         if err:
             raise OSError(err, f"native_sampler: cannot sample thread {native_tid}: {os.strerror(err)}")
 
+    def gate(self, open_: bool) -> None:
+        """Keep samples only while open (from ``start``: open). Costs a ctypes call (~1 us)."""
+        self._lib.sampler_gate(1 if open_ else 0)
+
     def stop(self) -> list[tuple[str, ...]]:
         """The stacks, innermost frame first, each frame a ``lib:function`` label."""
         n = self._lib.sampler_stop()

@@ -85,7 +85,8 @@ def calibrate(tries: int = 40) -> tuple[float, float]:
 class Clock:
     """Marks an engine's prefills while armed (see the module doc). ``rounds`` holds one
     (host marks, device marks) pair a round: host marks are (name, seconds) of the engine
-    thread's ``tick``, ``forward``, ``embed``, ``async_eval`` (and ``/end``), ``read_back/end``; device marks are
+    thread's ``tick``, ``forward``, ``inputs`` (the runner's ``_prefill_inputs``, and ``/end``), ``embed``
+    (and ``/end``), ``async_eval`` (and ``/end``), ``read_back/end``; device marks are
     (label, seconds on the host's clock). ``undo()`` puts the originals back."""
 
     def __init__(self, eng, offset: float):
@@ -100,7 +101,8 @@ class Clock:
         self.rounds: list[tuple[list, list]] = []
         # (object, name, its own attribute before, or None where the class's method showed)
         self._orig = [(obj, name, vars(obj).get(name)) for obj, name in
-                      ((eng, "_tick"), (eng, "_read_back"), (eng.runner, "forward"), (eng.runner, "_embed"))
+                      ((eng, "_tick"), (eng, "_read_back"), (eng.runner, "forward"), (eng.runner, "_embed"),
+                       (eng.runner, "_prefill_inputs"))
                       if hasattr(obj, name)]
         self._async_eval = mx.async_eval
         eng._tick = self._marked(eng._tick, "tick")
@@ -108,16 +110,22 @@ class Clock:
         eng._read_back = self._read_back_wrapper(eng._read_back)
         if hasattr(eng.runner, "_embed"):  # the CUDA runner's; others mark no embedding
             eng.runner._embed = self._embed_wrapper(eng.runner._embed)
+        if hasattr(eng.runner, "_prefill_inputs"):
+            eng.runner._prefill_inputs = self._marked(eng.runner._prefill_inputs, "inputs", end=True)
         mx.async_eval = self._async_eval_wrapper
 
     def _mine(self) -> bool:
         return self.armed and threading.current_thread() is getattr(self.eng, "_thread", None)
 
-    def _marked(self, fn, name: str):
+    def _marked(self, fn, name: str, end: bool = False):
         def wrapper(*a, **kw):
-            if self._mine():
+            mine = self._mine()
+            if mine:
                 self.host.append((name, time.perf_counter()))
-            return fn(*a, **kw)
+            out = fn(*a, **kw)
+            if mine and end:
+                self.host.append((name + "/end", time.perf_counter()))
+            return out
         return wrapper
 
     def _embed_wrapper(self, fn):
@@ -127,6 +135,7 @@ class Clock:
             self.host.append(("embed", time.perf_counter()))
             self._pending.append(("ids", mark(inputs)))
             out = fn(inputs)
+            self.host.append(("embed/end", time.perf_counter()))
             self._pending.append(("embed", mark(out)))
             return out
         return wrapper
@@ -212,7 +221,8 @@ def summarize(host: list[tuple[str, float]], device: list[tuple[str, float]], su
     evals = [(label, t) for label, t in device if label.startswith("eval")]
     queued = [t for n, t in host if n == "async_eval/end"]
     out = {}
-    for name in ("tick", "forward", "embed", "async_eval", "async_eval/end", "read_back/end"):
+    for name in ("tick", "forward", "inputs", "inputs/end", "embed", "embed/end", "async_eval", "async_eval/end",
+                 "read_back/end"):
         t = first(name)
         out[name] = None if t is None else ms(t)
     if "ids" not in dev or not evals:

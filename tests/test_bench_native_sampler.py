@@ -58,6 +58,31 @@ def test_a_thread_in_zlib_is_seen_in_zlib_and_one_asleep_is_not(tmp_path):
 
 
 @needs_cc
+def test_a_closed_gate_keeps_no_samples_and_start_opens_it(tmp_path):
+    sampler = native_sampler.Sampler(native_sampler.build(tmp_path))
+    me = threading.get_native_id()
+    data = os.urandom(1 << 16)
+    counts = []
+    for open_ in (False, True):
+        sampler.start(me, interval_us=500)
+        sampler.gate(open_)
+        t_end = time.perf_counter() + 0.3
+        while time.perf_counter() < t_end:
+            zlib.compress(data, 6)
+        counts.append(len(sampler.stop()))
+    assert counts[0] == 0
+    assert counts[1] > 100
+    sampler.start(me, interval_us=500)  # a new start opens a gate left closed
+    sampler.gate(False)
+    sampler.stop()
+    sampler.start(me, interval_us=500)
+    t_end = time.perf_counter() + 0.2
+    while time.perf_counter() < t_end:
+        zlib.compress(data, 6)
+    assert len(sampler.stop()) > 50
+
+
+@needs_cc
 def test_a_second_start_while_sampling_is_refused(tmp_path):
     sampler = native_sampler.Sampler(native_sampler.build(tmp_path))
     sampler.start(threading.get_native_id(), interval_us=1000)

@@ -73,8 +73,11 @@ class _Runner:
     def __init__(self):
         self._embed = lambda ids: ids.astype(mx.float32) * 2
 
+    def _prefill_inputs(self, ids):
+        return ids + 0
+
     def forward(self, ids):
-        h = self._embed(ids)
+        h = self._embed(self._prefill_inputs(ids))
         for _ in range(3):
             h = h + 1
             mx.async_eval(h)
@@ -129,13 +132,15 @@ def test_clock_marks_the_engine_thread_and_undoes_itself(monkeypatch):
     assert eng.tokens == [(2 + 4 + 6) + 9]  # the wrappers change no result
     assert len(clock.rounds) == 1
     host, device = clock.rounds[0]
-    assert [n for n, _ in host] == ["tick", "forward", "embed"] + ["async_eval", "async_eval/end"] * 4 + ["read_back/end"]
+    assert [n for n, _ in host] == (["tick", "forward", "inputs", "inputs/end", "embed", "embed/end"]
+                                    + ["async_eval", "async_eval/end"] * 4 + ["read_back/end"])
     assert [label for label, _ in device] == ["ids", "embed", "eval0", "eval1", "eval2", "eval3"]
     times = [t for _, t in device]
     assert times == sorted(times)
     clock.undo()
     assert mx.async_eval is orig_async_eval and eng.runner._embed is orig_embed
     assert "_tick" not in vars(eng) and "forward" not in vars(eng.runner)
+    assert "_prefill_inputs" not in vars(eng.runner)
 
 
 def test_prefill_clocked_on_a_real_engine_gives_one_summary_a_round(tiny_model_dir, monkeypatch):
