@@ -490,3 +490,27 @@ def test_step_state_is_uploaded_only_when_rows_leave_their_blocks(tiny_model_dir
     assert all(np.array_equal(np.array(dev), host) for host, dev in states)
     # 40 tokens cross 10 blocks of 4 (and 2 table widths): an upload at each, not each step
     assert 10 <= runner.state_uploads <= 14
+
+
+def test_fresh_slots_match_the_block_table_formula_for_padded_rows():
+    """Each position's slot is (its block's id + 1) * block_size + position % block_size
+    (the store's block 0 is scratch), -1 past the row's n; row ends count in (B, L) order."""
+    import types
+
+    import numpy as np
+
+    from tandem.pipeline.sequence import Row
+
+    bs, L = 4, 11
+    runner = types.SimpleNamespace(store=types.SimpleNamespace(block_size=bs), _slot_offsets={})
+    seqs = [types.SimpleNamespace(block_ids=ids) for ids in ([7, 2, 9], [5], [3, 8, 1, 6])]
+    rows = [Row(seqs[0], 0, 11, True), Row(seqs[1], 0, 3, True), Row(seqs[2], 0, 9, False)]
+    for _ in range(2):  # the second call reads the cached offsets
+        slots, last = cuda_runner.KernelRunner._fresh_slots(runner, rows, L)
+        want = np.full((3, L), -1, np.int64)
+        for i, r in enumerate(rows):
+            for p in range(r.n):
+                want[i, p] = (r.seq.block_ids[p // bs] + 1) * bs + p % bs
+        assert slots.dtype == np.int32 and last.dtype == np.int32
+        assert slots.tolist() == want.reshape(-1).tolist()
+        assert last.tolist() == [10, L + 2, 2 * L + 8]
