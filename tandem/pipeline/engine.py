@@ -124,11 +124,6 @@ class Engine:
         if wait_ms is None:  # unset: 5 ms is noise next to a CPU prefill, a third of a GPU one
             wait_ms = 5.0 if self._read_back_first else 0.0
         self._admit_wait_s = wait_ms / 1000
-        spin_ms = settings.idle_spin_ms
-        if spin_ms is None:
-            spin_ms = float(os.environ.get("TANDEM_ENGINE_SPIN_MS", "0"))
-        self._idle_spin_s = spin_ms / 1000
-        self._last_work = 0.0  # perf_counter of the last tick that ran something
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats = EngineStats(total_blocks=num_blocks, free_blocks=num_blocks, block_size=bs)
@@ -259,8 +254,6 @@ class Engine:
         try:
             while not self._stopping:
                 idle = not (self.scheduler.waiting or self.scheduler.running or self._inflight)
-                if idle and self._idle_spin_s:
-                    self._spin_for_work()
                 self._drain(0.5 if idle else None)
                 if idle and self.scheduler.waiting:
                     self._gather_burst()
@@ -268,23 +261,11 @@ class Engine:
                     break
                 t0 = time.perf_counter()
                 produced = self._tick()
-                t1 = time.perf_counter()
-                ran = self._inflight is not None
-                if ran or produced:
-                    self._last_work = t1
-                self._update_stats(t1 - t0, produced, ran=ran)
+                self._update_stats(time.perf_counter() - t0, produced, ran=self._inflight is not None)
         except Exception:  # pragma: no cover - a bug in the loop itself
             log.exception("engine loop crashed")
         finally:
             self._shutdown()
-
-    def _spin_for_work(self) -> None:
-        """Poll the inbox until ``idle_spin_ms`` after the last work, giving up the GIL
-        between polls (the submitting threads need it): a thread that sleeps wakes on a
-        core whose caches the sleep let go cold."""
-        deadline = self._last_work + self._idle_spin_s
-        while not self._stopping and self._inbox.empty() and time.perf_counter() < deadline:
-            time.sleep(0)
 
     def _gather_burst(self) -> None:
         """An idle engine just got work: wait up to ``admit_wait_ms`` for a full first

@@ -41,9 +41,6 @@ ENABLED = os.environ.get("TANDEM_TOKEN_MAILBOX", "1") == "1"
 MAX_ROWS = 256
 RING = 4  # the engine has at most two steps in flight
 SPIN_S = float(os.environ.get("TANDEM_TOKEN_MAILBOX_SPIN_MS", "20")) / 1e3
-CHECKPOINT_WAIT = os.environ.get("TANDEM_TOKEN_MAILBOX_CHECKPOINT", "1") != "0"
-"""Sleep in MLX's wait for the checkpoint before spinning (0: spin from the read's start,
-keeping the engine thread's core awake through the step's last layers)."""
 THREADS = 256
 
 # Box layout, int32: [flag, count, tokens...]. Inputs: tokens (n,) int32; box (1,) uint64,
@@ -79,8 +76,7 @@ class Ticket:
     def wait(self, spin_s: float | None = None) -> list[int] | None:
         spin_s = SPIN_S if spin_s is None else spin_s
         if self.checkpoint is not None:
-            if CHECKPOINT_WAIT:
-                mx.eval(self.checkpoint)
+            mx.eval(self.checkpoint)
             self.checkpoint = None
         box = self.box
         deadline = time.perf_counter() + spin_s
