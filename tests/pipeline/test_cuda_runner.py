@@ -123,12 +123,49 @@ def test_fresh_prefill_with_layer_0_in_two_hand_overs_keeps_the_tokens(tiny_mode
     real_eval = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *a: handed.extend(a) or real_eval(*a))
     assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
-    layers = len(eng.runner.blocks)
-    firsts = halves[::layers]  # layer 0's of each fresh prefill
-    assert len(firsts) >= 3 and len(halves) == len(firsts) * layers
+    # The last layer runs its own half (PREFILL_LAST_ROWS, on by default).
+    per = len(eng.runner.blocks) - 1
+    firsts = halves[::per]  # layer 0's of each fresh prefill
+    assert len(firsts) >= 3 and len(halves) == len(firsts) * per
     was_handed = [any(x is a for a in handed) for x in halves]
     # Layer 0's first half is handed over on its own where the layers are; no other half is.
-    assert was_handed == [bool(every) and i % layers == 0 for i in range(len(halves))]
+    assert was_handed == [bool(every) and i % per == 0 for i in range(len(halves))]
+
+
+def test_fresh_prefill_last_layer_on_last_rows_keeps_the_logits(tiny_model_dir, expected, monkeypatch):
+    """``PREFILL_LAST_ROWS``: the last layer's o product and MLP at each row's last position
+    only. Its output is one row per prompt, and the fresh prefills' logits (ragged batches
+    included) equal those of the layer run at every position."""
+    import mlx.core as mx
+    import numpy as np
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
+    prompts, want = expected
+    logits, last_rows = {}, []
+    for on in (False, True):
+        monkeypatch.setattr(cuda_runner, "PREFILL_LAST_ROWS", on)
+        eng = _engine(_fresh(tiny_model_dir), max_batch_prefill=3)
+        got = logits[on] = []
+        real_fresh = eng.runner._fresh_prefill
+
+        def fresh(rows, inputs, real_fresh=real_fresh, got=got):
+            out = real_fresh(rows, inputs)
+            got.append(np.array(out.astype(mx.float32)))
+            return out
+        eng.runner._fresh_prefill = fresh
+        real_last = eng.runner._prefill_last_layer
+
+        def last_layer(blk, h, *a, real_last=real_last):
+            out = real_last(blk, h, *a)
+            last_rows.append((h.shape, out[0].shape))
+            return out
+        eng.runner._prefill_last_layer = last_layer
+        assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
+    assert last_rows and all(out == (B, W) for (B, _, W), out in last_rows)
+    assert len(last_rows) == len(logits[True]) == len(logits[False])
+    assert any(h[0] > 1 for h, _ in last_rows)  # a ragged batch took the path too
+    for a, b in zip(logits[False], logits[True]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_unknown_prefill_inputs_mode_is_refused():
@@ -334,16 +371,18 @@ def test_compiled_prefill_layers_give_mlx_lm_tokens(tiny_model_dir, monkeypatch)
     eng = _engine(_fresh(tiny_model_dir), max_batch_prefill=2)
     assert eng.runner._prefill_fns is not None
     calls = []
-    for i, fn in enumerate(eng.runner._prefill_fns):
-        def spy(*a, fn=fn):
-            calls.append(a[0].shape)
-            return fn(*a)
-        eng.runner._prefill_fns[i] = spy
+    # The last layer is the one compiled function every fresh prefill calls once, whatever
+    # the split of layer 0 (PREFILL_LAST_ROWS, the default).
+    real = eng.runner._prefill_last
+
+    def spy(*a):
+        calls.append(a[0].shape)
+        return real(*a)
+    eng.runner._prefill_last = spy
     assert eng.generate_many([(prompts[0], greedy(MAX_TOKENS))]) == want[:1]
     assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts[1:3]]) == want[1:3]
     assert eng.generate_many([(prompts[3], greedy(MAX_TOKENS))]) == want[3:]
-    layers = len(eng.runner.blocks)
-    assert [c[:2] for c in calls[::layers]] == [(1, 64), (2, 128)]
+    assert [c[:2] for c in calls] == [(1, 64), (2, 128)]
 
 
 @pytest.mark.gpu
