@@ -70,42 +70,6 @@ PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "1"))
 """A fresh prefill hands the GPU its graph every this many layers (0: once, at the end).
 Every layer, so the GPU starts one layer in: with MLX's graph byte limit lifted
 (``tandem._mlx_cuda``) each hand-over is one graph launch (H200 run 119)."""
-
-
-def parse_eval_later(value: str) -> tuple[int, int] | None:
-    """``TANDEM_PREFILL_EVAL_LATER``: "FROM:EVERY" -> (FROM, EVERY); "" -> None."""
-    if not value.strip():
-        return None
-    first, sep, every = value.partition(":")
-    try:
-        out = (int(first), int(every))
-    except ValueError:
-        out = None
-    if not sep or out is None or out[0] < 0 or out[1] < 1:
-        raise ValueError(f"TANDEM_PREFILL_EVAL_LATER={value!r}: use FROM:EVERY, e.g. 4:4 (from layer 4, "
-                         "every 4 layers), or leave it empty")
-    return out
-
-
-PREFILL_EVAL_LATER = parse_eval_later(os.environ.get("TANDEM_PREFILL_EVAL_LATER", ""))
-"""From layer FROM on, hand over every EVERY layers instead (fewer graph launches once the
-host is ahead of the device: at 512 tokens it queues a layer in ~0.2 ms, the device runs
-it in ~0.35). None: ``PREFILL_EVAL_EVERY`` throughout."""
-
-
-@functools.lru_cache(maxsize=16)
-def hand_overs(n_layers: int, every: int, later: tuple[int, int] | None) -> frozenset[int]:
-    """The layers after which a fresh prefill hands the GPU what it has built (cached: it
-    is asked on the prefill's cold first millisecond)."""
-    if every <= 0:
-        return frozenset()
-    if later is None:
-        return frozenset(i for i in range(n_layers) if i % every == every - 1)
-    first, stride = later
-    early = {i for i in range(min(first, n_layers)) if i % every == every - 1}
-    return frozenset(early | {i for i in range(first, n_layers) if (i - first) % stride == stride - 1})
-
-
 PREFILL_INPUT_MODES = ("separate", "packed", "mapped", "pinned")
 
 
@@ -620,7 +584,6 @@ class KernelRunner(PagedRunner):
         h = self._embed(inputs)  # (B, L, W)
         keys, values = self.store.keys, self.store.values
         final = len(self.blocks) - 1
-        handed = hand_overs(len(self.blocks), PREFILL_EVAL_EVERY, PREFILL_EVAL_LATER)
         for i, blk in enumerate(self.blocks):
             if i == final and PREFILL_LAST_ROWS and i > 0:
                 if compiled:
@@ -639,7 +602,7 @@ class KernelRunner(PagedRunner):
                 h = self._prefill_fns[i](h, pos, slots, keys[i], values[i])
             else:
                 h, keys[i], values[i] = self._prefill_layer(blk, h, pos, slots, keys[i], values[i])
-            if i in handed:
+            if PREFILL_EVAL_EVERY and i % PREFILL_EVAL_EVERY == PREFILL_EVAL_EVERY - 1:
                 # Start the GPU on the layers built so far: building the whole graph first
                 # left it idle for ~4 of a 512-token prompt's 17.5 ms (H200 run 19 trace).
                 mx.async_eval(h)

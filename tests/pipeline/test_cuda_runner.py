@@ -168,46 +168,6 @@ def test_fresh_prefill_last_layer_on_last_rows_keeps_the_logits(tiny_model_dir, 
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_hand_overs_every_layer_then_every_few():
-    assert cuda_runner.hand_overs(8, 1, None) == frozenset(range(8))
-    assert cuda_runner.hand_overs(8, 2, None) == {1, 3, 5, 7}
-    assert cuda_runner.hand_overs(8, 0, (2, 2)) == frozenset()
-    assert cuda_runner.hand_overs(10, 1, (3, 4)) == {0, 1, 2, 6}
-    assert cuda_runner.hand_overs(32, 1, (4, 4)) == {0, 1, 2, 3, 7, 11, 15, 19, 23, 27, 31}
-    assert cuda_runner.parse_eval_later("4:4") == (4, 4)
-    assert cuda_runner.parse_eval_later(" ") is None
-    for bad in ("4", "a:b", "4:0", "-1:2"):
-        with pytest.raises(ValueError, match="TANDEM_PREFILL_EVAL_LATER"):
-            cuda_runner.parse_eval_later(bad)
-
-
-def test_fresh_prefill_hands_over_fewer_graphs_later_and_keeps_the_tokens(tiny_model_dir, expected, monkeypatch):
-    """``PREFILL_EVAL_LATER``: the same tokens, with one hand-over for the layers after FROM."""
-    import mlx.core as mx
-
-    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
-    monkeypatch.setattr(cuda_runner, "PREFILL_FIRST_SPLIT", False)
-    prompts, want = expected
-    counts = {}
-    for later in (None, (1, 4)):
-        monkeypatch.setattr(cuda_runner, "PREFILL_EVAL_LATER", later)
-        eng = _engine(_fresh(tiny_model_dir), max_batch_prefill=3)
-        fresh = []
-        real_fresh = eng.runner._fresh_prefill
-        eng.runner._fresh_prefill = lambda rows, inputs, real=real_fresh: fresh.append(1) or real(rows, inputs)
-        handed = []
-        real_eval = mx.async_eval
-        monkeypatch.setattr(mx, "async_eval", lambda *a, real=real_eval: handed.append(fresh[:]) or real(*a))
-        assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
-        monkeypatch.setattr(mx, "async_eval", real_eval)
-        counts[later] = sum(1 for h in handed if h), len(fresh)
-    # Two layers: a hand-over after each, against after layer 0 only (layer 1 < FROM + 4).
-    n_all, prefills = counts[None]
-    n_later, prefills_later = counts[(1, 4)]
-    assert prefills == prefills_later > 0
-    assert n_all - n_later == prefills
-
-
 def test_unknown_prefill_inputs_mode_is_refused():
     assert cuda_runner.parse_prefill_inputs("pinned") == "pinned"
     with pytest.raises(ValueError, match="separate, packed, mapped, pinned"):
