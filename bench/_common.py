@@ -1,5 +1,6 @@
 """What every benchmark script shares: the import path, percentiles, machine facts,
-per-process CPU, a baseline checkout, writing results, and a grouped-bar SVG chart.
+per-process CPU, a baseline checkout, writing results, a grouped-bar SVG chart, and
+patches of the engine's methods that a probe puts back.
 
 Imported as ``from _common import ...`` (a script's own directory is first on sys.path);
 importing it puts the repository root on sys.path and imports ``tandem`` first (it
@@ -103,3 +104,33 @@ def bar_chart_svg(title: str, groups: list[str], series: list[tuple[str, str, li
         out.append(f'<rect x="{left + 10}" y="{30 + 18 * j}" width="12" height="12" fill="{color}"/><text x="{left + 28}" y="{40 + 18 * j}">{escape(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+class Patches:
+    """Attributes a probe replaces (an engine's bound methods, ``mx.async_eval``) and puts
+    back. An attribute that was not the object's own (a method the class showed) is deleted
+    again rather than set, so the class's method shows once more."""
+
+    def __init__(self):
+        self._saved: list[tuple[object, str, bool, object]] = []
+
+    def patch(self, obj, name: str, new):
+        """Set ``obj.name`` to ``new``; return what it was."""
+        old = getattr(obj, name)
+        own = vars(obj)
+        self._saved.append((obj, name, name in own, own.get(name)))
+        setattr(obj, name, new)
+        return old
+
+    def wrap(self, obj, name: str, wrapper):
+        """``obj.name = wrapper(obj.name)``; return the original."""
+        return self.patch(obj, name, wrapper(getattr(obj, name)))
+
+    def undo(self) -> None:
+        """Put everything back, the last patch first (so two of one attribute unwind)."""
+        while self._saved:
+            obj, name, was_own, old = self._saved.pop()
+            if was_own:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)

@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from tandem.kernels import linear, paged_attention as pa, paged_attention_cuda as pac  # noqa: E402
 from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels import quantized_matmul as qm  # noqa: E402
+from _common import Patches  # noqa: E402  (bench/ is first on sys.path when this runs as a script)
 
 LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -361,7 +362,7 @@ def _time_ticks(eng) -> _Ticks:
     emitting the step's tokens, a few us against its wait for the device. ``undo()``
     puts the originals back."""
     out = _Ticks()
-    tick, read_back, forward, async_eval = eng._tick, eng._read_back, eng.runner.forward, mx.async_eval
+    patches = Patches()
     spent = [0.0, 0.0, 0.0]  # read-back, forward, async_eval
 
     def timed(fn, i):
@@ -373,21 +374,21 @@ def _time_ticks(eng) -> _Ticks:
                 spent[i] += time.perf_counter() - t
         return wrapper
 
-    def timed_tick():
-        spent[:] = [0.0, 0.0, 0.0]
-        t = time.perf_counter()
-        n = tick()
-        now = time.perf_counter()
-        out.append((now, spent[0], now - t, spent[1], spent[2]))
-        return n
+    def timed_tick(tick):
+        def wrapper():
+            spent[:] = [0.0, 0.0, 0.0]
+            t = time.perf_counter()
+            n = tick()
+            now = time.perf_counter()
+            out.append((now, spent[0], now - t, spent[1], spent[2]))
+            return n
+        return wrapper
 
-    def undo():
-        del eng._read_back, eng._tick, eng.runner.forward
-        mx.async_eval = async_eval
-
-    eng._read_back, eng._tick = timed(read_back, 0), timed_tick
-    eng.runner.forward, mx.async_eval = timed(forward, 1), timed(async_eval, 2)
-    out.undo = undo
+    patches.wrap(eng, "_read_back", lambda fn: timed(fn, 0))
+    patches.wrap(eng, "_tick", timed_tick)
+    patches.wrap(eng.runner, "forward", lambda fn: timed(fn, 1))
+    patches.wrap(mx, "async_eval", lambda fn: timed(fn, 2))
+    out.undo = patches.undo
     return out
 
 

@@ -32,6 +32,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tandem.kernels import quantized_matmul as qm  # noqa: E402
+from _common import Patches  # noqa: E402  (bench/ is first on sys.path when this runs as a script)
 
 RESULTS: dict = {}
 
@@ -1850,26 +1851,24 @@ def section_prefill_timeline(layers: int, out: Path, reps: int = 3) -> None:
     eng = _probe_engine(layers, 1)
     marks: list[tuple[str, float]] = []
 
-    def wrap(obj, name: str, label: str):
-        """Mark the engine thread's calls of ``obj.name`` (not the main thread's)."""
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **kw):
-            mine = threading.current_thread() is getattr(eng, "_thread", None)
-            if mine:
-                marks.append((label, time.perf_counter()))
-            try:
-                return fn(*a, **kw)
-            finally:
+    def marked(label: str):
+        """Mark the engine thread's calls (not the main thread's)."""
+        def wrap(fn):
+            def wrapper(*a, **kw):
+                mine = threading.current_thread() is getattr(eng, "_thread", None)
                 if mine:
-                    marks.append((label + "/end", time.perf_counter()))
-        setattr(obj, name, wrapper)
-        return fn
+                    marks.append((label, time.perf_counter()))
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    if mine:
+                        marks.append((label + "/end", time.perf_counter()))
+            return wrapper
+        return wrap
 
-    wrap(eng, "_tick", "tick")
-    wrap(eng, "_read_back", "read_back")
-    wrap(eng.runner, "forward", "forward")
-    async_eval = wrap(mx, "async_eval", "async_eval")
+    patches = Patches()
+    for obj, name in ((eng, "_tick"), (eng, "_read_back"), (eng.runner, "forward"), (mx, "async_eval")):
+        patches.wrap(obj, name, marked(name.lstrip("_")))
     eng.start()
     vocab = gd._vocab()
     RESULTS.setdefault("prefill_timeline", [])
@@ -1895,7 +1894,7 @@ def section_prefill_timeline(layers: int, out: Path, reps: int = 3) -> None:
             RESULTS["prefill_timeline"].append(t)
             log(f"prefill timeline {rep}: {t}")
     finally:
-        mx.async_eval = async_eval
+        patches.undo()
         eng.stop()
 
 
@@ -1970,13 +1969,11 @@ class _LeadInGate:
     ``mx.async_eval`` returns, or the tick ends: the samples are the lead-in alone."""
 
     def __init__(self, eng, sampler):
-        import mlx.core as mx
-
         self.eng, self.sampler, self.open, self.spans = eng, sampler, False, []
-        self._tick, self._async_eval = eng._tick, mx.async_eval
         self._t0 = 0.0
-        eng._tick = self._gated_tick
-        mx.async_eval = self._gated_async_eval
+        self._patches = Patches()
+        self._tick = self._patches.patch(eng, "_tick", self._gated_tick)
+        self._async_eval = self._patches.patch(mx, "async_eval", self._gated_async_eval)
 
     def _close(self) -> None:
         if self.open:
@@ -2003,10 +2000,7 @@ class _LeadInGate:
         return float(np.median(self.spans)) * 1e3 if self.spans else float("nan")
 
     def undo(self) -> None:
-        import mlx.core as mx
-
-        del self.eng._tick
-        mx.async_eval = self._async_eval
+        self._patches.undo()
 
 
 def section_engine_sample(layers: int, batches: list[int], seconds: float, interval_us: int,

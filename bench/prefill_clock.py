@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from _common import Patches
+
 _SOURCE = r"""
   if (threadIdx.x == 0) {
     unsigned long long t;
@@ -99,20 +101,15 @@ class Clock:
         self._pending: list[tuple[str, object]] = []
         self._sent: list[tuple[str, object]] = []
         self.rounds: list[tuple[list, list]] = []
-        # (object, name, its own attribute before, or None where the class's method showed)
-        self._orig = [(obj, name, vars(obj).get(name)) for obj, name in
-                      ((eng, "_tick"), (eng, "_read_back"), (eng.runner, "forward"), (eng.runner, "_embed"),
-                       (eng.runner, "_prefill_inputs"))
-                      if hasattr(obj, name)]
-        self._async_eval = mx.async_eval
-        eng._tick = self._marked(eng._tick, "tick")
-        eng.runner.forward = self._marked(eng.runner.forward, "forward")
-        eng._read_back = self._read_back_wrapper(eng._read_back)
+        self._patches = Patches()
+        self._patches.wrap(eng, "_tick", lambda fn: self._marked(fn, "tick"))
+        self._patches.wrap(eng.runner, "forward", lambda fn: self._marked(fn, "forward"))
+        self._patches.wrap(eng, "_read_back", self._read_back_wrapper)
         if hasattr(eng.runner, "_embed"):  # the CUDA runner's; others mark no embedding
-            eng.runner._embed = self._embed_wrapper(eng.runner._embed)
+            self._patches.wrap(eng.runner, "_embed", self._embed_wrapper)
         if hasattr(eng.runner, "_prefill_inputs"):
-            eng.runner._prefill_inputs = self._marked(eng.runner._prefill_inputs, "inputs", end=True)
-        mx.async_eval = self._async_eval_wrapper
+            self._patches.wrap(eng.runner, "_prefill_inputs", lambda fn: self._marked(fn, "inputs", end=True))
+        self._async_eval = self._patches.patch(mx, "async_eval", self._async_eval_wrapper)
 
     def _mine(self) -> bool:
         return self.armed and threading.current_thread() is getattr(self.eng, "_thread", None)
@@ -189,16 +186,8 @@ class Clock:
         self.armed = False
 
     def undo(self) -> None:
-        import mlx.core as mx
-
         self.armed = False
-        for obj, name, own in self._orig:
-            if own is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, own)
-
-        mx.async_eval = self._async_eval
+        self._patches.undo()
 
 
 def summarize(host: list[tuple[str, float]], device: list[tuple[str, float]], submitted: float,

@@ -54,3 +54,26 @@ def test_missing_values_draw_no_bar_and_annotation_sits_over_the_tallest_bar():
 def test_all_zero_values_still_render():
     svg = bench_common.bar_chart_svg("t", ["x"], [("a", "#111111", [0.0])])
     assert [float(d["height"]) for d in bars(svg)] == [0.0]
+
+
+class _Engine:
+    def tick(self):
+        return "class"
+
+
+def test_patches_put_back_own_attributes_and_delete_the_ones_a_class_showed():
+    eng = _Engine()
+    eng.read_back = lambda: "own"
+    holder = type("Module", (), {})()
+    holder.async_eval = len  # a module attribute: the object's own
+    patches = bench_common.Patches()
+    assert patches.wrap(eng, "tick", lambda fn: lambda: "wrapped " + fn()).__func__ is _Engine.tick
+    assert patches.patch(eng, "read_back", lambda: "patched")() == "own"
+    patches.wrap(holder, "async_eval", lambda fn: lambda x: fn(x) + 1)
+    patches.wrap(holder, "async_eval", lambda fn: lambda x: fn(x) * 10)  # twice: unwinds in order
+    assert (eng.tick(), eng.read_back(), holder.async_eval("ab")) == ("wrapped class", "patched", 30)
+    patches.undo()
+    assert "tick" not in vars(eng) and eng.tick() == "class"
+    assert eng.read_back() == "own" and holder.async_eval is len
+    patches.undo()  # a second undo has nothing left to put back
+    assert eng.read_back() == "own"
