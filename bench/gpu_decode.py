@@ -33,6 +33,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # _common, also where a test loads this file
 
 import tandem  # noqa: F401,E402  (BLAS choice before mlx)
 import mlx.core as mx  # noqa: E402

@@ -22,12 +22,16 @@ device's figures are the ones to take, the host's are a little slow.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
-from _common import Patches
+if str(Path(__file__).resolve().parent) not in sys.path:  # _common, also where a test loads this file
+    sys.path.append(str(Path(__file__).resolve().parent))
+from _common import Patches  # noqa: E402
 
 _SOURCE = r"""
   if (threadIdx.x == 0) {

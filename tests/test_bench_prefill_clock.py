@@ -2,7 +2,6 @@
 fake engine whose device clock is the host's (the marker kernel itself needs CUDA)."""
 
 import importlib.util
-import sys
 import threading
 import time
 from pathlib import Path
@@ -11,10 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[1] / "bench"
-if str(_BENCH) not in sys.path:
-    sys.path.append(str(_BENCH))  # prefill_clock imports _common, as a bench script does
-_spec = importlib.util.spec_from_file_location("prefill_clock", _BENCH / "prefill_clock.py")
+_spec = importlib.util.spec_from_file_location("prefill_clock",
+                                               Path(__file__).resolve().parents[1] / "bench" / "prefill_clock.py")
 pc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pc)
 
