@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import zmq
 
@@ -55,11 +56,12 @@ def nice_for(role: str, gated: bool, setting: int) -> int | None:
     return None
 
 
-def lower_socket_threads(nice: int) -> list[int]:
-    """Give the calling thread (the worker's IO thread) and ZeroMQ's background threads of
-    this process ``nice`` (Linux: a nice value belongs to a thread). Returns the thread ids
-    changed; raising a nice value needs no privilege."""
-    tids = [threading.get_native_id()]
+NAMING_WAIT_S = 0.2
+"""How long :func:`lower_socket_threads` waits for ZeroMQ's threads to take their names."""
+
+
+def _zmq_threads() -> list[int]:
+    tids = []
     try:
         for tid in os.listdir("/proc/self/task"):
             try:
@@ -70,6 +72,30 @@ def lower_socket_threads(nice: int) -> list[int]:
                 continue  # a thread that just ended
     except OSError:
         pass
+    return sorted(tids)
+
+
+def _named_zmq_threads() -> list[int]:
+    """ZeroMQ's background threads once their names have settled. libzmq names each
+    thread from inside it, so right after a context's first socket the threads may exist
+    unnamed for as long as they wait for a core (seen on a loaded 2-core CI machine):
+    wait, up to NAMING_WAIT_S, until two reads 5 ms apart agree and find some."""
+    deadline = time.monotonic() + NAMING_WAIT_S
+    seen = _zmq_threads()
+    while time.monotonic() < deadline:
+        time.sleep(0.005)
+        now = _zmq_threads()
+        if now and now == seen:
+            break
+        seen = now
+    return seen
+
+
+def lower_socket_threads(nice: int) -> list[int]:
+    """Give the calling thread (the worker's IO thread) and ZeroMQ's background threads of
+    this process ``nice`` (Linux: a nice value belongs to a thread). Returns the thread ids
+    changed; raising a nice value needs no privilege."""
+    tids = [threading.get_native_id()] + _named_zmq_threads()
     done = []
     for tid in tids:
         try:

@@ -45,3 +45,16 @@ def test_auto_lowers_only_gated_prefill_and_decode_workers():
     assert priority.nice_for("hybrid", True, -1) is None
     assert priority.nice_for("hybrid", False, 3) == 3
     assert priority.nice_for("decode", True, 0) == 0  # explicit 0: leave it at the default
+
+
+def test_socket_threads_are_waited_for_until_their_names_settle(monkeypatch):
+    """libzmq names its threads from inside them: a read right after the first socket
+    may find none, or the IO thread without the reaper. The wait takes the settled set."""
+    from tandem.workers import priority
+
+    reads = iter([[], [11], [11, 12], [11, 12]])
+    monkeypatch.setattr(priority, "_zmq_threads", lambda: next(reads))
+    assert priority._named_zmq_threads() == [11, 12]
+    monkeypatch.setattr(priority, "_zmq_threads", lambda: [])
+    monkeypatch.setattr(priority, "NAMING_WAIT_S", 0.03)
+    assert priority._named_zmq_threads() == []  # none at all: gives up after the wait
