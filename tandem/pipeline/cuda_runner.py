@@ -584,9 +584,10 @@ class KernelRunner(PagedRunner):
         compiled = self._prefill_fns is not None and L % PREFILL_COMPILE_MULTIPLE == 0
         h = self._embed(inputs)  # (B, L, W)
         keys, values = self.store.keys, self.store.values
-        final = len(self.blocks) - 1
+        # The last layer at the last rows (not where it is also layer 0).
+        last_rows_at = len(self.blocks) - 1 if PREFILL_LAST_ROWS and len(self.blocks) > 1 else None
         for i, blk in enumerate(self.blocks):
-            if i == final and PREFILL_LAST_ROWS and i > 0:
+            if i == last_rows_at:
                 if compiled:
                     h = self._prefill_last(h, pos, slots, keys[i], values[i], last)
                 else:
@@ -609,7 +610,7 @@ class KernelRunner(PagedRunner):
                 mx.async_eval(h)
             if i == max(0, len(self.blocks) - CHECKPOINT_LAYERS):
                 self.checkpoint = h
-        if not (PREFILL_LAST_ROWS and final > 0):
+        if last_rows_at is None:
             h = h.reshape(B * L, -1)[last]
         norm = self.final_norm
         if self.head is not None:
