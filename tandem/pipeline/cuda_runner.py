@@ -678,29 +678,29 @@ class KernelRunner(PagedRunner):
     def _prefill_attention(self, blk: FusedBlock, h, pos, slots, kp, vp):
         """A fresh prefill layer's first half: h (B, L, W) -> (x (B*L, W), kp, vp), x the
         residual stream after attention and the o product."""
-        x = h.reshape(-1, h.shape[-1])
-        a, kp, vp = self._prefill_attend(blk, h, pos, slots, kp, vp)
+        x, a, kp, vp = self._prefill_attend(blk, h, pos, slots, kp, vp)
         return blk.o_proj.fused(a, residual=x), kp, vp
 
     def _prefill_attend(self, blk: FusedBlock, h, pos, slots, kp, vp):
-        """h (B, L, W) -> (the o product's input (B*L, H*D), kp, vp): writes the chunk's K/V
-        into the pools and attends causally over the chunk's own keys."""
+        """h (B, L, W) -> (h as rows (B*L, W), the o product's input (B*L, H*D), kp, vp):
+        writes the chunk's K/V into the pools and attends causally over the chunk's own keys."""
         B, L, W = h.shape
         H, KVH, D = blk.H, blk.KVH, blk.D
         step = _Step(pos, slots, None, None, self.store.block_size, 0)
-        y = blk.qkv.fused(h.reshape(B * L, W), norm_weight=blk.ln1, eps=blk.eps1)
+        x = h.reshape(B * L, W)
+        y = blk.qkv.fused(x, norm_weight=blk.ln1, eps=blk.eps1)
         q, k, kp, vp = self.ops.write(y, step, kp, vp, blk.inv_freq, H, KVH, blk.traditional)
         q = q.reshape(B, L, H, D).transpose(0, 2, 1, 3)
         k = k.reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
         v = y[:, (H + KVH) * D :].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=blk.scale, mask="causal")
-        return o.transpose(0, 2, 1, 3).reshape(B * L, H * D), kp, vp
+        return x, o.transpose(0, 2, 1, 3).reshape(B * L, H * D), kp, vp
 
     def _prefill_last_layer(self, blk: FusedBlock, h, pos, slots, kp, vp, last):
         """The last layer of a fresh prefill: its QKV, K/V write and attention at every
         position, the rest at each row's last one: h (B, L, W) -> (h (B, W), kp, vp)."""
-        a, kp, vp = self._prefill_attend(blk, h, pos, slots, kp, vp)
-        a, x = a[last], h.reshape(-1, h.shape[-1])[last]
+        x, a, kp, vp = self._prefill_attend(blk, h, pos, slots, kp, vp)
+        a, x = a[last], x[last]
         # One row goes through the decode step's one-launch tail where it applies.
         h = self.ops.tail(blk, None, a, x)[0] if a.shape[0] == 1 else blk.tail(a, x)[0]
         return h, kp, vp
