@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tandem.kernels import decode_block as db  # noqa: E402
-from tandem.kernels import w4wgmma  # noqa: E402
+from tandem.kernels.cuda import decode_block as db  # noqa: E402
+from tandem.kernels.cuda import w4wgmma  # noqa: E402
 
 SRC = r"""
   auto now = []() { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; };

@@ -32,19 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from tandem.kernels import constants  # noqa: E402
-from tandem.kernels import paged_attention_cuda as pac  # noqa: E402
-from tandem.kernels import decode_attention_cuda as dac  # noqa: E402
-from tandem.kernels import argmax_cuda  # noqa: E402
-from tandem.kernels import decode_block  # noqa: E402
-from tandem.kernels import embed_cuda  # noqa: E402
-from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
-from tandem.kernels import qgemv as qg  # noqa: E402
-from tandem.kernels import quantized_matmul as qmm  # noqa: E402
-from tandem.kernels import swiglu_cuda  # noqa: E402
-from tandem.kernels import w4gemm  # noqa: E402
-from tandem.kernels import w4mma  # noqa: E402
-from tandem.kernels import w4wgmma  # noqa: E402
+from tandem.kernels.cuda import constants  # noqa: E402
+from tandem.kernels.cuda import paged_attention_cuda as pac  # noqa: E402
+from tandem.kernels.cuda import decode_attention_cuda as dac  # noqa: E402
+from tandem.kernels.cuda import argmax_cuda  # noqa: E402
+from tandem.kernels.cuda import decode_block  # noqa: E402
+from tandem.kernels.cuda import embed_cuda  # noqa: E402
+from tandem.kernels.cuda import kv_write_cuda as kvw  # noqa: E402
+from tandem.kernels.cuda import qgemv as qg  # noqa: E402
+from tandem.kernels.cuda import quantized_matmul as qmm  # noqa: E402
+from tandem.kernels.cuda import swiglu_cuda  # noqa: E402
+from tandem.kernels.cuda import w4gemm  # noqa: E402
+from tandem.kernels.cuda import w4mma  # noqa: E402
+from tandem.kernels.cuda import w4wgmma  # noqa: E402
 
 PRELUDE = """
 #include <cuda_fp16.h>

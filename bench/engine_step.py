@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/engine_step.py --rows 16 --keys 234 --steps 40 --repeats 5
 
-Builds the model's :class:`~tandem.pipeline.native_decode.NativeDecode`, fills a decode
+Builds the model's :class:`~tandem.pipeline.runners.cpu.native_decode.NativeDecode`, fills a decode
 mirror of random keys and values (``--keys`` per row, spread +-``--spread``), and times
 ``NativeDecode.step`` (embedding lookup, RoPE tables, the C call, logits back to mlx)
 and the C call alone. Each repeat is ``--steps`` calls; prints min and median over
@@ -28,7 +28,9 @@ import tandem  # noqa: E402,F401  (BLAS choice before mlx)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tandem.pipeline import cpu_kernels, fast_llama, q4_kernels  # noqa: E402
+from tandem.kernels.cpu import cpu_kernels  # noqa: E402
+from tandem.pipeline.runners.cpu import fast_llama
+from tandem.kernels.cpu import q4_kernels
 
 PARTS = ["rms_norm", "qkv", "attn+rope+kv", "o_proj", "gate_up", "silu", "down", "head", "final norm"]
 

@@ -40,9 +40,11 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tandem.kernels import linear, paged_attention as pa, paged_attention_cuda as pac  # noqa: E402
-from tandem.kernels import kv_write_cuda as kvw  # noqa: E402
-from tandem.kernels import quantized_matmul as qm  # noqa: E402
+from tandem.kernels import paged_attention as pa  # noqa: E402
+from tandem.kernels.cuda import linear  # noqa: E402
+from tandem.kernels.cuda import paged_attention_cuda as pac  # noqa: E402
+from tandem.kernels.cuda import kv_write_cuda as kvw  # noqa: E402
+from tandem.kernels.cuda import quantized_matmul as qm  # noqa: E402
 from _common import Patches  # noqa: E402  (bench/ is first on sys.path when this runs as a script)
 
 LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -306,7 +308,7 @@ def prefill_clocked(eng, prompt_len: int, reps: int = CLOCK_REPS) -> dict | None
         return None
     import prefill_clock as pc
     from tandem.kvtypes import SamplingParams
-    from tandem.pipeline import cuda_runner
+    from tandem.pipeline.runners.cuda import runner as cuda_runner
 
     split = cuda_runner.PREFILL_FIRST_SPLIT and cuda_runner.PREFILL_EVAL_EVERY > 0
     offset, within = pc.calibrate()
@@ -343,7 +345,7 @@ class _Ticks(list):
 
 
 def _graph_status(eng) -> dict | None:
-    """The captured one-row step's counters (pipeline/graph_step.py), when it is on; with
+    """The captured one-row step's counters (pipeline/runners/cuda/graph_step.py), when it is on; with
     ``TANDEM_GRAPH_TIMING=1`` also each replay's device ms and the device's idle ms before
     it, for the replays timed since the measured window began (it clears them)."""
     g = getattr(eng.runner, "graph_step", None)
@@ -396,7 +398,7 @@ def _time_ticks(eng) -> _Ticks:
 def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_len: int,
                    steps: int, kernels: str = "cuda", weights: str = "auto", prefill_reps: int = 5) -> None:
     """tandem's Engine on the 8B-shape model. ``kernels``: ``cuda`` = the CUDA runner
-    (``pipeline/cuda_runner.py``), ``off`` = the portable PagedRunner (same flattened
+    (``pipeline/runners/cuda/runner.py``), ``off`` = the portable PagedRunner (same flattened
     weights): the pair shows what the decode kernels move."""
     import threading
 

@@ -10,7 +10,7 @@ Prints (and writes ``gpu_probe.json`` under ``--out``):
   kernel the process launches, MLX's included) for a few decode steps of the kernel loop
   of ``bench/gpu_decode.py`` at batch 1 and 64 with a few layers: time per kernel name,
   GPU busy time against the wall time, and the gaps between kernels.
-* ``graph-replay``: the captured one-row step (``pipeline/graph_step.py``) replayed with
+* ``graph-replay``: the captured one-row step (``pipeline/runners/cuda/graph_step.py``) replayed with
   no engine around it, queued back to back and waited for one at a time.
 
 (Other sections: see ``main``.) Needs the GPU machine (MLX on CUDA); ``torch`` only for the trace.
@@ -32,7 +32,7 @@ import tandem  # noqa: F401,E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tandem.kernels import quantized_matmul as qm  # noqa: E402
+from tandem.kernels.cuda import quantized_matmul as qm  # noqa: E402
 from _common import Patches  # noqa: E402  (bench/ is first on sys.path when this runs as a script)
 
 RESULTS: dict = {}
@@ -171,7 +171,7 @@ def section_qgemv() -> None:
     measured a persistent grid, warps looping over row groups with the next group's
     weights loading while one computes: slower everywhere, 47-68 us for gate/up against
     44 with a warp per group, and removed.)"""
-    from tandem.kernels import qgemv as qg
+    from tandem.kernels.cuda import qgemv as qg
     RESULTS["qgemv"] = []
     log("\n== one-row 4-bit products (us per call, 50 queued; gpu: CUPTI kernel time)")
     log(f"{'product':34s} {'grid':>18s} {'wall':>8s} {'gpu':>7s} {'TB/s':>6s} {'rel err':>8s}")
@@ -219,7 +219,7 @@ def section_qgemv_stream(shapes_spec: str) -> None:
     against the staged kernel, at the 8B model's products; its nibble unpackings, a
     loads-only variant (the bandwidth this structure reaches), and for the products after
     a norm, ``mx.fast.rms_norm`` + the kernel (both kernels' times) against the norm fused."""
-    from tandem.kernels import qgemv as qg
+    from tandem.kernels.cuda import qgemv as qg
     RESULTS["qgemv_stream"] = []
     shapes = [tuple(int(v) for v in spec.split("x")) for spec in shapes_spec.split(",")]
     log("\n== one-row 4-bit products: staged vs streaming (us; gpu: CUPTI kernel time, one call at a time)")
@@ -283,7 +283,7 @@ def _product_weights(n: int, k: int):
 def section_w4mma(rows_list=(8, 16, 32, 64), products: str = "qkv,o,gate/up,down") -> None:
     """The tensor-core 4-bit product against the dense fp16 GEMM it would replace and MLX's
     own 4-bit GEMM, at the 8B model's products and decode batch sizes; and its K split."""
-    from tandem.kernels import w4mma
+    from tandem.kernels.cuda import w4mma
     RESULTS["w4mma"] = []
     log("\n== 4-bit tensor-core products (us per call, 50 queued; gpu: CUPTI time of all kernels, one call at a time)")
     log(f"{'product':22s} {'rows':>4s} {'variant':>10s} {'wall':>8s} {'gpu':>7s} {'TB/s':>6s} {'rel err':>8s}")
@@ -363,7 +363,7 @@ def _one_row_layers(layers: int):
 def _one_row_chain(ws, a0, h0):
     """The separate one-row kernels over the layers: o + residual, norm + gate/up + swiglu,
     down + residual, the next norm + QKV (its first HID columns stand in for attention)."""
-    from tandem.kernels import qgemv as qg
+    from tandem.kernels.cuda import qgemv as qg
     a, h = a0, h0
     for w in ws:
         h2 = qg.qgemv(a, *w["o"], 64, residual=h)
@@ -379,7 +379,7 @@ def section_decode_block(layers: int = 8) -> None:
     for 8: every call reads them from memory): the separate kernels against
     ``decode_block``'s one launch a layer. GPU: CUPTI, every kernel summed, per layer; wall:
     queued calls, per layer (MLX's per-op cost included)."""
-    from tandem.kernels import decode_block as db
+    from tandem.kernels.cuda import decode_block as db
     ws, a0, h0 = _one_row_layers(layers)
     bar = db.counter()
 
@@ -461,7 +461,7 @@ def section_qgemv_chain(layers: int = 8, only: str = "") -> None:
     product reads its weights from memory as in a decode step), for block shapes of the
     streaming kernel. GPU us a layer (CUPTI), per product and summed; every variant's
     result against the defaults'."""
-    from tandem.kernels import qgemv as qg
+    from tandem.kernels.cuda import qgemv as qg
     ws, a0, h0 = _one_row_layers(layers)
 
     def chain():
@@ -502,7 +502,8 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
     replace and ``w4mma``, cold (a 1 GiB read before every call), at the 8B model's products;
     its K split, row tiles and pipeline depth."""
     from torch.profiler import ProfilerActivity, profile
-    from tandem.kernels import w4gemm, w4mma
+    from tandem.kernels.cuda import w4gemm
+    from tandem.kernels.cuda import w4mma
     RESULTS["w4gemm"] = []
     big = mx.ones((1 << 29,), mx.float16)
     flush = lambda: big.max()  # noqa: E731
@@ -542,7 +543,7 @@ def section_w4gemm(rows_list=(16, 32, 64, 128), products: str = "qkv,o,gate/up,d
             variants.append(("w4g blk st6", lambda x=x: w4gemm.w4_gemm(x, wpb, sbpb, 64, block_tiles=tb),
                              qbytes, {"STAGES": 6}))
             if tb == 16:
-                from tandem.kernels import w4wgmma
+                from tandem.kernels.cuda import w4wgmma
                 variants.append(("wgmma split", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, balanced=False),
                                  qbytes, {}))
                 variants.append(("wgmma balanced", lambda x=x: w4wgmma.w4_wgmma(x, wpb, sbpb, 64, balanced=True),
@@ -594,7 +595,7 @@ def _probe_engine(layers: int, top: int, kernels: str = "cuda"):
     import mlx.nn as nn
     import gpu_decode as gd
     from mlx_lm.models import llama
-    from tandem.kernels import linear
+    from tandem.kernels.cuda import linear
     from tandem.pipeline.engine import Engine
     from tandem.pipeline.settings import EngineSettings
 
@@ -621,9 +622,9 @@ def section_step_replay(layers: int, batches: list[int], profile_forward: bool =
     import threading
 
     import gpu_decode as gd
-    from tandem.kernels import linear
+    from tandem.kernels.cuda import linear
     from tandem.kvtypes import SamplingParams
-    from tandem.pipeline import cuda_runner
+    from tandem.pipeline.runners.cuda import runner as cuda_runner
     from tandem.pipeline.api import EngineRequest
 
     traces = []
@@ -699,7 +700,7 @@ def section_step_replay(layers: int, batches: list[int], profile_forward: bool =
 def _graph_engine(layers: int, key: str):
     """The probe engine for one row with the graph step on, and its GraphStep (None, and
     the reason in ``RESULTS[key + "_failed"]``, where it cannot run)."""
-    from tandem.pipeline import graph_step
+    from tandem.pipeline.runners.cuda import graph_step
 
     graph_step.ENABLED = True
     eng = _probe_engine(layers, 1)
@@ -712,14 +713,14 @@ def _graph_engine(layers: int, key: str):
 
 
 def section_graph_replay(layers: int, widths=(4, 48), reps: int = 200) -> None:
-    """The captured one-row step (pipeline/graph_step.py) replayed with no engine around it,
+    """The captured one-row step (pipeline/runners/cuda/graph_step.py) replayed with no engine around it,
     captured without and with programmatic dependent launch (``TANDEM_GRAPH_PDL``), each
     capture checked against MLX's step as the engine's are: queued back to back (the GPU's
     own step time: the host queues ahead) and waited for one at a time (the latency a token
     would see with no pipelining). The context is 8 tokens short of the width; the table
     points every column at the scratch block (its K/V stay in L2) and, without PDL, also at
     distinct blocks, whose K/V the attention reads from memory as in the engine."""
-    from tandem.pipeline import graph_step
+    from tandem.pipeline.runners.cuda import graph_step
 
     RESULTS["graph_replay"] = rows = []
     eng, gs = _graph_engine(layers, "graph_replay")
@@ -824,7 +825,7 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
     import ctypes
     import os
 
-    from tandem.pipeline import graph_step
+    from tandem.pipeline.runners.cuda import graph_step
 
     RESULTS["graph_warmup"] = rows = []
     eng, gs = _graph_engine(layers, "graph_warmup")
@@ -1002,24 +1003,24 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
         def local_memory_kernel() -> None:
             # A kernel with 16 KB of local memory a thread at full occupancy: the context's
             # local-memory reservation grows for it, and stays grown.
-            from tandem.kernels import nvrtc
+            from tandem.kernels.cuda import nvrtc
             src = ('extern "C" __global__ void tandem_probe_lmem(float* out, int n) {\n'
                    '  volatile float buf[4096];\n'
                    '  for (int i = 0; i < 4096; ++i) buf[i] = i * n;\n'
                    '  out[blockIdx.x * blockDim.x + threadIdx.x] = buf[(threadIdx.x * 7) & 4095];\n}\n')
             f = drv.get_function(drv.load_module(nvrtc.compile_cubin(src, drv.arch(), "lmem.cu")), "tandem_probe_lmem")
             out_buf = drv.mem_alloc(132 * 2048 * 4)
-            from tandem.kernels.cuda_driver import KernelParams
+            from tandem.kernels.cuda.cuda_driver import KernelParams
             params = KernelParams([out_buf, ("i32", 3)])
             drv.launch(f, (132 * 2, 1, 1), (1024, 1, 1), gs.stream, params.array)
             drv.call("cuStreamSynchronize", gs.stream)
             keep.append((params, out_buf))
 
         def plain_module() -> None:  # a module of our own loaded and launched once (NVRTC)
-            from tandem.kernels import nvrtc
+            from tandem.kernels.cuda import nvrtc
             src = 'extern "C" __global__ void tandem_probe_nop(int* p) { if (p) *p = 1; }\n'
             f = drv.get_function(drv.load_module(nvrtc.compile_cubin(src, drv.arch(), "nop.cu")), "tandem_probe_nop")
-            from tandem.kernels.cuda_driver import KernelParams
+            from tandem.kernels.cuda.cuda_driver import KernelParams
             params = KernelParams([0])
             drv.launch(f, (1, 1, 1), (32, 1, 1), gs.stream, params.array)
             drv.call("cuStreamSynchronize", gs.stream)
@@ -1086,8 +1087,8 @@ def section_graph_warmup(layers: int, nb: int = 48, steps: int = 80, plan_name: 
 
 def section_attention() -> None:
     """Paged decode attention (8B shapes, block 16) at several partition sizes, and the write."""
-    from tandem.kernels import paged_attention_cuda as pac
-    from tandem.kernels import kv_write_cuda as kvw
+    from tandem.kernels.cuda import paged_attention_cuda as pac
+    from tandem.kernels.cuda import kv_write_cuda as kvw
     RESULTS["attention"] = []
     H, KVH, D, BS = 32, 8, 128, 16
     log(f"\n== paged decode attention and RoPE+write (wall per queued call / CUPTI gpu time)")
@@ -1155,8 +1156,8 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
     next; most likely the clocks), so only the cold rows compare kernels.
     """
     import mlx.nn as nn
-    from tandem.kernels import decode_attention_cuda as dac
-    from tandem.kernels import paged_attention_cuda as pac
+    from tandem.kernels.cuda import decode_attention_cuda as dac
+    from tandem.kernels.cuda import paged_attention_cuda as pac
     RESULTS.setdefault("attention_serial", [])
     H, KVH, D, BS = 32, 8, 128, 16
     slots = 32768
@@ -1200,8 +1201,8 @@ def section_attention_serial(batches: list[int], ctx: int, flush: bool = False) 
             # The one-launch RoPE + write + attention + merge the engine runs below 16
             # rows, at the engine's padded table width: the engine trace has it at 24.6-33
             # us a layer (runs 50, 53) for ~2 MB of KV.
-            from tandem.kernels import kv_write_cuda as kvw
-            from tandem.pipeline.cuda_runner import table_width
+            from tandem.kernels.cuda import kv_write_cuda as kvw
+            from tandem.pipeline.runners.cuda.runner import table_width
 
             width = table_width(nb)
             ftable = mx.concatenate([table, mx.zeros((B, width - nb), mx.int32)], axis=1)
@@ -1349,7 +1350,7 @@ def section_kv_floor(batches: list[int], ctx: int) -> None:
     streamed before each call, median kernel): v6 itself, its loads alone with the row's
     tokens split over 1, 2 or 4 blocks, and the same bytes read as one contiguous stream.
     ``kv-loads`` queues 20 independent calls, which MLX's graph may overlap."""
-    from tandem.kernels import paged_attention_cuda as pac
+    from tandem.kernels.cuda import paged_attention_cuda as pac
     RESULTS.setdefault("kv_floor", [])
     H, KVH, D, BS = 32, 8, 128, 16
     loads = _kv_loads_kernel()
@@ -1401,7 +1402,7 @@ def section_kv_loads(batches: list[int], ctx: int) -> None:
     itself, at the engine's shapes (8B: 8 KV heads, D 128, block 16, one partition a row):
     whether batch 64's attention (~2 TB/s of KV in runs 50 and 57) is bound by its loads or
     by its arithmetic. CUPTI, 20 independent calls (the KV is far larger than the L2)."""
-    from tandem.kernels import paged_attention_cuda as pac
+    from tandem.kernels.cuda import paged_attention_cuda as pac
     RESULTS.setdefault("kv_loads", [])
     H, KVH, D, BS = 32, 8, 128, 16
     kernel = _kv_loads_kernel()

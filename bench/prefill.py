@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/prefill.py --rows 4 --tokens 154 --prefix 16 --repeats 4
 
-Runs :class:`~tandem.pipeline.fast_llama.FastLlama` on ``--rows`` prompts of ``--tokens``
+Runs :class:`~tandem.pipeline.runners.cpu.fast_llama.FastLlama` on ``--rows`` prompts of ``--tokens``
 new tokens each over mlx-lm KV caches that already hold ``--prefix`` tokens (the serving
 bench's chat prompts: ~170 tokens of which the first 16-token block is prefix-cached),
 alternating between the prefill products through mlx (MKL) and through numpy's OpenBLAS
@@ -31,7 +31,8 @@ import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from tandem import _blas  # noqa: E402
-from tandem.pipeline import fast_llama, q4_kernels  # noqa: E402
+from tandem.pipeline.runners.cpu import fast_llama  # noqa: E402
+from tandem.kernels.cpu import q4_kernels
 
 
 def _forward(fast, tokens: np.ndarray, prefix: int) -> tuple[np.ndarray, float]:

@@ -30,11 +30,11 @@ from tandem.pipeline import budget
 from tandem.pipeline.api import EngineRefused, EngineRequest, EngineStats, TokenEvent, TokenLogprob, Usage
 from tandem.pipeline.block_pool import BlockPool
 from tandem.pipeline.kv_store import KVStore, dtype_name
-from tandem.pipeline.cuda_runner import paged_runner
-from tandem.pipeline.model_runner import DenseRunner, probe
-from tandem.pipeline import graph_step
-from tandem.pipeline import host_inputs
-from tandem.pipeline import token_mailbox
+from tandem.pipeline.runners.cuda.runner import paged_runner
+from tandem.pipeline.runners.portable.paged import DenseRunner, probe
+from tandem.pipeline.runners.cuda import graph_step
+from tandem.pipeline.runners.cuda import host_inputs
+from tandem.pipeline.runners.cuda import token_mailbox
 from tandem.pipeline.sampler import Sampled, sample
 from tandem.pipeline.scheduler import Plan, Scheduler
 from tandem.pipeline.sequence import Sequence, Status
@@ -395,7 +395,7 @@ class Engine:
         graph = self._graph_step
         if (graph is not None and L == 1 and all(r.samples for r in rows)
                 and graph.applies(rows, [r.seq.sampling for r in rows])):
-            # One greedy row: the captured step (pipeline/graph_step.py), no MLX launches.
+            # One greedy row: the captured step (pipeline/runners/cuda/graph_step.py), no MLX launches.
             toks = graph.launch(rows, prev if steady else self._host_inputs(rows, prev))
             if toks is not None:
                 self.scheduler.advance(plan)

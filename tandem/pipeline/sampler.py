@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from tandem.kernels import argmax_cuda
+from tandem.kernels.cuda import argmax_cuda
 from tandem.kvtypes import SamplingParams
 
 _MASK64 = (1 << 64) - 1

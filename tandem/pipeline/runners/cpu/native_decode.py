@@ -1,0 +1,108 @@
+"""A llama-family model's decode step as one C call over its 4-bit weights.
+
+:class:`NativeDecode` gathers, for a model the loader dequantized from 4-bit affine
+weights (it keeps the packed codes as ``model._tandem_packed``), the packed form of
+every projection in :class:`~tandem.pipeline.runners.cpu.fast_llama.FastLlama`'s fused layout (Q/K/V
+and gate/up stacked by rows) and of the vocabulary projection. Before anything runs on
+them it expands each packed matrix with the kernel's own code and requires it to equal
+the dense fp32 weight the model holds, bit for bit; a model that fails this (other
+quantization, a bf16 scale, weights changed after loading) keeps the mlx/MKL path.
+
+A step then costs one embedding lookup and one RoPE table in mlx, one C call
+(:func:`q4_kernels.decode_step`) and the copy of the logits back into mlx.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+
+from tandem.kernels.cpu import q4_kernels
+
+log = logging.getLogger("tandem.engine")
+
+# Decode batches of at most this many rows take the 4-bit step. Up to 32 rows it was
+# measured faster than MKL on the dense weights (docs/cpu-performance.md).
+MAX_ROWS = 64
+
+
+class NativeDecode:
+    def __init__(self, model, fused, head: mx.array, tied: bool, eps: float, Hq: int, Hkv: int, D: int):
+        packed = getattr(model, "_tandem_packed", None)
+        if not packed:
+            raise ValueError("the model was not loaded from 4-bit weights")
+        inner = model.model
+
+        def mat(name: str) -> q4_kernels.Q4Matrix:
+            if name not in packed:
+                raise ValueError(f"no 4-bit weights for {name}")
+            w, s, b, gs, fp16 = packed[name]
+            return q4_kernels.Q4Matrix.from_mlx(w, s, b, gs, fp16)
+
+        def checked(m: q4_kernels.Q4Matrix, dense: mx.array, name: str) -> q4_kernels.Q4Matrix:
+            mx.eval(dense)
+            if dense.shape != (m.n, m.k) or not np.array_equal(m.expand(), np.asarray(dense)):
+                raise ValueError(f"the 4-bit weights of {name} do not expand to its dense weights")
+            return m
+
+        self.mats: list[q4_kernels.Q4Matrix] = []  # kept alive: the C structs point into them
+        layers = []
+        self._norms = []
+        for i, (layer, (qkv_w, qkv_b, gu_w)) in enumerate(zip(inner.layers, fused.layers)):
+            p = f"model.layers.{i}."
+            qkv = checked(q4_kernels.Q4Matrix.stack([mat(p + f"self_attn.{n}_proj") for n in "qkv"]), qkv_w, p + "qkv")
+            o = checked(mat(p + "self_attn.o_proj"), layer.self_attn.o_proj.weight, p + "o_proj")
+            gu = checked(q4_kernels.Q4Matrix.stack([mat(p + "mlp.gate_proj"), mat(p + "mlp.up_proj")]), gu_w, p + "gate_up")
+            down = checked(mat(p + "mlp.down_proj"), layer.mlp.down_proj.weight, p + "down_proj")
+            bias = None if qkv_b is None else np.ascontiguousarray(np.array(qkv_b).reshape(-1), np.float32)
+            ln1 = np.ascontiguousarray(np.array(layer.input_layernorm.weight), np.float32)
+            ln2 = np.ascontiguousarray(np.array(layer.post_attention_layernorm.weight), np.float32)
+            self.mats += [qkv, o, gu, down]
+            self._norms += [bias, ln1, ln2]
+            layers.append(q4_kernels.layer_struct(qkv, o, gu, down, bias, ln1, ln2))
+        self.layers = q4_kernels.layers_array(layers)
+        self.head = checked(mat("model.embed_tokens" if tied else "lm_head"), head, "the vocabulary projection")
+        self.norm_w = np.ascontiguousarray(np.array(inner.norm.weight), np.float32)
+        self.embed = inner.embed_tokens
+        self.eps = float(eps)
+        self.scale = float(inner.layers[0].self_attn.scale)
+        self.dims = (int(self.norm_w.shape[0]), Hq, Hkv, D, gu.n // 2)
+        if qkv.n != (Hq + 2 * Hkv) * D:
+            raise ValueError("value heads of another size than the query and key heads")
+
+    def step(self, inputs: mx.array, mirror, cos: mx.array, sin: mx.array) -> mx.array:
+        """inputs (B, 1) token ids; mirror: what ``native_mirror()`` returned; cos, sin
+        (D/2, B, 1) RoPE tables -> logits (B, vocab)."""
+        kmir, vmir, lens, cap = mirror
+        B = inputs.shape[0]
+        x = np.array(self.embed(inputs).reshape(B, -1), np.float32)
+        c = np.ascontiguousarray(np.array(cos).reshape(-1, B).T)
+        s = np.ascontiguousarray(np.array(sin).reshape(-1, B).T)
+        logits = q4_kernels.decode_step(self.layers, self.head, self.norm_w, x, self.dims, c, s, kmir, vmir,
+                                        lens, cap, self.eps, self.scale)
+        return mx.array(logits)
+
+
+def build(model, fused, head, tied: bool, decode) -> tuple[NativeDecode | None, str | None]:
+    """The model's native decode (shared by every runner on it), or None and why not."""
+    if decode.why is not None:
+        return None, decode.why
+    if not getattr(model, "_tandem_packed", None):
+        return None, "the model was not loaded from 4-bit weights"
+    if not q4_kernels.available():
+        return None, f"no 4-bit kernels: {q4_kernels.why_not()}"
+    cached = getattr(model, "_tandem_native", None)
+    if cached is not None:
+        return cached
+    attn = model.model.layers[0].self_attn
+    try:
+        native = NativeDecode(model, fused, head, tied, decode.eps, attn.n_heads, attn.n_kv_heads, decode.D)
+        result = (native, None)
+    except ValueError as e:
+        result = (None, str(e))
+    model._tandem_native = result
+    if result[1]:
+        log.info("decode stays on the mlx/MKL path: %s", result[1])
+    return result

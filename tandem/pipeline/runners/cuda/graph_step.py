@@ -1,0 +1,398 @@
+"""One-row greedy decode as one CUDA graph of tandem's kernels, replayed without MLX.
+
+At one row the engine thread, not the GPU, set the step: MLX encodes each of a step's ~165
+kernel launches in ~8-13 us (a graph node, an output allocation, its eval loop), 1.3-1.9 ms
+a step against the GPU's 2.37 (H200 runs 98-102, docs/benchmarks/gpu_decode.md), and the
+token gap stayed at 2.5-2.7 ms. The kernels themselves need none of that per step: their
+weights, the KV pools and the attention's tickets live at fixed addresses, and only the
+step's token and its positions / slots / block table change.
+
+So :class:`GraphStep` runs one decode step of the :class:`~tandem.pipeline.runners.cuda.runner.
+KernelRunner` through MLX once per block-table width with every kernel call recorded
+(``kernels.kernel_files.recording``), keeps every array of that step alive (so their
+buffers stay put), compiles each kernel's text as MLX would have (``kernel_text``, through
+NVRTC: MLX keeps its own modules to itself), and captures the launches, with the same
+arguments, into a CUDA graph on a stream of its own. The step's
+state and token move to device buffers of its own; the argmax writes the next step's token
+in place, so steady decode is one state copy, one graph launch and one 4-byte read-back a
+token. A captured step is checked against MLX's own step (another token, another position:
+the same token and logits) before it is used; anything it cannot reproduce raises
+:class:`Unsupported` and the engine keeps MLX's path.
+
+Limits: one row, greedy (no temperature, logprobs or logit bias), kernels made through
+``kernel_files.cuda_kernel`` (no precompiled cubins, no MLX ops between kernels: the check
+catches them). On by default (``TANDEM_GRAPH_STEP=0`` turns it off). H200 runs 107-109
+(2026-12-02): replays give exactly the tokens of MLX's launches; the graph alone takes
+2.24-2.39 ms a step (57-761 tokens of context); the engine at one row 398 / 399 tok/s
+against MLX's launches' 404 / 395 on a fast host, 390 against 363 on a slow one, where
+MLX's encoding (1.9 ms a step) and not the GPU set the step.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from tandem.kernels.cuda import argmax_cuda
+from tandem.kernels.cuda import captured
+from tandem.kernels.cuda import cuda_driver
+from tandem.kernels.cuda import kernel_files
+from tandem.kernels.cuda import nvrtc
+from tandem.kernels.cuda.captured import MAX_NDIM, Unsupported, device_pointers, kernel_name, kernel_text
+
+log = logging.getLogger("tandem.engine")
+
+ENABLED = os.environ.get("TANDEM_GRAPH_STEP", "1") != "0"
+PDL = os.environ.get("TANDEM_GRAPH_PDL", "0") == "1"
+"""Launch the kernels whose texts wait for their predecessor (``KernelSpec.pdl``) with
+programmatic dependent launch: each may start, and the one-row products prefetch their
+first rows to L2, while the kernel before it drains (sm_90 and later). H200 runs 107 and
+109: 2.252 / 2.256 ms a replay against 2.241 / 2.236 at 57 tokens of context, 2.411 / 2.414
+against 2.372 / 2.369 at 761 (``gpu_probe.py --sections graph-replay``): slower, so off."""
+TIMING = os.environ.get("TANDEM_GRAPH_TIMING", "0") == "1"
+"""Time every replay on the device for the benchmarks (``GraphStep.timings``): its state
+upload and graph between two timing events, and the device's idle time since the replay
+before. H200 runs 115-116 (2026-12-02): the engine's steps take 2.46 ms against a replay's
+2.40 alone, and its first 10-35 tokens after a prompt 2.6-2.8; CUPTI hides the second and
+its callbacks slow everything after them, so these events are the way to see both."""
+RING = 8  # read-back slots: the engine holds at most two steps in flight
+MAX_GRAPHS = 24  # one per table width seen; the oldest goes when a new one would exceed it
+
+
+def scratch_state(nb: int, pos: int, block_size: int) -> np.ndarray:
+    """A one-row step state (position, slot, length, ``nb`` table columns) whose every
+    column is the store's scratch block 0: what a capture runs without touching a sequence."""
+    host = np.zeros(3 + nb, np.int32)
+    host[:3] = (pos, pos % block_size, pos + 1)
+    return host
+
+
+@dataclass
+class _Graph:
+    exec: int
+    state_dev: int  # the step's positions, slots, lengths and table: (3 + width) int32
+    logits: mx.array  # the recorded head output, rewritten by every replay
+    logits_ptr: int
+    pools: tuple
+    keep: list = field(default_factory=list)  # every array the launches address
+
+
+class DeviceTokens:
+    """A launched step's greedy tokens, read back on first use (``tolist``)."""
+
+    def __init__(self, owner: "GraphStep", slot: int, serial: int):
+        self._owner, self._slot, self._serial = owner, slot, serial
+        self.shape = (1,)
+        self._value: list[int] | None = None
+
+    def tolist(self) -> list[int]:
+        if self._value is None:
+            self._value = self._owner._read(self._slot, self._serial)
+        return self._value
+
+    def as_mlx(self) -> mx.array:
+        return mx.array(np.asarray(self.tolist(), np.int32))
+
+
+class GraphStep:
+    """Captured one-row decode steps for a :class:`KernelRunner` (see the module doc)."""
+
+    def __init__(self, runner, drv: cuda_driver.Driver):
+        self.runner, self.drv = runner, drv
+        drv.bind_context()
+        self.arch = drv.arch()
+        self.stream = drv.stream()
+        self.tok_dev = drv.mem_alloc(4)
+        self.max_state = 3 + 4096
+        self._pinned_state = drv.host_alloc(RING * 4 * self.max_state)
+        self._pinned_tok = drv.host_alloc(RING * 8)
+        self._events = [drv.event() for _ in range(RING)]
+        # TIMING: per slot, events before the state upload and after the graph; per read
+        # replay (its serial, ms from upload to graph end, ms idle since the replay before).
+        self._marks = [(drv.event(timing=True), drv.event(timing=True)) for _ in range(RING)] if TIMING else None
+        self.timings: collections.deque = collections.deque(maxlen=4096)
+        self._timed = -1  # the last serial whose timing is in ``timings``
+        self._modules: list[int] = []
+        self._funcs: dict[str, int] = {}  # kernel text -> function
+        self._graphs: dict[int, _Graph] = {}
+        self._serial = 0
+        self._tok_serial = -1  # the launch whose token tok_dev holds
+        self._busy = False  # launches queued since the last sync
+        self.failed: str | None = None
+        self.replays = 0
+
+    # -- the engine's side -------------------------------------------------------------
+    def applies(self, rows, params) -> bool:
+        return (self.failed is None and len(rows) == 1 and rows[0].n == 1 and len(params) == 1
+                and params[0].temperature <= 0 and params[0].logprobs is None and not params[0].logit_bias)
+
+    def launch(self, rows, prev) -> DeviceTokens | None:
+        """Queue one decode step; ``prev``: the input token, a :class:`DeviceTokens` of
+        this object's last launch or an MLX array. None (and ``failed`` set) when the step
+        cannot be captured."""
+        host, nb = self.runner.decode_state(rows)
+        if host.shape[0] > self.max_state:
+            return None
+        try:
+            g = self._graph(nb)
+        except (Unsupported, cuda_driver.CudaError) as exc:
+            self._refuse(exc)
+            return None
+        drv, slot = self.drv, self._serial % RING
+        drv.bind_context()
+        st = self._pinned_state + slot * 4 * self.max_state
+        ctypes.memmove(st, host.ctypes.data, host.nbytes)
+        if self._marks is not None:
+            drv.call("cuEventRecord", self._marks[slot][0], self.stream)
+        drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, st, host.nbytes, self.stream)
+        # The argmax leaves each step's token in tok_dev for the next; a capture since
+        # (its check runs a token of its own) or an MLX-made input needs an upload.
+        if not (isinstance(prev, DeviceTokens) and prev._owner is self and prev._serial == self._tok_serial):
+            tok = self._pinned_tok + slot * 8 + 4
+            if isinstance(prev, DeviceTokens):
+                value = prev.tolist()
+            else:
+                value = np.asarray(prev).reshape(-1).tolist()
+                mx.synchronize()  # MLX's steps before this one write the pools this one reads
+            ctypes.c_int32.from_address(tok).value = int(value[0])
+            drv.call("cuMemcpyHtoDAsync_v2", self.tok_dev, tok, 4, self.stream)
+        drv.call("cuGraphLaunch", g.exec, self.stream)
+        if self._marks is not None:
+            drv.call("cuEventRecord", self._marks[slot][1], self.stream)
+        drv.call("cuMemcpyDtoHAsync_v2", self._pinned_tok + slot * 8, self.tok_dev, 4, self.stream)
+        drv.call("cuEventRecord", self._events[slot], self.stream)
+        self._busy = True
+        self.replays += 1
+        self._tok_serial = self._serial
+        self._serial += 1
+        return DeviceTokens(self, slot, self._serial - 1)
+
+    def sync(self) -> None:
+        """Wait for every queued step: MLX work on the pools may follow."""
+        if self._busy:
+            self.drv.bind_context()
+            self.drv.call("cuStreamSynchronize", self.stream)
+            self._busy = False
+
+    def _read(self, slot: int, serial: int) -> list[int]:
+        if self._serial - serial > RING:
+            raise RuntimeError(f"graph step {serial}'s token was overwritten (now at {self._serial})")
+        self.drv.bind_context()
+        self.drv.call("cuEventSynchronize", self._events[slot])
+        if self._marks is not None and serial > self._timed:
+            self._time(slot, serial)
+        return [ctypes.c_int32.from_address(self._pinned_tok + slot * 8).value]
+
+    def _time(self, slot: int, serial: int) -> None:
+        start, end = self._marks[slot]
+        busy = self.drv.elapsed_ms(start, end)
+        # The replay before is comparable only if it was this launch's predecessor on the
+        # stream and its marks are not yet reused (read back within RING launches).
+        idle = None
+        if serial > 0 and serial == self._timed + 1 and self._serial - (serial - 1) <= RING:
+            idle = self.drv.elapsed_ms(self._marks[(serial - 1) % RING][1], start)
+        self.timings.append((serial, busy, idle))
+        self._timed = serial
+
+    def prepare(self, max_tokens: int) -> None:
+        """Capture the steps of every table width up to ``max_tokens`` of context now: a
+        capture compiles the kernels it has not seen (NVRTC, ~1-3 s each the first time on
+        a machine), which mid-decode would stall the stream."""
+        bs = self.runner.store.block_size
+        nb, t = _table_width(1), time.perf_counter()
+        try:
+            while True:
+                self._graph(nb)
+                if nb * bs >= max_tokens:
+                    break
+                nb = _table_width(nb + 1)
+        except (Unsupported, cuda_driver.CudaError) as exc:
+            self._refuse(exc)
+            return
+        log.info("graph step: %d table widths (contexts to %d tokens) captured in %.1f s",
+                 len(self._graphs), nb * bs, time.perf_counter() - t)
+
+    def _refuse(self, exc: Exception) -> None:
+        """Turn the graph step off for good: the engine runs MLX's launches from now on."""
+        self.failed = str(exc)
+        log.warning("graph step off, MLX's launches instead: %s", exc)
+
+    # -- capture -----------------------------------------------------------------------
+    def _graph(self, nb: int) -> _Graph:
+        store = self.runner.store
+        pools = tuple(store.keys) + tuple(store.values)
+        g = self._graphs.get(nb)
+        if g is not None and len(g.pools) == len(pools) and all(a is b for a, b in zip(g.pools, pools)):
+            return g
+        self.sync()
+        if g is not None:  # the store grew: new pools, new addresses
+            self._drop(nb)
+        if len(self._graphs) >= MAX_GRAPHS:
+            self._drop(next(iter(self._graphs)))
+        t = time.perf_counter()
+        self._tok_serial = -1
+        g = self._capture(nb, pools)
+        try:
+            self._check(g, nb)
+        except Exception:
+            self.drv.call("cuGraphExecDestroy", g.exec)
+            self.drv.call("cuMemFree_v2", g.state_dev)
+            raise
+        self._graphs[nb] = g
+        log.info("graph step: captured the one-row step for a %d-block table in %.0f ms",
+                 nb, (time.perf_counter() - t) * 1e3)
+        return g
+
+    def _drop(self, nb: int) -> None:
+        g = self._graphs.pop(nb)
+        self.drv.call("cuGraphExecDestroy", g.exec)
+        self.drv.call("cuMemFree_v2", g.state_dev)
+
+    def _record(self, nb: int, token: int, pos: int, pools):
+        """Run one decode step through MLX with every launch recorded: (launches, the state
+        array, the token array, the tokens out, logits). Writes land in the scratch block."""
+        r = self.runner
+        state = mx.array(scratch_state(nb, pos, r.store.block_size))
+        tok = mx.array(np.array([[token]], np.int32))
+        mx.eval(state, tok)
+        with kernel_files.recording() as launches:
+            out = r._decode_graph(tok, state[:1], state[1:2], state[3:].reshape(1, nb), state[2:3], *pools)
+            logits = out[0] if isinstance(out, tuple) else out
+            if not argmax_cuda.applies(logits):
+                raise Unsupported(f"greedy sampling of {logits.dtype} logits is not one kernel")
+            tokens = argmax_cuda.argmax_kernel(logits)
+        mx.eval(tokens, logits, [x.outputs for x in launches])
+        return launches, state, tok, tokens, logits
+
+    def _capture(self, nb: int, pools) -> _Graph:
+        drv = self.drv
+        mx.synchronize()
+        launches, state, tok, tokens, logits = self._record(nb, 0, 0, pools)
+        if not launches or launches[-1].outputs[0] is not tokens:
+            raise Unsupported("the recorded step does not end in the argmax kernel")
+        arrays, seen = [], set()
+        for ln in launches:
+            if ln.init_value not in (None, 0, 0.0):
+                raise Unsupported(f"kernel {ln.spec.name} fills its output with {ln.init_value}")
+            for a in ln.inputs + ln.outputs:
+                if id(a) not in seen:
+                    seen.add(id(a))
+                    arrays.append(a)
+        ptrs = dict(zip(map(id, arrays), device_pointers(arrays)))
+        state_ptr, tok_ptr = device_pointers([state, tok])
+        state_len = 4 * state.size
+        state_dev = drv.mem_alloc(state_len)
+
+        def where(a) -> int:
+            p = ptrs[id(a)]
+            if state_ptr <= p < state_ptr + state_len:
+                return state_dev + (p - state_ptr)
+            if tok_ptr <= p < tok_ptr + 4:
+                return self.tok_dev
+            return p
+
+        drv.bind_context()
+        plans = []
+        pdl_ok = PDL and int(self.arch[3:].rstrip("a")) >= 90
+        for ln in launches:
+            pdl = pdl_ok and ln.spec.pdl
+            text, layout = kernel_text(ln, pdl)
+            func = self._function(text, kernel_name(ln.spec))
+            if ln.spec.shared_memory > 48 * 1024:
+                drv.allow_shared(func, ln.spec.shared_memory)
+            outs_ptrs = [self.tok_dev if o is tokens else where(o) for o in ln.outputs]
+            values = []
+            for kind, i in layout:
+                if kind == "in":
+                    values.append(where(ln.inputs[i]))
+                elif kind == "out":
+                    values.append(outs_ptrs[i])
+                else:
+                    a = ln.inputs[i]
+                    if a.ndim > MAX_NDIM:
+                        raise Unsupported(f"kernel {ln.spec.name}: a {a.ndim}-d input")
+                    if kind == "shape":
+                        values.append((ctypes.c_int32 * MAX_NDIM)(*a.shape))
+                    elif kind == "strides":  # row-contiguous (MLX copies the inputs that are not)
+                        values.append((ctypes.c_int64 * MAX_NDIM)(*captured.row_strides(a.shape)))
+                    else:
+                        values.append(("i32", a.ndim))
+            grid = tuple(-(-g // t) for g, t in zip(ln.grid, ln.threadgroup))
+            plans.append((func, grid, ln.threadgroup, cuda_driver.KernelParams(values),
+                          [(p, o.nbytes) for p, o in zip(outs_ptrs, ln.outputs)] if ln.init_value is not None else [],
+                          pdl, ln.spec.shared_memory))
+        drv.begin_capture(self.stream)
+        try:
+            for func, grid, block, params, fills, pdl, shared in plans:
+                for p, n in fills:
+                    drv.call("cuMemsetD8Async", p, 0, n, self.stream)
+                drv.launch(func, grid, block, self.stream, params.array, programmatic=pdl and not fills,
+                           shared_bytes=shared)
+        finally:
+            graph = drv.end_capture(self.stream)
+        exec_ = drv.instantiate(graph)
+        drv.call("cuGraphDestroy", graph)
+        keep = [launches, arrays, state, tok, plans]
+        return _Graph(exec_, state_dev, logits, where(logits), pools, keep)
+
+    def _function(self, text: str, name: str) -> int:
+        f = self._funcs.get(text)
+        if f is None:
+            try:
+                cubin = nvrtc.compile_cubin(text, self.arch, f"{name}.cu")
+            except nvrtc.CompileError as exc:
+                raise Unsupported(str(exc)) from None
+            mod = self.drv.load_module(cubin)
+            self._modules.append(mod)
+            f = self._funcs[text] = self.drv.get_function(mod, name)
+        return f
+
+    def _check(self, g: _Graph, nb: int) -> None:
+        """The captured step against MLX's, at another token and position: the same token
+        and the same logits, or the graph is not used."""
+        token, pos = 1 + (7919 % max(self.runner.embed.weight.shape[0] - 1, 1)), 2
+        _, _, _, tokens, logits = self._record(nb, token, pos, g.pools)
+        want_tok, want = int(tokens.item()), np.array(logits.astype(mx.float32))
+        host = scratch_state(nb, pos, self.runner.store.block_size)
+        drv = self.drv
+        drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, self.stream)
+        t = np.array([token], np.int32)
+        drv.call("cuMemcpyHtoDAsync_v2", self.tok_dev, t.ctypes.data, 4, self.stream)
+        drv.call("cuGraphLaunch", g.exec, self.stream)
+        got = np.zeros(g.logits.shape, np.float16 if g.logits.dtype == mx.float16 else np.uint16)
+        drv.call("cuMemcpyDtoHAsync_v2", got.ctypes.data, g.logits_ptr, got.nbytes, self.stream)
+        drv.call("cuMemcpyDtoHAsync_v2", t.ctypes.data, self.tok_dev, 4, self.stream)
+        drv.call("cuStreamSynchronize", self.stream)
+        if g.logits.dtype != mx.float16:
+            got = (got.astype(np.uint32) << 16).view(np.float32)
+        diff = float(np.max(np.abs(got.astype(np.float32) - want)))
+        if int(t[0]) != want_tok or not diff <= 1e-3 * max(1.0, float(np.max(np.abs(want)))):
+            raise Unsupported(f"the captured step differs from MLX's: token {int(t[0])} against {want_tok}, "
+                              f"logits max |diff| {diff:.3g}")
+
+
+def _table_width(nb: int) -> int:
+    from tandem.pipeline.runners.cuda.runner import table_width  # the runner imports this module
+
+    return table_width(nb)
+
+
+def make(runner) -> GraphStep | None:
+    """The graph step for ``runner`` where it can run (CUDA driver present, enabled)."""
+    if not ENABLED:
+        return None
+    drv = cuda_driver.driver()
+    if drv is None:
+        return None
+    try:
+        return GraphStep(runner, drv)
+    except (cuda_driver.CudaError, OSError) as exc:
+        log.warning("graph step off: %s", exc)
+        return None

@@ -1,0 +1,749 @@
+"""Picks the paged runner for the backend MLX runs on, and holds the CUDA one.
+
+The portable :class:`~tandem.pipeline.runners.portable.paged.PagedRunner` gathers each row's blocks
+and lets mlx-lm's attention run SDPA over them. On a CUDA device :class:`KernelRunner`
+reads the blocks in place instead (docs/gpu.md):
+
+* every linear layer is flattened (``kernels.linear.prepare_model``: rows ``(B*L, K)``,
+  weight format chosen per backend and logged);
+* each decoder layer is replaced by a :class:`FusedBlock` holding one fused QKV and one
+  fused gate/up product. A decode step (all rows ``L == 1``) bypasses mlx-lm's model
+  code: per layer ``rms_norm x QKV`` -> ``write_kv_rope`` (RoPE + in-place KV write into
+  the store's pools) -> split-K ``paged_decode_attention`` over the batch's block table
+  -> ``o + residual`` -> ``rms_norm x gate/up`` -> ``swiglu x down + residual``, with
+  the norm / swiglu / residual folded into the multirow kernel at one row (seven
+  launches per layer; below 16 rows write, attention and merge are one launch,
+  ``decode_attention``). Prompts that start at position 0 prefill through the same write
+  kernel and causal SDPA over the chunk's own keys, replaying compiled layers when their
+  length is a multiple of 64; other prefill chunks and mixed batches run the portable
+  path through the same fused weights;
+* a 4/8-bit embedding table is read by one kernel (``kernels.embed_cuda``) instead of
+  mlx's three gathers and a dequantize.
+
+Measured on an H200 (docs/benchmarks/gpu_decode.md): 1.4-1.9x the portable runner's
+decode at batch 1-128, 8-9x stock mlx-lm's BatchGenerator at batch 64-128.
+
+On the CPU (or with ``TANDEM_PAGED_KERNELS=off``) :func:`paged_runner` returns the plain
+``PagedRunner``: nothing of the CPU path changes. ``TANDEM_PAGED_KERNELS=reference``
+runs ``KernelRunner`` with the kernels' pure-mx references, which is how the wiring is
+tested on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from tandem.kernels.cuda import decode_attention_cuda as dac
+from tandem.kernels.cuda import decode_block as dblk
+from tandem.kernels.cuda import embed_cuda
+from tandem.kernels.cuda import linear
+from tandem.kernels import paged_attention as pa
+from tandem.kernels.cuda import paged_attention_cuda as pac
+from tandem.kernels.cuda import kv_write_cuda as kvw
+from tandem.kernels.cuda import w4wgmma
+from tandem.kernels.cuda.quantized_matmul import cuda_available
+from tandem.pipeline.runners.cuda import graph_step
+from tandem.pipeline.runners.cuda import host_inputs
+from tandem.pipeline.runners.cuda import input_box
+from tandem.pipeline.kv_store import KVStore
+from tandem.pipeline.runners.portable.paged import PagedRunner
+from tandem.pipeline.sequence import Row
+
+log = logging.getLogger("tandem.engine")
+
+MODES = ("auto", "off", "cuda", "reference")
+# Model modules whose decoder layers have the plain pre-norm llama shape the fused block
+# reproduces (no q/k norms, no logit scaling, SwiGLU MLP).
+# (mlx-lm loads mistral checkpoints with its llama module.)
+_SUPPORTED = {"mlx_lm.models.llama", "mlx_lm.models.qwen2"}
+
+PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "1"))
+"""A fresh prefill hands the GPU its graph every this many layers (0: once, at the end).
+Every layer, so the GPU starts one layer in: with MLX's graph byte limit lifted
+(``tandem._mlx_cuda``) each hand-over is one graph launch (H200 run 119)."""
+PREFILL_INPUT_MODES = ("separate", "packed", "mapped", "pinned")
+
+
+def parse_prefill_inputs(value: str) -> str:
+    if value not in PREFILL_INPUT_MODES:
+        raise ValueError(f"TANDEM_PREFILL_INPUTS={value!r}: use one of {', '.join(PREFILL_INPUT_MODES)}")
+    return value
+
+
+PREFILL_INPUTS = parse_prefill_inputs(os.environ.get("TANDEM_PREFILL_INPUTS", "pinned"))
+"""How a fresh prefill's ids, positions, slots and row ends reach the GPU. Each host-made
+array is managed memory that the GPU faults in at its first read: the embedding's read of
+the ids took 0.16-0.31 ms of the device's 12 ms (H200 run 124, ``bench/prefill_clock.py``).
+``separate``: an array each (``TANDEM_HOST_INPUTS`` places them); ``packed``: one array,
+sliced; ``mapped``: one array kept in host memory and mapped for the GPU, which one copy
+kernel reads into device memory before anything else does (no fault, and the layers read
+device memory: run 124, every array mapped, each layer 10 us slower). Runs 124-125: both
+take the fault away and both reach the first hand-over 0.3-0.5 ms later, so the device
+starts later by as much (36.5k and 38.1k tok/s against 37.8k-38.8k). ``pinned``: the host
+writes them into a ring of pinned boxes allocated once and the step's first kernel copies
+them to the device (``pipeline/runners/cuda/input_box.py``): no fault and no driver call. Run 127, one
+process a config: 39.8k against the old default's 38.7k, and 40.4k with the split below
+(device span 11.59 against 11.84 ms). The default; where there is no CUDA box (the CPU), the
+arrays are ``separate``."""
+PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
+PREFILL_FIRST_SPLIT = os.environ.get("TANDEM_PREFILL_FIRST_SPLIT", "1") == "1"
+"""A fresh prefill hands the GPU layer 0 in two graphs (attention, then the MLP), so the
+device starts on fewer encoded ops. The first hand-over (embedding + layer 0) took 0.32-0.43
+ms of MLX's encoding before the device started (H200 runs 125-126). Run 127, with ``pinned``
+inputs: 40,448 against 39,792 tok/s without the split (batch 1 decode 406 / 403, batch 64
+10,370 / 10,602, within the processes' spread). The default."""
+PREFILL_LAST_ROWS = os.environ.get("TANDEM_PREFILL_LAST_ROWS", "1") == "1"
+"""A fresh prefill's last layer runs its o product and MLP on each row's last position
+only: the logits need nothing else, and the layer's K/V (all positions) are written
+before. At 512 tokens that skips ~0.27 ms of the device's ~11.5 (o, gate/up, swiglu and
+down at 512 rows) for one row's decode tail. 0: every position (A/B runs)."""
+CHECKPOINT_LAYERS = 3
+"""A fresh prefill's ``checkpoint`` is this many layers before its end (~0.6 ms of device
+work at 512 tokens, with the last layer at its last rows): what the engine waits for MLX's
+way before spinning on the token mailbox, so MLX's wake-up overlaps the last layers (the
+host read the token 0.10-0.15 ms after the device wrote it in H200 runs 132-133)."""
+PREFILL_COMPILE_MULTIPLE = 64
+GRAPH_PREPARE_TOKENS = int(os.environ.get("TANDEM_GRAPH_PREPARE_TOKENS", "4096"))
+"""Contexts up to this many tokens have their one-row graph captured when the runner starts."""
+
+
+def paged_runner(model, store: KVStore, *, mirror: bool, kernels: str | None = None, graphs: bool = True) -> PagedRunner:
+    """The runner for this backend. ``kernels``: see :data:`MODES` (default: the
+    ``TANDEM_PAGED_KERNELS`` environment variable, else ``auto`` = CUDA kernels on CUDA).
+    ``graphs``: capture one-row decode steps as CUDA graphs (``pipeline/runners/cuda/graph_step.py``)."""
+    mode = (kernels or os.environ.get("TANDEM_PAGED_KERNELS", "auto")).strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"TANDEM_PAGED_KERNELS={mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "auto":
+        mode = "cuda" if cuda_available() else "off"
+    if mode == "off":
+        return PagedRunner(model, store, mirror=mirror)
+    why = unsupported(model, store)
+    if why:
+        log.warning("paged kernels off for this model (%s): portable paged runner", why)
+        if mode == "cuda":
+            _prepare_linears(model)  # flattened rows still matter on CUDA
+        return PagedRunner(model, store, mirror=mirror)
+    return KernelRunner(model, store, ops=mode, graphs=graphs)
+
+
+def unsupported(model, store: KVStore) -> str:
+    """Why the fused decode path cannot serve ``model`` ("" when it can)."""
+    if type(model).__module__ not in _SUPPORTED:
+        return f"model module {type(model).__module__} is not llama-shaped"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers or not hasattr(inner, "embed_tokens") or not isinstance(getattr(inner, "norm", None), nn.RMSNorm):
+        return "no model.layers / embed_tokens / RMSNorm norm"
+    attn = layers[0].self_attn
+    if any(getattr(l, "use_sliding", False) for l in layers):
+        return "sliding-window layers"
+    if store.head_dim != store.v_head_dim or store.head_dim % 8 or store.head_dim > 256:
+        return f"head dims {store.head_dim}/{store.v_head_dim}"
+    try:
+        kvw.rope_inv_freq(attn.rope, store.head_dim)
+    except (ValueError, AttributeError) as exc:
+        return str(exc)
+    if store.dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        return f"KV dtype {store.dtype}"
+    return ""
+
+
+def _prepare_linears(model) -> None:
+    if any(isinstance(m, linear.FlatLinear) for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)):
+        return  # already prepared by the caller (a bench, or a second engine on one model)
+    try:
+        mem = mx.device_info().get("memory_size")
+    except Exception:  # noqa: BLE001 - no device info: choose without a memory bound
+        mem = None
+    linear.prepare_model(model, "auto", memory_bytes=mem)
+
+
+def _pack_w4gemm(module) -> None:
+    """Fragment-order copies of a layer's (or the head's) 4-bit weights for ``w4gemm``,
+    where it applies: on the CUDA backend, for layers holding both formats (a
+    quantized-only model keeps its memory bound). The caller evaluates them, one layer at
+    a time."""
+    if not cuda_available():
+        return
+    mods = [module] if isinstance(module, linear.FlatLinear) else [
+        m for _, m in tree_flatten(module.leaf_modules(), is_leaf=nn.Module.is_module)]
+    for m in mods:
+        if isinstance(m, linear.FlatLinear) and m.has_dense:
+            m.pack_w4gemm()
+
+
+TABLE_BUCKETS = os.environ.get("TANDEM_DECODE_TABLE_BUCKETS", "1") == "1"  # 0: exact widths (A/B)
+
+
+STEP_STATE_ON_DEVICE = os.environ.get("TANDEM_STEP_STATE_ON_DEVICE", "1") == "1"
+"""Whether a decode step whose rows all just move one token on reuses the previous step's
+device array of positions, slots and table plus an increment (``KernelRunner._step_state``)
+instead of uploading a new one (``0``: upload every step)."""
+
+
+def table_width(nb: int) -> int:
+    """Block-table columns for a decode step whose longest row spans ``nb`` blocks: the
+    next of 4, 6, 8, 12, 16, 24, ... (2^k and 3 x 2^(k-1)). The compiled step is traced
+    once per table shape, and a trace of 32 layers stalls every running request for
+    ~10 ms: with the exact width a decode retraced each time its longest row entered a
+    new block (every 16 tokens; H200 run 43: the slowest token gaps 11-15 ms against a
+    median of 3.5, ~15% of batch-1 decode time). Padded columns point at the scratch
+    block and lie past every row's length, so no kernel reads them; the price is a few
+    empty attention partitions."""
+    if not TABLE_BUCKETS:
+        return nb
+    w = 4
+    while w < nb:
+        w = w * 3 // 2 if w & (w - 1) == 0 else w * 4 // 3
+    return w
+
+
+def _known_ids(rows: list[Row], L: int) -> np.ndarray | None:
+    """The chunk's input ids (B, L), zero-padded, from the sequences' tokens; None where a
+    row's last input is a sample still in flight (the engine's array has it on the device)."""
+    ids = np.zeros((len(rows), L), np.int32)
+    for i, r in enumerate(rows):
+        known = r.seq.tokens[r.start : r.start + r.n]
+        if len(known) < r.n:
+            return None
+        ids[i, : r.n] = known
+    return ids
+
+
+class _Step:
+    """Per decode step, read by every layer: positions, slots, block table, lengths.
+
+    ``max_len`` and ``partition`` follow from the table's shape alone (``nb * block_size``
+    bounds every row's length), so a compiled step traced for one table shape stays right
+    for every step of that shape."""
+
+    def __init__(self, pos, slots, table, lens, block_size: int, n_kv_heads: int):
+        self.pos, self.slots, self.table, self.lens = pos, slots, table, lens
+        if table is not None:  # decode (a prefill step only writes)
+            self.max_len = table.shape[1] * block_size
+            self.partition = pac.choose_partition(table.shape[0], n_kv_heads, self.max_len)
+
+
+class _CudaOps:
+    """The kernels: RoPE + in-place KV write, split-K paged decode attention.
+
+    ``write`` returns the rotated q and k and the pools it was given (modified in place);
+    ``attend`` returns (B, H * D): the o-projection's input, with no reshape op between;
+    ``write_attend`` is both for a decode step: one launch below ``dac.MAX_ROWS`` rows."""
+
+    def __init__(self, n_kv_heads: int):
+        self.counters = dac.counters(max(dac.MAX_ROWS, 1), n_kv_heads)
+        self.barrier = dblk.counter()
+
+    def tail(self, blk: "FusedBlock", nxt: "FusedBlock | None", a, h):
+        """One row: the layer after its attention, and the next layer's QKV (see
+        ``FusedBlock.tail``), in one launch where ``kernels.decode_block`` covers it."""
+        if not blk.tail_kernel_applies(nxt):
+            return blk.tail(a, h, nxt)
+        q = lambda m: (m["qweight"], m["scales"], m["biases"])  # noqa: E731
+        return dblk.decode_block(a, h, q(blk.o_proj), blk.ln2, q(blk.gate_up), q(blk.down_proj),
+                                 None if nxt is None else nxt.ln1, None if nxt is None else q(nxt.qkv),
+                                 eps2=blk.eps2, eps1=nxt.eps1 if nxt is not None else 1e-5, bar=self.barrier)
+
+    def write_attend(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool,
+                     scale: float, block_size: int):
+        if y.shape[0] < dac.MAX_ROWS and dac.supported(y, H, KVH, kp.shape[-1]):
+            a = dac.decode_attention(y, step.pos, step.slots, inv_freq, kp, vp, step.table, H, KVH, scale,
+                                     block_size, step.max_len, self.counters, step.partition,
+                                     traditional=trad)
+            return a, kp, vp
+        if (dac.TILE_WRITE and y.shape[0] >= pac.V4_MIN_BATCH and pac.ATT_KERNEL in ("auto", "v4", "v6", "tc")
+                and dac.tile_supported(y, kp.shape[-1])):
+            a = dac.decode_attention_tile(y, step.pos, step.slots, inv_freq, kp, vp, step.table, step.lens, H,
+                                          KVH, scale, block_size, step.max_len, step.partition,
+                                          kernel=None if pac.ATT_KERNEL == "auto" else pac.ATT_KERNEL,
+                                          traditional=trad)
+            return a, kp, vp
+        q, _, kp, vp = self.write(y, step, kp, vp, inv_freq, H, KVH, trad)
+        return self.attend(q, step, kp, vp, scale, block_size), kp, vp
+
+    def write(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool):
+        q, k = kvw.write_kv_rope(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH, traditional=trad)
+        return q, k, kp, vp
+
+    def attend(self, q, step: _Step, kp, vp, scale: float, block_size: int):
+        return pac.paged_decode_attention(q, kp, vp, step.table, step.lens, scale, block_size,
+                                          step.max_len, step.partition, flat=True)
+
+
+class _ReferenceOps:
+    """The same contract through the pure-mx references (tests on machines without CUDA);
+    ``write`` returns new pools instead of modifying its inputs."""
+
+    def write(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool):
+        return kvw.write_kv_rope_reference(y, step.pos, step.slots, inv_freq, kp, vp, H, KVH,
+                                           traditional=trad)
+
+    def attend(self, q, step: _Step, kp, vp, scale: float, block_size: int):
+        out = pa.paged_attention(q[:, :, None], kp, vp, step.table, step.lens - 1, block_size, scale)
+        return out[:, :, 0].reshape(q.shape[0], -1)
+
+    def write_attend(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool,
+                     scale: float, block_size: int):
+        q, _, kp, vp = self.write(y, step, kp, vp, inv_freq, H, KVH, trad)
+        return self.attend(q, step, kp, vp, scale, block_size), kp, vp
+
+    def tail(self, blk: "FusedBlock", nxt: "FusedBlock | None", a, h):
+        return blk.tail(a, h, nxt)
+
+
+class FusedBlock(nn.Module):
+    """A llama-shaped decoder layer with fused QKV and gate/up weights (FlatLinear)."""
+
+    use_sliding = False  # read by mlx-lm's llama model loop
+
+    def __init__(self, block, head_dim: int):
+        super().__init__()
+        attn, mlp = block.self_attn, block.mlp
+        self.qkv = linear.fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up = linear.fuse_linears([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        self.ln1 = block.input_layernorm.weight
+        self.ln2 = block.post_attention_layernorm.weight
+        self.eps1 = block.input_layernorm.eps
+        self.eps2 = block.post_attention_layernorm.eps
+        self.rope = attn.rope
+        self.H, self.KVH, self.D = attn.n_heads, attn.n_kv_heads, head_dim
+        self.scale = float(attn.scale)
+        self.ffn = mlp.gate_proj.output_dims
+        self.traditional = bool(getattr(attn.rope, "traditional", False))
+        self.inv_freq = kvw.rope_inv_freq(attn.rope, head_dim)
+        self.freeze()
+
+    def __call__(self, x, mask=None, cache=None):
+        """The portable path (prefill chunks, mixed batches): what mlx-lm's block computes."""
+        from mlx_lm.models.base import scaled_dot_product_attention
+
+        B, L, W = x.shape
+        H, KVH, D = self.H, self.KVH, self.D
+        y = self.qkv.fused(x.reshape(B * L, W), norm_weight=self.ln1, eps=self.eps1).reshape(B, L, -1)
+        q = y[..., : H * D].reshape(B, L, H, D).transpose(0, 2, 1, 3)
+        k = y[..., H * D : (H + KVH) * D].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
+        v = y[..., (H + KVH) * D :].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        h = self.o_proj.fused(o.transpose(0, 2, 1, 3).reshape(B * L, H * D), residual=x.reshape(B * L, W))
+        g = self.gate_up.fused(h, norm_weight=self.ln2, eps=self.eps2)
+        return self.down_proj.fused(g, swiglu=True, residual=h).reshape(B, L, W)
+
+    def decode(self, h, ops, step: _Step, kp, vp, block_size: int):
+        """h: (B, W) one token per row -> (h, kp, vp); this token's K/V go into the pools."""
+        y = self.qkv.fused(h, norm_weight=self.ln1, eps=self.eps1)
+        a, kp, vp = self.attend(y, ops, step, kp, vp, block_size)
+        return self.tail(a, h)[0], kp, vp
+
+    def attend(self, y, ops, step: _Step, kp, vp, block_size: int):
+        """The QKV rows y -> (attention output (B, H * D), kp, vp)."""
+        return ops.write_attend(y, step, kp, vp, self.inv_freq, self.H, self.KVH, self.traditional,
+                                self.scale, block_size)
+
+    def tail(self, a, h, nxt: "FusedBlock | None" = None):
+        """The layer after its attention: (h, the next layer's QKV rows or None)."""
+        h = self.o_proj.fused(a, residual=h)
+        g = self.gate_up.fused_swiglu(h, norm_weight=self.ln2, eps=self.eps2)
+        h = self.down_proj.fused(g, residual=h)
+        return h, (None if nxt is None else nxt.qkv.fused(h, norm_weight=nxt.ln1, eps=nxt.eps1))
+
+    def tail_kernel_applies(self, nxt: "FusedBlock | None") -> bool:
+        """Whether ``kernels.decode_block`` runs :meth:`tail` at one row: 4-bit affine
+        weights with fp16 scales and biases and no linear bias, shapes it covers."""
+        mods = [self.o_proj, self.gate_up, self.down_proj] + ([nxt.qkv] if nxt is not None else [])
+        if not (dblk.ENABLED and cuda_available() and all(
+                isinstance(m, linear.FlatLinear) and m.has_quantized and m.bits == 4 and m.mode == "affine"
+                and "biases" in m and "bias" not in m and m["scales"].dtype == mx.float16 for m in mods)):
+            return False
+        hidden = self.o_proj.output_dims
+        nqkv = nxt.qkv.output_dims if nxt is not None else dblk.ROWS
+        return (self.ln2.dtype == mx.float16 and (nxt is None or nxt.ln1.dtype == mx.float16)
+                and dblk.supports(hidden, self.ffn, nqkv, {m.group_size for m in mods}, blocks=w4wgmma.sm_count()))
+
+
+class KernelRunner(PagedRunner):
+    """PagedRunner whose decode steps run the CUDA kernels over the store's pools.
+
+    ``ops``: ``cuda`` (the kernels) or ``reference`` (their pure-mx references). The decode
+    mirror is off: the attention kernel reads the pools in place, which is what the
+    mirror stood in for on the CPU.
+    """
+
+    def __init__(self, model, store: KVStore, ops: str = "cuda", compile_decode: bool | None = None,
+                 graphs: bool = True):
+        if ops == "cuda":
+            _prepare_linears(model)
+        else:
+            # The reference ops need FlatLinear (fuse_linears) but keep each layer's weights.
+            if not any(isinstance(m, linear.FlatLinear) for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)):
+                linear.flatten_linears(model, "keep")
+        super().__init__(model, store, mirror=False, fast=False)  # fast: the CPU-only forward
+        self.ops = _CudaOps(store.n_kv_heads) if ops == "cuda" else _ReferenceOps()
+        # Let the engine queue decode step N+1 before reading N back (TANDEM_PIPELINE=0: off).
+        self.pipelined = ops == "cuda" and os.environ.get("TANDEM_PIPELINE", "1") != "0"
+        inner = model.model
+        # In place, one layer at a time: the fused copies of QKV and gate/up exist next to
+        # the originals only for the layer being converted.
+        for i, b in enumerate(inner.layers):
+            inner.layers[i] = FusedBlock(b, store.head_dim)
+            if ops == "cuda":
+                _pack_w4gemm(inner.layers[i])
+            mx.eval(inner.layers[i].parameters())
+        self.blocks = inner.layers
+        self.embed = inner.embed_tokens
+        # A 4/8-bit table embeds through one kernel instead of mlx's three gathers and a
+        # dequantize (kernels/cuda/embed_cuda.py); anything else through the module.
+        self._embed = (functools.partial(embed_cuda.embed, self.embed) if ops == "cuda"
+                       else self.embed)
+        self.final_norm = inner.norm
+        head = getattr(model, "lm_head", None)
+        self.head = head if isinstance(head, linear.FlatLinear) else None
+        if self.head is not None and ops == "cuda":
+            _pack_w4gemm(self.head)
+            mx.eval(self.head.parameters())
+        if compile_decode is None:
+            compile_decode = os.environ.get("TANDEM_DECODE_COMPILE", "1") == "1"
+        # Compiled: the step's graph is traced once per (batch, table width) and replayed
+        # without Python (~2 ms of graph building per step otherwise). Only with the CUDA
+        # ops: the reference ops return new pools, which a compiled step cannot hand back.
+        self.compiled = bool(compile_decode) and ops == "cuda"
+        self._step_fn = mx.compile(self._decode_graph) if self.compiled else self._decode_graph
+        # The last decode step's state (host copy, device array) and the increments that
+        # advance it (see _step_state).
+        self._state_prev: tuple[np.ndarray, mx.array] | None = None
+        self._state_inc: dict[tuple[int, int], tuple[np.ndarray, mx.array]] = {}
+        self.state_uploads = 0
+        # Prompts that start at position 0 skip the block gather (TANDEM_FRESH_PREFILL=0: off).
+        self.fresh_prefill = os.environ.get("TANDEM_FRESH_PREFILL", "1") != "0"
+        self._slot_offsets: dict[tuple[int, int], np.ndarray] = {}  # (L, block size) -> position % block size
+        # Their layers compiled, one function per layer traced once per (B, L): replaying
+        # skips the Python that builds a layer's graph (H200 run 52: the engine thread's
+        # share of a 512-token prefill 5.1-5.9 ms against 6.6-7.1; the prefill itself
+        # waited on the GPU either way, and in run 51 a slower thread had bounded it).
+        # Only at lengths that are a multiple of PREFILL_COMPILE_MULTIPLE (full chunks,
+        # the bench's prompts): a trace of 32 layers costs more than a length seen once saves.
+        # The CUDA write kernel fills the pools in place, so a compiled layer returns h alone.
+        self._prefill_fns = ([mx.compile(functools.partial(self._compiled_prefill_layer, b)) for b in self.blocks]
+                             if self.compiled and PREFILL_COMPILE else None)
+        # A fresh prefill's ids, positions, slots and row ends through pinned memory.
+        self._input_box = input_box.make() if ops == "cuda" and PREFILL_INPUTS == "pinned" else None
+        self._prefill_first = ((mx.compile(functools.partial(self._compiled_prefill_attention, self.blocks[0])),
+                                mx.compile(functools.partial(self._prefill_mlp, self.blocks[0])))
+                               if self._prefill_fns is not None else None)
+        self._prefill_last = (mx.compile(functools.partial(self._compiled_prefill_last_layer, self.blocks[-1]))
+                              if self._prefill_fns is not None else None)
+        # Everything built here must be evaluated on this thread: the engine thread
+        # cannot evaluate arrays left lazy on another thread's stream (docs/gpu.md).
+        mx.eval(model.parameters(), [b.inv_freq for b in self.blocks])
+        mx.eval([b.rope._freqs for b in self.blocks if isinstance(getattr(b.rope, "_freqs", None), mx.array)])
+        fmt = sorted({("dense" if b.qkv.has_dense else "") + ("+q%d" % b.qkv.bits if b.qkv.has_quantized else "")
+                      for b in self.blocks})
+        log.info("paged runner: %s kernels for decode (fused QKV, RoPE + in-place KV write, split-K "
+                 "paged attention%s), weights %s, %d layers", ops, ", compiled step" if self.compiled else "",
+                 ",".join(fmt), len(self.blocks))
+        if ops == "cuda" and os.environ.get("TANDEM_WARM_KERNELS", "1") != "0":
+            t = time.perf_counter()
+            self.warm_kernels()
+            log.info("paged runner: decode kernel variants compiled in %.1f s", time.perf_counter() - t)
+        # One greedy row decodes through a captured CUDA graph of these kernels.
+        self.graph_step = graph_step.make(self) if ops == "cuda" and graphs else None
+        if self.graph_step is not None:
+            log.info("paged runner: one-row greedy decode through captured CUDA graphs (TANDEM_GRAPH_STEP=0: off)")
+            if store.keys and os.environ.get("TANDEM_WARM_KERNELS", "1") != "0":
+                self.graph_step.prepare(min(GRAPH_PREPARE_TOKENS, store.num_blocks * store.block_size))
+
+    def flush(self) -> None:
+        # Captured steps in flight write the pools that the engine's work after a flush
+        # reads or replaces (copies, imports, exports, growth). The warm-up's forwards
+        # flush before the graph step exists.
+        if getattr(self, "graph_step", None) is not None:
+            self.graph_step.sync()
+        super().flush()
+
+    def warm_kernels(self, row_counts=tuple(sorted({1, 2, 3, 4, 8, pac.V4_MIN_BATCH, pac.TC_MIN_BATCH}))) -> None:
+        """Run a decode step per row-count class against the scratch block, split and
+        unsplit, so every kernel variant a decode step can pick is compiled now: each is
+        an NVRTC compile of ~2 s, which mid-serving is a ~2 s stall of every running
+        request (H200 run 5: one such stall cut a batch-64 measurement from ~5,400 to
+        ~950 tok/s). Writes land in the scratch block, which nothing reads as context."""
+        bs = self.store.block_size
+        # The widths forward() uses, so these traces are the ones decode steps replay.
+        split_nb = table_width(-(-(2 * max(64, pac.MIN_PARTITION) + 1) // bs))  # two partitions at one row
+        long_nb = table_width(pac.MAX_PARTITION // bs + 1)  # split even at V4_MIN_BATCH rows
+        for B in row_counts:
+            for nb in (table_width(1), split_nb) + ((long_nb,) if B >= pac.V4_MIN_BATCH else ()):
+                zeros = mx.zeros((B,), mx.int32)
+                out = self._step_fn(mx.zeros((B, 1), mx.int32), zeros, zeros,
+                                    mx.zeros((B, nb), mx.int32), mx.full((B,), nb * bs, mx.int32),
+                                    *self.store.keys, *self.store.values)
+                mx.eval(out)
+
+    @property
+    def takes_host_ids(self) -> bool:
+        """Whether ``forward`` takes the step's ids as a numpy array when the host knows them
+        all: a fresh prefill then sends them through the input box, and no managed array is made."""
+        return getattr(self, "_input_box", None) is not None
+
+    def forward(self, rows: list[Row], inputs) -> mx.array:
+        B, L = inputs.shape
+        fresh = L != 1 and self.fresh_prefill and all(r.start == 0 for r in rows)
+        if isinstance(inputs, np.ndarray) and not fresh:
+            inputs = host_inputs.array(inputs)
+        self.checkpoint = None  # a fresh prefill's, for token_mailbox
+        # Decode through the CUDA write kernel touches the pools in place only (the
+        # reference ops return new pools, as the portable path does).
+        self.last_step_in_place = L == 1 and self.pipelined
+        if fresh:
+            return self._fresh_prefill(rows, inputs)
+        if L != 1:
+            return super().forward(rows, inputs)
+        host, nb = self.decode_state(rows)
+        L = len(self.blocks)
+        packed = self._step_state(host, B)
+        out = self._step_fn(inputs, packed[:B], packed[B : 2 * B], packed[3 * B :].reshape(B, nb),
+                            packed[2 * B : 3 * B], *self.store.keys, *self.store.values)
+        if self.compiled:
+            return out
+        if isinstance(self.ops, _ReferenceOps):  # new pools, not written in place
+            self.store.keys[:], self.store.values[:] = out[1 : 1 + L], out[1 + L :]
+        return out[0]
+
+    def decode_state(self, rows: list[Row]) -> tuple[np.ndarray, int]:
+        """A decode step's positions, slots, lengths and block table, concatenated as one
+        int32 host array, and the table's width."""
+        B = len(rows)
+        bs = self.store.block_size
+        pos = np.fromiter((r.start for r in rows), np.int32, B)
+        lens = pos + 1
+        nb = table_width(int((lens.max() + bs - 1) // bs))
+        table = np.zeros((B, nb), np.int32)  # 0 = the store's scratch block (never read)
+        # Filled in one assignment, not two numpy slice writes per row: this runs on the
+        # engine thread every decode step, which at batch 64 the step waits for.
+        chunks = [r.seq.block_ids[:w] for r, w in zip(rows, ((lens + bs - 1) // bs).tolist())]
+        counts = np.fromiter(map(len, chunks), np.int64, B)
+        table[np.arange(nb)[None, :] < counts[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(chunks), np.int32, int(counts.sum())) + 1
+        slots = table[np.arange(B), pos // bs] * bs + pos % bs
+        return np.concatenate([pos, slots.astype(np.int32), lens, table.reshape(-1)]), nb
+
+    def _step_state(self, host: np.ndarray, B: int) -> mx.array:
+        """A decode step's positions, slots, lengths and block table (``host``: those of
+        ``forward``, concatenated) as one device array.
+
+        A host-made array is managed memory that the GPU faults in at its first read, a
+        cost per array (H200 run 26: ~65 us copies, 3 a step; hence one array). At one row
+        that read, the first layer's attention, took 173 us of a 2.7 ms step (run 98,
+        CUPTI: the attention 11.3 / 11.8 / 172.6 us min / median / max). When a step only
+        moves every row one token on within its block (positions, slots and lengths + 1,
+        the same table), the previous step's array plus a device-resident increment holds
+        the same values, and nothing is uploaded: 15 of every 16 steps at one row (run 101:
+        the attention 376 against 503 us a step). The host still computes the state, and
+        the increment is taken only when it gives exactly those values."""
+        prev = self._state_prev
+        dev = None
+        if STEP_STATE_ON_DEVICE and prev is not None and prev[0].shape == host.shape:
+            key = (host.shape[0], B)
+            if key not in self._state_inc:
+                if len(self._state_inc) >= 64:  # one per (batch, table width) seen; bounded
+                    self._state_inc.clear()
+                bump = np.zeros(host.shape[0], np.int32)
+                bump[: 3 * B] = 1
+                self._state_inc[key] = (bump, mx.array(bump))
+            bump, bump_dev = self._state_inc[key]
+            if np.array_equal(host, prev[0] + bump):
+                dev = prev[1] + bump_dev
+        if dev is None:
+            dev = host_inputs.array(host)
+            self.state_uploads += 1
+        self._state_prev = (host, dev)
+        return dev
+
+    def _fresh_prefill(self, rows: list[Row], inputs) -> mx.array:
+        """Prompts from position 0 (no earlier context): every layer writes its K/V into
+        the pools with the RoPE + write kernel and attends causally over the chunk's own
+        keys, with no gather of blocks. Padded positions (past a row's ``n``) write nowhere
+        and only padded queries see them."""
+        B, L = inputs.shape
+        slots, last = self._fresh_slots(rows, L)
+        inputs, pos, slots, last = self._prefill_inputs(rows, inputs, slots, last)
+        compiled = self._prefill_fns is not None and L % PREFILL_COMPILE_MULTIPLE == 0
+        h = self._embed(inputs)  # (B, L, W)
+        keys, values = self.store.keys, self.store.values
+        # The last layer at the last rows (not where it is also layer 0).
+        last_rows_at = len(self.blocks) - 1 if PREFILL_LAST_ROWS and len(self.blocks) > 1 else None
+        for i, blk in enumerate(self.blocks):
+            if i == last_rows_at:
+                if compiled:
+                    h = self._prefill_last(h, pos, slots, keys[i], values[i], last)
+                else:
+                    h, keys[i], values[i] = self._prefill_last_layer(blk, h, pos, slots, keys[i], values[i], last)
+            elif i == 0 and PREFILL_FIRST_SPLIT and PREFILL_EVAL_EVERY:
+                # The GPU's first graph: the embedding and layer 0's attention half only.
+                if compiled:
+                    x = self._prefill_first[0](h, pos, slots, keys[0], values[0])
+                else:
+                    x, keys[0], values[0] = self._prefill_attention(blk, h, pos, slots, keys[0], values[0])
+                mx.async_eval(x)
+                h = (self._prefill_first[1](x) if compiled else self._prefill_mlp(blk, x)).reshape(h.shape)
+            elif compiled:
+                h = self._prefill_fns[i](h, pos, slots, keys[i], values[i])
+            else:
+                h, keys[i], values[i] = self._prefill_layer(blk, h, pos, slots, keys[i], values[i])
+            if PREFILL_EVAL_EVERY and i % PREFILL_EVAL_EVERY == PREFILL_EVAL_EVERY - 1:
+                # Start the GPU on the layers built so far: building the whole graph first
+                # left it idle for ~4 of a 512-token prompt's 17.5 ms (H200 run 19 trace).
+                mx.async_eval(h)
+            if i == max(0, len(self.blocks) - CHECKPOINT_LAYERS):
+                self.checkpoint = h
+        if last_rows_at is None:
+            h = h.reshape(B * L, -1)[last]
+        norm = self.final_norm
+        if self.head is not None:
+            return self.head.fused(h, norm_weight=norm.weight, eps=norm.eps)
+        return self.embed.as_linear(norm(h))
+
+    def _fresh_slots(self, rows: list[Row], L: int) -> tuple[np.ndarray, np.ndarray]:
+        """A fresh prefill's KV slot for each of its (B, L) positions, flattened (-1 past a
+        row's ``n``: padding writes nowhere), and each row's last position in that order.
+
+        Few numpy calls on purpose: this runs right after the engine thread wakes, on cold
+        caches, where each call costs several times its warm figure (120 us cold for the
+        nine-call version against 20 warm, a 512-token row on the CPU)."""
+        bs = self.store.block_size
+        offsets = self._slot_offsets.get((L, bs))
+        if offsets is None:
+            offsets = self._slot_offsets[(L, bs)] = np.arange(L, dtype=np.int32) % bs
+        slots = np.full((len(rows), L), -1, np.int32)
+        last = np.empty(len(rows), np.int32)
+        for i, r in enumerate(rows):
+            n = r.n
+            # The store's block b holds slots (b + 1) * bs ...: its block 0 is scratch.
+            base = np.array(r.seq.block_ids[: -(-n // bs)], np.int32)
+            base += 1
+            base *= bs
+            row = slots[i]
+            row[:n] = base.repeat(bs)[:n]
+            row[:n] += offsets[:n]
+            last[i] = i * L + n - 1
+        return slots.reshape(-1), last
+
+    def _prefill_inputs(self, rows: list[Row], inputs, slots: np.ndarray, last: np.ndarray):
+        """A fresh prefill's ids (B, L), positions, slots and row ends as device arrays, placed
+        as ``PREFILL_INPUTS`` says. ``inputs``: the ids, an MLX array or (``takes_host_ids``) numpy."""
+        B, L = inputs.shape
+        host_ids = inputs if isinstance(inputs, np.ndarray) else None
+        boxed = PREFILL_INPUTS == "pinned" and self._input_box is not None
+        if host_ids is None and (boxed or PREFILL_INPUTS in ("packed", "mapped")):
+            host_ids = _known_ids(rows, L)
+        if boxed and host_ids is not None:
+            got = self._input_box.post(host_ids, slots, last)
+            if got is not None:
+                return got.ids, got.pos, got.slots, got.last
+        pos = np.tile(np.arange(L, dtype=np.int32), B)
+        if PREFILL_INPUTS in ("packed", "mapped") and host_ids is not None:
+            n = B * L
+            host = np.concatenate([host_ids.reshape(-1), pos, slots, last])
+            if PREFILL_INPUTS == "mapped":
+                packed = host_inputs.array(host, mode="mapped") + 0  # the one read of host memory
+            else:
+                packed = host_inputs.array(host)
+            # Views of the one array (the engine's own ids array goes unread).
+            return packed[:n].reshape(B, L), packed[n : 2 * n], packed[2 * n : 3 * n], packed[3 * n :]
+        if isinstance(inputs, np.ndarray):
+            inputs = host_inputs.array(inputs)
+        return inputs, host_inputs.array(pos), host_inputs.array(slots), host_inputs.array(last)
+
+    def _prefill_layer(self, blk: FusedBlock, h, pos, slots, kp, vp):
+        """One layer of a fresh prefill: h (B, L, W) -> (h, kp, vp); writes the chunk's K/V
+        into the pools and attends causally over the chunk's own keys."""
+        B, L, W = h.shape
+        x, kp, vp = self._prefill_attention(blk, h, pos, slots, kp, vp)
+        return self._prefill_mlp(blk, x).reshape(B, L, W), kp, vp
+
+    def _prefill_attention(self, blk: FusedBlock, h, pos, slots, kp, vp):
+        """A fresh prefill layer's first half: h (B, L, W) -> (x (B*L, W), kp, vp), x the
+        residual stream after attention and the o product."""
+        x, a, kp, vp = self._prefill_attend(blk, h, pos, slots, kp, vp)
+        return blk.o_proj.fused(a, residual=x), kp, vp
+
+    def _prefill_attend(self, blk: FusedBlock, h, pos, slots, kp, vp):
+        """h (B, L, W) -> (h as rows (B*L, W), the o product's input (B*L, H*D), kp, vp):
+        writes the chunk's K/V into the pools and attends causally over the chunk's own keys."""
+        B, L, W = h.shape
+        H, KVH, D = blk.H, blk.KVH, blk.D
+        step = _Step(pos, slots, None, None, self.store.block_size, 0)
+        x = h.reshape(B * L, W)
+        y = blk.qkv.fused(x, norm_weight=blk.ln1, eps=blk.eps1)
+        q, k, kp, vp = self.ops.write(y, step, kp, vp, blk.inv_freq, H, KVH, blk.traditional)
+        q = q.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
+        v = y[:, (H + KVH) * D :].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=blk.scale, mask="causal")
+        return x, o.transpose(0, 2, 1, 3).reshape(B * L, H * D), kp, vp
+
+    def _prefill_last_layer(self, blk: FusedBlock, h, pos, slots, kp, vp, last):
+        """The last layer of a fresh prefill: its QKV, K/V write and attention at every
+        position, the rest at each row's last one: h (B, L, W) -> (h (B, W), kp, vp)."""
+        x, a, kp, vp = self._prefill_attend(blk, h, pos, slots, kp, vp)
+        a, x = a[last], x[last]
+        # One row goes through the decode step's one-launch tail where it applies.
+        h = self.ops.tail(blk, None, a, x)[0] if a.shape[0] == 1 else blk.tail(a, x)[0]
+        return h, kp, vp
+
+    def _compiled_prefill_last_layer(self, blk: FusedBlock, h, pos, slots, kp, vp, last):
+        return self._prefill_last_layer(blk, h, pos, slots, kp, vp, last)[0]
+
+    def _prefill_mlp(self, blk: FusedBlock, x):
+        """Its second half: x (B*L, W) -> x after the MLP."""
+        g = blk.gate_up.fused(x, norm_weight=blk.ln2, eps=blk.eps2)
+        return blk.down_proj.fused(g, swiglu=True, residual=x)
+
+    def _compiled_prefill_layer(self, blk: FusedBlock, h, pos, slots, kp, vp):
+        return self._prefill_layer(blk, h, pos, slots, kp, vp)[0]
+
+    def _compiled_prefill_attention(self, blk: FusedBlock, h, pos, slots, kp, vp):
+        return self._prefill_attention(blk, h, pos, slots, kp, vp)[0]
+
+    def _decode_graph(self, inputs, pos, slots, table, lens, *pools):
+        """One decode step over all layers: (logits, *keys, *values); pure in its inputs
+        (weights are constants), so it can be compiled."""
+        L = len(self.blocks)
+        keys, values = list(pools[:L]), list(pools[L:])
+        step = _Step(pos, slots, table, lens, self.store.block_size, self.store.n_kv_heads)
+        B = inputs.shape[0]
+        bs = self.store.block_size
+        h = self._embed(inputs).reshape(B, -1)
+        if B == 1:
+            # One row: each layer's tail also computes the next layer's QKV, so that
+            # ``kernels.decode_block`` runs it all in one launch after the attention.
+            first = self.blocks[0]
+            y = first.qkv.fused(h, norm_weight=first.ln1, eps=first.eps1)
+            for i, blk in enumerate(self.blocks):
+                a, keys[i], values[i] = blk.attend(y, self.ops, step, keys[i], values[i], bs)
+                h, y = self.ops.tail(blk, self.blocks[i + 1] if i + 1 < L else None, a, h)
+        else:
+            for i, blk in enumerate(self.blocks):
+                h, keys[i], values[i] = blk.decode(h, self.ops, step, keys[i], values[i], bs)
+        norm = self.final_norm
+        if self.head is not None:
+            logits = self.head.fused(h, norm_weight=norm.weight, eps=norm.eps)
+        else:
+            logits = self.embed.as_linear(norm(h))
+        if self.compiled:
+            return logits  # the pools were written in place
+        return (logits, *keys, *values)

@@ -1,0 +1,493 @@
+"""The captured one-row step's host side: finding MLX's compiled modules, recording launches,
+and the engine's use of a step queued outside MLX (a fake graph step on the CPU; the real
+one is tested on the GPU in test_cuda_runner.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tandem.kernels.cuda import captured
+from tandem.kernels.cuda import kernel_files
+from tandem.kernels.cuda import nvrtc
+from tandem.kvtypes import SamplingParams
+from tandem.pipeline.runners.cuda import graph_step
+from tandem.pipeline.engine import Engine
+from tandem.pipeline.settings import EngineSettings
+from tests.pipeline.conftest import EOS, oracle, random_prompts
+
+
+def test_template_constants_are_the_ones_mlx_writes():
+    t = [("T", mx.float16), ("K", 4096), ("PAIR", True), ("RES", False), ("U", mx.int32)]
+    assert captured.template_lines(t) == ("  using T = __half;\n  constexpr int K = 4096;\n"
+                                             "  constexpr bool PAIR = true;\n  constexpr bool RES = false;\n"
+                                             "  using U = int32_t;\n")
+    with pytest.raises(captured.Unsupported, match="not a type MLX passes"):
+        captured.template_lines([("T", object())])
+
+
+def test_recording_sees_this_threads_calls_inside_the_block_only():
+    calls = []
+
+    def fake(**kw):
+        calls.append(kw)
+        return [mx.array([len(calls)])]
+
+    k = kernel_files._Kernel(fake, kernel_files.KernelSpec("k", ["x"], ["y"], "src", ""))
+    x = mx.zeros((2,))
+    k(inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.int32])
+    with kernel_files.recording() as launches:
+        (y,) = k(inputs=[x], template=[("N", 3)], grid=(64, 1, 1), threadgroup=(32, 1, 1),
+                 output_shapes=[(1,)], output_dtypes=[mx.int32])
+        other = threading.Thread(target=k, kwargs=dict(inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                                                       output_shapes=[(1,)], output_dtypes=[mx.int32]))
+        other.start()
+        other.join()
+        with kernel_files.recording() as inner:
+            k(inputs=[y], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.int32])
+        k(inputs=[y], grid=(2, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.int32])
+    assert len(calls) == 5
+    assert [(ln.grid, ln.template) for ln in launches] == [((64, 1, 1), [("N", 3)]), ((2, 1, 1), [])]
+    assert launches[0].inputs[0] is x and launches[0].outputs[0] is y and launches[1].inputs[0] is y
+    assert len(inner) == 1
+
+
+def test_a_kernels_spec_keeps_its_dynamic_shared_memory(monkeypatch):
+    """A capture launches with the bytes MLX launches with: the one-launch layer tail
+    (``decode_block``) carves its stages out of ``extern __shared__``, and 0 there would
+    overrun them."""
+    from tandem.kernels.cuda import decode_block
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: kw)  # CPU MLX has no CUDA back-end
+    assert decode_block._kernel.__wrapped__(70_000).spec.shared_memory == 70_000
+    assert kernel_files.cuda_kernel(name="k", input_names=["x"], output_names=["y"], source="y[0] = x[0];",
+                                    include=False).spec.shared_memory == 0
+
+
+class FakeGraphStep:
+    """Stands in for GraphStep: computes each step at once through the runner's MLX
+    forward and hands the token out as DeviceTokens. Logs launches, syncs and the
+    engine's own forwards, so a test can check that MLX never runs on a pending step."""
+
+    failed = None
+    applies = graph_step.GraphStep.applies
+
+    def __init__(self, runner):
+        self.runner, self.forward = runner, runner.forward
+        self.values: list[int] = []
+        self.events: list[str] = []
+        self.inputs: list[str] = []  # per launch: its token left on the device ("chained") or not
+        self.pending = False
+        runner.forward = self._engine_forward
+
+    def _engine_forward(self, rows, inputs):
+        self.events.append("mlx-after-pending" if self.pending else "mlx")
+        return self.forward(rows, inputs)
+
+    def launch(self, rows, prev):
+        chained = isinstance(prev, graph_step.DeviceTokens) and prev._value is None and prev._serial == len(self.values) - 1
+        self.inputs.append("chained" if chained else "host")
+        tok = prev.tolist() if isinstance(prev, graph_step.DeviceTokens) else np.asarray(prev).reshape(-1).tolist()
+        logits = self.forward(rows, mx.array([[tok[0]]], dtype=mx.int32))
+        self.values.append(int(mx.argmax(logits, axis=-1).item()))
+        self.events.append("graph")
+        self.pending = True
+        return graph_step.DeviceTokens(self, 0, len(self.values) - 1)
+
+    def _read(self, slot, serial):
+        return [self.values[serial]]
+
+    def sync(self):
+        self.pending = False
+        self.events.append("sync")
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_engine_decodes_greedy_single_rows_through_the_graph_step_and_matches(tiny, pipelined):
+    prompts = random_prompts(5, 3, 40, seed=11)
+    expected = [oracle(tiny, p, 12) for p in prompts]
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
+    eng._read_back_first = not pipelined
+    fake = eng._graph_step = FakeGraphStep(eng.runner)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    # One at a time: every decode step is one greedy row.
+    got = [eng.generate_many([(p, greedy)])[0] for p in prompts[:2]]
+    assert got == expected[:2]
+    assert fake.events.count("graph") >= 2 * 10
+    # Together, and with a sampled request: rows join and leave, so MLX's steps and
+    # captured ones alternate, and the tokens still match.
+    sampled = SamplingParams(temperature=0.8, max_tokens=12, seed=5)
+    mixed = eng.generate_many([(p, greedy) for p in prompts[2:]] + [(prompts[0], sampled)])
+    assert mixed[:3] == expected[2:]
+    alone = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
+    assert mixed[3] == alone.generate_many([(prompts[0], sampled)])[0]
+    assert "mlx-after-pending" not in fake.events
+
+
+def test_pipelined_engine_chains_captured_steps_on_the_device(tiny):
+    """Each steady captured step is queued with the step before it still unread: the
+    GPU then never waits for the engine thread between tokens (H200 run 107: with the
+    host's work between steps the token gap was the step plus the thread's 0.08-0.23 ms)."""
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
+    eng._read_back_first = False
+    fake = eng._graph_step = FakeGraphStep(eng.runner)
+    prompt = random_prompts(1, 20, 21, seed=3)[0]
+    got = eng.generate_many([(prompt, SamplingParams(temperature=0.0, max_tokens=16))])[0]
+    assert got == oracle(tiny, prompt, 16)
+    # The prefill's sample comes from MLX; the next 14 decode steps chain, the first may not.
+    assert fake.inputs.count("chained") >= len(fake.inputs) - 1 and len(fake.inputs) >= 14, fake.inputs
+
+
+def _spec(name, inputs, outputs, source, header=""):
+    return kernel_files.KernelSpec(name, inputs, outputs, *kernel_files.short_texts(name, source, header, inputs),
+                                   "TANDEM_PDL" in source + header)
+
+
+def test_kernel_text_declares_what_the_body_reads_in_mlxs_order():
+    spec = kernel_files.KernelSpec("k", ["w", "ids"], ["y"], "// reads w_shape ids_ndim\ny[0] = w[0];", "#define H 1\n")
+    ln = kernel_files.Launch(spec, [mx.zeros((2, 4), mx.float16), mx.zeros((3,), mx.int32)], [mx.zeros((2,), mx.float32)],
+                             [("T", mx.bfloat16), ("N", 7), ("F", False)], (1, 1, 1), (1, 1, 1), None)
+    text, layout = captured.kernel_text(ln)
+    assert ('extern "C" __global__ void graph_k(const __half* w, const Shape w_shape, '
+            'const int32_t* ids, const int ids_ndim, float* y) {\n  using T = __nv_bfloat16;\n'
+            '  constexpr int N = 7;\n  constexpr bool F = false;\n\n// reads w_shape ids_ndim\ny[0] = w[0];\n}\n') in text
+    assert text.index("#define H 1") < text.index("graph_k(")
+    assert layout == [("in", 0), ("shape", 0), ("in", 1), ("ndim", 1), ("out", 0)]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernel_texts_of_real_kernels_compile(tmp_path):
+    """The argmax and embedding kernels as the graph step writes them compile for sm_90
+    (nvcc here; NVRTC on the GPU machine, whose branch of the prelude differs only in the
+    integer typedefs)."""
+    from tandem.kernels.cuda import argmax_cuda
+    from tandem.kernels.cuda import embed_cuda
+
+    cases = [
+        (_spec("tandem_argmax_rows", ["logits"], ["out"], argmax_cuda._SOURCE,
+               f"constexpr int THREADS = {argmax_cuda.THREADS};\n"),
+         [mx.zeros((1, 1024), mx.float16)], [mx.zeros((1,), mx.int32)], [("T", mx.float16)]),
+        (_spec("tandem_quantized_embedding", ["ids", "w", "scales", "biases"], ["out"], embed_cuda._SOURCE),
+         [mx.zeros((1,), mx.int32), mx.zeros((8, 128), mx.uint32), mx.zeros((8, 32), mx.float16),
+          mx.zeros((8, 32), mx.float16)], [mx.zeros((1, 1024), mx.float16)],
+         [("T", mx.float16), ("BITS", 4), ("GS", 32), ("WPR", 128)]),
+    ]
+    for spec, ins, outs, template in cases:
+        text, _ = captured.kernel_text(kernel_files.Launch(spec, ins, outs, template, (1, 1, 1), (1, 1, 1), None))
+        src = tmp_path / f"{spec.name}.cu"
+        src.write_text(text)
+        run = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-o", str(tmp_path / f"{spec.name}.cubin"), str(src)],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+
+
+_CTYPES = {"__half": mx.float16, "__nv_bfloat16": mx.bfloat16, "float": mx.float32, "int32_t": mx.int32,
+           "uint32_t": mx.uint32}
+
+
+def _launch_from_variant(name, source, header, inputs, outputs, template):
+    """bench/cuda_compile.py's description of a variant as a recorded launch."""
+    tvals = []
+    for kind, n, v in template:
+        tvals.append((n, _CTYPES[v] if kind == "typename" else (v == "true") if kind == "bool" else int(v)))
+    types = dict(_CTYPES, **{n: v for n, v in tvals if isinstance(v, mx.Dtype)})
+    spec = _spec(name, [n for n, _ in inputs], [n for n, _ in outputs], source, header)
+    return kernel_files.Launch(spec, [mx.zeros((2,), types[t]) for _, t in inputs],
+                               [mx.zeros((2,), types[t]) for _, t in outputs], tvals, (1, 1, 1), (1, 1, 1), None)
+
+
+ONE_ROW_KERNELS = ("embedding __half 4-bit g64", "qgemv-stream-lean qkv+norm c1 h8 p1", "qgemv-stream-lean o+res c1 h8 p1",
+                   "qgemv-stream-lean gate/up pair+norm unpack1 c1 h8 p1", "qgemv-stream-lean down+res c1 h4 p4",
+                   "decode attention fused __half D=128 staged-merge=true", "multirow norm=True swiglu=False res=False",
+                   "argmax __half")
+
+
+@pytest.mark.skipif(nvrtc.library() is None, reason="needs libnvrtc (the nvidia-cuda-nvrtc wheel)")
+def test_one_row_kernels_compile_through_nvrtc_as_the_graph_step_writes_them(tmp_path, monkeypatch):
+    """Every kernel of the 8B shape's one-row step, as ``kernel_text`` writes it, compiles
+    with NVRTC for sm_90: the compiler the graph step uses on the GPU machine, whose
+    environment (no C++ library, none of MLX's headers) nvcc does not reproduce."""
+    import importlib.util
+
+    monkeypatch.setenv("TANDEM_KERNEL_DIR", str(tmp_path))
+    path = Path(__file__).resolve().parents[4] / "bench" / "cuda_compile.py"
+    spec = importlib.util.spec_from_file_location("cuda_compile_for_test", path)
+    cc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cc)
+    monkeypatch.setattr(cc, "variant", lambda *a: a)
+    found = {label: args for gen in (cc.embed_variants, cc.qgemv_stream_variants, cc.attention_variants,
+                                     cc.multirow_variants, cc.argmax_variants) for label, args in gen()}
+    for label in ONE_ROW_KERNELS:
+        launch = _launch_from_variant(*found[label])
+        # Every one of them waits for its predecessor under programmatic dependent launch.
+        assert launch.spec.pdl, label
+        for pdl in (False, True):
+            text, _ = captured.kernel_text(launch, pdl)
+            assert ("griddepcontrol.wait" in text) == pdl
+            try:
+                assert nvrtc.compile_cubin(text, "sm_90", "k.cu")[:4] == b"\x7fELF", label
+            except nvrtc.CompileError as exc:
+                pytest.fail(f"{label} (pdl {pdl}): {exc}")
+
+
+class FakeDriver:
+    """The driver calls GraphStep.launch makes, on a simulated device: a replay turns the
+    token in tok_dev and the position in the state buffer into the next token."""
+
+    def __init__(self):
+        self.dev: dict[int, int] = {}  # device address -> int32 value (token, first state word)
+        self._keep, self.uploads, self.launches = [], [], 0
+
+    def bind_context(self):
+        pass
+
+    def arch(self):
+        return "sm_90"
+
+    def stream(self):
+        return 7
+
+    def event(self):
+        return 0
+
+    def mem_alloc(self, n):
+        addr = 0x1000 * (len(self.dev) + 1)
+        self.dev[addr] = 0
+        return addr
+
+    def host_alloc(self, n):
+        buf = ctypes.create_string_buffer(n)
+        self._keep.append(buf)
+        return ctypes.addressof(buf)
+
+    def call(self, name, *args):
+        if name == "cuMemcpyHtoDAsync_v2":
+            dst, src, n, _ = args
+            self.dev[dst] = ctypes.c_int32.from_address(src).value
+            self.uploads.append(dst)
+        elif name == "cuGraphLaunch":
+            self.launches += 1
+            tok, pos = self.dev[FakeGraph.tok], self.dev[FakeGraph.state]
+            self.dev[FakeGraph.tok] = (tok * 31 + pos) % 1000
+        elif name == "cuMemcpyDtoHAsync_v2":
+            dst, src, n, _ = args
+            ctypes.c_int32.from_address(dst).value = self.dev[src]
+
+
+class FakeGraph:
+    tok = state = 0
+    exec = 1
+
+
+class _Row:
+    def __init__(self, start):
+        self.start, self.n = start, 1
+
+
+def test_launch_keeps_the_token_on_the_device_and_uploads_only_when_it_must(monkeypatch):
+    drv = FakeDriver()
+    runner = type("R", (), {"decode_state": lambda self, rows: (np.array([rows[0].start, 0, 0, 0], np.int32), 1)})()
+    g = graph_step.GraphStep(runner, drv)
+    FakeGraph.tok, FakeGraph.state = g.tok_dev, drv.mem_alloc(16)
+    g._graph = lambda nb: type("G", (), {"exec": 1, "state_dev": FakeGraph.state})()
+    synced = []
+    monkeypatch.setattr(mx, "synchronize", lambda *a: synced.append(1))
+    want, tok = [], 5
+    prev = mx.array([tok], dtype=mx.int32)  # the prefill's sample: an MLX array
+    got = []
+    for pos in range(10, 30):
+        before = prev
+        prev = g.launch([_Row(pos)], prev)
+        if isinstance(before, graph_step.DeviceTokens):  # read back one step behind, as the engine does
+            got.append(before.tolist()[0])
+        tok = (tok * 31 + pos) % 1000
+        want.append(tok)
+    got.append(prev.tolist()[0])
+    assert got == want  # every token is the chained value, though none went through the host
+    tok_uploads = [d for d in drv.uploads if d == g.tok_dev]
+    assert len(tok_uploads) == 1 and len(synced) == 1  # the MLX-made first input only
+    # A capture in between (its check writes tok_dev) makes the next launch upload again.
+    g._tok_serial = -1
+    nxt = g.launch([_Row(30)], prev)
+    assert [d for d in drv.uploads if d == g.tok_dev] == [g.tok_dev] * 2
+    assert nxt.tolist()[0] == (want[-1] * 31 + 30) % 1000
+    # A token left unread for more launches than the ring holds is refused, not misread.
+    stale = nxt
+    for pos in range(31, 31 + graph_step.RING + 1):
+        nxt = g.launch([_Row(pos)], nxt)
+    stale._value = None
+    with pytest.raises(RuntimeError, match="overwritten"):
+        stale.tolist()
+
+
+class FakeCaptureDriver(FakeDriver):
+    """Records what a capture launches, its parameters read back through the pointers."""
+
+    def __init__(self):
+        super().__init__()
+        self.captured, self.names, self.shared, self.allowed = [], {}, {}, {}
+
+    def load_module(self, cubin):
+        return len(self.names) + 1
+
+    def get_function(self, module, name):
+        self.names[module] = name
+        return module
+
+    def begin_capture(self, stream):
+        self.capturing = True
+
+    def end_capture(self, stream):
+        self.capturing = False
+        return 99
+
+    def instantiate(self, graph):
+        return 100
+
+    def allow_shared(self, func, nbytes):
+        self.allowed[self.names[func]] = nbytes
+
+    def launch(self, func, grid, block, stream, params, programmatic=False, shared_bytes=0):
+        assert self.capturing
+        self.captured.append((self.names[func], grid, block, params, programmatic))
+        self.shared[self.names[func]] = shared_bytes
+
+
+def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch):
+    """The recorded launches' parameters: every array where MLX put it, except the step
+    state's views (into the graph's state buffer, at their offsets), the token input and
+    the argmax's output (both the token buffer); shapes by value, grids in blocks."""
+    state = mx.array(np.arange(7, dtype=np.int32))  # pos, slot, len, 4 table columns
+    tok = mx.array([[3]], dtype=mx.int32)
+    w, y = mx.zeros((4, 8), mx.float16), mx.zeros((4,), mx.float16)
+    logits, tokens = mx.zeros((1, 64), mx.float16), mx.zeros((1,), mx.int32)
+    pos_v, tab_v, ids_v = state[:1], state[3:].reshape(1, 4), tok.reshape(-1)
+    spec = lambda name, ins, outs, src, shared=0: kernel_files.KernelSpec(name, ins, outs, src, "", True, shared)  # noqa: E731
+    launches = [
+        kernel_files.Launch(spec("a", ["w", "pos", "table", "ids"], ["y"], "// reads w_shape table_ndim", 80_000),
+                            [w, pos_v, tab_v, ids_v], [y], [("K", 8)], (8, 1, 1), (4, 1, 1), None),
+        kernel_files.Launch(spec("head", ["y"], ["logits"], "logits[0] = y[0];"), [y], [logits], [],
+                            (64, 1, 1), (64, 1, 1), None),
+        kernel_files.Launch(spec("argmax", ["logits"], ["out"], "// reads logits_shape"), [logits], [tokens],
+                            [("T", mx.float16)], (1024, 1, 1), (1024, 1, 1), None)]
+    where = {id(state): 0x10000, id(pos_v): 0x10000, id(tab_v): 0x1000C, id(tok): 0x20000, id(ids_v): 0x20000,
+             id(w): 0x30000, id(y): 0x40000, id(logits): 0x50000, id(tokens): 0x60000}
+    monkeypatch.setattr(graph_step, "device_pointers", lambda arrays: [where[id(a)] for a in arrays])
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda text, arch, name: text.encode())
+    monkeypatch.setattr(graph_step, "PDL", True)
+    drv = FakeCaptureDriver()
+    g = graph_step.GraphStep(type("R", (), {})(), drv)
+    g._record = lambda nb, token, pos, pools: (launches, state, tok, tokens, logits)
+    graph = g._capture(4, ())
+
+    def ptr(p):
+        return ctypes.c_uint64.from_address(p).value
+
+    (na, ga, ba, pa, pdl_a), (_, gh, _, ph, _), (nm, gm, _, pm, _) = drv.captured
+    assert (na, nm) == ("graph_a", "graph_argmax") and pdl_a
+    assert (ga, ba, gh, gm) == ((2, 1, 1), (4, 1, 1), (1, 1, 1), (1, 1, 1))
+    sd = graph.state_dev
+    assert [ptr(pa[0]), ptr(pa[2]), ptr(pa[3]), ptr(pa[5]), ptr(pa[6])] == [0x30000, sd, sd + 12, g.tok_dev, 0x40000]
+    assert list((ctypes.c_int32 * 10).from_address(pa[1]))[:3] == [4, 8, 0]  # w_shape
+    assert ctypes.c_int32.from_address(pa[4]).value == 2  # table_ndim
+    assert [ptr(ph[0]), ptr(ph[1])] == [0x40000, 0x50000]
+    assert ptr(pm[0]) == 0x50000 and list((ctypes.c_int32 * 2).from_address(pm[1])) == [1, 64]
+    assert ptr(pm[2]) == g.tok_dev  # the argmax writes the next step's input
+    assert graph.logits_ptr == 0x50000 and graph.exec == 100
+    # Dynamic shared memory as MLX gives it: each launch its bytes, and leave above 48 KB.
+    assert drv.shared == {"graph_a": 80_000, "graph_head": 0, "graph_argmax": 0}
+    assert drv.allowed == {"graph_a": 80_000}
+    # A step that does not end in the argmax is not captured.
+    g._record = lambda nb, token, pos, pools: (launches[:2], state, tok, tokens, logits)
+    with pytest.raises(graph_step.Unsupported, match="argmax"):
+        g._capture(4, ())
+
+
+def test_prepare_captures_every_width_to_the_bound_and_a_refusal_turns_the_step_off():
+    from tandem.pipeline.runners.cuda.runner import table_width
+
+    store = type("S", (), {"block_size": 16})()
+    g = graph_step.GraphStep(type("R", (), {"store": store})(), FakeDriver())
+    seen = []
+    g._graph = lambda nb: seen.append(nb)
+    g.prepare(1000)
+    assert seen[0] == table_width(1) and seen[-1] * 16 >= 1000 > seen[-2] * 16
+    assert seen == sorted(set(seen)) and all(table_width(n) == n for n in seen) and g.failed is None
+
+    def refuse(nb):
+        raise graph_step.Unsupported("no")
+
+    g._graph = refuse
+    g.prepare(1000)
+    assert g.failed == "no" and not g.applies([_Row(5)], [SamplingParams(temperature=0.0)])
+
+
+class TimedDriver(FakeDriver):
+    """FakeDriver with a device clock: a replay takes 2.4 ms, ``idle`` lets the device wait
+    for the host, and a timing event records the clock when the stream reaches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.clock, self.stamps, self._next_event = 0.0, {}, 100
+
+    def event(self, timing=False):
+        self._next_event += 1
+        return self._next_event
+
+    def idle(self, ms):
+        self.clock += ms
+
+    def elapsed_ms(self, start, end):
+        return self.stamps[end] - self.stamps[start]
+
+    def call(self, name, *args):
+        if name == "cuEventRecord":
+            self.stamps[args[0]] = self.clock
+        elif name == "cuGraphLaunch":
+            self.clock += 2.4
+        super().call(name, *args)
+
+
+def test_timing_gives_each_replays_device_time_and_the_idle_time_before_it(monkeypatch):
+    monkeypatch.setattr(graph_step, "TIMING", True)
+    drv = TimedDriver()
+    runner = type("R", (), {"decode_state": lambda self, rows: (np.array([rows[0].start, 0, 0, 0], np.int32), 1)})()
+    g = graph_step.GraphStep(runner, drv)
+    FakeGraph.tok, FakeGraph.state = g.tok_dev, drv.mem_alloc(16)
+    g._graph = lambda nb: type("G", (), {"exec": 1, "state_dev": FakeGraph.state})()
+    monkeypatch.setattr(mx, "synchronize", lambda *a: None)
+    prev, idles = mx.array([5], dtype=mx.int32), [0.0, 0.3, 0.0, 1.25]
+    for pos, wait in enumerate(idles):
+        drv.idle(wait)  # the host came late: the device sat idle before this launch
+        before = prev
+        prev = g.launch([_Row(pos)], prev)
+        if isinstance(before, graph_step.DeviceTokens):
+            before.tolist()
+    prev.tolist()
+    serials = [t[0] for t in g.timings]
+    assert serials == [0, 1, 2, 3]
+    assert [round(t[1], 6) for t in g.timings] == [2.4] * 4
+    assert g.timings[0][2] is None  # nothing ran before the first
+    assert [round(t[2], 6) for t in list(g.timings)[1:]] == idles[1:]
+    # A replay read back again adds nothing; one whose predecessor was never read has no idle.
+    prev.tolist()
+    assert len(g.timings) == 4
+    skipped = g.launch([_Row(9)], prev)
+    last = g.launch([_Row(10)], skipped)
+    last.tolist()
+    assert g.timings[-1][0] == 5 and g.timings[-1][2] is None
+
+
+def test_without_timing_no_timing_event_is_made_or_recorded(monkeypatch):
+    monkeypatch.setattr(graph_step, "TIMING", False)
+    drv = TimedDriver()
+    g = graph_step.GraphStep(type("R", (), {})(), drv)
+    made = drv._next_event - 100
+    assert g._marks is None and made == graph_step.RING  # the read-back events only
