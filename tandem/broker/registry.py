@@ -24,6 +24,9 @@ class Load:
     free_blocks: int = 0
     total_blocks: int = 0
     block_size: int = 16
+    tokens_per_s: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -122,6 +122,57 @@ class _ClusterCollector:
             fam = GaugeMetricFamily("tandem_broker_requests_queued", "Requests queued in the broker")
             fam.add_metric([], queued)
             yield fam
+        yield from _per_worker(workers)
+        yield from _broker_counters(self.cluster.get("counters"))
+
+
+def _per_worker(workers: list[dict]):
+    """One series per worker under its redacted id (``decode-0``): the spread of load."""
+    by_state = GaugeMetricFamily("tandem_workers", "Workers known to the broker by role and state", labels=["role", "state"])
+    counts: dict[tuple[str, str], int] = {}
+    for w in workers:
+        key = (str(w.get("role", "")), str(w.get("state", "")))
+        counts[key] = counts.get(key, 0) + 1
+    for key, n in sorted(counts.items()):
+        by_state.add_metric(list(key), n)
+    yield by_state
+    families = (
+        ("tandem_worker_kv_blocks_used", "KV blocks in use on a worker", "used_blocks"),
+        ("tandem_worker_kv_blocks_total", "KV blocks a worker's pool holds", "total_blocks"),
+        ("tandem_worker_tokens_per_second", "A worker's engine throughput while it steps", "tokens_per_s"),
+    )
+    for name, help_text, key in families:
+        fam = GaugeMetricFamily(name, help_text, labels=["node", "role"])
+        for w in workers:
+            value = _num(w, key)
+            if value is not None and "node" in w:
+                fam.add_metric([str(w["node"]), str(w.get("role", ""))], value)
+        yield fam
+
+
+# Broker counters worth a Prometheus series: (name, help, key in the broker's counters).
+_BROKER_COUNTERS = (
+    ("tandem_broker_requests_submitted", "Requests the broker accepted", "submitted"),
+    ("tandem_broker_generated_tokens", "Tokens the broker proxied from workers to clients", "tokens"),
+    ("tandem_broker_kv_handoffs", "Prefill-to-decode KV handoffs completed", "handoffs"),
+    ("tandem_broker_migrations", "Requests moved to another worker after a failure", "migrations"),
+    ("tandem_broker_migrations_exhausted", "Requests that failed because no migration was left", "migrations_exhausted"),
+    ("tandem_broker_worker_refusals", "Dispatches a worker refused (full, draining)", "worker_refusals"),
+)
+_BROKER_REFUSALS = {"refused_busy": "busy", "refused_no_worker": "no_worker", "refused_timeout": "timeout"}
+
+
+def _broker_counters(counters):
+    if not isinstance(counters, dict):
+        return
+    for name, help_text, key in _BROKER_COUNTERS:
+        fam = CounterMetricFamily(name, help_text)
+        fam.add_metric([], _num(counters, key) or 0.0)
+        yield fam
+    refused = CounterMetricFamily("tandem_broker_requests_refused", "Requests the broker refused, by reason", labels=["reason"])
+    for key, reason in _BROKER_REFUSALS.items():
+        refused.add_metric([reason], _num(counters, key) or 0.0)
+    yield refused
 
 
 def _workers(cluster: dict | None) -> list[dict]:

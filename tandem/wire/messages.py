@@ -147,6 +147,9 @@ class Heartbeat:
     kv_sent_bytes: int = w(S.TOTAL, 0)
     kv_sent_s: float = w(S.Float(0.0, 1e12), 0.0)
     kv_received_bytes: int = w(S.TOTAL, 0)
+    # The engine's prefix-cache lookups and hits since start (the console's hit rate).
+    prefix_queries: int = w(S.TOTAL, 0)
+    prefix_hits: int = w(S.TOTAL, 0)
 
 
 @message(MsgType.DISPATCH)

@@ -417,6 +417,18 @@ def test_heartbeat_kv_totals_become_bandwidth_in_stats():
     assert row["kv_handoffs"] == 1 and row["kv_gb_s"] == 5.0 and row["kv_gb_s_recent"] == pytest.approx(0.3 * 5 + 0.7 * 1.7, abs=1e-3)
 
 
+def test_heartbeat_rate_and_prefix_counts_reach_stats():
+    from tandem.broker.stats import snapshot
+
+    h = Harness()
+    d = h.worker("d0", "decode")
+    row = snapshot(h.d)["workers"][0]
+    assert row["tokens_per_s"] == 0 and row["prefix_queries"] == 0 and row["prefix_hits"] == 0
+    h.d.worker_message(d, M.Heartbeat("d0", running=1, tokens_per_s=123.456, prefix_queries=8, prefix_hits=3))
+    row = snapshot(h.d)["workers"][0]
+    assert row["tokens_per_s"] == 123.46 and row["prefix_queries"] == 8 and row["prefix_hits"] == 3
+
+
 def test_refusal_after_the_stream_ended_releases_the_worker():
     """A prefill worker whose handoff acknowledgement was lost reports the handoff failed
     after the decode worker already finished the stream: its claim goes, nothing lingers."""

@@ -359,6 +359,27 @@ def test_metrics_count_tokens_and_latency(make_app, fake):
     assert tokens > 0 and float(itl[0].split()[-1]) == tokens - 2 * 3  # first events carry 3 tokens each
 
 
+def test_metrics_carry_the_brokers_counters_and_each_workers_load(make_app, fake):
+    fake.stats_reply = {
+        "queue_depth": 3,
+        "counters": {"submitted": 9, "tokens": 120, "migrations": 2, "refused_busy": 4, "refused_timeout": 1},
+        "workers": [{"node": "prefill-0", "role": "prefill", "state": "up", "used_blocks": 0, "total_blocks": 64,
+                     "free_blocks": 64, "tokens_per_s": 0.0},
+                    {"node": "decode-0", "role": "decode", "state": "down", "used_blocks": 10, "total_blocks": 64,
+                     "free_blocks": 54, "tokens_per_s": 41.5}],
+    }
+    text = get(make_app(fake), "/metrics").body.decode()
+    for line in ("tandem_broker_requests_queued 3.0", "tandem_broker_requests_submitted_total 9.0",
+                 "tandem_broker_generated_tokens_total 120.0", "tandem_broker_migrations_total 2.0",
+                 'tandem_broker_requests_refused_total{reason="busy"} 4.0',
+                 'tandem_broker_requests_refused_total{reason="no_worker"} 0.0',
+                 'tandem_broker_requests_refused_total{reason="timeout"} 1.0',
+                 'tandem_workers{role="decode",state="down"} 1.0', 'tandem_workers{role="prefill",state="up"} 1.0',
+                 'tandem_worker_kv_blocks_used{node="decode-0",role="decode"} 10.0',
+                 'tandem_worker_tokens_per_second{node="decode-0",role="decode"} 41.5'):
+        assert line in text, line
+
+
 def test_too_many_choices_and_deep_json(make_app, fake):
     app = make_app(fake)
     r = post(app, "/v1/completions", {"model": "tiny", "prompt": ["a"] * 20, "n": 4})
