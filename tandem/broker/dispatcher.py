@@ -144,7 +144,6 @@ class Dispatcher(Admission, StreamTracking, Failover):
             w.saturated = False
             w.load.running, w.load.waiting = msg.running, msg.waiting
             w.load.free_blocks, w.load.total_blocks = msg.free_blocks, msg.total_blocks
-            w.load.tokens_per_s = msg.tokens_per_s
             w.load.prefix_queries, w.load.prefix_hits = msg.prefix_queries, msg.prefix_hits
             w.remember_prefixes(reversed(msg.prefix_hashes))
             w.kv.update(msg.kv_handoffs, msg.kv_sent_bytes, msg.kv_sent_s, msg.kv_received_bytes)

@@ -24,7 +24,6 @@ class Load:
     free_blocks: int = 0
     total_blocks: int = 0
     block_size: int = 16
-    tokens_per_s: float = 0.0
     prefix_queries: int = 0
     prefix_hits: int = 0
 
@@ -74,6 +73,7 @@ class Worker:
     decode_targeted: int = 0
     refusals: int = 0
     failures: int = 0
+    tokens: int = 0  # tokens of its requests' streams the broker forwarded (prefill: first tokens)
     prefixes: OrderedDict = field(default_factory=OrderedDict)
     saturated: bool = False  # it refused work; no more until its next heartbeat says otherwise
     kv: KVTraffic = field(default_factory=KVTraffic)

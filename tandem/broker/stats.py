@@ -42,7 +42,7 @@ def snapshot(dispatcher, *, verbose: bool = False, rounds_s: list[float] | None 
             "free_blocks": w.load.free_blocks,
             "total_blocks": w.load.total_blocks,
             "used_blocks": max(0, w.load.total_blocks - w.load.free_blocks),
-            "tokens_per_s": round(w.load.tokens_per_s, 2),
+            "tokens": w.tokens,
             "prefix_queries": w.load.prefix_queries,
             "prefix_hits": w.load.prefix_hits,
             # KV transfer: handoffs this worker sent, their bytes, bandwidth over all of

@@ -49,6 +49,11 @@ class StreamTracking:
             job.first_token_at = self.clock()
         job.generated.extend(msg.tokens)
         self.counters["tokens"] += len(msg.tokens)
+        # The first token is the prefill worker's, the rest the decode worker's: the
+        # console's per-worker tokens/s is the change of these totals.
+        source = self.registry.get(job.prefill_worker if msg.seq == 0 else job.decode_worker)
+        if source is not None:
+            source.tokens += len(msg.tokens)
         if msg.finish_reason is None and msg.error is None:
             return "forward"
         self._set_state(job, J.FINISHED)

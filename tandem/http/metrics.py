@@ -137,12 +137,12 @@ def _per_worker(workers: list[dict]):
         by_state.add_metric(list(key), n)
     yield by_state
     families = (
-        ("tandem_worker_kv_blocks_used", "KV blocks in use on a worker", "used_blocks"),
-        ("tandem_worker_kv_blocks_total", "KV blocks a worker's pool holds", "total_blocks"),
-        ("tandem_worker_tokens_per_second", "A worker's engine throughput while it steps", "tokens_per_s"),
+        (GaugeMetricFamily, "tandem_worker_kv_blocks_used", "KV blocks in use on a worker", "used_blocks"),
+        (GaugeMetricFamily, "tandem_worker_kv_blocks_total", "KV blocks a worker's pool holds", "total_blocks"),
+        (CounterMetricFamily, "tandem_worker_generated_tokens", "Tokens of a worker's streams the broker forwarded", "tokens"),
     )
-    for name, help_text, key in families:
-        fam = GaugeMetricFamily(name, help_text, labels=["node", "role"])
+    for family, name, help_text, key in families:
+        fam = family(name, help_text, labels=["node", "role"])
         for w in workers:
             value = _num(w, key)
             if value is not None and "node" in w:

@@ -417,16 +417,32 @@ def test_heartbeat_kv_totals_become_bandwidth_in_stats():
     assert row["kv_handoffs"] == 1 and row["kv_gb_s"] == 5.0 and row["kv_gb_s_recent"] == pytest.approx(0.3 * 5 + 0.7 * 1.7, abs=1e-3)
 
 
-def test_heartbeat_rate_and_prefix_counts_reach_stats():
+def test_heartbeat_prefix_counts_reach_stats():
     from tandem.broker.stats import snapshot
 
     h = Harness()
     d = h.worker("d0", "decode")
     row = snapshot(h.d)["workers"][0]
-    assert row["tokens_per_s"] == 0 and row["prefix_queries"] == 0 and row["prefix_hits"] == 0
-    h.d.worker_message(d, M.Heartbeat("d0", running=1, tokens_per_s=123.456, prefix_queries=8, prefix_hits=3))
+    assert row["prefix_queries"] == 0 and row["prefix_hits"] == 0
+    h.d.worker_message(d, M.Heartbeat("d0", running=1, prefix_queries=8, prefix_hits=3))
     row = snapshot(h.d)["workers"][0]
-    assert row["tokens_per_s"] == 123.46 and row["prefix_queries"] == 8 and row["prefix_hits"] == 3
+    assert row["prefix_queries"] == 8 and row["prefix_hits"] == 3
+
+
+def test_streamed_tokens_count_for_the_worker_that_made_them():
+    from tandem.broker.stats import snapshot
+
+    h = Harness()
+    h.worker("p0", "prefill")
+    h.worker("d0", "decode")
+    (rid,) = h.submit()
+    job = h.d.jobs[rid]
+    (_, disp), = h.dispatches()
+    h.d.stream(job, disp.attempt, M.TokenMessage(rid, 0, [11]))
+    h.d.stream(job, disp.attempt, M.TokenMessage(rid, 1, [12, 13]))
+    h.d.stream(job, disp.attempt, M.TokenMessage(rid, 1, [12, 13]))  # a duplicate counts for no one
+    rows = {r["node"]: r for r in snapshot(h.d)["workers"]}
+    assert rows["prefill-0"]["tokens"] == 1 and rows["decode-0"]["tokens"] == 2
 
 
 def test_refusal_after_the_stream_ended_releases_the_worker():

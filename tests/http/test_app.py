@@ -364,9 +364,9 @@ def test_metrics_carry_the_brokers_counters_and_each_workers_load(make_app, fake
         "queue_depth": 3,
         "counters": {"submitted": 9, "tokens": 120, "migrations": 2, "refused_busy": 4, "refused_timeout": 1},
         "workers": [{"node": "prefill-0", "role": "prefill", "state": "up", "used_blocks": 0, "total_blocks": 64,
-                     "free_blocks": 64, "tokens_per_s": 0.0},
+                     "free_blocks": 64, "tokens": 1},
                     {"node": "decode-0", "role": "decode", "state": "down", "used_blocks": 10, "total_blocks": 64,
-                     "free_blocks": 54, "tokens_per_s": 41.5}],
+                     "free_blocks": 54, "tokens": 41}],
     }
     text = get(make_app(fake), "/metrics").body.decode()
     for line in ("tandem_broker_requests_queued 3.0", "tandem_broker_requests_submitted_total 9.0",
@@ -376,7 +376,7 @@ def test_metrics_carry_the_brokers_counters_and_each_workers_load(make_app, fake
                  'tandem_broker_requests_refused_total{reason="timeout"} 1.0',
                  'tandem_workers{role="decode",state="down"} 1.0', 'tandem_workers{role="prefill",state="up"} 1.0',
                  'tandem_worker_kv_blocks_used{node="decode-0",role="decode"} 10.0',
-                 'tandem_worker_tokens_per_second{node="decode-0",role="decode"} 41.5'):
+                 'tandem_worker_generated_tokens_total{node="decode-0",role="decode"} 41.0'):
         assert line in text, line
 
 
