@@ -42,13 +42,18 @@ class Admission:
             if job.deadline < now:
                 if job.state == J.WAITING_SUB:
                     reason, text = "invalid", "the client never subscribed to the request's stream"
+                elif job.failed_over and not usable:
+                    reason, text = "no_worker", (f"its worker failed and no worker came back to continue it within "
+                                                 f"{max(self.s.queue_timeout_s, self.s.failover_wait_s):.0f}s")
                 else:
                     reason, text = "busy", "no worker could take the request in time"
                 self.counters["refused_timeout"] += 1
                 self._refuse_job(job, reason, text)
-            elif job.state == J.QUEUED and not usable and (not can_probe or (probe_done and job.arrived <= self._last_probe)):
+            elif (job.state == J.QUEUED and not usable and not job.failed_over
+                  and (not can_probe or (probe_done and job.arrived <= self._last_probe))):
                 # Refuse for lack of workers only after a probe round that started after
-                # the request arrived went unanswered.
+                # the request arrived went unanswered (one whose worker failed waits on,
+                # until its deadline, for a worker to return).
                 self.counters["refused_no_worker"] += 1
                 self._refuse_job(job, "no_worker", "no worker is available")
         if not usable and any(j.state == J.QUEUED for j in self.pending.values()):

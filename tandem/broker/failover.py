@@ -110,8 +110,12 @@ class Failover:
         # Anything already streamed must not be produced again: continue from it.
         job.resume = job.next_seq > 0
         self._set_state(job, J.QUEUED)
-        job.deadline = self.clock() + self.s.queue_timeout_s
-        self._try_dispatch(job)
+        # With no other worker of its role up (a single hybrid worker, say), the request
+        # waits for one to come back rather than ending a stream that could continue.
+        job.failed_over = True
+        job.deadline = self.clock() + max(self.s.queue_timeout_s, self.s.failover_wait_s)
+        if not self._try_dispatch(job) and not any(w.usable for w in self.registry.workers.values()):
+            log.info("request %s waits up to %.0fs for a worker to come back", job.request_id.hex(), self.s.failover_wait_s)
 
     def _reprobe(self, now: float) -> None:
         down = self.registry.down()

@@ -41,6 +41,7 @@ class Job:
     migrations: int = 0
     excluded: set = field(default_factory=set)  # workers that refused or failed it
     resume: bool = False  # next dispatch continues from prompt + generated
+    failed_over: bool = False  # its worker failed: it waits (failover_wait_s) for one that can continue it
     dispatched_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None

@@ -21,6 +21,7 @@ class BrokerSettings:
     queue_timeout_s: float = field(default=30.0, metadata={"min": 0.01, "help": "seconds a request may wait in the broker queue for a worker before BUSY"})
     subscribe_timeout_s: float = field(default=5.0, metadata={"min": 0.01, "help": "seconds to wait for a client's stream subscription before refusing the request"})
     retry_after_s: float = field(default=1.0, metadata={"min": 0.0, "help": "Retry-After the broker suggests with BUSY"})
+    failover_wait_s: float = field(default=30.0, metadata={"min": 0.0, "help": "seconds a request whose worker failed waits for a worker that can continue it (say, the one its supervisor restarts) before its stream ends with an error (never less than queue_timeout_s); new requests are still refused at once when no worker is up"})
     max_migrations: int = field(default=2, metadata={"min": 0, "help": "times one request may move to another worker after its worker failed"})
     max_retargets: int = field(default=2, metadata={"min": 0, "help": "times a prefill worker may ask for another decode target after a refused handoff"})
     prefix_load_guard: float = field(default=2.0, metadata={"min": 1.0, "help": "prefix_aware never picks a worker whose load exceeds guard x (lowest load + 1)"})

@@ -286,6 +286,55 @@ def test_reprobe_timeout_refuses():
     assert isinstance(h.to_c[-1][1], M.Refused) and h.to_c[-1][1].reason == "no_worker"
 
 
+def _lose_the_only_worker_mid_stream(h):
+    w = h.worker("h0", "hybrid")
+    (rid,) = h.submit(max_tokens=10)
+    job = h.d.jobs[rid]
+    h.d.stream(job, 1, M.TokenMessage(rid, 0, [11, 12]))
+    h.clock.t += 0.2
+    h.d.tick()  # h0 missed its heartbeat: killed
+    assert h.d.registry.get(w).state == "down"
+    return rid, job
+
+
+def test_only_worker_killed_mid_stream_the_request_waits_and_continues_exactly():
+    """Issue #45: one hybrid worker, SIGKILLed mid-stream and restarted by its supervisor.
+    The stream must not end with "no worker is available" while it is away."""
+    h = Harness(heartbeat_interval_ms=100, heartbeat_liveness=1, reprobe_timeout_ms=500, failover_wait_s=20)
+    rid, job = _lose_the_only_worker_mid_stream(h)
+    for _ in range(40):  # 4 s away, many unanswered probe rounds
+        h.clock.t += 0.1
+        h.d.tick()
+    assert not any(m.error for m in h.pub if m.request_id == rid) and job.state == J.QUEUED
+    assert not any(isinstance(m, M.Refused) for _, m in h.to_c)
+    h.worker("h0-restarted", "hybrid")  # a new process: a new identity
+    (ident, res), = [(i, m) for i, m in h.dispatches() if isinstance(m, M.Resume)]
+    assert ident == b"h0-restarted" and res.generated == [11, 12] and res.next_seq == 1
+    assert res.sampling.max_tokens == 8 and job.state == J.RUNNING
+
+
+def test_a_worker_that_never_returns_ends_the_stream_after_the_bound():
+    h = Harness(heartbeat_interval_ms=100, heartbeat_liveness=1, queue_timeout_s=1, failover_wait_s=5)
+    rid, job = _lose_the_only_worker_mid_stream(h)
+    h.clock.t += 4.9
+    h.d.tick()
+    assert job.state == J.QUEUED
+    h.clock.t += 0.2
+    h.d.tick()
+    (last,) = [m for m in h.pub if m.request_id == rid and m.error]
+    assert "no worker came back" in last.error and "5s" in last.error and rid not in h.d.jobs
+
+
+def test_a_new_request_is_still_refused_at_once_without_workers():
+    h = Harness(heartbeat_interval_ms=100, heartbeat_liveness=1, reprobe_timeout_ms=500, failover_wait_s=20)
+    _lose_the_only_worker_mid_stream(h)
+    (rid,) = h.submit()
+    h.d.tick()
+    h.clock.t += 0.6
+    h.d.tick()
+    assert any(isinstance(m, M.Refused) and m.request_id == rid and m.reason == "no_worker" for _, m in h.to_c)
+
+
 def test_abort_reaches_every_holder_and_frees_accounting():
     h = Harness()
     p = h.worker("p0", "prefill")
