@@ -214,8 +214,13 @@ def _message(i: int, msg: Any) -> dict:
 def parse_chat(body: Any, settings: EdgeSettings) -> Job:
     common = _common(body, "chat", settings)
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", "messages", "missing_required_parameter" if messages is None else "invalid_type")
+    # One code per fault, each with its own message (as for 'prompt').
+    if messages is None:
+        raise bad_request("'messages' is required", "messages", "missing_required_parameter")
+    if not isinstance(messages, list):
+        raise bad_request("'messages' must be a list of messages", "messages", "invalid_type")
+    if not messages:
+        raise bad_request("'messages' must not be empty", "messages", "invalid_value")
     parsed = [_message(i, m) for i, m in enumerate(messages)]
     _refuse_set(body, "tools", why="tool calling is not implemented")
     _refuse_set(body, "functions", why="function calling is not implemented")

@@ -40,15 +40,17 @@ class EdgeTokenizer:
     token_bytes: list[bytes | None] | None
     special_ids: frozenset[int]
 
+    # verbose=False: an over-long prompt is the edge's to refuse (context_length_exceeded);
+    # transformers' own "sequence length is longer than" warning would only add noise.
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=True))
+        return list(self.hf.encode(text, add_special_tokens=True, verbose=False))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions with a plain prompt")
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # The template already carries any BOS; encoding must not add a second one.
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return list(self.hf.encode(text, add_special_tokens=False, verbose=False))
 
     def decode(self, tokens: list[int]) -> str:
         return self.hf.decode(tokens, skip_special_tokens=True)

@@ -198,7 +198,9 @@ BAD = [
     ({**CHAT, "seed": 1.5}, "seed", 400, "invalid_type"),
     ({**CHAT, "logit_bias": {"999999": 5}}, "logit_bias", 400, "invalid_value"),
     ({**CHAT, "logit_bias": {"3": 500}}, "logit_bias", 400, "invalid_value"),
-    ({**CHAT, "messages": []}, "messages", 400, "invalid_type"),
+    ({**CHAT, "messages": []}, "messages", 400, "invalid_value"),
+    ({"model": "tiny"}, "messages", 400, "missing_required_parameter"),
+    ({**CHAT, "messages": "hi"}, "messages", 400, "invalid_type"),
     ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", 400, "unsupported_parameter"),
     ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", 400, "invalid_value"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]", 400, "unsupported_parameter"),
@@ -206,6 +208,16 @@ BAD = [
     ({"messages": CHAT["messages"]}, "model", 400, "missing_required_parameter"),
     ({**CHAT, "model": "gpt-4"}, "model", 404, "model_not_found"),
 ]
+
+
+def test_each_messages_fault_has_one_code_and_its_own_text(make_app, fake):
+    """Missing, empty and mistyped 'messages' differ in code and in text (issue #45)."""
+    seen = {}
+    for messages in (None, [], "hi"):
+        body = {"model": CHAT["model"]} if messages is None else {**CHAT, "messages": messages}
+        err = post(make_app(fake), "/v1/chat/completions", body).json()["error"]
+        seen[err["code"]] = err["message"]
+    assert len(seen) == 3 and len(set(seen.values())) == 3, seen
 
 
 @pytest.mark.parametrize("body,param,status,code", BAD)

@@ -284,7 +284,7 @@ def test_bad_requests_via_openai(stack, kwargs, exc, status, code):
 @pytest.mark.parametrize("body,status,code", [
     (b"{not json", 400, "invalid_json"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * 70000}]}).encode(), 413, "request_too_large"),
-    (json.dumps({"model": "tiny", "messages": []}).encode(), 400, "invalid_type"),
+    (json.dumps({"model": "tiny", "messages": []}).encode(), 400, "invalid_value"),
 ])
 def test_bad_bodies_raw(stack, body, status, code):
     got, _, raw = _post_raw(stack["port"], "/v1/chat/completions", body)

@@ -117,3 +117,12 @@ def test_request_parser_fuzz_never_raises_anything_but_api_errors(body, msgs):
             assert err.status == 400 and err.body()["error"]["message"]
         else:
             assert job.n >= 1 and isinstance(job.stop, list)
+
+
+def test_an_over_long_prompt_leaves_no_transformers_warning(edge_tokenizer, capfd):
+    """The edge refuses a prompt longer than the context itself; transformers' warning
+    about it must not reach the log (issue #45)."""
+    long = "hello world " * 3000
+    assert len(edge_tokenizer.encode(long)) > edge_tokenizer.hf.model_max_length
+    assert len(edge_tokenizer.apply_chat_template([{"role": "user", "content": long}])) > edge_tokenizer.hf.model_max_length
+    assert "Token indices sequence length" not in capfd.readouterr().err
