@@ -16,9 +16,9 @@ def add_arguments(p) -> None:
     p.add_argument("prompt", nargs="?", help="the user message")
     p.add_argument("--token-ids", help="comma-separated prompt token ids (no tokenizer needed)")
     p.add_argument("--config", metavar="FILE", help="TOML config file")
-    p.add_argument("--model", metavar="PATH", help="model directory whose tokenizer to use (default: the bundled model)")
-    p.add_argument("--broker", metavar="ADDR", help="broker frontend (default tcp://127.0.0.1:5555)")
-    p.add_argument("--stream", metavar="ADDR", help="broker XPUB (default tcp://127.0.0.1:5558)")
+    p.add_argument("--model", metavar="PATH", help="model directory whose tokenizer to use (default: the running `tandem serve`'s, else the bundled model)")
+    p.add_argument("--broker", metavar="ADDR", help="broker frontend (default: the running `tandem serve`'s, else tcp://127.0.0.1:5555)")
+    p.add_argument("--stream", metavar="ADDR", help="broker XPUB (default: the running `tandem serve`'s, else tcp://127.0.0.1:5558)")
     p.add_argument("--system", help="system message")
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -28,19 +28,23 @@ def add_arguments(p) -> None:
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--print-ids", action="store_true", help="print token ids instead of text")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker")
-    p.add_argument("--cluster-secret-file", metavar="PATH")
+    p.add_argument("--cluster-secret-file", metavar="PATH", help="default: the running `tandem serve`'s")
+    p.add_argument("--state-dir", metavar="DIR", help="where a local `tandem serve` left serve.json (default $XDG_STATE_HOME/tandem)")
 
 
 def run(args) -> int:
     from tandem import config as config_mod
     from tandem.cli import UserError
+    from tandem.commands import serve_state
     from tandem.kvtypes import SamplingParams
     from tandem.wire.client import Busy, Client, InvalidRequest, StreamError, Unavailable
     from tandem.wire.secret import load_cluster_secret
 
-    cfg = config_mod.load(args.config, overrides={"model.path": args.model, "broker.frontend": args.broker,
-                                                  "broker.stream_out": args.stream,
-                                                  "security.cluster_secret_file": args.cluster_secret_file})
+    found, source = serve_state.overrides(args, {"broker.frontend": "broker", "broker.stream_out": "stream",
+                                                 "security.cluster_secret_file": "cluster_secret_file",
+                                                 "model.path": "model"},
+                                          serve_state.state_dir(args.state_dir))
+    cfg = config_mod.load(args.config, overrides=found)
     if args.max_tokens < 1:
         raise UserError("--max-tokens must be at least 1")
     tok = None
@@ -80,14 +84,17 @@ def run(args) -> int:
         if detok is not None:
             detok.finalize()
             sys.stdout.write(detok.last_segment)
+        # The reply's last line ends before the [finish] line starts, also when stdout
+        # and stderr share one pipe (stdout is then block-buffered).
         sys.stdout.write("\n")
+        sys.stdout.flush()
         if last is not None and last.usage is not None:
             print(f"[finish: {last.finish_reason}; {last.usage.prompt_tokens} prompt + "
                   f"{last.usage.completion_tokens} generated tokens]", file=sys.stderr)
     except Busy as exc:
         raise UserError(f"broker is busy ({exc}); retry in {exc.retry_after_s:.1f}s") from None
     except Unavailable as exc:
-        raise UserError(f"{exc}; is `tandem broker` running, with the same cluster secret?") from None
+        raise UserError(f"{exc} ({source}); is the broker running, with the same cluster secret?") from None
     except (InvalidRequest, StreamError) as exc:
         raise UserError(str(exc)) from None
     finally:

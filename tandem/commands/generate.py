@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 HELP = "generate a reply to one prompt on this machine (no server), streamed to the terminal"
@@ -23,7 +24,7 @@ def add_arguments(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="random seed for sampling")
-    p.add_argument("--quiet", action="store_true", help="print only the generated text")
+    p.add_argument("--quiet", action="store_true", help="print only the generated text (warnings and errors still go to stderr)")
 
 
 def run(args) -> int:
@@ -38,6 +39,8 @@ def run(args) -> int:
         raise UserError(f"--temperature={args.temperature} must be >= 0")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p={args.top_p} must be in (0, 1]")
+    if args.quiet:
+        logging.getLogger().setLevel(logging.WARNING)  # the loader's and libraries' info lines
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
     try:
         from tandem.pipeline.generate import chat_prompt, stream
