@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import signal
 import socket
 import sys
@@ -11,6 +12,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from tandem.commands.serve_state import state_dir
 
 HELP = "run the whole stack on this machine: broker, prefill + decode workers and the OpenAI HTTP edge"
 DESCRIPTION = (
@@ -39,18 +42,13 @@ def add_arguments(p) -> None:
     p.add_argument("--base-port", type=int, default=5555, help="first of the ZeroMQ ports (default 5555)")
     p.add_argument("--parallel", type=int, help="active sequences per worker")
     p.add_argument("--api-key-file", metavar="PATH", help="require this API key as a Bearer token")
-    p.add_argument("--state-dir", metavar="DIR", help="where the generated cluster secret lives (default $XDG_STATE_HOME/tandem)")
+    p.add_argument("--state-dir", metavar="DIR", help="where the generated cluster secret and serve.json (the addresses "
+                   "`tandem client` and `tandem stats` find) live (default $XDG_STATE_HOME/tandem)")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (the edge's access log)")
     p.add_argument("--no-cpu-gate", action="store_true",
                    help="let decode steps run during prefills (default: the co-located workers share a "
                         "lock file in the state directory so prefills go first)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the stack to come up")
-
-
-def state_dir(arg: str | None) -> Path:
-    if arg:
-        return Path(arg)
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(Path.home(), ".local", "state")
-    return Path(base) / "tandem"
 
 
 def ensure_secret(directory: Path) -> Path:
@@ -71,6 +69,9 @@ def check_port_free(host: str, port: int, what: str) -> None:
     if not 0 < port < 65536:
         raise UserError(f"port {port} for {what} is out of range")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As every server that will bind it does (gunicorn, libzmq): connections that
+        # closed a moment ago (TIME_WAIT) do not make the port busy, a listener does.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -106,8 +107,22 @@ def build_specs(args, model: Path, secret: Path, gate: Path | None = None):
                      "--broker-stream", addr["stream_out"], "--model", str(model)] + common
     if args.api_key_file:
         edge += ["--api-key-file", args.api_key_file]
+    if args.access_log:
+        edge += ["--access-log"]
     specs.append(ChildSpec("edge", edge, stop_grace_s=35.0))
     return specs, addr
+
+
+def curl_hint(url: str, model: str, api_key_file: str | None) -> str:
+    """A request that works when pasted into a shell: with an API key, the header reads
+    the key from its file (the key itself never reaches the log)."""
+    body = ('{"model": "' + model + '", "stream": true, "temperature": 0, '
+            '"messages": [{"role": "user", "content": "What is the capital of France?"}]}')
+    cmd = f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'"
+    if api_key_file:
+        key = shlex.quote(str(Path(api_key_file).resolve()))
+        cmd += f' -H "Authorization: Bearer $(cat {key})"'
+    return cmd + " -d " + shlex.quote(body)
 
 
 def wait_ready(url: str, sup, deadline: float) -> None:
@@ -130,6 +145,7 @@ def wait_ready(url: str, sup, deadline: float) -> None:
 
 def run(args) -> int:
     from tandem.cli import UserError
+    from tandem.commands.serve_state import publish, withdraw
     from tandem.pipeline.model_store import ModelError, resolve_model
     from tandem.supervisor import ChildFailed, Supervisor
 
@@ -148,7 +164,7 @@ def run(args) -> int:
         raise UserError(str(exc)) from None
     secret = ensure_secret(state_dir(args.state_dir))
     gate = None if args.no_cpu_gate else secret.parent / f"cpu-gate-{args.base_port}.lock"
-    specs, _ = build_specs(args, model, secret, gate)
+    specs, addr = build_specs(args, model, secret, gate)
     sup = Supervisor(specs)
     stop = lambda *_: sup.stopping.set()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
@@ -160,10 +176,9 @@ def run(args) -> int:
         for child in sup.children:
             sup.start(child, ready_timeout_s=max(1.0, deadline - time.monotonic()))
         wait_ready(url + "/ready", sup, deadline)
+        publish(secret.parent, addresses=addr, secret=secret, model=model, url=url)
         sup.say(f"ready: {url}/v1  (OpenAI-compatible; Ctrl-C stops everything)")
-        sup.say("try: curl -N " + url + "/v1/chat/completions -H 'Content-Type: application/json' "
-                "-d '{\"model\": \"" + model.name + "\", \"stream\": true, \"temperature\": 0, "
-                "\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'")
+        sup.say("try: " + curl_hint(url, model.name, args.api_key_file))
         while not sup.stopping.wait(0.5):
             sup.check()
     except ChildFailed as exc:
@@ -172,6 +187,7 @@ def run(args) -> int:
             print(f"tandem serve: {exc}", file=sys.stderr)
             return 1
     finally:
+        withdraw(secret.parent)
         sup.stop_all()
     sup.say("stopped")
     return 0

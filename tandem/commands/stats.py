@@ -29,12 +29,13 @@ def _cell(w: dict, key: str) -> str:
 
 def add_arguments(p) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config file")
-    p.add_argument("--stats", metavar="ADDR", help="the broker's stats socket (default tcp://127.0.0.1:5559)")
+    p.add_argument("--stats", metavar="ADDR", help="the broker's stats socket (default: the running `tandem serve`'s, else tcp://127.0.0.1:5559)")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS", help="refresh every SECONDS (default 2)")
     p.add_argument("--verbose-addresses", action="store_true", help="ask for worker addresses (the broker must allow it)")
     p.add_argument("--timeout", type=float, default=5.0)
-    p.add_argument("--cluster-secret-file", metavar="PATH")
+    p.add_argument("--cluster-secret-file", metavar="PATH", help="default: the running `tandem serve`'s")
+    p.add_argument("--state-dir", metavar="DIR", help="where a local `tandem serve` left serve.json (default $XDG_STATE_HOME/tandem)")
 
 
 def fetch(address: str, secret: bytes | None, timeout_s: float, verbose: bool = False) -> dict:
@@ -77,17 +78,19 @@ def render(stats: dict) -> str:
 def run(args) -> int:
     from tandem import config as config_mod
     from tandem.cli import UserError
+    from tandem.commands import serve_state
     from tandem.wire.client import Unavailable
     from tandem.wire.secret import load_cluster_secret
 
-    cfg = config_mod.load(args.config, overrides={"broker.stats": args.stats,
-                                                  "security.cluster_secret_file": args.cluster_secret_file})
+    found, source = serve_state.overrides(args, {"broker.stats": "stats", "security.cluster_secret_file": "cluster_secret_file"},
+                                          serve_state.state_dir(args.state_dir))
+    cfg = config_mod.load(args.config, overrides=found)
     secret = load_cluster_secret(cfg.security.cluster_secret_file)
     while True:
         try:
             stats = fetch(cfg.broker.stats, secret, args.timeout, args.verbose_addresses)
         except Unavailable as exc:
-            raise UserError(f"{exc}; is `tandem broker` running, with the same cluster secret?") from None
+            raise UserError(f"{exc} ({source}); is the broker running, with the same cluster secret?") from None
         out = json.dumps(stats, indent=2, sort_keys=True) if args.json else render(stats)
         if args.watch:
             sys.stdout.write("\x1b[2J\x1b[H" + time.strftime("%H:%M:%S") + "\n")

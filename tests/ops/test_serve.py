@@ -218,3 +218,25 @@ def test_colocated_prefill_and_decode_workers_share_one_cpu_gate(tmp_path):
     assert not any("--cpu-gate" in s.argv for s in hybrid)
     ungated = serve_cmd.build_specs(args, tmp_path, tmp_path / "secret", None)[0]
     assert not any("--cpu-gate" in s.argv for s in ungated)
+
+
+def test_port_check_ignores_connections_lingering_in_time_wait():
+    """After Ctrl-C the HTTP port keeps closed connections in TIME_WAIT for a minute;
+    gunicorn binds it anyway (SO_REUSEADDR), so the check before it must too (#45)."""
+    from tandem.cli import UserError
+    from tandem.commands.serve import check_port_free
+    from tests.ops.test_first_run import time_wait_on
+
+    with socket.socket() as lst:
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn's listener
+        lst.bind(("127.0.0.1", 0))
+        lst.listen()
+        port = lst.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = lst.accept()
+        conn.close()  # the server closes first: its side lingers
+        client.close()
+        with pytest.raises(UserError):
+            check_port_free("127.0.0.1", port, "HTTP")  # a listener still holds it
+    assert time_wait_on(port)
+    check_port_free("127.0.0.1", port, "HTTP")
