@@ -521,8 +521,8 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                    tick_forward_ms_p50=forward_ms, tick_encode_ms_p50=encode_ms,
                    compiled=getattr(eng.runner, "compiled", None),
                    graph_step=_graph_status(eng),
-                   token_mailbox=(None if getattr(eng, "_mailbox", None) is None else
-                                  {k: getattr(eng._mailbox, k) for k in ("posted", "spun", "fell_back")}),
+                   token_mailbox=(None if getattr(eng.runner, "mailbox", None) is None else
+                                  {k: getattr(eng.runner.mailbox, k) for k in ("posted", "spun", "fell_back")}),
                    # MLX's eval waits for its queued work whenever more than 10 tasks are in
                    # flight or the active memory passes its limit (95% of the device's, in
                    # libmlx.so 0.32.4): near the limit, every async_eval would stall the GPU.

@@ -30,11 +30,8 @@ from tandem.pipeline import budget
 from tandem.pipeline.api import EngineRefused, EngineRequest, EngineStats, TokenEvent, TokenLogprob, Usage
 from tandem.pipeline.block_pool import BlockPool
 from tandem.pipeline.kv_store import KVStore, dtype_name
-from tandem.pipeline.runners.cuda.runner import paged_runner
-from tandem.pipeline.runners.portable.paged import DenseRunner, probe
-from tandem.pipeline.runners.cuda import graph_step
-from tandem.pipeline.runners.cuda import host_inputs
-from tandem.pipeline.runners.cuda import token_mailbox
+from tandem.pipeline.runner import ModelRunner, probe
+from tandem.pipeline.runners import make_runner
 from tandem.pipeline.sampler import Sampled, sample
 from tandem.pipeline.scheduler import Plan, Scheduler
 from tandem.pipeline.sequence import Sequence, Status
@@ -77,7 +74,10 @@ def _ranges(cpus) -> str:
 
 
 class Engine:
-    def __init__(self, model, settings: EngineSettings, *, model_id: str, eos_token_ids=()):
+    """``runner_factory(model, store, shape, settings)``: the runner that computes the steps
+    (:func:`~tandem.pipeline.runners.make_runner` picks one for this device)."""
+
+    def __init__(self, model, settings: EngineSettings, *, model_id: str, eos_token_ids=(), runner_factory=None):
         self.model = model
         self.settings = settings
         self._cpus = parse_cpus(settings.cpus)  # before any work: a bad value fails the start
@@ -104,16 +104,9 @@ class Engine:
             log.info("KV store: %d of %d blocks allocated at start (%.0f MB)", self.store.capacity, num_blocks,
                      self.store.nbytes / 1e6)
             self.pool.addressable = self.store.capacity
-            self.runner = paged_runner(model, self.store, mirror=settings.decode_mirror, graphs=settings.decode_graphs)
-            if not settings.fast_forward:
-                self.runner.fast = None
-            elif not settings.native_kernels and getattr(self.runner, "fast", None) is not None:
-                self.runner.fast.disable_native_kernels()
         else:
             self.store = None
-            self.runner = DenseRunner(model)
-        self._graph_step = getattr(self.runner, "graph_step", None)
-        self._mailbox = token_mailbox.make(self.runner)
+        self.runner: ModelRunner = (runner_factory or make_runner)(model, self.store, sh, settings)
         self.scheduler = Scheduler(settings, self.pool, prefix_caching=settings.enable_prefix_caching and sh.pageable)
         self._inbox: queue.Queue = queue.Queue()
         self._by_id: dict[bytes, Sequence] = {}
@@ -358,9 +351,9 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         try:
             sampled = inflight[1]
-            ticket = getattr(sampled, "ticket", None)
+            ticket = sampled.ticket if sampled is not None else None
             if ticket is not None:
-                sampled.host_tokens = self._mailbox.read(ticket)
+                sampled.host_tokens = self.runner.read_tokens(ticket)
             if inflight[3] and (ticket is None or sampled.host_tokens is None):
                 mx.eval(*inflight[3])
             return self._complete(*inflight[:3])
@@ -392,27 +385,26 @@ class Engine:
         prev = sampled_before.tokens if sampled_before is not None else None
         steady = (L == 1 and prev is not None and prev.shape[0] == len(rows)
                   and all(len(r.seq.tokens) <= r.start and r.seq.pending_index == i for i, r in enumerate(rows)))
-        graph = self._graph_step
-        if (graph is not None and L == 1 and all(r.samples for r in rows)
-                and graph.applies(rows, [r.seq.sampling for r in rows])):
-            # One greedy row: the captured step (pipeline/runners/cuda/graph_step.py), no MLX launches.
-            toks = graph.launch(rows, prev if steady else self._host_inputs(rows, prev))
+        runner = self.runner
+        if L == 1 and all(r.samples for r in rows) and runner.can_capture(rows):
+            # A captured step: its work is queued already, with no MLX launches.
+            toks = runner.launch_captured(rows, prev if steady else self._host_inputs(rows, prev))
             if toks is not None:
                 self.scheduler.advance(plan)
-                rows[0].seq.pending_index = 0
-                return (plan, Sampled(toks), [0], [])
-        if isinstance(prev, graph_step.DeviceTokens):
-            prev = prev.as_mlx()  # MLX's path reads the token as an array of its own
-        if graph is not None:
-            graph.sync()  # this step's MLX work touches the pools the captured steps wrote
+                for i, r in enumerate(rows):
+                    r.seq.pending_index = i
+                return (plan, Sampled(toks), list(range(len(rows))), [])
+        if prev is not None and not isinstance(prev, mx.array):
+            prev = prev.as_mlx()  # a captured step's tokens: MLX's path reads them as an array of its own
+        runner.sync()  # this step's MLX work touches the pools the captured steps wrote
         if steady:
             # Steady decode: every input is the in-flight sample, in its order. No host
             # array: each one is managed memory that the GPU faults in (H200 run 26: a
             # 64-index gather took 151 us), and no per-row copying on this thread.
             inputs = prev[:, None]
         else:
-            inputs = self._host_inputs(rows, prev, keep_host=getattr(self.runner, "takes_host_ids", False))
-        logits = self.runner.forward(rows, inputs)
+            inputs = self._host_inputs(rows, prev, keep_host=runner.takes_host_ids)
+        logits = runner.forward(rows, inputs)
         samplers = [i for i, r in enumerate(rows) if r.samples]
         sampled = None
         if samplers:
@@ -421,11 +413,9 @@ class Engine:
             seqs = [rows[i].seq for i in samplers]
             sampled = sample(logits, [s.sampling for s in seqs], [s.num_generated + s.pending for s in seqs])
             pending = sampled.arrays()
-            box, checkpoint = self._mailbox, getattr(self.runner, "checkpoint", None)
-            if (box is not None and checkpoint is not None and not self.runner.last_step_in_place
-                    and len(pending) == 1 and box.applies(sampled.tokens)):
-                # Waited for alone (not queued behind): its tokens come back through the box.
-                sampled.ticket, done = box.post(sampled.tokens, checkpoint)
+            posted = runner.post_tokens(sampled.tokens) if len(pending) == 1 else None
+            if posted is not None:  # tokens alone: the runner may read them back its own way
+                sampled.ticket, done = posted
                 pending.append(done)
         else:
             pending = [logits]
@@ -447,14 +437,14 @@ class Engine:
             if len(known) < r.n:  # the last input is the in-flight step's sample
                 dev_rows.append(i)
                 dev_idx.append(r.seq.pending_index)
-        if dev_rows and isinstance(prev, graph_step.DeviceTokens):
+        if dev_rows and not isinstance(prev, mx.array):  # a captured step's tokens
             vals = prev.tolist()
             for i, j in zip(dev_rows, dev_idx):
                 host[i, rows[i].n - 1] = vals[j]
             dev_rows = []
         if keep_host and not dev_rows:
             return host
-        inputs = host_inputs.array(host)
+        inputs = mx.array(host)
         if dev_rows:
             inputs = inputs.at[mx.array(dev_rows), mx.array([rows[i].n - 1 for i in dev_rows])].add(prev[mx.array(dev_idx)])
         return inputs

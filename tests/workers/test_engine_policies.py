@@ -196,8 +196,8 @@ def test_the_engine_hands_its_decode_graphs_setting_to_the_runner(tiny, monkeypa
     import tandem.pipeline.engine as engine_mod
 
     seen = []
-    real = engine_mod.paged_runner
-    monkeypatch.setattr(engine_mod, "paged_runner", lambda *a, **kw: seen.append(kw["graphs"]) or real(*a, **kw))
+    real = engine_mod.make_runner
+    monkeypatch.setattr(engine_mod, "make_runner", lambda model, store, shape, settings: seen.append(settings.decode_graphs) or real(model, store, shape, settings))
     for graphs in (False, True):
         make(tiny, decode_graphs=graphs)
     assert seen == [False, True]

@@ -46,6 +46,7 @@ from tandem.kernels.cuda import cuda_driver
 from tandem.kernels.cuda import kernel_files
 from tandem.kernels.cuda import nvrtc
 from tandem.kernels.cuda.captured import MAX_NDIM, Unsupported, device_pointers, kernel_name, kernel_text
+from tandem.pipeline.runners.cuda.tables import table_width
 
 log = logging.getLogger("tandem.engine")
 
@@ -206,13 +207,13 @@ class GraphStep:
         capture compiles the kernels it has not seen (NVRTC, ~1-3 s each the first time on
         a machine), which mid-decode would stall the stream."""
         bs = self.runner.store.block_size
-        nb, t = _table_width(1), time.perf_counter()
+        nb, t = table_width(1), time.perf_counter()
         try:
             while True:
                 self._graph(nb)
                 if nb * bs >= max_tokens:
                     break
-                nb = _table_width(nb + 1)
+                nb = table_width(nb + 1)
         except (Unsupported, cuda_driver.CudaError) as exc:
             self._refuse(exc)
             return
@@ -376,12 +377,6 @@ class GraphStep:
         if int(t[0]) != want_tok or not diff <= 1e-3 * max(1.0, float(np.max(np.abs(want)))):
             raise Unsupported(f"the captured step differs from MLX's: token {int(t[0])} against {want_tok}, "
                               f"logits max |diff| {diff:.3g}")
-
-
-def _table_width(nb: int) -> int:
-    from tandem.pipeline.runners.cuda.runner import table_width  # the runner imports this module
-
-    return table_width(nb)
 
 
 def make(runner) -> GraphStep | None:

@@ -23,8 +23,8 @@ reads the blocks in place instead (docs/gpu.md):
 Measured on an H200 (docs/benchmarks/gpu_decode.md): 1.4-1.9x the portable runner's
 decode at batch 1-128, 8-9x stock mlx-lm's BatchGenerator at batch 64-128.
 
-On the CPU (or with ``TANDEM_PAGED_KERNELS=off``) :func:`paged_runner` returns the plain
-``PagedRunner``: nothing of the CPU path changes. ``TANDEM_PAGED_KERNELS=reference``
+On the CPU (or with ``TANDEM_PAGED_KERNELS=off``) :func:`kernel_runner` returns None and
+``runners.make_runner`` picks another runner: nothing of the CPU path changes. ``TANDEM_PAGED_KERNELS=reference``
 runs ``KernelRunner`` with the kernels' pure-mx references, which is how the wiring is
 tested on machines without a GPU.
 """
@@ -54,6 +54,8 @@ from tandem.kernels.cuda.quantized_matmul import cuda_available
 from tandem.pipeline.runners.cuda import graph_step
 from tandem.pipeline.runners.cuda import host_inputs
 from tandem.pipeline.runners.cuda import input_box
+from tandem.pipeline.runners.cuda import token_mailbox
+from tandem.pipeline.runners.cuda.tables import table_width
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.runners.portable.paged import PagedRunner
 from tandem.pipeline.sequence import Row
@@ -116,23 +118,25 @@ GRAPH_PREPARE_TOKENS = int(os.environ.get("TANDEM_GRAPH_PREPARE_TOKENS", "4096")
 """Contexts up to this many tokens have their one-row graph captured when the runner starts."""
 
 
-def paged_runner(model, store: KVStore, *, mirror: bool, kernels: str | None = None, graphs: bool = True) -> PagedRunner:
-    """The runner for this backend. ``kernels``: see :data:`MODES` (default: the
-    ``TANDEM_PAGED_KERNELS`` environment variable, else ``auto`` = CUDA kernels on CUDA).
-    ``graphs``: capture one-row decode steps as CUDA graphs (``pipeline/runners/cuda/graph_step.py``)."""
+def kernel_runner(model, store: KVStore, *, kernels: str | None = None, graphs: bool = True) -> "KernelRunner | None":
+    """The CUDA runner for ``model``, or None where it does not run (then the portable
+    runner does; on CUDA its linear layers are flattened first, which still matters there).
+    ``kernels``: see :data:`MODES` (default: the ``TANDEM_PAGED_KERNELS`` environment
+    variable, else ``auto`` = CUDA kernels on CUDA). ``graphs``: capture one-row decode
+    steps as CUDA graphs (``pipeline/runners/cuda/graph_step.py``)."""
     mode = (kernels or os.environ.get("TANDEM_PAGED_KERNELS", "auto")).strip().lower()
     if mode not in MODES:
         raise ValueError(f"TANDEM_PAGED_KERNELS={mode!r}: choose one of {', '.join(MODES)}")
     if mode == "auto":
         mode = "cuda" if cuda_available() else "off"
     if mode == "off":
-        return PagedRunner(model, store, mirror=mirror)
+        return None
     why = unsupported(model, store)
     if why:
         log.warning("paged kernels off for this model (%s): portable paged runner", why)
         if mode == "cuda":
-            _prepare_linears(model)  # flattened rows still matter on CUDA
-        return PagedRunner(model, store, mirror=mirror)
+            _prepare_linears(model)
+        return None
     return KernelRunner(model, store, ops=mode, graphs=graphs)
 
 
@@ -182,30 +186,12 @@ def _pack_w4gemm(module) -> None:
             m.pack_w4gemm()
 
 
-TABLE_BUCKETS = os.environ.get("TANDEM_DECODE_TABLE_BUCKETS", "1") == "1"  # 0: exact widths (A/B)
 
 
 STEP_STATE_ON_DEVICE = os.environ.get("TANDEM_STEP_STATE_ON_DEVICE", "1") == "1"
 """Whether a decode step whose rows all just move one token on reuses the previous step's
 device array of positions, slots and table plus an increment (``KernelRunner._step_state``)
 instead of uploading a new one (``0``: upload every step)."""
-
-
-def table_width(nb: int) -> int:
-    """Block-table columns for a decode step whose longest row spans ``nb`` blocks: the
-    next of 4, 6, 8, 12, 16, 24, ... (2^k and 3 x 2^(k-1)). The compiled step is traced
-    once per table shape, and a trace of 32 layers stalls every running request for
-    ~10 ms: with the exact width a decode retraced each time its longest row entered a
-    new block (every 16 tokens; H200 run 43: the slowest token gaps 11-15 ms against a
-    median of 3.5, ~15% of batch-1 decode time). Padded columns point at the scratch
-    block and lie past every row's length, so no kernel reads them; the price is a few
-    empty attention partitions."""
-    if not TABLE_BUCKETS:
-        return nb
-    w = 4
-    while w < nb:
-        w = w * 3 // 2 if w & (w - 1) == 0 else w * 4 // 3
-    return w
 
 
 def _known_ids(rows: list[Row], L: int) -> np.ndarray | None:
@@ -392,7 +378,7 @@ class KernelRunner(PagedRunner):
             # The reference ops need FlatLinear (fuse_linears) but keep each layer's weights.
             if not any(isinstance(m, linear.FlatLinear) for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)):
                 linear.flatten_linears(model, "keep")
-        super().__init__(model, store, mirror=False, fast=False)  # fast: the CPU-only forward
+        super().__init__(model, store, mirror=False)
         self.ops = _CudaOps(store.n_kv_heads) if ops == "cuda" else _ReferenceOps()
         # Let the engine queue decode step N+1 before reading N back (TANDEM_PIPELINE=0: off).
         self.pipelined = ops == "cuda" and os.environ.get("TANDEM_PIPELINE", "1") != "0"
@@ -460,6 +446,8 @@ class KernelRunner(PagedRunner):
             t = time.perf_counter()
             self.warm_kernels()
             log.info("paged runner: decode kernel variants compiled in %.1f s", time.perf_counter() - t)
+        # A prefill's tokens are read back through pinned memory (token_mailbox.py).
+        self.mailbox = token_mailbox.make()
         # One greedy row decodes through a captured CUDA graph of these kernels.
         self.graph_step = graph_step.make(self) if ops == "cuda" and graphs else None
         if self.graph_step is not None:
@@ -467,12 +455,37 @@ class KernelRunner(PagedRunner):
             if store.keys and os.environ.get("TANDEM_WARM_KERNELS", "1") != "0":
                 self.graph_step.prepare(min(GRAPH_PREPARE_TOKENS, store.num_blocks * store.block_size))
 
+    # -- captured steps and token read-back (the engine's side, pipeline/runner.py) -----
+    graph_step: "graph_step.GraphStep | None" = None  # set at the end of __init__, after the warm-up
+    mailbox: "token_mailbox.TokenMailbox | None" = None
+    checkpoint: mx.array | None = None  # a fresh prefill's, for the mailbox (see _fresh_prefill)
+
+    def can_capture(self, rows: list[Row]) -> bool:
+        g = self.graph_step
+        return g is not None and g.applies(rows, [r.seq.sampling for r in rows])
+
+    def launch_captured(self, rows: list[Row], inputs):
+        return self.graph_step.launch(rows, inputs)
+
+    def sync(self) -> None:
+        if self.graph_step is not None:
+            self.graph_step.sync()
+
+    def post_tokens(self, tokens: mx.array):
+        # Only a step waited for alone (a fresh prefill, not queued behind another): the
+        # host spins on the box from the checkpoint on instead of waiting MLX's way.
+        box = self.mailbox
+        if box is None or self.checkpoint is None or self.last_step_in_place or not box.applies(tokens):
+            return None
+        return box.post(tokens, self.checkpoint)
+
+    def read_tokens(self, ticket) -> list[int] | None:
+        return self.mailbox.read(ticket)
+
     def flush(self) -> None:
         # Captured steps in flight write the pools that the engine's work after a flush
-        # reads or replaces (copies, imports, exports, growth). The warm-up's forwards
-        # flush before the graph step exists.
-        if getattr(self, "graph_step", None) is not None:
-            self.graph_step.sync()
+        # reads or replaces (copies, imports, exports, growth).
+        self.sync()
         super().flush()
 
     def warm_kernels(self, row_counts=tuple(sorted({1, 2, 3, 4, 8, pac.V4_MIN_BATCH, pac.TC_MIN_BATCH}))) -> None:
@@ -495,9 +508,8 @@ class KernelRunner(PagedRunner):
 
     @property
     def takes_host_ids(self) -> bool:
-        """Whether ``forward`` takes the step's ids as a numpy array when the host knows them
-        all: a fresh prefill then sends them through the input box, and no managed array is made."""
-        return getattr(self, "_input_box", None) is not None
+        """A fresh prefill sends host-known ids through the input box: no managed array is made."""
+        return self._input_box is not None
 
     def forward(self, rows: list[Row], inputs) -> mx.array:
         B, L = inputs.shape

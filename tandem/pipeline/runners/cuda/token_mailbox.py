@@ -144,14 +144,14 @@ class TokenMailbox:
         return Ticket(box, tokens.shape[0], checkpoint), done
 
 
-def make(runner) -> TokenMailbox | None:
-    """A mailbox for the CUDA kernel runner where the driver is there (unless
-    ``TANDEM_TOKEN_MAILBOX=0``); its kernel is compiled and checked once now (a first use mid-serving would
-    stall every request for the NVRTC compile)."""
+def make() -> TokenMailbox | None:
+    """A mailbox where the CUDA driver is there (unless ``TANDEM_TOKEN_MAILBOX=0``); its
+    kernel is compiled and checked once now (a first use mid-serving would stall every
+    request for the NVRTC compile)."""
     from tandem.kernels.cuda import cuda_driver
     from tandem.kernels.cuda.quantized_matmul import cuda_available
 
-    if not ENABLED or not cuda_available() or getattr(runner, "ops", None) is None:
+    if not ENABLED or not cuda_available():
         return None
     drv = cuda_driver.driver()
     if drv is None:

@@ -14,6 +14,7 @@ import pytest
 from tandem.kvtypes import SamplingParams
 from tandem.pipeline.runners.cuda import runner as cuda_runner
 from tandem.pipeline.engine import Engine
+from tandem.pipeline.runners.cpu.runner import CpuRunner
 from tandem.pipeline.runners.portable.paged import PagedRunner
 from tandem.pipeline.settings import EngineSettings
 from tandem.kernels.cuda.quantized_matmul import cuda_available
@@ -42,11 +43,11 @@ def expected(tiny):
     return prompts, [oracle(tiny, p, MAX_TOKENS) for p in prompts]
 
 
-def test_cpu_keeps_the_plain_paged_runner(tiny_model_dir, monkeypatch):
+def test_cpu_keeps_the_cpu_runner(tiny_model_dir, monkeypatch):
     monkeypatch.delenv("TANDEM_PAGED_KERNELS", raising=False)
     eng = _engine(_fresh(tiny_model_dir))
     if not cuda_available():
-        assert type(eng.runner) is PagedRunner
+        assert type(eng.runner) is CpuRunner
     else:
         assert isinstance(eng.runner, cuda_runner.KernelRunner)
 
@@ -180,7 +181,7 @@ def test_reference_decode_logits_match_the_portable_runner(tiny_model_dir):
     import numpy as np
 
     from tandem.pipeline.kv_store import KVStore
-    from tandem.pipeline.runners.portable.paged import probe
+    from tandem.pipeline.runner import probe
 
     lens = [5, 21, 16, 1]
     models = [_fresh(tiny_model_dir), _fresh(tiny_model_dir)]
@@ -320,10 +321,10 @@ def test_captured_one_row_steps_give_the_tokens_of_mlx_launches(graph_model_dir,
     for on in (True, False):
         monkeypatch.setattr(graph_step, "ENABLED", on)
         eng = _engine(_fresh(graph_model_dir), max_batch_size=1)
-        assert (eng._graph_step is not None) == on
+        assert (eng.runner.graph_step is not None) == on
         runs[on] = [eng.generate_many([(p, greedy(n))], timeout=240)[0] for p in prompts]
         if on:
-            g = eng._graph_step
+            g = eng.runner.graph_step
             assert g.failed is None and g.replays >= len(prompts) * (n - 2), (g.failed, g.replays)
             # Captured at start, every table width the store can hold up to 4096 tokens.
             bs = eng.store.block_size
@@ -352,7 +353,7 @@ def test_a_step_with_mlx_ops_between_kernels_is_not_captured(tiny_model_dir, mon
     eng = _engine(_fresh(tiny_model_dir), max_batch_size=1)
     got = [eng.generate_many([(p, greedy(MAX_TOKENS))], timeout=180)[0] for p in prompts]
     assert got == want
-    assert eng._graph_step is not None and eng._graph_step.failed is not None
+    assert eng.runner.graph_step is not None and eng.runner.graph_step.failed is not None
 
 
 @pytest.mark.gpu

@@ -109,13 +109,21 @@ class FakeGraphStep:
         self.events.append("sync")
 
 
+def _capture_through(eng, fake: FakeGraphStep) -> FakeGraphStep:
+    """Give the engine's runner captured steps, as the CUDA runner has them (pipeline/runner.py)."""
+    runner = eng.runner
+    runner.can_capture = lambda rows: fake.applies(rows, [r.seq.sampling for r in rows])
+    runner.launch_captured, runner.sync = fake.launch, fake.sync
+    return fake
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_engine_decodes_greedy_single_rows_through_the_graph_step_and_matches(tiny, pipelined):
     prompts = random_prompts(5, 3, 40, seed=11)
     expected = [oracle(tiny, p, 12) for p in prompts]
     eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
     eng._read_back_first = not pipelined
-    fake = eng._graph_step = FakeGraphStep(eng.runner)
+    fake = _capture_through(eng, FakeGraphStep(eng.runner))
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     # One at a time: every decode step is one greedy row.
     got = [eng.generate_many([(p, greedy)])[0] for p in prompts[:2]]
@@ -137,7 +145,7 @@ def test_pipelined_engine_chains_captured_steps_on_the_device(tiny):
     host's work between steps the token gap was the step plus the thread's 0.08-0.23 ms)."""
     eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
     eng._read_back_first = False
-    fake = eng._graph_step = FakeGraphStep(eng.runner)
+    fake = _capture_through(eng, FakeGraphStep(eng.runner))
     prompt = random_prompts(1, 20, 21, seed=3)[0]
     got = eng.generate_many([(prompt, SamplingParams(temperature=0.0, max_tokens=16))])[0]
     assert got == oracle(tiny, prompt, 16)

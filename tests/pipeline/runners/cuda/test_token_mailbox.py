@@ -69,7 +69,7 @@ def test_only_int32_rows_within_the_box_apply():
 
 
 def test_none_without_cuda():
-    assert token_mailbox.make(object()) is None
+    assert token_mailbox.make() is None
 
 
 @pytest.mark.parametrize("works", [True, False])
@@ -80,7 +80,7 @@ def test_engine_reads_a_fresh_prefills_tokens_from_the_box(tiny_model_dir, monke
     assert isinstance(eng.runner, cuda_runner.KernelRunner)
     box = token_mailbox.TokenMailbox(host_alloc, kernel=_fake_kernel(count_offset=0 if works else 1))
     monkeypatch.setattr(token_mailbox, "SPIN_S", 0.002)
-    eng._mailbox = box
+    eng.runner.mailbox = box
     assert eng.generate_many([(p, greedy(6)) for p in prompts]) == want
     assert box.posted >= 3  # every fresh prefill (a batch of two counts once)
     if works:
@@ -102,6 +102,6 @@ def test_gpu_box_gives_mlx_lm_tokens(tiny_model_dir, monkeypatch, inputs):
     monkeypatch.setattr(cuda_runner, "PREFILL_INPUTS", inputs)
     prompts = random_prompts(4, 1, 70, seed=8) + [list(range(3, 67))]
     eng, want = two_row_engine(tiny_model_dir, prompts, 8)
-    assert eng._mailbox is not None
+    assert eng.runner.mailbox is not None
     assert eng.generate_many([(p, greedy(8)) for p in prompts]) == want
-    assert eng._mailbox.spun >= 3 and eng._mailbox.fell_back == 0
+    assert eng.runner.mailbox.spun >= 3 and eng.runner.mailbox.fell_back == 0

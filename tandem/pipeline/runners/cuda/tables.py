@@ -1,0 +1,17 @@
+"""Block-table widths of the CUDA decode step: few shapes, so few traces and captures."""
+
+from __future__ import annotations
+
+
+def table_width(nb: int) -> int:
+    """Block-table columns for a decode step whose longest row spans ``nb`` blocks: the
+    next of 4, 6, 8, 12, 16, 24, ... (2^k and 3 x 2^(k-1)). The compiled step is traced
+    once per table shape, and a trace of 32 layers stalls every running request for
+    ~10 ms: with the exact width a decode retraced each time its longest row entered a
+    new block, which made the slowest token gaps three to four times the median. Padded
+    columns point at the scratch block and lie past every row's length, so no kernel
+    reads them; the price is a few empty attention partitions."""
+    w = 4
+    while w < nb:
+        w = w * 3 // 2 if w & (w - 1) == 0 else w * 4 // 3
+    return w
