@@ -638,7 +638,7 @@ def main() -> int:
               "idle core is 1 / that CPU time. Each tree's rows run its own broker, raw-socket client and workers "
               "(a baseline speaks its own protocol version), so the closed-loop rates also include each tree's "
               "client and worker code; the CPU figure is the broker's alone. "
-              "What moved these numbers, and what did not: broker-notes.md.")
+              "What moved these numbers, and what did not: LOG.md.")
     write_results(args.out, "broker", "\n".join(md) + "\n", result)
     return 0
 
