@@ -23,7 +23,9 @@ def add_arguments(p) -> None:
     p.add_argument("--weights", choices=("auto", "dense", "quantized"))
     p.add_argument("--broker-backend", metavar="ADDR", help="the broker's worker address (default tcp://127.0.0.1:5556)")
     p.add_argument("--broker-stream", metavar="ADDR", help="the broker's XSUB address (default tcp://127.0.0.1:5557)")
-    p.add_argument("--kv-bind", metavar="ADDR", help="decode: where to accept KV handoffs (default tcp://127.0.0.1:0 = any port)")
+    p.add_argument("--kv-bind", metavar="ADDR", help="decode: where to accept KV handoffs (default tcp://127.0.0.1:0 = any port); "
+                   "a wildcard (tcp://0.0.0.0:5600) advertises worker.kv_advertise, else the address that reaches the broker")
+    p.add_argument("--kv-advertise", metavar="ADDR", help="decode: the KV address other hosts connect to (worker.kv_advertise)")
     p.add_argument("--name", help="node id (default role-host-pid)")
     p.add_argument("--parallel", type=int, help="engine: maximum active sequences")
     p.add_argument("--heartbeat-ms", type=int, help="heartbeat interval (match the broker's)")
@@ -75,16 +77,18 @@ def warm_up(engine) -> float:
 
 def run(args) -> int:
     from tandem import config as config_mod
+    from tandem.cli import UserError
     from tandem.sdnotify import Notifier, Watchdog
     from tandem.wire.secret import require_cluster_secret
     from tandem.wire.sockets import is_loopback
     from tandem.workers import roles
+    from tandem.workers.advertise import AdvertiseError, advertised
     from tandem.workers.worker import Worker
 
     cfg = config_mod.load(args.config, overrides={
         "worker.role": args.role, "model.path": args.model, "model.weights": args.weights,
         "broker.backend": args.broker_backend, "broker.stream_in": args.broker_stream,
-        "worker.kv_bind": args.kv_bind, "worker.name": args.name, "engine.parallel": args.parallel,
+        "worker.kv_bind": args.kv_bind, "worker.kv_advertise": args.kv_advertise, "worker.name": args.name, "engine.parallel": args.parallel,
         "broker.heartbeat_interval_ms": args.heartbeat_ms, "worker.engine": args.engine,
         "worker.stub_step_ms": args.stub_step_ms, "worker.drain_grace_s": args.drain_grace,
         "security.cluster_secret_file": args.cluster_secret_file, "transfer.strategy": args.kv_strategy,
@@ -92,6 +96,12 @@ def run(args) -> int:
         "worker.cpu_gate": args.cpu_gate,
     })
     role = cfg.worker.role
+    if role == "decode":
+        # Before the model loads: a wildcard KV bind needs an address other hosts reach.
+        try:
+            advertised(cfg.worker.kv_bind, cfg.worker.kv_advertise, cfg.broker.backend)
+        except AdvertiseError as exc:
+            raise UserError(str(exc)) from None
     roles.engine_settings(cfg.engine, role)
     if role in ("prefill", "decode"):
         from tandem.wire.transfer import retain_freed_memory

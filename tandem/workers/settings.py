@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class WorkerSettings:
     role: str = field(default="hybrid", metadata={"choices": ("prefill", "decode", "hybrid"), "help": "what this worker does"})
     kv_bind: str = field(default="tcp://127.0.0.1:0", metadata={"help": "address a decode worker accepts KV handoffs on (port 0 = any free port)"})
+    kv_advertise: str = field(default="", metadata={"help": "the KV address prefill workers on other hosts connect to (host or tcp://host:port) when kv_bind listens on every interface (0.0.0.0); empty = the address this host reaches the broker from"})
     drain_grace_s: float = field(default=30.0, metadata={"min": 0, "help": "seconds SIGTERM waits for in-flight requests"})
     name: str = field(default="", metadata={"help": "this worker's node id (default: role-host-pid)"})
     capacity: int = field(default=0, metadata={"min": 0, "help": "requests the broker may give this worker at once; 0 = engine parallel + queue depth"})

@@ -32,6 +32,7 @@ from tandem.wire.errors import WireError
 from tandem.wire.sockets import bound_endpoint, make_socket
 from tandem.wire.settings import TransferSettings
 from tandem.workers import roles
+from tandem.workers.advertise import AdvertiseError, advertised
 from tandem.workers import gate as G
 from tandem.workers import openmp, priority
 from tandem.workers.handoff import KVIngest
@@ -84,7 +85,11 @@ class Worker(KVHandoffs, Health):
             if bind.endswith(":0"):
                 bind = bind[:-2] + ":*"
             self.kv_in = KVIngest(self.ctx, bind, secret=secret, node_id=self.node_id, timeout_s=settings.transfer_timeout_s)
-            self.kv_address = bound_endpoint(self.kv_in.sock)
+            try:
+                self.kv_address = advertised(bound_endpoint(self.kv_in.sock), settings.kv_advertise, backend)
+            except AdvertiseError:
+                self.kv_in.close()
+                raise
         self.transfer = transfer or TransferSettings()
         self.sender: HandoffSender | None = None
         self.local: dict[bytes, Local] = {}

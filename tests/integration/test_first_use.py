@@ -76,3 +76,15 @@ def test_generate_quiet_prints_only_the_reply(tiny_model_dir):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip()
     assert out.stderr == ""
+
+
+def test_decode_worker_on_a_wildcard_bind_advertises_a_routable_address(cluster):
+    """What tandem-decode@.service does (--kv-bind tcp://0.0.0.0:%i): the ready line and
+    the broker must carry an address a peer can connect to, not 0.0.0.0 (issue #45)."""
+    cluster.start_broker("--stats-verbose")
+    d = cluster.start_worker("decode", "--kv-bind", "tcp://0.0.0.0:0")
+    assert d.info["kv_address"].startswith("tcp://127.0.0.1:"), d.info
+    c = cluster.client()
+    cluster.wait_workers(c, decode=1)
+    (w,) = c.stats(verbose=True)["workers"]
+    assert w["kv_address"] == d.info["kv_address"]
