@@ -1,4 +1,4 @@
-"""Runs an mlx-lm model on a batch of rows, against the paged KV store or dense caches.
+"""Runs an mlx-lm model on a batch of rows against the paged KV store (any device MLX runs on).
 
 mlx-lm models talk to their cache through a small protocol: ``cache.offset`` (RoPE
 position of the first new token), ``cache.update_and_fetch(k, v)`` (store the new
