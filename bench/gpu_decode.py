@@ -15,8 +15,8 @@ Builds a random-weight Llama-3.1-8B-shape model (32 layers, hidden 4096, FFN 143
   engine's pool layout: what the engine reaches once its attention dispatches to them.
 
 Prints a table and writes ``gpu_decode.json`` and ``gpu_decode_run.md`` under
-``docs/benchmarks/`` (or ``--out``); ``docs/benchmarks/gpu_decode.md`` is the hand-kept
-history of runs. Needs only mlx, mlx-lm and numpy (the GPU machine has no pyzmq etc.).
+``docs/benchmarks/`` (or ``--out``); ``docs/benchmarks/gpu_decode.md`` summarizes the current
+result and ``docs/benchmarks/LOG.md`` what was tried. Needs only mlx, mlx-lm and numpy (the GPU machine has no pyzmq etc.).
 Each new kernel variant costs seconds of NVRTC on first use, so the kernel loop warms
 up before it times anything; ``--section-timeout`` isolates sections from hangs.
 """
