@@ -102,7 +102,7 @@ def run(args) -> int:
             advertised(cfg.worker.kv_bind, cfg.worker.kv_advertise, cfg.broker.backend)
         except AdvertiseError as exc:
             raise UserError(str(exc)) from None
-    roles.engine_settings(cfg.engine, role)
+    roles.engine_settings(cfg.engine, role, prefill_batch=cfg.worker.prefill_batch)
     if role in ("prefill", "decode"):
         from tandem.wire.transfer import retain_freed_memory
 

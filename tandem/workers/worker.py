@@ -31,7 +31,6 @@ from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
 from tandem.wire.sockets import bound_endpoint, make_socket
 from tandem.wire.settings import TransferSettings
-from tandem.workers import roles
 from tandem.workers.advertise import AdvertiseError, advertised
 from tandem.workers import gate as G
 from tandem.workers import openmp, priority
@@ -193,7 +192,6 @@ class Worker(KVHandoffs, Health):
     def run(self) -> None:
         if self._timeline is not None:
             self._trace_ticks()  # first: its before-hook runs ahead of the gate's wait
-        roles.set_up(self.engine, self.role, prefill_batch=self.s.prefill_batch)
         sched = getattr(self.engine, "scheduler", None)
         waiting = (lambda: bool(sched.waiting)) if hasattr(sched, "waiting") else None
         if self.gate is not None and not G.install(self.gate, self.engine, self.role, waiting):

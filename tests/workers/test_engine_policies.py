@@ -1,6 +1,6 @@
-"""What a worker changes in its engine's scheduling, against the real engine and tiny model
-(and that the engine emits each exporting batch before it prefills the next): a decode
-worker keeps no prefix cache, so its KV store stays at the working set."""
+"""What a worker's role changes in the settings its engine is built with, against the real
+engine and tiny model (and that the engine emits each exporting batch before it prefills
+the next): a decode worker keeps no prefix cache, so its KV store stays at the working set."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from tandem.pipeline.api import EngineRequest
 from tandem.pipeline.engine import Engine
 from tandem.pipeline.settings import EngineSettings
 from tandem.workers import roles
-from tandem.workers.roles import imported_kv_not_cached
 
 EOS = 2
 
@@ -26,9 +25,12 @@ def tiny(tiny_model_dir):
     return model
 
 
-def make(model, **kw) -> Engine:
+def make(model, role: str = "hybrid", prefill_batch: int = 0, **kw) -> Engine:
+    """An engine built as a ``role`` worker builds it."""
     kw.setdefault("kv_cache_budget", "16MiB")
-    return Engine(model, EngineSettings(**kw), model_id="tiny", eos_token_ids=[EOS])
+    settings = EngineSettings(**kw)
+    roles.engine_settings(settings, role, prefill_batch=prefill_batch)
+    return Engine(model, settings, model_id="tiny", eos_token_ids=[EOS])
 
 
 def prompts(n, length, seed):
@@ -111,9 +113,8 @@ def six_snapshots(tiny):
 
 
 def _imports(tiny, snaps, policy: bool):
-    dst = make(tiny)
-    if policy:
-        assert imported_kv_not_cached(dst)
+    dst = make(tiny, "decode" if policy else "hybrid")
+    assert dst.scheduler.prefix_caching is not policy
     dst.start()
     try:
         return dst, [_import_run(dst, s) for s in snaps]  # one after another
@@ -131,15 +132,13 @@ def test_a_decode_worker_keeps_its_kv_store_at_the_working_set(tiny, six_snapsho
     # With the cache, finished requests' full blocks stay cached and every new request
     # takes fresh blocks: the high-water mark (and the KV store behind it) climbs.
     assert cached.pool.high_water >= 5 * (per_request - 1)
-    assert not imported_kv_not_cached(object())
 
 
 def test_a_decode_worker_imports_a_burst_in_one_step(tiny, six_snapshots):
     """Imports are one token each: all that wait go into one step (not max_batch_prefill
     at a time), and the tokens are those of importing them one by one."""
     _, one_by_one = _imports(tiny, six_snapshots, policy=True)
-    dst = make(tiny)
-    roles.set_up(dst, "decode")
+    dst = make(tiny, "decode")
     plans = []
     dst.add_schedule_hooks(after=lambda plan: plans.append((plan.kind, len(plan.rows))) if plan else None)
     outs = [queue.Queue() for _ in six_snapshots]
@@ -166,20 +165,27 @@ def test_a_decode_worker_imports_a_burst_in_one_step(tiny, six_snapshots):
 
 
 def test_a_prefill_worker_batches_as_its_engine_by_default_or_as_told(tiny):
-    eng = make(tiny)  # engine default: 4 a step
-    roles.set_up(eng, "prefill")
+    eng = make(tiny, "prefill")  # engine default: 4 a step
     ps = prompts(5, 30, seed=3)
     snaps, seen = export_all(eng, ps)
     assert seen == [([0, 1, 2, 3], []), ([4], [0, 1, 2, 3])]
-    two = make(tiny)
-    roles.set_up(two, "prefill", prefill_batch=2)
+    two = make(tiny, "prefill", prefill_batch=2)
     assert export_all(two, ps)[1] == [([0, 1], []), ([2, 3], [0, 1]), ([4], [0, 1, 2, 3])]
-    one = make(tiny)
-    roles.set_up(one, "prefill", prefill_batch=1)
+    one = make(tiny, "prefill", prefill_batch=1)
     assert [rows for rows, _ in export_all(one, ps[:2])[1]] == [[0], [1]]
-    hybrid = make(tiny)
-    roles.set_up(hybrid, "hybrid")  # the engine's own defaults are a hybrid worker's
-    assert hybrid.settings.max_batch_prefill == 4 and hybrid.scheduler.prefix_caching
+    hybrid = make(tiny, "hybrid")  # the engine's own defaults are a hybrid worker's
+    assert hybrid.settings == EngineSettings(kv_cache_budget="16MiB") and hybrid.scheduler.prefix_caching
+
+
+def test_a_decode_worker_is_built_for_its_batch_without_a_prefix_cache():
+    s = EngineSettings(parallel=8, block_size=16, prefill_chunk_size=100, kv_initial_tokens=64)
+    roles.engine_settings(s, "decode")
+    assert not s.enable_prefix_caching
+    assert s.max_batch_prefill == 8  # every waiting import in one step
+    assert s.kv_initial_tokens == 8 * 112  # parallel x the chunk's blocks
+    big = EngineSettings(parallel=2, kv_initial_tokens=100_000)
+    roles.engine_settings(big, "decode")
+    assert big.kv_initial_tokens == 100_000  # never smaller than the operator asked
 
 
 def test_only_a_prefill_worker_builds_its_engine_without_decode_graphs():
