@@ -73,7 +73,7 @@ def bench_codec(n: int) -> dict:
     alternating in one run: microseconds per request, best of 5 passes."""
     from tandem.broker import frames as F
     from tandem.kvtypes import SamplingParams
-    from tandem.pipeline.api import Usage
+    from tandem.kvtypes import Usage
     from tandem.wire import codec
     from tandem.wire import messages as M
 
@@ -176,8 +176,8 @@ def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str, raw: bo
     import msgpack
     import zmq
 
-    from tandem.broker.jobs import STREAM_PING_TOPIC
-    from tandem.pipeline.api import Usage
+    from tandem.wire.protocol import STREAM_PING_TOPIC
+    from tandem.kvtypes import Usage
     from tandem.wire import codec
     from tandem.wire import messages as M
     from tandem.wire import protocol as P

@@ -2,7 +2,7 @@
 
 Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> int``. Errors a user can fix are raised as :class:`UserError` (or
-:class:`tandem.config.ConfigError`) and printed as one line with a non-zero exit.
+:class:`tandem.config.ConfigError`, :class:`tandem.wire.secret.ClusterSecretError`) and printed as one line with a non-zero exit.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     from tandem.config import ConfigError
+    from tandem.wire.secret import ClusterSecretError
 
     parser, modules = build_parser()
     args = parser.parse_args(argv)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(modules[args.command].run(args) or 0)
-    except (UserError, ConfigError) as exc:
+    except (UserError, ConfigError, ClusterSecretError) as exc:
         print(f"tandem {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

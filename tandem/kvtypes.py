@@ -36,6 +36,24 @@ class SamplingParams:
 
 
 @dataclass
+class Usage:
+    """A finished request's token counts (what the OpenAI ``usage`` object reports)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class TokenLogprob:
+    """One chosen token's log-probability and, when asked for, the top alternatives."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class KVSnapshot:
     """One sequence's KV cache and sampling state at a step boundary.
 

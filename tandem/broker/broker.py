@@ -26,7 +26,7 @@ from tandem.broker.settings import BrokerSettings
 from tandem.broker.stats import snapshot
 from tandem.wire import messages as M
 from tandem.wire.errors import WireError
-from tandem.wire.protocol import REQUEST_ID_BYTES
+from tandem.wire.protocol import ATTEMPT_TOPIC_BYTES, REQUEST_ID_BYTES, STREAM_PING_TOPIC
 from tandem.wire.sockets import bound_endpoint, make_socket
 
 log = logging.getLogger("tandem.broker")
@@ -277,10 +277,10 @@ class Broker:
 
     def _on_stream_in(self, topic: bytes, head: bytes) -> None:
         d = self.dispatcher
-        if len(topic) != J.ATTEMPT_TOPIC_BYTES:
+        if len(topic) != ATTEMPT_TOPIC_BYTES:
             d.counters["bad_stream_messages"] += 1
             return
-        if topic == J.STREAM_PING_TOPIC:
+        if topic == STREAM_PING_TOPIC:
             d.stream_ping(head)
             return
         rid = topic[:16]

@@ -23,9 +23,10 @@ from tandem.broker.failover import Failover
 from tandem.broker.jobs import Job
 from tandem.broker.registry import DOWN, DRAINING, UP, Load, Registry, Worker
 from tandem.broker.settings import BrokerSettings
-from tandem.broker.strategies import Selector, prefix_hashes
+from tandem.broker.strategies import Selector
 from tandem.broker.streams import StreamTracking
 from tandem.wire import messages as M
+from tandem.wire.prefixes import prefix_hashes
 from tandem.wire.protocol import MAX_ATTEMPTS
 
 log = logging.getLogger("tandem.broker")

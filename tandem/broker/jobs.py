@@ -4,20 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.kvtypes import SamplingParams
-from tandem.pipeline.api import Usage
+from tandem.kvtypes import SamplingParams, Usage
 
 WAITING_SUB = "waiting_subscription"  # accepted; the client's SUB has not reached our XPUB yet
 QUEUED = "queued"  # ready to dispatch, waiting for a worker with room
 RUNNING = "running"
 FINISHED = "finished"
-
-# Workers publish on a 17-byte topic: the 16-byte request id and the dispatch attempt.
-# The broker strips the attempt before forwarding, so clients see the plain request id;
-# tokens from an attempt the broker has already given up on (a worker it declared dead
-# but which is still talking) are dropped instead of corrupting the stream.
-ATTEMPT_TOPIC_BYTES = 17
-STREAM_PING_TOPIC = b"\x00" * 16 + b"\xff"  # worker -> broker: "my PUB reaches you", payload = node id
 
 
 @dataclass(slots=True)  # slots: one is built per request, and its fields are read on every message

@@ -8,29 +8,7 @@ is queued inside its engine; heartbeats alone lag by up to an interval.
 
 from __future__ import annotations
 
-import hashlib
-import struct
-
 from tandem.broker.registry import Worker
-
-ROUTING_BLOCK = 16  # tokens per routing prefix hash; independent of any engine's block size
-MAX_ROUTING_BLOCKS = 64  # bound the broker's hashing work per request
-
-
-def prefix_hashes(tokens: list[int], block: int = ROUTING_BLOCK) -> list[int]:
-    """Chained hashes of the prompt's full leading blocks (parent hash + block tokens).
-
-    Workers compute the same function over the prompts they served, so a match of the
-    first k hashes means the first k*block tokens are identical.
-    """
-    out, parent = [], b""
-    n = min(len(tokens) // block, MAX_ROUTING_BLOCKS)
-    for i in range(n):
-        chunk = struct.pack(f"<{block}I", *(t & 0xFFFFFFFF for t in tokens[i * block:(i + 1) * block]))
-        digest = hashlib.blake2b(parent + chunk, digest_size=8).digest()
-        out.append(int.from_bytes(digest, "little"))
-        parent = digest
-    return out
 
 
 def load_of(w: Worker) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tandem.kvtypes import KVSnapshot, SamplingParams
+from tandem.kvtypes import KVSnapshot, SamplingParams, TokenLogprob, Usage
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -22,20 +22,6 @@ class EngineRefused(Exception):
         super().__init__(reason)
         self.reason = reason
         self.retry_after_s = retry_after_s
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int = 0
-
-
-@dataclass
-class TokenLogprob:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass

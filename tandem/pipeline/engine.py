@@ -25,9 +25,9 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
-from tandem.kvtypes import REQUEST_ID_BYTES, KVSnapshot, SamplingParams
+from tandem.kvtypes import REQUEST_ID_BYTES, KVSnapshot, SamplingParams, TokenLogprob, Usage
 from tandem.pipeline import budget
-from tandem.pipeline.api import EngineRefused, EngineRequest, EngineStats, TokenEvent, TokenLogprob, Usage
+from tandem.pipeline.api import EngineRefused, EngineRequest, EngineStats, TokenEvent
 from tandem.pipeline.block_pool import BlockPool
 from tandem.pipeline.kv_store import KVStore, dtype_name
 from tandem.pipeline.runner import ModelRunner, probe

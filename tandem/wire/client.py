@@ -21,8 +21,7 @@ from typing import AsyncIterator, Iterator
 import zmq
 import zmq.asyncio
 
-from tandem.kvtypes import SamplingParams
-from tandem.pipeline.api import Usage
+from tandem.kvtypes import SamplingParams, Usage
 from tandem.wire import codec
 from tandem.wire import messages as M
 from tandem.wire import protocol as P

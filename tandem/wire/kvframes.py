@@ -10,7 +10,7 @@ frames are zero-copy views of the snapshot's arrays (a block range of a
 touching memory (sizes are exact, LZ4 output is capped at the expected size, no cell
 arrives twice) and rebuilds the snapshot; it completes when every (layer, block) cell
 has arrived, whatever the strategy or the number of connections. Raw and LZ4
-transfers reassemble bit-exactly; int8/int4 within the bound in kernels/kv_quant.py.
+transfers reassemble bit-exactly; int8/int4 within the bound in wire/kv_quant.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Iterator
 import lz4.frame
 import numpy as np
 
-from tandem.kernels import kv_quant
+from tandem.wire import kv_quant
 from tandem.kvtypes import KVSnapshot
 from tandem.wire import protocol as P
 from tandem.wire.codec import as_buffer

@@ -12,8 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from tandem.kvtypes import SamplingParams
-from tandem.pipeline.api import TokenLogprob, Usage
+from tandem.kvtypes import SamplingParams, TokenLogprob, Usage
 from tandem.wire import protocol as P
 from tandem.wire import schema as S
 from tandem.wire.protocol import MsgType

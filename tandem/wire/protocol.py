@@ -16,6 +16,12 @@ MAGIC = b"TD"
 PREFIX_LEN = 4
 
 REQUEST_ID_BYTES = 16  # fixed: SUB matches topics by prefix, so ids must not prefix each other
+# Workers publish on a 17-byte topic: the 16-byte request id and the dispatch attempt.
+# The broker strips the attempt before forwarding, so clients see the plain request id;
+# tokens from an attempt the broker has already given up on (a worker it declared dead
+# but which is still talking) are dropped instead of corrupting the stream.
+ATTEMPT_TOPIC_BYTES = REQUEST_ID_BYTES + 1
+STREAM_PING_TOPIC = b"\x00" * REQUEST_ID_BYTES + b"\xff"  # worker -> broker: "my PUB reaches you", payload = node id
 NODE_ID_MAX_CHARS = 64
 MODEL_MAX_CHARS = 256
 ADDRESS_MAX_CHARS = 256

@@ -18,8 +18,7 @@ import itertools
 import math
 from typing import Any
 
-from tandem.kvtypes import SamplingParams
-from tandem.pipeline.api import TokenLogprob, Usage
+from tandem.kvtypes import SamplingParams, TokenLogprob, Usage
 from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
 

@@ -15,8 +15,6 @@ import stat
 from pathlib import Path
 from typing import Mapping
 
-from tandem.config import ConfigError
-
 log = logging.getLogger(__name__)
 
 MIN_SECRET_BYTES = 16
@@ -29,8 +27,9 @@ HOW_TO_CREATE = (
 )
 
 
-class ClusterSecretError(ConfigError):
-    """No usable cluster secret; the message says how to make one."""
+class ClusterSecretError(ValueError):
+    """No usable cluster secret; the message says how to make one. (The wire knows
+    nothing of the config: the command line reports this as it reports a ConfigError.)"""
 
 
 def load_cluster_secret(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> bytes | None:

@@ -9,7 +9,6 @@ import faulthandler
 import logging
 import time
 
-from tandem.broker.jobs import STREAM_PING_TOPIC
 from tandem.wire import messages as M
 from tandem.wire import protocol as P
 
@@ -63,7 +62,7 @@ class Health:
                                prefix_queries=stats.prefix_queries, prefix_hits=stats.prefix_hits))
         # Proves to the broker that this PUB's connection to its XSUB is up: it only
         # dispatches to workers whose tokens it can actually receive.
-        self._pub_send([STREAM_PING_TOPIC, self.node_id.encode()])
+        self._pub_send([P.STREAM_PING_TOPIC, self.node_id.encode()])
 
     def _finish_drain(self) -> None:
         for rid, local in list(self.local.items()):

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem.kvtypes import KVSnapshot
-from tandem.pipeline.api import EngineRefused, EngineRequest, EngineStats, TokenEvent, Usage
+from tandem.kvtypes import KVSnapshot, Usage
+from tandem.pipeline.api import EngineRefused, EngineRequest, EngineStats, TokenEvent
 
 VOCAB = 50_000
 _MOD = (1 << 61) - 1

@@ -23,12 +23,12 @@ from collections import OrderedDict
 
 import zmq
 
-from tandem.broker.strategies import prefix_hashes
 from tandem.pipeline.api import EngineRefused, EngineRequest, TokenEvent
 from tandem.wire import codec
 from tandem.wire import messages as M
 from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
+from tandem.wire.prefixes import prefix_hashes
 from tandem.wire.sockets import bound_endpoint, make_socket
 from tandem.wire.settings import TransferSettings
 from tandem.workers.advertise import AdvertiseError, advertised

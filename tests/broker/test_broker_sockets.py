@@ -10,11 +10,11 @@ import pytest
 import zmq
 
 from tandem.broker.broker import Broker
-from tandem.broker.jobs import STREAM_PING_TOPIC
 from tandem.broker.settings import BrokerSettings
 from tandem.kvtypes import SamplingParams
 from tandem.wire import codec
 from tandem.wire import messages as M
+from tandem.wire.protocol import STREAM_PING_TOPIC
 from tandem.wire.sockets import make_socket
 
 ANY = "tcp://127.0.0.1:*"

@@ -12,7 +12,7 @@ import math
 from typing import Callable
 
 from tandem.http.backend import Busy, StreamEvent, Unavailable
-from tandem.pipeline.api import TokenLogprob, Usage
+from tandem.kvtypes import TokenLogprob, Usage
 
 
 class FakeBackend:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.kvtypes import SamplingParams
-from tandem.pipeline.api import TokenLogprob, Usage
+from tandem.kvtypes import SamplingParams, TokenLogprob, Usage
 from tandem.wire import messages as M
 
 RID = bytes(range(16))

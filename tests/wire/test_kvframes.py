@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from tandem.kernels import kv_quant
+from tandem.wire import kv_quant
 from tandem.kvtypes import KVSnapshot, SamplingParams
 from tandem.wire import codec
 from tandem.wire.errors import WireError

@@ -10,11 +10,11 @@ import time
 import pytest
 import zmq
 
-from tandem.broker.jobs import STREAM_PING_TOPIC
 from tandem.kvtypes import SamplingParams
 from tandem.pipeline.api import EngineStats
 from tandem.wire import codec
 from tandem.wire import messages as M
+from tandem.wire.protocol import STREAM_PING_TOPIC
 from tandem.workers.settings import WorkerSettings
 from tandem.workers.stub import StubEngine, reference_tokens
 from tandem.workers.worker import Worker
@@ -320,7 +320,8 @@ def test_a_prefill_worker_publishes_first_tokens_from_the_engine_thread(tmp_path
     socket and sequence as the rest; the KV event that follows publishes nothing and the
     handoff continues the stream at sequence 1. The token socket's I/O thread keeps its
     priority when the worker lowers its socket threads."""
-    from tandem.pipeline.api import TokenEvent, Usage
+    from tandem.kvtypes import Usage
+    from tandem.pipeline.api import TokenEvent
     from tandem.wire.sockets import make_socket
     from tandem.workers import priority
     from tandem.workers.local import Local

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.kernels import kv_quant as kq
+from tandem.wire import kv_quant as kq
 
 
 def _cache(dtype, seed=0, shape=(5, 3, 16, 64), outliers=True):
