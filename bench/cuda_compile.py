@@ -36,7 +36,6 @@ from tandem.kernels.cuda import constants  # noqa: E402
 from tandem.kernels.cuda import paged_attention_cuda as pac  # noqa: E402
 from tandem.kernels.cuda import decode_attention_cuda as dac  # noqa: E402
 from tandem.kernels.cuda import argmax_cuda  # noqa: E402
-from tandem.kernels.cuda import decode_block  # noqa: E402
 from tandem.kernels.cuda import embed_cuda  # noqa: E402
 from tandem.kernels.cuda import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels.cuda import qgemv as qg  # noqa: E402
@@ -93,18 +92,6 @@ def multirow_variants():
                variant("tandem_qmv", qmm._SOURCE, qmm._HEADER, ins, [("y", "__half")], t))
 
 
-def qgemv_variants():
-    ins = [("x", "__half"), ("w", "uint32_t"), ("scales", "__half"), ("biases", "__half"),
-           ("norm_w", "__half"), ("res", "__half"), ("fparams", "float")]
-    outs = [("y", "__half")]
-    for label, k, r, norm, pair, res in [
-            ("qkv", 4096, 2, 0, 0, 0), ("o+res", 4096, 2, 0, 0, 1), ("gate/up pair", 4096, 2, 0, 1, 0),
-            ("down+res", 14336, 2, 0, 0, 1), ("qkv+norm", 4096, 2, 1, 0, 0)]:
-        t = [("int", "K", str(k)), ("int", "R", str(r)), ("bool", "NORM", str(bool(norm)).lower()),
-             ("bool", "PAIR", str(bool(pair)).lower()), ("bool", "RES", str(bool(res)).lower())] + eps_consts(bool(norm))
-        yield f"qgemv {label}", variant("tandem_qgemv", qg._SOURCE, qg._HEADER, ins, outs, t)
-
-
 def qgemv_stream_variants():
     ins = [("x", "__half"), ("w", "uint32_t"), ("scales", "__half"), ("biases", "__half"), ("norm_w", "__half"),
            ("res", "__half"), ("fparams", "float")]
@@ -123,7 +110,7 @@ def qgemv_stream_variants():
                  ("bool", "LOADS_ONLY", str(bool(lo)).lower())] + eps_consts(bool(norm and unpack))
             yield (f"qgemv-stream {label} c{cpl} h{h} p{p}",
                    variant("tandem_qgemv_stream", qg._STREAM_SOURCE, qg._HEADER, ins, outs, t))
-            if not lo and cpl == 1:  # TANDEM_QGEMV_LEAN: only the inputs the call reads
+            if not lo and cpl == 1:  # as the kernel runs: only the inputs the call reads
                 names = qg.lean_inputs(bool(norm), bool(res), not (norm and unpack))
                 yield (f"qgemv-stream-lean {label} c{cpl} h{h} p{p}",
                        variant("tandem_qgemv_stream_lean", qg.lean_source(names), qg._HEADER,
@@ -133,13 +120,11 @@ def qgemv_stream_variants():
 def attention_variants():
     ins = [("q", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
            ("params", "float")]
-    for ver in ("v2", "v4", "v6"):
+    for ver in ("v2", "v6"):
         for single in (True, False):
             src = (pac._ATT_SOURCE if ver == "v2" else pac._ATT_TILE_SOURCE) + pac._MERGE_TAIL
             t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
                  ("int", "BS", "16"), ("bool", "SINGLE", str(single).lower())]
-            if ver != "v2":
-                t.append(("bool", "VSM", str(ver == "v6").lower()))
             t += att_consts(single)
             outs = [("out", "T" if single else "float")]
             yield f"attention {ver} single={single}", variant("tandem_paged_decode", src, pac.HEADER, ins, outs, t)
@@ -150,11 +135,8 @@ def attention_variants():
             yield (f"attention tc {dtype} D={d} G={g} single={single}",
                    variant("tandem_paged_decode_tc", pac._ATT_TC_SOURCE + pac._MERGE_TAIL,
                            pac.kernel_header("tc"), ins, [("out", "T" if single else "float")], t))
-    for label, src, extra in [("serial", pac._REDUCE_SOURCE, []),
-                              ("parallel", pac._REDUCE_PAR_SOURCE, [("int", "MAXP", str(pac.MERGE_MAX_PARTS))])]:
-        t = [("typename", "T", "__half"), ("int", "D", "128")] + extra
-        yield f"attention merge {label}", variant("tandem_paged_reduce", src, pac.HEADER, [("part", "float")],
-                                                  [("o", "T")], t)
+    yield "attention merge", variant("tandem_paged_reduce", pac._REDUCE_SOURCE, pac.HEADER, [("part", "float")],
+                                     [("o", "T")], [("typename", "T", "__half"), ("int", "D", "128")])
     ins = [("qkv", "T"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float"),
            ("k_pool", "T"), ("v_pool", "T")]
     for hpt in (1, 8):
@@ -176,7 +158,7 @@ def attention_variants():
 def tile_write_variants():
     ins = [("qkv", "T"), ("k_pool", "T"), ("v_pool", "T"), ("table", "int32_t"), ("lens", "int32_t"),
            ("params", "float"), ("pos", "int32_t"), ("slots", "int32_t"), ("inv_freq", "float")]
-    for ver, single in (("v4", "false"), ("v6", "true"), ("v6", "false"), ("tc", "true"), ("tc", "false")):
+    for ver, single in (("v6", "true"), ("v6", "false"), ("tc", "true"), ("tc", "false")):
         kind, extra, _ = pac.tile_variant(ver, mx.float16, 128, 4)
         t = [("typename", "T", "__half"), ("int", "D", "128"), ("int", "KVH", "8"), ("int", "G", "4"),
              ("int", "BS", "16"), ("bool", "SINGLE", single), ("bool", "TRAD", "false")]
@@ -213,11 +195,9 @@ def w4gemm_variants():
 
 def w4wgmma_variants():
     """Complete sources (NVRTC-compiled at run time for sm_90a, not wrapped by MLX)."""
-    for gs, atomic, res, mb, bal in ((64, False, False, 0, False), (64, True, True, 0, False), (32, False, True, 0, False),
-                                     (64, True, True, 2, False), (64, False, True, 0, True), (32, False, False, 0, True),
-                                     (64, False, True, 2, True)):
-        yield (f"w4wgmma g{gs} atomic={atomic} res={res} min_blocks={mb} balanced={bal}",
-               w4wgmma.kernel_source(gs, atomic, res, min_blocks=mb, balanced=bal)[1])
+    for gs, atomic, res, mb in ((64, False, False, 0), (64, True, True, 0), (32, False, True, 0), (64, True, True, 2)):
+        yield (f"w4wgmma g{gs} atomic={atomic} res={res} min_blocks={mb}",
+               w4wgmma.kernel_source(gs, atomic, res, min_blocks=mb)[1])
     for probe in (1, 2, 3, 4):
         yield (f"w4wgmma probe {probe}", w4wgmma.kernel_source(64, True, False, probe=probe)[1])
 
@@ -242,27 +222,6 @@ def argmax_variants():
         yield (f"argmax {dtype}", variant("tandem_argmax_rows", argmax_cuda._SOURCE,
                                           f"constexpr int THREADS = {argmax_cuda.THREADS};\n",
                                           [("logits", dtype)], [("out", "int32_t")], [("typename", "T", dtype)]))
-
-
-def decode_block_variants():
-    u32, f16 = "uint32_t", "__half"
-    ins = [("a", f16), ("h", f16), ("o_w", u32), ("o_s", f16), ("o_b", f16), ("ln2", f16), ("gu_w", u32),
-           ("gu_s", f16), ("gu_b", f16), ("d_w", u32), ("d_s", f16), ("d_b", f16), ("ln1", f16), ("q_w", u32),
-           ("q_s", f16), ("q_b", f16), ("bar", "int32_t")]
-    outs = [("h_out", f16), ("y", f16), ("h2", f16), ("g", f16), ("ts", "uint64_t")]
-    header = f"constexpr int THREADS = {decode_block.THREADS};\n" + decode_block._HEADER
-    # The 8B shape, and the runner test's model (hidden 1024, FFN 2048, QKV 1536).
-    shapes = [(4096, 14336, 6144, rows, stages) for rows, stages in ((4, 5), (8, 2), (2, 8))]
-    for hid, ffn, nqkv, rows, stages in shapes + [(1024, 2048, 1536, decode_block.ROWS, decode_block.STAGES)]:
-        for nxt in (True, False):
-            nq = nqkv if nxt else rows
-            red = decode_block.red_floats(hid, ffn, nq, rows, 132, stages)
-            ticks = decode_block.ticket_ints(hid, ffn, nq, rows, red, stages)
-            t = [("int", "HID", str(hid)), ("int", "FFN", str(ffn)), ("int", "NQKV", str(nq)), ("int", "R", str(rows)),
-                 ("int", "S", str(stages)), ("int", "RED", str(red)), ("int", "TICKS", str(ticks)), ("bool", "NEXT", str(nxt).lower()),
-                 ("int", "PROBE", "0"), ("int", "EPS2", "925353388"), ("int", "EPS1", "925353388")]
-            yield (f"decode_block {hid}x{ffn} r{rows} s{stages} next={nxt}",
-                   variant("tandem_decode_block", decode_block._SOURCE, header, ins, outs, t))
 
 
 def code_digest(cubin: Path) -> str:
@@ -298,8 +257,8 @@ def main() -> int:
     work = Path(args.keep or tempfile.mkdtemp(prefix="tandem-cu-"))
     work.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for i, (label, code) in enumerate([*multirow_variants(), *qgemv_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(), *w4gemm_variants(), *w4wgmma_variants(),
-                                      *embed_variants(), *swiglu_variants(), *argmax_variants(), *decode_block_variants()]):
+    for i, (label, code) in enumerate([*multirow_variants(), *qgemv_stream_variants(), *attention_variants(), *tile_write_variants(), *w4mma_variants(), *w4gemm_variants(), *w4wgmma_variants(),
+                                      *embed_variants(), *swiglu_variants(), *argmax_variants()]):
         if args.only not in label:
             continue
         cu = work / f"k{i}.cu"

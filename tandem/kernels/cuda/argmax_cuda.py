@@ -1,8 +1,8 @@
 """Each row's greedy token, on CUDA: the argmax of fp16 / bf16 logits as int32, one launch.
 
 A greedy step took three ops to pick its tokens: the logits to float32, ``mx.argmax``, its
-uint32 result to int32 (H200 run 90, one row of 128,256 logits: 2.6 + 15.6 + 2.5 us of GPU
-time, and three of the ~160 ops whose encoding on the engine thread sets a one-row step).
+uint32 result to int32 (one row of 128,256 logits: 2.6 + 15.6 + 2.5 us of GPU time on the
+H200, and three of the ~160 ops whose encoding on the engine thread sets a one-row step).
 Here one block of 1,024 threads a row reads the row 16 bytes at a time, each thread keeps
 its largest value and that value's lowest index, and the block's reduction keeps the
 lowest index of the largest value, as ``mx.argmax`` does. An fp16 or bf16 value converts
@@ -17,27 +17,21 @@ reference otherwise.
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 
 from tandem.kernels.cuda import kernel_files
 from tandem.kernels.cuda.quantized_matmul import cuda_available
 
-ENABLED = os.environ.get("TANDEM_ARGMAX_KERNEL", "1") == "1"
-"""Whether greedy sampling runs the kernel (``0``: the three ops). One launch where there
-were three, and two fewer of the ~165 ops whose encoding on the engine thread is half of a
-one-row step. H200, engine at one row, with ``qgemv.LEAN``, alternating processes: 388 /
-375 / 392 / 390 tok/s against 373 / 370 / 377 / 391 without the two (runs 100 and 102),
-within the processes' spread, but never more work."""
+ENABLED = True
+"""Whether greedy sampling runs the kernel (False, for tests: the three ops). One launch
+where there were three, and two fewer of the ~165 ops whose encoding on the engine thread
+is half of a one-row step: within the processes' spread at one row, but never more work."""
 
 THREADS = 1024
 
 # Template: T. Input: logits (B, V), row-contiguous, V % 8 == 0. Output: out (B,) int32.
 _SOURCE = r"""
-#ifdef TANDEM_PDL
-  tandem_pdl_start();  // captured with programmatic dependent launch: see pipeline/runners/cuda/graph_step.py
-#endif
   constexpr int NW = THREADS / 32;
   constexpr int NONE = 0x7fffffff;           // no index yet: any value beats it
   const int V = logits_shape[1];

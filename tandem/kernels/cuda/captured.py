@@ -63,17 +63,6 @@ struct Strides {
 def kernel_name(spec: kernel_files.KernelSpec) -> str:
     """The captured kernel's function: named after MLX's kernel, so a trace tells them apart."""
     return "graph_" + re.sub(r"\W", "_", spec.name)
-# Defined only in the graph step's builds: MLX's compiles of the same sources never see
-# the macro, so their code is unchanged. A kernel that waits must wait in every block
-# before it exits: that keeps "the kernel before me has finished" transitive down the graph.
-PDL_PRELUDE = r"""
-#define TANDEM_PDL 1
-__device__ __forceinline__ void tandem_pdl_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void tandem_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void tandem_pdl_start() { tandem_pdl_launch(); tandem_pdl_wait(); }
-"""
-
-
 def template_lines(template: list) -> str:
     """The constants MLX writes at the top of the kernel body for ``template``."""
     lines = []
@@ -89,7 +78,7 @@ def template_lines(template: list) -> str:
     return "".join(lines)
 
 
-def kernel_text(launch: kernel_files.Launch, pdl: bool = False) -> tuple[str, list[tuple[str, int]]]:
+def kernel_text(launch: kernel_files.Launch) -> tuple[str, list[tuple[str, int]]]:
     """The launch's kernel as a source of its own, the one MLX generates (the same
     parameters in the same order, the template as constants, then the body) under
     ``extern "C"`` ``graph_<kernel name>``; and the parameters' layout: (kind, index) with
@@ -110,7 +99,7 @@ def kernel_text(launch: kernel_files.Launch, pdl: bool = False) -> tuple[str, li
         params.append(f"{_PARAM_TYPES[o.dtype]}* {n}")
         layout.append(("out", j))
     tl = template_lines(launch.template)
-    text = (PRELUDE + (PDL_PRELUDE if pdl else "") + spec.header
+    text = (PRELUDE + spec.header
             + f'\nextern "C" __global__ void {kernel_name(spec)}(' + ", ".join(params) + ") {\n"
             + tl + ("\n" if tl else "") + spec.source + "\n}\n")
     return text, layout

@@ -1,8 +1,8 @@
 """How scalar parameters (a norm's eps, attention's scale and partition size) reach a kernel.
 
-In the kernel's template, by default: the kernel reads no memory for them. The other way
-(``TANDEM_KERNEL_CONSTS=0``) passes them as a small float32 input array, made once and
-cached. MLX's CUDA allocator serves every array of 8 bytes or less from one 64 KB pool of
+In the kernel's template: the kernel reads no memory for them. The other way
+(``IN_TEMPLATE = False``, kept for tests) passes them as a small float32 input array, made
+once and cached. MLX's CUDA allocator serves every array of 8 bytes or less from one 64 KB pool of
 managed memory (``mlx/backend/cuda/allocator.cpp``: ``SmallSizePool``; the 0.32.4 wheel
 advises it accessed-by the GPU), and the step's own tiny arrays live there too: at batch 1
 the sampled token and its int32 copy are GPU writes into that pool, the token's read on the
@@ -11,26 +11,19 @@ is in host memory, and the GPU's read of it either crosses the bus or faults the
 back: every block of every layer's kernel that reads such a parameter can wait on that.
 
 What it cost (H200, engine, alternating processes in one call):
-- ``kernels.decode_block`` with its two eps values in such an array made the one-row step
-  4.8 ms (run 86) against 3.9 ms with them in the template (run 87);
 - the one-launch decode attention read its scale and partition from one: 24.6-33.2 us a
-  layer in the engine (runs 50, 53) against 15.8 with them in the template (run 90's trace);
-- the streaming one-row product with the rms_norm inside (``qgemv.STREAM_NORM``) read its
-  eps from one and lost (runs 40-42, 49, 89: 214-231 against 274-282 tok/s). With the eps
-  in the template it wins: batch 1 368 / 300 / 342 / 323 tok/s against 296 / 269 / 273 /
-  282 (runs 88, 91), the two settings together.
+  layer in the engine against 15.8 with them in the template;
+- the one-row product with the rms_norm inside (``qgemv``) read its eps from one and lost
+  to the norm as its own launch by ~20%; with the eps in the template it wins by ~20%.
 
-The array stays an input either way, so a kernel's signature does not change, and with the
-setting off the kernels compile to what they were. ``decode_block`` always takes its eps
-this way.
+The array stays an input either way, so a kernel's signature does not change.
 """
 
 from __future__ import annotations
 
-import os
 import struct
 
-IN_TEMPLATE = os.environ.get("TANDEM_KERNEL_CONSTS", "1") == "1"
+IN_TEMPLATE = True
 
 
 def float_bits(x: float) -> int:

@@ -27,23 +27,7 @@ _ptr = ctypes.c_void_p
 _u64 = ctypes.c_uint64
 
 
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-
-
-class _AttrValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
-
-
-class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
-
-
-class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
-                ("shared_bytes", ctypes.c_uint), ("stream", _ptr), ("attrs", ctypes.POINTER(LaunchAttribute)),
-                ("num_attrs", ctypes.c_uint)]
 
 
 class MemLocation(ctypes.Structure):  # CUmemLocation
@@ -77,7 +61,6 @@ _SIGNATURES = {
     "cuFuncSetAttribute": [_ptr, ctypes.c_int, ctypes.c_int],
     "cuLaunchKernel": [_ptr, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                        ctypes.c_uint, ctypes.c_uint, _ptr, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)],
-    "cuLaunchKernelEx": [ctypes.c_void_p, _ptr, ctypes.POINTER(_ptr), ctypes.POINTER(_ptr)],
     "cuStreamCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
     "cuStreamSynchronize": [_ptr],
     ("cuStreamBeginCapture_v2", "cuStreamBeginCapture"): [_ptr, ctypes.c_int],
@@ -214,18 +197,8 @@ class Driver:
         fails unless the function was given leave first (as MLX does for its own)."""
         self.call("cuFuncSetAttribute", func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
 
-    def launch(self, func: int, grid, block, stream: int, params, programmatic: bool = False,
-               shared_bytes: int = 0) -> None:
-        """Launch ``func``; ``programmatic``: it may start before the kernel queued before it
-        ends (programmatic dependent launch, sm_90): its own ``griddepcontrol.wait`` must
-        come before it reads what that kernel wrote."""
-        if not programmatic:
-            self.call("cuLaunchKernel", func, *grid, *block, shared_bytes, stream, params, None)
-            return
-        attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-        attr.value.programmatic_stream_serialization_allowed = 1
-        cfg = LaunchConfig(*grid, *block, shared_bytes, stream, ctypes.pointer(attr), 1)
-        self.call("cuLaunchKernelEx", ctypes.byref(cfg), func, params, None)
+    def launch(self, func: int, grid, block, stream: int, params, shared_bytes: int = 0) -> None:
+        self.call("cuLaunchKernel", func, *grid, *block, shared_bytes, stream, params, None)
 
     def begin_capture(self, stream: int) -> None:
         self.call("cuStreamBeginCapture_v2", stream, CU_STREAM_CAPTURE_MODE_RELAXED)

@@ -1,10 +1,10 @@
 """A small batch's decode attention in one launch: RoPE, the KV write, split-K attention
 and the merge of the partitions, on CUDA.
 
-At one row a layer's attention was three kernels (H200 run 44's engine trace, per layer):
+At one row a layer's attention was three kernels (the engine's trace, per layer):
 RoPE + write 7.3 us, split-K attention 23.1 us, merge 2.7 us: a third of the GPU's step
 for 2.4 MB of KV. And each launch costs the engine thread ~10-14 us of MLX work, which at
-one row is as long as the GPU's step (run 47). Here one grid of (partition, KV head, row)
+one row is as long as the GPU's step. Here one grid of (partition, KV head, row)
 blocks does all of it:
 
 - every block rotates its group's queries itself (the sincos of one position per pair);
@@ -27,7 +27,6 @@ references in sequence.
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 
@@ -35,28 +34,21 @@ from tandem.kernels.cuda import constants
 from tandem.kernels.cuda import kernel_files
 from tandem.kernels.cuda import paged_attention_cuda as pac
 
-MAX_ROWS = int(os.environ.get("TANDEM_DECODE_FUSED_MAX_ROWS", str(pac.V4_MIN_BATCH)))
-"""Decode steps of fewer rows than this run the fused kernel (0: never, the three-kernel
-path); from ``V4_MIN_BATCH`` rows on, the tile-wise attention kernels run. Rows are the
-counters' capacity too. H200, engine at one row, alternating processes in one call:
-287 / 291 tok/s against 267 / 241 without (run 47); the version whose loads ran one
-iteration ahead gave 294 / 292 against 288 / 296 (run 45). The engine thread's work per
-step fell from 3.7-4.1 to 2.4-3.3 ms with 64 launches fewer (run 47, ``gpu_decode.py``
-tick times): at one row the host, not the GPU, sets the step time."""
+MAX_ROWS = pac.TILE_MIN_BATCH
+"""Decode steps of fewer rows than this run the fused kernel; from ``TILE_MIN_BATCH`` rows
+on, the tile-wise attention kernels run. Rows are the counters' capacity too. At one row
+it cut 64 launches a step and the engine thread's work per step by about a third: at one
+row the host, not the GPU, sets the step time."""
 
-CHUNK = int(os.environ.get("TANDEM_DECODE_FUSED_CHUNK", "64"))
+CHUNK = 64
 """Tokens whose K/V loads a block issues at once (a multiple of 16): the partition at one
 row is 64 tokens (``paged_attention_cuda.choose_partition``)."""
-STAGED_MERGE = os.environ.get("TANDEM_DECODE_STAGED_MERGE", "1") == "1"
+STAGED_MERGE = True
 """The last block's merge of the partitions: staged (every partition's max and sum in
 shared memory first, then each thread's partials loaded 8 partitions at a time: three L2
-round trips at 12 partitions) or (``0``) the walk over the partitions one load at a time
-(~20 dependent round trips). H200 run 56, batch 1, 576-token context, cold: the kernel
-29.0 / 25.6 us with 64 / 128-token partitions against 35.2 / 32.5; the engine's batch 1
-did not move (290 / 280 tok/s against 286 / 286: the engine thread bounds that step)."""
-
-if CHUNK < 16 or CHUNK % 16:
-    raise ValueError(f"TANDEM_DECODE_FUSED_CHUNK={CHUNK}: use a positive multiple of 16 (default 64)")
+round trips at 12 partitions) rather than the walk over the partitions one load at a time
+(~20 dependent round trips), which remains for more than 128 partitions: the kernel took
+10-20% less time at one row (``staged_merge=False`` selects the walk, for tests)."""
 
 # Template: T, D, KVH, G, BS, ROPE, TRAD, NIT (16-token iterations whose loads go out
 # together), SMERGE (the staged merge, see STAGED_MERGE). Inputs: qkv (B, (KVH*G + 2*KVH) * D), pos (B,)
@@ -65,9 +57,6 @@ if CHUNK < 16 or CHUNK % 16:
 # (2,) f32 = [scale, partition tokens], counters (>= B*KVH,) int32, zero. Outputs: out
 # (B, KVH*G*D) T; part (B, KVH*G, NPART, D + 2) f32 scratch for the partials.
 _SOURCE = r"""
-#ifdef TANDEM_PDL
-  tandem_pdl_start();  // captured with programmatic dependent launch: see pipeline/runners/cuda/graph_step.py
-#endif
   constexpr int DL = D / 8;
   constexpr int H = KVH * G;
   constexpr int HEADS = H + 2 * KVH;
@@ -352,13 +341,13 @@ def decode_attention(qkv: mx.array, pos: mx.array, slots: mx.array, inv_freq: mx
 
 
 # ---------------------------------------------------------------------------------------
-# From V4_MIN_BATCH rows on, the tile-wise kernels (v4 / v6) with the step's RoPE and KV
+# From TILE_MIN_BATCH rows on, the tile-wise kernels (tc / v6) with the step's RoPE and KV
 # write in their prologue: each block rotates its group's queries from the fused QKV row,
 # rounded to T as the write kernel stores them, so the scores equal the two-kernel path's;
 # the block whose partition holds the step's token rotates its key and writes key and
 # value into the pool, and the barrier that ends the prologue puts those writes before
 # its warps read the partition. One launch a layer instead of two (the write kernel took
-# 8.5 us a layer at batch 64, run 50's engine trace).
+# 8.5 us a layer at batch 64 in the engine).
 _Q_FROM_QKV = r"""  __shared__ __align__(16) float sm_q[G][D];
   {
     constexpr int H_ = KVH * G;
@@ -400,12 +389,9 @@ _TILE_WRITE_SOURCES = {
     "tc": pac._ATT_TC_SOURCE.replace(pac._Q_LOAD, _Q_FROM_QKV) + pac._MERGE_TAIL,
 }
 
-TILE_WRITE = os.environ.get("TANDEM_DECODE_TILE_WRITE", "1") == "1"
-"""Whether decode steps of ``MAX_ROWS`` rows and more run the write inside the tile-wise
-attention kernel (:func:`decode_attention_tile`; ``0``: the write kernel, then the
-attention). H200 runs 56-57, engine batch 64, alternating processes: 8,746 / 8,818 /
-8,748 / 8,495 / 8,746 / 8,611 tok/s against 7,948 / 8,565 / 8,633 / 7,648 / 8,557 /
-8,432 (+1% to +11% a pair)."""
+# Decode steps of ``MAX_ROWS`` rows and more run the write inside the tile-wise attention
+# kernel (:func:`decode_attention_tile`) rather than the write kernel, then the attention:
+# the engine at batch 64 gained 1-11% a pair of processes.
 
 
 @functools.cache
@@ -436,8 +422,8 @@ def decode_attention_tile(qkv: mx.array, pos: mx.array, slots: mx.array, inv_fre
     merge kernel when the context is split), with the same result: qkv (B, (H + 2*KVH) *
     D) row-contiguous, one decode token per row at ``pos`` (= ``lens - 1``), written at
     ``slots`` (< 0: not written). Returns (B, H * D); the pools change when it is
-    evaluated (see ``kv_write_cuda``). ``kernel``: ``v4``, ``v6`` or ``tc`` (default: by batch, as
-    ``paged_decode_attention`` picks)."""
+    evaluated (see ``kv_write_cuda``). ``kernel``: ``v6`` or ``tc`` (default ``tc``, which
+    falls back to ``v6`` where it does not apply)."""
     B = qkv.shape[0]
     D = k_pool.shape[-1]
     H, KVH = n_heads, n_kv_heads
@@ -445,9 +431,9 @@ def decode_attention_tile(qkv: mx.array, pos: mx.array, slots: mx.array, inv_fre
         raise ValueError(f"qkv width {qkv.shape[1]} != ({H} + 2*{KVH}) * {D}")
     if not tile_supported(qkv, D):
         raise ValueError(f"decode_attention_tile: {qkv.dtype} / head_dim {D} (fp16 or bf16, 64 or 128)")
-    version = kernel or pac.auto_kernel(max(B, pac.V4_MIN_BATCH))
-    if version not in ("v4", "v6", "tc"):
-        raise ValueError(f"decode_attention_tile: kernel {version!r} (v4, v6 or tc)")
+    version = kernel or "tc"
+    if version not in ("v6", "tc"):
+        raise ValueError(f"decode_attention_tile: kernel {version!r} (v6 or tc)")
     part = partition or pac.choose_partition(B, KVH, max_len)
     npart = max(1, -(-max_len // part))
     single = npart == 1

@@ -13,7 +13,6 @@ when it applies and the module's own call otherwise (CPU, other modes and widths
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,16 +22,12 @@ from tandem.kernels.cuda.paged_attention_cuda import i32
 from tandem.kernels.cuda.quantized_matmul import cuda_available
 
 BITS = (4, 8)
-ENABLED = os.environ.get("TANDEM_EMBED_KERNEL", "1") != "0"  # 0: mlx's gathers (A/B)
 
 # Template: T (scale dtype = output dtype), BITS, GS (group size), WPR (uint32 words per
 # table row). Inputs: ids (N,) int32, w (V, WPR) uint32, scales, biases (V, dims / GS).
 # Output: out (N, dims). One thread per 16 bytes of a packed row (4 words: 32 values at
 # 4 bits, 16 at 8), each inside one group since GS >= 32; blockIdx.y is the token.
 _SOURCE = r"""
-#ifdef TANDEM_PDL
-  tandem_pdl_start();  // captured with programmatic dependent launch: see pipeline/runners/cuda/graph_step.py
-#endif
   constexpr int VPW = 32 / BITS;                 // values per word
   constexpr int DIMS = WPR * VPW;
   constexpr int NG = DIMS / GS;
@@ -74,7 +69,7 @@ def supported(module) -> bool:
     """Whether ``embed`` runs the kernel for this embedding module (on a CUDA device)."""
     if not isinstance(module, nn.QuantizedEmbedding) or getattr(module, "mode", "affine") != "affine":
         return False
-    return (ENABLED and module.get("biases") is not None and module.bits in BITS and module.group_size >= 32
+    return (module.get("biases") is not None and module.bits in BITS and module.group_size >= 32
             and module.scales.dtype in (mx.float16, mx.bfloat16)
             and module.weight.shape[-1] % 4 == 0 and cuda_available())
 

@@ -5,22 +5,20 @@ code) names the module of a custom kernel ``fmt::format("{}_{}", name, std::hash
 on every launch it encodes, and the source it hashes is the whole generated text: MLX's
 prelude, the kernel's header, its signature, its body. tandem's one-row kernels are 8-14 KB
 of text, and a one-row step encodes ~160 of them: ``std::_Hash_bytes`` was 13.8% of the
-engine thread's samples at batch 1 (H200 run 93, ``gpu_probe.py --sections engine-sample``),
-about 0.45 ms of a 3.5 ms step.
+engine thread's samples at batch 1, about 0.45 ms of a 3.5 ms step.
 
-So (``TANDEM_KERNEL_INCLUDE=1``, the default) a kernel's header and body go into files named
+So a kernel's header and body go into files named
 by their content, and the text MLX sees and hashes is two ``#include`` lines and the
 signature; the preprocessor puts the body back inside the function MLX writes, so the
 compiled kernel is the same. MLX finds the inputs whose shape, strides or ndim a body reads
 by searching the source for ``<input>_shape`` and the like; the short source names those in
-a comment so the signature stays the same. Engine, batch 1 (runs 94-95, alternating
-processes): 373 / 376 tok/s against 310 / 358, the thread encoding a step in 1.41-1.68 ms
-against 1.96-2.42; batch 64 unchanged (10,448 against 10,568).
+a comment so the signature stays the same. The engine at batch 1 gained 5-20% (the thread
+encoding a step in ~30% less time); batch 64 did not move.
 
 The directory is created 0700 and must be the caller's: a file under a guessable name in a
 shared temporary directory would otherwise be code another user could plant in a kernel.
 Files are written whole and renamed into place; one that is there is read back and must
-hold what it is named for. ``TANDEM_KERNEL_INCLUDE=0`` hands MLX the texts themselves.
+hold what it is named for. ``include=False`` hands MLX the texts themselves (tests).
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-INCLUDE = os.environ.get("TANDEM_KERNEL_INCLUDE", "1") == "1"
+INCLUDE = True
 SHAPE_SUFFIXES = ("shape", "strides", "ndim")
 
 _written: dict[Path, str] = {}
@@ -88,13 +86,12 @@ def short_texts(name: str, source: str, header: str, input_names: list[str]) -> 
 def cuda_kernel(*, name: str, input_names: list[str], output_names: list[str], source: str,
                 header: str = "", include: bool | None = None, **kwargs):
     """``mx.fast.cuda_kernel`` with the texts in files when ``include`` (default ``INCLUDE``)."""
-    pdl = "TANDEM_PDL" in source + header
     shared = int(kwargs.get("shared_memory") or 0)
     if INCLUDE if include is None else include:
         source, header = short_texts(name, source, header, input_names)
     fn = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
                              source=source, header=header, **kwargs)
-    return _Kernel(fn, KernelSpec(name, list(input_names), list(output_names), source, header, pdl, shared))
+    return _Kernel(fn, KernelSpec(name, list(input_names), list(output_names), source, header, shared))
 
 
 # A recorder, while one is active on this thread, sees every kernel call made through
@@ -111,7 +108,6 @@ class KernelSpec:
     output_names: list[str]
     source: str
     header: str
-    pdl: bool = False  # its texts wait for the kernel before it under TANDEM_PDL (graph_step)
     shared_memory: int = 0  # dynamic shared bytes each launch gets (``extern __shared__``)
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,47 +40,30 @@ from tandem.kernels.cuda import w4mma
 
 log = logging.getLogger("tandem.kernels")
 
-FUSE_MAX_ROWS = int(os.environ.get("TANDEM_FUSE_MAX_ROWS", "1"))
+FUSE_MAX_ROWS = 1
 """Most rows for which :meth:`FlatLinear.fused` folds rms_norm / swiglu / residual into
 the multirow kernel. The fused kernel re-reads every input row per warp (the norm's sum
 of squares, the swiglu's exponentials), which at 4 rows made a decode step slower, not
-faster (H200 run 4: 16.0 ms fused vs 12.1 ms unfused at batch 4); from 2 rows the
-separate ops are used."""
+faster (16.0 ms fused against 12.1 ms unfused at batch 4); from 2 rows the separate ops
+are used."""
 
-USE_QGEMV = os.environ.get("TANDEM_QGEMV", "1") != "0"
-"""One-row products through ``qgemv`` (staged input, loads issued first) where it applies;
-``TANDEM_QGEMV=0`` keeps them on the multirow kernel (for A/B measurements)."""
-
-QGEMV_FUSE_NORM = os.environ.get("TANDEM_QGEMV_FUSE_NORM", "0") == "1"
-"""Whether ``qgemv`` stages the rms norm itself (1) or gets a normalized input from
-``mx.fast.rms_norm``, one op more (0, the default). Measured on the H200 (run 16, 8B
-shape, engine batch 1, two alternating rounds): 223 / 189 tok/s fused, 241 / 235 with the
-separate norm. CUPTI put the fused-norm qkv product at 26 us against 7 us for the
-same-sized o product."""
-
-W4MMA_MAX_ROWS = int(os.environ.get("TANDEM_W4MMA_MAX_ROWS", "8"))
+W4MMA_MAX_ROWS = 8
 """Most rows for which a layer holding 4-bit weights multiplies them on the tensor cores
 (``w4mma``, large products only) rather than with the dense fp16 GEMM; 0 turns the kernel
-off (A/B runs). H200 engine, 8B shape, alternating processes: batch 6 1,034 / 1,067 tok/s
-against 984 / 945 off, batch 8 1,219 / 1,355 against 1,212 / 1,238; at batch 16 the
-kernel lost (1,912 / 1,880 against 2,157 / 1,953), so 16 rows stay on the dense GEMM."""
+off. It won at batch 6 and 8 and lost at batch 16, so 16 rows stay on the dense GEMM."""
 
-W4G_ROWS = tuple(int(v) for v in os.environ.get("TANDEM_W4G_ROWS", "9,16").split(","))
+W4G_ROWS = (9, 16)
 """Rows (lowest, highest) for which a layer with packed 4-bit weights multiplies them with
-``w4gemm`` rather than the dense fp16 GEMM; ``TANDEM_W4G=0`` packs nothing (A/B runs).
-H200 engine, alternating processes (run 74): batch 16 2,958 / 2,967 tok/s against 2,685 /
-2,732 on the dense GEMM; batch 32 4,669 / 4,698 against 5,331 / 5,423, its ticks spending
-~4 ms building the step (0.6 without the kernel), not understood yet; so 16 rows at most.
-From 48 rows the kernel is slower than cuBLAS alone (``mma.sync`` tops out near 240 TFLOPS
-here, run 73)."""
-USE_W4G = os.environ.get("TANDEM_W4G", "1") != "0"
-USE_W4WG = os.environ.get("TANDEM_W4WG", "1") != "0"
-W4WG_ROWS = tuple(int(v) for v in os.environ.get("TANDEM_W4WG_ROWS", "17,64").split(","))
+``w4gemm`` rather than the dense fp16 GEMM: it won at batch 16 (+8-10% engine tok/s) and
+lost at batch 32, where the step's host-side building slowed for reasons not understood;
+from 48 rows the kernel is slower than cuBLAS alone (``mma.sync`` tops out near 240
+TFLOPS on the H200)."""
+USE_W4G = True
+USE_W4WG = True
+W4WG_ROWS = (17, 64)
 """Rows for which the packed layers run in one pass over K (gate/up, the head) multiply on
-``wgmma`` (``w4wgmma``); ``TANDEM_W4WG=0`` keeps them on the dense GEMM (A/B runs). H200
-engine, alternating processes: batch 64 10,039 / 10,018 / 9,716 tok/s against 9,443 /
-9,326 / 9,347 (run 85), 9,770 / 9,853 against 9,448 / 9,297 (run 82); batch 32 mixed
-(5,568 / 4,649 / 5,532 against 4,983 / 5,057 / 5,371)."""
+``wgmma`` (``w4wgmma``): +3-7% engine tok/s at batch 64, mixed at batch 32. ``USE_W4G`` /
+``USE_W4WG`` are for tests (False: no packed copy / no ``wgmma``)."""
 
 QUANTIZED_MAX_ROWS = 4096
 """Most rows handed to one quantized matmul (4,096 = 8 x 512 ran in the H200 measurements;
@@ -160,7 +142,7 @@ class FlatLinear(nn.Module):
 
     def _w4wg_applies(self, x2: mx.array) -> bool:
         # Only products it runs in one pass over K (gate/up, the head): down's K splits add
-        # into fp32 behind a zero fill that took 12.6 us a layer in the engine (run 81).
+        # into fp32 behind a zero fill of their own, ~13 us a layer in the engine.
         return (USE_W4WG and self.w4g_tiles == 16 and W4WG_ROWS[0] <= x2.shape[0] <= W4WG_ROWS[1]
                 and w4wgmma.supports(x2.shape[0], self.output_dims, x2.shape[1], self.group_size)
                 and w4wgmma.k_splits(self.output_dims, x2.shape[1]) == 1 and w4wgmma.available())
@@ -256,14 +238,14 @@ class FlatLinear(nn.Module):
         return y if residual is None else residual + y
 
     def _qgemv(self, x2: mx.array, norm_weight, eps: float, *, residual=None, pair: bool = False) -> mx.array:
-        if norm_weight is not None and not QGEMV_FUSE_NORM and not qg.stream_fuses_norm(
+        if norm_weight is not None and not qg.stream_fuses_norm(
                 x2.shape[-1], pair, self["qweight"].shape[0]):
             x2, norm_weight = mx.fast.rms_norm(x2, norm_weight, eps), None
         return qg.qgemv(x2, self["qweight"], self["scales"], self["biases"], self.group_size,
                         norm_weight=norm_weight, eps=eps, residual=residual, pair=pair)
 
     def _qgemv_applies(self, x2: mx.array, pair: bool) -> bool:
-        return (USE_QGEMV and x2.shape[0] == 1 and self.has_quantized and "bias" not in self
+        return (x2.shape[0] == 1 and self.has_quantized and "bias" not in self
                 and "biases" in self and qmm.cuda_available()
                 and qg.supports(x2, self["qweight"], self["scales"], self.bits, self.group_size,
                                 self.mode, pair=pair))

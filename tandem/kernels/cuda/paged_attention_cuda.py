@@ -18,7 +18,6 @@ Its companion for the step's new tokens, RoPE and the in-place KV write, is
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 
@@ -29,8 +28,8 @@ _ATT_THREADS = 128  # 4 warps x 4 token slots x 8 lanes
 _SLOTS = 16
 MAX_PARTITION = 2048  # tokens per partition; the kernel holds its table slice in shared memory
 # Smallest partition: splitting a short context buys parallelism at the price of one more
-# launch (the merge); tunable for measurements.
-MIN_PARTITION = int(os.environ.get("TANDEM_ATT_MIN_PART", "64"))
+# launch (the merge); never splitting short contexts (2048) gained nothing.
+MIN_PARTITION = 64
 
 HEADER = r"""
 #define PA_MAX_PART 2048
@@ -289,20 +288,20 @@ _MERGE_TAIL = r"""
 """
 
 
-# Tile-wise attention (``TANDEM_ATT_KERNEL=v4`` / ``v6``): the same grid, inputs and
-# outputs as the kernel above, with a tile-wise softmax. Each warp takes 32-token tiles:
+# Tile-wise attention (``v6``): the same grid, inputs and outputs as the kernel above,
+# with a tile-wise softmax. Each warp takes 32-token tiles:
 # in the score phase a lane owns one token and dots its whole K row with the group's
 # queries (no shuffles per token); the tile's max and one rescale of the accumulators
 # follow; in the value phase lanes own D/32 dims and walk the tile's tokens. The kernel
 # above rescales every accumulator with two exponentials per token and query head, and on
-# the H200 it stayed at 0.85-1.3 TB/s of KV whatever the grid (run 14).
+# the H200 it stayed at 0.85-1.3 TB/s of KV whatever the grid.
 _ATT_TILE_SOURCE = r"""
   constexpr int DPL = D / 32;               // value dims per lane
   constexpr int KW = D / 8;                 // 16-byte words per K row
   constexpr int NACC = DPL;
 """ + _ATT_PROLOGUE + r"""
   __shared__ float sm_p[4][32][G];
-  __shared__ __align__(16) T sm_v[VSM ? 4 : 1][VSM ? 32 : 1][VSM ? D : 8];
+  __shared__ __align__(16) T sm_v[4][32][D];
   __syncthreads();
 
   // Warp-uniform loop: every lane of a warp runs the same tiles (full-mask shuffles).
@@ -318,35 +317,22 @@ _ATT_TILE_SOURCE = r"""
     }
     // The tile's V loads go out with its K loads (they do not depend on the scores), so
     // a tile costs one memory latency, not five (K, then V in four chunks of 8 tokens:
-    // the first tile-wise kernel, 197 us at batch 64 against 110). VSM: into shared
-    // memory by cp.async, 16-byte chunks, a warp-wide copy covering two whole rows, so
-    // no registers are held while they are in flight; else into registers.
-    __align__(8) T vr[VSM ? 1 : 32][DPL];
+    // the first tile-wise kernel, 197 us at batch 64 against 110): into shared memory by
+    // cp.async, 16-byte chunks, a warp-wide copy covering two whole rows, so no registers
+    // are held while they are in flight (into registers instead, 226 against 128 of them,
+    // it lost to the tensor-core kernel at every batch and is gone).
 #pragma unroll
-    for (int k = 0; k < (VSM ? KW : 32); ++k) {
-      if constexpr (VSM) {
-        const int ci = lane + 32 * k;
-        const int jv = ci / KW, w = ci % KW;
-        if (jv < nv) {
-          const int ti = tb + jv;
-          const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + w * 8;
-          const unsigned dst = (unsigned)__cvta_generic_to_shared(&sm_v[warp][jv][w * 8]);
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(vp));
-        }
-      } else if (k < nv) {
-        const int ti = tb + k;
-        const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + lane * DPL;
-        if constexpr (sizeof(T) == 2 && DPL == 4) {
-          *reinterpret_cast<uint2*>(&vr[k][0]) = *reinterpret_cast<const uint2*>(vp);
-        } else if constexpr (sizeof(T) == 2 && DPL == 2) {
-          *reinterpret_cast<uint32_t*>(&vr[k][0]) = *reinterpret_cast<const uint32_t*>(vp);
-        } else {
-#pragma unroll
-          for (int d = 0; d < DPL; ++d) vr[k][d] = vp[d];
-        }
+    for (int k = 0; k < KW; ++k) {
+      const int ci = lane + 32 * k;
+      const int jv = ci / KW, w = ci % KW;
+      if (jv < nv) {
+        const int ti = tb + jv;
+        const T* vp = v_pool + (((size_t)sm_tbl[ti / BS - fb] * BS + (ti % BS)) * KVH + h) * D + w * 8;
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(&sm_v[warp][jv][w * 8]);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(vp));
       }
     }
-    if constexpr (VSM) asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.commit_group;\n" ::);
 
     float s[G];
 #pragma unroll
@@ -385,14 +371,14 @@ _ATT_TILE_SOURCE = r"""
       mx_[g] = mn;
       sm_p[warp][lane][g] = p;
     }
-    if constexpr (VSM) asm volatile("cp.async.wait_group 0;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::);
     __syncwarp();
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       if (j < nv) {
         float vf[DPL];
 #pragma unroll
-        for (int d = 0; d < DPL; ++d) vf[d] = pa_f(VSM ? sm_v[warp][j][lane * DPL + d] : vr[j][d]);
+        for (int d = 0; d < DPL; ++d) vf[d] = pa_f(sm_v[warp][j][lane * DPL + d]);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           const float pg = sm_p[warp][j][g];
@@ -418,23 +404,23 @@ _ATT_TILE_SOURCE = r"""
   }
 """
 
-# Tensor-core attention (``TANDEM_ATT_KERNEL=tc``): the tile-wise kernels' grid, inputs,
+# Tensor-core attention (``tc``): the tile-wise kernels' grid, inputs,
 # outputs and 32-token warp tiles, with both products on ``mma.sync.m16n8k16``. The group's
 # G query heads are the A operand's rows (G <= 8 of 16; the other rows are zero), so one
 # mma scores 8 tokens against every query head of the group, and the probabilities go
 # back in as A for the value product without leaving registers (the C fragment of two
 # 8-token score tiles is the A fragment of a 16-token step). At batch 64 v6 took 80 us
-# (cold, 576-token rows) where its loads alone took 50 (run 66): its fp32 FMAs and
+# (cold, 576-token rows) where its loads alone took 50: its fp32 FMAs and
 # half-to-float conversions, ~1,000 a lane a tile, are what the tensor cores remove.
 #
 # K and V go by cp.async into shared memory, 16 lanes a row (the loads alone read 3 TB/s
-# at batch 64 that way, run 66), rows XOR-swizzled by 16-byte word so that ``ldmatrix``
+# at batch 64 that way), rows XOR-swizzled by 16-byte word so that ``ldmatrix``
 # reads 8 rows of one word without bank conflicts: plain for K's B fragments, ``.trans``
 # for V's (the value product needs V transposed). Rows past the partition are
 # zero-filled, as a zero probability times an uninitialized NaN would still be NaN.
 # K loaded from global memory straight into B fragments (each lane quad taking whole
 # 16-byte words of a token's row, the query's A fragment permuted to match) held 64 more
-# registers (210, 2 blocks an SM) and was slower: 67.6 against 52.7 us (run 68).
+# registers (210, 2 blocks an SM) and was slower: 67.6 against 52.7 us.
 TC_HEADER = r"""
 __device__ __forceinline__ void tc_mma(const __half*, float* c, unsigned a0, unsigned a2, unsigned b0,
                                        unsigned b1) {
@@ -615,42 +601,28 @@ def kernel_header(kind: str) -> str:
 
 
 def tile_variant(version: str, dtype, head_dim: int, group: int) -> tuple[str, list, int]:
-    """A tile-wise version (v4, v6 or tc; tc falls back to v6 where it does not apply) ->
+    """A tile-wise version (v6 or tc; tc falls back to v6 where it does not apply) ->
     (source kind ``tile`` / ``tc``, the template arguments that pick the variant, bytes of
     dynamic shared memory)."""
     if version == "tc" and tc_supported(dtype, head_dim, group):
         return "tc", [], tc_smem_bytes(head_dim, dtype)
-    return "tile", [("VSM", version in ("v6", "tc"))], 0
+    return "tile", [], 0
 
 
-ATT_KERNEL = os.environ.get("TANDEM_ATT_KERNEL", "auto")
-"""Which decode attention kernel runs: ``v2`` (per-token online softmax), ``v4`` (tile-wise,
-each tile's V loaded into registers with its K), ``v6`` (tile-wise, V by cp.async into
-shared memory: 128 registers against 226), ``tc`` (tile-wise on the tensor cores, K and V
-by cp.async), or ``auto`` (:func:`auto_kernel`). The tile-wise kernels need a 2-byte dtype
-and head_dim 64 or 128 (else v2); ``tc`` at most 8 query heads a KV head (else v6). H200,
-8B shape: runs 19-21 (528-token contexts, CUPTI) batch 16 57-71 us with v4 against 76 (v2)
-and 95-114 (v6); batch 64 100-110 us (v4, v6) against 145 (v2) and 197 (v3, removed);
-run 68 (576-token contexts, cold) batch 64 tc 52.7 us against v6 74.9, and the engine
-at batch 64 9,321 / 9,170 tok/s against 8,791 / 8,884."""
-
-V4_MIN_BATCH = 16
-TC_MIN_BATCH = int(os.environ.get("TANDEM_ATT_TC_MIN_BATCH", "16"))
-"""From how many rows ``auto`` runs ``tc`` (v4 below it). Run 69, cold, 576-token contexts,
-one partition: tc 24.1 / 42.7 / 62.5 / 100.9 us at batch 16 / 32 / 64 / 128, against v4
-40.6 / 54.6 / 94.9 / 172.0 and v6 42.4 / 55.0 / 72.2 / 126.9. Engine, run 70: batch 32
-5,244 / 5,239 tok/s against v4's 4,567 / 4,385; batch 16 2,439 / 2,685 against 2,518 / 2,532."""
+TILE_MIN_BATCH = 16
+"""From how many rows decode attention runs ``tc`` (tile-wise on the tensor cores, K and V
+by cp.async; ``v6``, tile-wise on the CUDA cores with V by cp.async into shared memory,
+where ``tc`` does not apply: more than 8 query heads a KV head), and below it ``v2`` (per-token
+online softmax). The tile-wise kernels need a 2-byte dtype and head_dim 64 or 128 (else
+v2). At batch 16-128, 8B shape, tc took 24-101 us against v6's 42-127 and v2's 76-145,
+and the engine at batch 32-64 gained 5-15% tok/s; below 16 rows decode runs
+``decode_attention_cuda`` (its own one-launch kernel) anyway. A tile-wise kernel that
+held each tile's V in registers lost to tc at every batch and is gone."""
 
 
 def auto_kernel(batch: int) -> str:
-    """The decode attention kernel for ``batch`` rows: v2 below ``V4_MIN_BATCH``, v4 below
-    ``TC_MIN_BATCH``, tc from there."""
-    return "v2" if batch < V4_MIN_BATCH else "v4" if batch < TC_MIN_BATCH else "tc"
-
-
-def kernel_for(batch: int) -> str:
-    """The kernel ``paged_decode_attention`` runs for ``batch`` rows when not told."""
-    return auto_kernel(batch) if ATT_KERNEL == "auto" else ATT_KERNEL
+    """The decode attention kernel for ``batch`` rows: v2 below ``TILE_MIN_BATCH``, tc from there."""
+    return "v2" if batch < TILE_MIN_BATCH else "tc"
 
 
 # Template: T, D. Inputs: part (B, H, NPART, D + 2). Output: o (B, H, D) in T.
@@ -672,58 +644,6 @@ _REDUCE_SOURCE = r"""
   }
 """
 
-# The same merge with the partitions spread over the block's threads: the maximum, the
-# weights exp(m_i - max) (kept in shared memory) and the weighted sum of l each a block
-# reduction, then one unrolled pass of independent loads per output dim. The serial merge
-# walks the partitions one after another in every thread, which is what made small
-# partitions at batch 1 slower (run 21: 223 tok/s at 16-token partitions against 238 at
-# 64). Not yet measured on the device: ``TANDEM_ATT_MERGE=parallel`` selects it.
-MERGE_MAX_PARTS = 1024
-_REDUCE_PAR_SOURCE = r"""
-  const int bh = blockIdx.x;
-  const int npart = part_shape[2];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-  const float* p = part + (size_t)bh * npart * (D + 2);
-  __shared__ float sc[MAXP];
-  __shared__ float sred[32];
-  float mn = -INFINITY;
-  for (int i = tid; i < npart; i += blockDim.x) mn = fmaxf(mn, p[i * (D + 2) + D]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mn = fmaxf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
-  if (lane == 0) sred[warp] = mn;
-  __syncthreads();
-  mn = sred[0];
-  for (int w = 1; w < nw; ++w) mn = fmaxf(mn, sred[w]);
-  __syncthreads();
-  float ls = 0.f;
-  for (int i = tid; i < npart; i += blockDim.x) {
-    const float m = p[i * (D + 2) + D];
-    const float c = (m == -INFINITY) ? 0.f : __expf(m - mn);
-    sc[i] = c;
-    ls += p[i * (D + 2) + D + 1] * c;
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, o);
-  if (lane == 0) sred[warp] = ls;
-  __syncthreads();
-  float lsum = 0.f;
-  for (int w = 0; w < nw; ++w) lsum += sred[w];
-  for (int d = tid; d < D; d += blockDim.x) {
-    float a = 0.f;
-#pragma unroll 8
-    for (int i = 0; i < npart; ++i) a += p[i * (D + 2) + d] * sc[i];
-    pa_st(&o[(size_t)bh * D + d], lsum > 0.f ? a / lsum : 0.f);
-  }
-"""
-
-MERGE = os.environ.get("TANDEM_ATT_MERGE", "serial")
-"""The partition merge: ``serial`` (every thread walks the partitions) or ``parallel``
-(``_REDUCE_PAR_SOURCE``, up to ``MERGE_MAX_PARTS`` partitions). H200 run 43, engine at one
-row: parallel with 16-token partitions 251 tok/s, with 32 209, serial with 64 (default)
-245; CUPTI: 4.4-4.9 us against 4.9-5.3 at 36 partitions, the same at 9. No gain shown;
-below 16 rows decode now runs ``decode_attention_cuda`` (its own merge) anyway."""
-
-
 _KERNEL_SOURCES = {"v2": ("tandem_paged_decode", _ATT_SOURCE), "tile": ("tandem_paged_decode_tile", _ATT_TILE_SOURCE),
                    "tc": ("tandem_paged_decode_tc", _ATT_TC_SOURCE)}
 
@@ -742,12 +662,14 @@ def _attention_kernel(kind: str, shared_bytes: int = 0):
 
 
 @functools.cache
-def _reduce_kernel(parallel: bool = False):
+def _reduce_kernel():
+    # A merge spread over the block's threads (block reductions) gained nothing over this
+    # walk: below 16 rows decode runs ``decode_attention_cuda``, which merges itself.
     return kernel_files.cuda_kernel(
-        name="tandem_paged_reduce_par" if parallel else "tandem_paged_reduce",
+        name="tandem_paged_reduce",
         input_names=["part"],
         output_names=["o"],
-        source=_REDUCE_PAR_SOURCE if parallel else _REDUCE_SOURCE,
+        source=_REDUCE_SOURCE,
         header=HEADER,
     )
 
@@ -764,10 +686,10 @@ def _params(scale: float, part: int) -> mx.array:
     return a
 
 
-ATT_WAVES = float(os.environ.get("TANDEM_ATT_WAVES", "4"))
-TC_WAVES = float(os.environ.get("TANDEM_ATT_TC_WAVES", "1"))
-"""``ATT_WAVES`` for the tensor-core kernel, which is fastest unsplit: run 69, batch 16,
-576-token contexts, cold: 24.1 us in one partition against 34.2 + 4.2 (merge) in three."""
+ATT_WAVES = 4.0
+TC_WAVES = 1.0
+"""``ATT_WAVES`` for the tensor-core kernel, which is fastest unsplit: at batch 16 and
+576-token contexts 24.1 us in one partition against 34.2 + 4.2 (merge) in three."""
 
 
 def choose_partition(batch: int, n_kv_heads: int, max_len: int, sms: int = 132) -> int:
@@ -775,7 +697,7 @@ def choose_partition(batch: int, n_kv_heads: int, max_len: int, sms: int = 132) 
     card about ``ATT_WAVES`` (``TC_WAVES`` for the tc kernel) times over, at least
     ``MIN_PARTITION`` so each partition amortizes its merge. When one partition covers
     every row the merge kernel is skipped (one launch less)."""
-    target = (TC_WAVES if kernel_for(batch) == "tc" else ATT_WAVES) * sms
+    target = (TC_WAVES if auto_kernel(batch) == "tc" else ATT_WAVES) * sms
     part = min(MAX_PARTITION, max(16, MIN_PARTITION))
     while part < MAX_PARTITION and batch * n_kv_heads * -(-max_len // part) > target:
         part *= 2
@@ -785,7 +707,7 @@ def choose_partition(batch: int, n_kv_heads: int, max_len: int, sms: int = 132) 
 def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array,
                            lens: mx.array, scale: float, block_size: int, max_len: int,
                            partition: int | None = None, flat: bool = False,
-                           kernel: str | None = None, merge: str | None = None) -> mx.array:
+                           kernel: str | None = None) -> mx.array:
     """One query token per row over its paged context, on CUDA.
 
     q: (B, H, D); pools: (S, KVH, D); table: (B, nb) int32 store block ids covering
@@ -803,11 +725,9 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     npart = max(1, -(-max_len // part))
     single = npart == 1
     out_shape = ((B, H * D) if flat else (B, H, D)) if single else (B, H, npart, D + 2)
-    version = kernel or ATT_KERNEL
-    if version == "auto":
-        version = auto_kernel(B)
-    if version not in ("v2", "v4", "v6", "tc"):
-        raise ValueError(f"paged_decode_attention: unknown kernel {version!r} (v2, v4, v6, tc or auto)")
+    version = kernel or auto_kernel(B)
+    if version not in ("v2", "v6", "tc"):
+        raise ValueError(f"paged_decode_attention: unknown kernel {version!r} (v2, v6 or tc)")
     if version != "v2" and (q.dtype not in (mx.float16, mx.bfloat16) or D not in (64, 128)):
         version = "v2"
     template = [("T", q.dtype), ("D", D), ("KVH", kvh), ("G", H // kvh), ("BS", block_size),
@@ -826,20 +746,16 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     )
     if single:
         return partials
-    return merge_partials(partials, q.dtype, flat, merge)
+    return merge_partials(partials, q.dtype, flat)
 
 
-def merge_partials(partials: mx.array, dtype, flat: bool, merge: str | None = None) -> mx.array:
+def merge_partials(partials: mx.array, dtype, flat: bool) -> mx.array:
     """The split kernel's partials (B, H, NPART, D + 2) -> (B, H, D) in ``dtype`` (or
-    (B, H * D) with ``flat``). ``merge``: ``serial`` or ``parallel`` (default ``MERGE``)."""
-    B, H, npart, D = partials.shape[0], partials.shape[1], partials.shape[2], partials.shape[3] - 2
-    merge = merge or MERGE
-    if merge not in ("serial", "parallel"):
-        raise ValueError(f"paged_decode_attention: unknown merge {merge!r} (serial or parallel)")
-    parallel = merge == "parallel" and npart <= MERGE_MAX_PARTS
-    (o,) = _reduce_kernel(parallel)(
+    (B, H * D) with ``flat``)."""
+    B, H, D = partials.shape[0], partials.shape[1], partials.shape[3] - 2
+    (o,) = _reduce_kernel()(
         inputs=[partials],
-        template=[("T", dtype), ("D", D)] + ([("MAXP", MERGE_MAX_PARTS)] if parallel else []),
+        template=[("T", dtype), ("D", D)],
         grid=(B * H * min(D, 128), 1, 1),
         threadgroup=(min(D, 128), 1, 1),
         output_shapes=[(B, H * D) if flat else (B, H, D)],

@@ -122,9 +122,6 @@ __device__ __forceinline__ void tq_decode_f(uint32_t w, float* q) {
 # products; fp16 4-bit only), NORM (x <- rms_norm(x) * norm_w), SWIGLU (x holds [gate, up]
 # and the product input is silu(gate) * up), RES (y += res).
 _SOURCE = r"""
-#ifdef TANDEM_PDL
-  tandem_pdl_start();  // captured with programmatic dependent launch: see pipeline/runners/cuda/graph_step.py
-#endif
   constexpr int EPW = 32 / BITS;            // elements per packed word
   constexpr int EPC = 4 * EPW;              // elements per 16-byte chunk
   const int N = w_shape[0];

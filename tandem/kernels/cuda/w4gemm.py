@@ -33,7 +33,6 @@ The engine gives it 9-16 rows (``linear.W4G_ROWS``): batch 16 +7.5% to +13%.
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 
@@ -49,10 +48,10 @@ KC = 64
 """K per pipeline chunk: four k16 steps, one 16-byte word of packed weights a lane."""
 WARPS = 8
 MIN_WEIGHTS = 1 << 25
-"""Smallest product (N x K) a layer packs for: the H200 probe (run 72, cold) had the dense
+"""Smallest product (N x K) a layer packs for: on the H200 (cold) the dense
 fp16 GEMM faster for qkv 6144x4096 and o 4096x4096 at 16-64 rows (14-16 us against
 16-36), the kernel faster for gate/up, down and the head at 16-32 rows."""
-TARGET_BLOCKS = int(os.environ.get("TANDEM_W4G_BLOCKS", "264"))
+TARGET_BLOCKS = 264
 """Blocks a product should spread over (2 per SM of an H200 at 68 KB of shared memory);
 fewer row blocks than this split K."""
 
@@ -251,8 +250,8 @@ def shared_bytes(mt: int, rt: int, stages: int, group_size: int) -> int:
     return stages * (mt * 8 * 128 + tiles * 512 + tiles * gpc * 64)
 
 
-STAGES = int(os.environ.get("TANDEM_W4G_STAGES", "4"))
-ROW_TILES = int(os.environ.get("TANDEM_W4G_RT", "2"))
+STAGES = 4
+ROW_TILES = 2
 
 
 def row_tiles(n: int) -> int:

@@ -28,7 +28,6 @@ fp16 directly. ``w4_matmul_reference`` is the pure-ops definition (the multirow 
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 
@@ -38,11 +37,11 @@ from tandem.kernels.cuda import quantized_matmul as qmm
 MAX_ROWS = 64
 """Input rows one call takes: at 128 the accumulators of two row tiles alone would take 128
 registers a thread, and from 32 rows on the dense GEMM is faster anyway."""
-_WARPS = int(os.environ.get("TANDEM_W4MMA_WARPS", "4"))
-TARGET_BLOCKS = int(os.environ.get("TANDEM_W4MMA_BLOCKS", "528"))
+_WARPS = 4
+TARGET_BLOCKS = 528
 """Blocks a product should spread over (4 per SM of an H200); fewer row blocks than this
 split K. H200, CUPTI, 8 rows: down 4096x14336 23 us at 8 splits against 28 at 4; o
-4096x4096 12 us at 8 against 13 at 4 (docs/benchmarks/gpu_decode.md, run 34)."""
+4096x4096 12 us at 8 against 13 at 4."""
 
 MIN_WEIGHTS = 1 << 25
 """Smallest product (N x K) the kernel takes: below it the dense fp16 GEMM was faster at

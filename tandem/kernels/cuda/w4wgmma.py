@@ -1,7 +1,7 @@
 """``w4gemm`` on Hopper's warpgroup MMA (``wgmma``), for 17-64 input rows.
 
 At 64 rows ``w4gemm``'s math alone (``mma.sync``, ~210 TFLOPS) is slower than cuBLAS's
-whole fp16 product, which runs on ``wgmma`` (docs/benchmarks/gpu_decode.md, run 76).
+whole fp16 product, which runs on ``wgmma``.
 ``wgmma`` is an ``sm_90a`` instruction; MLX compiles custom kernels for the device's
 plain compute capability (``sm_90``), so this kernel is compiled here, with NVRTC through
 ctypes (the library MLX itself loaded), to a cubin that ``mx.fast.precompiled_cuda_kernel``
@@ -15,14 +15,13 @@ same) by the 64 input rows in shared memory (a matrix descriptor: K-major, 128-b
 swizzle, which is the XOR layout ``w4gemm`` already stores them in) into 32 fp32
 accumulators a thread per tile. ``linear`` uses it for the packed products it runs in one
 pass over K (gate/up and the head at 17-64 rows) where :func:`available` says the machine
-can run it; ``TANDEM_W4WG=0`` turns it off.
+can run it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import mlx.core as mx
 
@@ -34,18 +33,14 @@ log = logging.getLogger(__name__)
 
 ROWS_PER_BLOCK = 64
 """Input rows one block multiplies (``wgmma`` n = 64); more run along ``gridDim.z``."""
-STAGES = int(os.environ.get("TANDEM_W4WG_STAGES", "4"))
+STAGES = 4
 """``cp.async`` stages (chunks of 64 of K; ``STAGES - 1`` in flight a block)."""
-BALANCED = os.environ.get("TANDEM_W4WG_BALANCED", "0") == "1"
-"""Opt-in, measured slower: up to 64 input rows, one block an SM, each taking an equal run of
-all (256-row block, chunk) units (stream-K), where one block a 256-row block leaves SMs idle
-(gate/up: 112 blocks for 132 SMs). H200 runs 83-84: gate/up at 64 rows 57.0 us (56.5 with
-two blocks an SM) against 52.2 for one block a 256-row block; the head 215.9 (186.6)
-against 165.1."""
-MIN_BLOCKS = int(os.environ.get("TANDEM_W4WG_MIN_BLOCKS", "0"))
-"""Blocks an SM should hold (``__launch_bounds__``; 0 = none). The plain kernel needs 127
+MIN_BLOCKS = 0
+"""Blocks an SM should hold (``__launch_bounds__``; 0 = none). The kernel needs 127
 registers and 70.6 KB of shared memory, so two blocks fit an SM without the bound; with it
-(128 registers) runs 78 and 84 measured no difference."""
+(128 registers) it measured no different. A stream-K variant (one block an SM, equal runs
+of all units) measured slower for gate/up and the head: it is no longer selectable. Its
+branch (``BAL``) stays in the kernel text, as the cubin changed without it."""
 
 _SOURCE = r"""
 typedef unsigned int u32;
@@ -349,7 +344,7 @@ extern "C" __global__ void LAUNCH_BOUNDS KERNEL_NAME(const u16* x, const u32* wp
   };
 
   if constexpr (!BAL) {
-    // one stretch of one 256-row block (blockIdx.x): the kernel of runs 79-80
+    // one stretch of one 256-row block (blockIdx.x)
     const int i = blockIdx.x, c_lo = u_lo - i * C, c_hi = u_hi - i * C;
 #pragma unroll
     for (int p = 0; p < ST - 1; ++p) {
@@ -386,19 +381,17 @@ extern "C" __global__ void LAUNCH_BOUNDS KERNEL_NAME(const u16* x, const u32* wp
 
 
 def kernel_source(gs: int, atomic: bool, res: bool, stages: int = STAGES,
-                  min_blocks: int = MIN_BLOCKS, balanced: bool = False, probe: int = 0) -> tuple[str, str]:
+                  min_blocks: int = MIN_BLOCKS, probe: int = 0) -> tuple[str, str]:
     """(name, complete CUDA source) of one variant. ``probe`` (bench/gpu_probe.py only, results
     garbage by design): 1 the products alone, 2 no dequantization, 3 the loads alone, 4 the
     products alone with no drain a chunk."""
-    if balanced and atomic:
-        raise ValueError("the balanced kernel sums its own partial results: no fp32 atomics")
-    name = (f"tandem_w4wg_g{gs}_a{int(atomic)}_r{int(res)}_s{stages}_b{min_blocks}_k{int(balanced)}"
+    name = (f"tandem_w4wg_g{gs}_a{int(atomic)}_r{int(res)}_s{stages}_b{min_blocks}"
             + (f"_p{probe}" if probe else ""))
     head = (f"#define KERNEL_NAME {name}\n#define OUT_T {'float' if atomic else 'u16'}\n"
             f"#define LAUNCH_BOUNDS {f'__launch_bounds__(256, {min_blocks})' if min_blocks else ''}\n"
             f"constexpr int GS = {gs};\nconstexpr bool ATOMIC = {str(atomic).lower()};\n"
             f"constexpr bool RES = {str(res).lower()};\nconstexpr int ST = {stages};\n"
-            f"constexpr bool BAL = {str(balanced).lower()};\nconstexpr int PROBE = {probe};\n")
+            f"constexpr bool BAL = false;\nconstexpr int PROBE = {probe};\n")
     src = _SOURCE.replace('extern "C"', head + 'extern "C"', 1)  # after the typedefs OUT_T names
     return name, src
 
@@ -410,9 +403,9 @@ def shared_bytes(gs: int, stages: int = STAGES) -> int:
 
 @functools.cache
 def compile_cubin(gs: int, atomic: bool, res: bool, arch: str = "sm_90a", stages: int = STAGES,
-                  min_blocks: int = MIN_BLOCKS, balanced: bool = False, probe: int = 0) -> tuple[str, bytes]:
+                  min_blocks: int = MIN_BLOCKS, probe: int = 0) -> tuple[str, bytes]:
     """NVRTC-compiled cubin of one variant (``kernels.nvrtc``, cached on disk): (kernel name, bytes)."""
-    name, src = kernel_source(gs, atomic, res, stages, min_blocks, balanced, probe)
+    name, src = kernel_source(gs, atomic, res, stages, min_blocks, probe)
     return name, nvrtc.compile_cubin(src, arch, f"{name}.cu")
 
 
@@ -441,7 +434,7 @@ def supports(rows: int, n: int, k: int, group_size: int) -> bool:
 
 def k_splits(n: int, k: int) -> int:
     """``w4gemm``'s splits, but none where they would only double the blocks: gate/up at 64
-    rows took 51 us in one pass against 60 in two (H200, run 79), the fp32 fill, atomics and
+    rows took 51 us in one pass against 60 in two, the fp32 fill, atomics and
     conversion of a split costing more than its extra blocks win."""
     ks = w4gemm.k_splits(n, k, 2)
     return 1 if ks <= 2 else ks
@@ -456,54 +449,29 @@ def _device_attribute(attribute: int) -> int | None:
         return None
 
 
-@functools.cache
-def sm_count() -> int:
-    """The device's SMs (the driver's count; 132, the H100 / H200's, where it cannot be read).
-    Only the balance depends on it: the balanced kernel is correct on any count."""
-    return _device_attribute(16) or 132  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-
-
-_tile_counts: dict[int, mx.array] = {}
-
-
-def _tile_count(blocks: int) -> mx.array:
-    # One int32 a 256-row block: how many runs have finished it. The run that finishes it
-    # last sets it back to 0, so the zeros hold between calls and the buffer is made once.
-    if blocks not in _tile_counts:
-        _tile_counts[blocks] = mx.zeros((blocks,), mx.int32)
-        mx.eval(_tile_counts[blocks])
-    return _tile_counts[blocks]
-
-
 def w4_wgmma(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
              residual: mx.array | None = None, splits: int | None = None,
-             min_blocks: int | None = None, stages: int | None = None,
-             balanced: bool | None = None, probe: int = 0) -> mx.array:
+             min_blocks: int | None = None, stages: int | None = None, probe: int = 0) -> mx.array:
     """``x @ dequantize(w).T [+ residual]`` with ``wp, sbp = w4gemm.pack(w, scales, biases,
-    group_size, 16)``: fp16 x (M, K), M up to 256. Returns (M, N) fp16.
-
-    Up to 64 rows it runs balanced (``BALANCED``) unless ``splits`` asks for K splits."""
+    group_size, 16)``: fp16 x (M, K), M up to 256. Returns (M, N) fp16."""
     m, k = x.shape
     n = wp.shape[0] * 16
     groups = sbp.shape[1]
     if not supports(m, n, k, group_size):
         raise ValueError(f"w4_wgmma: {m} x {k} against {n} rows, group {group_size}: not covered")
-    bal = (BALANCED if balanced is None else balanced) and splits is None and m <= ROWS_PER_BLOCK
-    ks = 1 if bal else splits or k_splits(n, k)
+    ks = splits or k_splits(n, k)
     atomic = ks > 1
     st = stages or STAGES
     mb = MIN_BLOCKS if min_blocks is None else min_blocks
-    name, cubin = compile_cubin(group_size, atomic, residual is not None, stages=st, min_blocks=mb,
-                                balanced=bal, probe=probe)
+    name, cubin = compile_cubin(group_size, atomic, residual is not None, stages=st, min_blocks=mb, probe=probe)
     blocks = n // 256
-    runs = min(sm_count() * max(1, mb), blocks * (k // 64)) if bal else blocks  # as many as fit at once
     y, _ = mx.fast.precompiled_cuda_kernel(
         name=name, compiled_source=cubin,
-        inputs=[x, wp, sbp, residual if residual is not None else x, _tile_count(blocks) if bal else x],
-        output_shapes=[(m, n), (2 * runs * 64 * 256 if bal else 1,)],
+        inputs=[x, wp, sbp, residual if residual is not None else x, x],
+        output_shapes=[(m, n), (1,)],
         output_dtypes=[mx.float32 if atomic else mx.float16, mx.float32],
         scalars=[m, k, n, groups],
-        grid=(runs * 256, ks, -(-m // ROWS_PER_BLOCK)), threadgroup=(256, 1, 1),
+        grid=(blocks * 256, ks, -(-m // ROWS_PER_BLOCK)), threadgroup=(256, 1, 1),
         shared_memory=shared_bytes(group_size, st), init_value=0.0 if atomic else None,
         ensure_row_contiguous=True,
     )

@@ -37,7 +37,7 @@ def test_on_the_values_travel_in_the_template():
 
 
 @pytest.mark.parametrize("source,array", [
-    (qg._SOURCE, "fparams"), (qg._STREAM_SOURCE, "fparams"), (qmm._SOURCE, "fparams"),
+    (qg._STREAM_SOURCE, "fparams"), (qmm._SOURCE, "fparams"),
     (pac._ATT_SOURCE, "params"), (pac._ATT_TILE_SOURCE, "params"), (pac._ATT_TC_SOURCE, "params"),
     (dac._SOURCE, "params"), *((s, "params") for s in dac._TILE_WRITE_SOURCES.values())])
 def test_every_read_of_the_array_goes_through_the_switch(source, array):

@@ -101,8 +101,8 @@ def test_counters_serve_consecutive_layers_and_steps(staged_merge):
 @pytest.mark.gpu
 @hang_guard
 @pytest.mark.parametrize("dtype,lens,part,kernel,traditional", [
-    (mx.float16, [577] * 16, None, "v4", False),            # one partition a row
-    (mx.float16, RAGGED + [300] * (16 - len(RAGGED)), 64, "v4", False),  # split rows, merge kernel
+    (mx.float16, [577] * 16, None, "v6", False),            # one partition a row
+    (mx.float16, RAGGED + [300] * (16 - len(RAGGED)), 64, "v6", False),  # split rows, merge kernel
     (mx.float16, [100 + 7 * i for i in range(64)], None, "v6", False),
     (mx.float16, [100 + 7 * i for i in range(64)], 128, "v6", True),
     (mx.bfloat16, [40 + 3 * i for i in range(16)], 64, "v6", False),

@@ -24,18 +24,12 @@ def test_variants_have_their_own_names_and_declare_what_the_kernel_reads():
     assert src.index("typedef unsigned short u16") < src.index("#define OUT_T")
 
 
-def test_the_balanced_kernel_has_no_atomic_variant():
-    with pytest.raises(ValueError, match="no fp32 atomics"):
-        w4wgmma.kernel_source(64, True, False, balanced=True)
-    assert w4wgmma.kernel_source(64, False, False, balanced=True)[0] != w4wgmma.kernel_source(64, False, False)[0]
-
-
 @pytest.mark.skipif(nvrtc.library() is None, reason="needs libnvrtc (the nvidia-cuda-nvrtc wheel)")
 def test_variants_compile_for_sm90a_through_nvrtc_and_the_cubin_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_KERNEL_DIR", str(tmp_path))
     w4wgmma.compile_cubin.cache_clear()
-    name, cubin = w4wgmma.compile_cubin(64, False, True, balanced=True)
-    assert cubin[:4] == b"\x7fELF" and name == w4wgmma.kernel_source(64, False, True, balanced=True)[0]
+    name, cubin = w4wgmma.compile_cubin(64, False, True, min_blocks=2)
+    assert cubin[:4] == b"\x7fELF" and name == w4wgmma.kernel_source(64, False, True, min_blocks=2)[0]
     (cached,) = tmp_path.glob("nvrtc-*.cubin")
     assert cached.read_bytes() == cubin
     with pytest.raises(nvrtc.CompileError, match="could not compile"):
@@ -54,22 +48,18 @@ def test_support_rules():
 @gpu
 @pytest.mark.gpu
 @hang_guard
-@pytest.mark.parametrize("variant", [{"balanced": False}, {"balanced": False, "min_blocks": 2}, {"balanced": True}],
-                         ids=["split", "two-blocks", "balanced"])
+@pytest.mark.parametrize("variant", [{}, {"min_blocks": 2}], ids=["split", "two-blocks"])
 @pytest.mark.parametrize("m,n,k,gs,splits,res", [
     (64, 256, 512, 64, 1, False), (16, 1024, 2048, 64, 1, True), (33, 512, 1024, 32, 4, True),
     (64, 4096, 1024, 64, None, True), (100, 512, 1024, 128, 2, False), (1, 256, 256, 64, 1, False),
     (40, 8192, 4096, 64, None, False),
 ])
 def test_kernel_matches_reference(m, n, k, gs, splits, res, variant):
-    # balanced: runs of 1 to ~16 units, so one 256-row block is summed from up to 32 runs
     x, wq, s, b = case(m, n, k, gs, seed=m + n + k)
     wp, sbp = w4gemm.pack(wq, s, b, gs, 16)
     r = mx.random.normal((m, n)).astype(mx.float16) if res else None
-    if variant["balanced"]:
-        splits = None
     want = w4gemm.w4_gemm_reference(x, wq, s, b, gs, residual=r)
-    for _ in range(2):  # the second call runs on the tile counts the first left behind
+    for _ in range(2):
         got = w4wgmma.w4_wgmma(x, wp, sbp, gs, residual=r, splits=splits, **variant)
         assert got.shape == want.shape and got.dtype == mx.float16
         assert rel_err(got, want) < 5e-3

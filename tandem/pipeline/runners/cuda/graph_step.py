@@ -51,12 +51,6 @@ from tandem.pipeline.runners.cuda.tables import table_width
 log = logging.getLogger("tandem.engine")
 
 ENABLED = os.environ.get("TANDEM_GRAPH_STEP", "1") != "0"
-PDL = os.environ.get("TANDEM_GRAPH_PDL", "0") == "1"
-"""Launch the kernels whose texts wait for their predecessor (``KernelSpec.pdl``) with
-programmatic dependent launch: each may start, and the one-row products prefetch their
-first rows to L2, while the kernel before it drains (sm_90 and later). H200 runs 107 and
-109: 2.252 / 2.256 ms a replay against 2.241 / 2.236 at 57 tokens of context, 2.411 / 2.414
-against 2.372 / 2.369 at 761 (``gpu_probe.py --sections graph-replay``): slower, so off."""
 TIMING = os.environ.get("TANDEM_GRAPH_TIMING", "0") == "1"
 """Time every replay on the device for the benchmarks (``GraphStep.timings``): its state
 upload and graph between two timing events, and the device's idle time since the replay
@@ -301,10 +295,8 @@ class GraphStep:
 
         drv.bind_context()
         plans = []
-        pdl_ok = PDL and int(self.arch[3:].rstrip("a")) >= 90
         for ln in launches:
-            pdl = pdl_ok and ln.spec.pdl
-            text, layout = kernel_text(ln, pdl)
+            text, layout = kernel_text(ln)
             func = self._function(text, kernel_name(ln.spec))
             if ln.spec.shared_memory > 48 * 1024:
                 drv.allow_shared(func, ln.spec.shared_memory)
@@ -328,14 +320,13 @@ class GraphStep:
             grid = tuple(-(-g // t) for g, t in zip(ln.grid, ln.threadgroup))
             plans.append((func, grid, ln.threadgroup, cuda_driver.KernelParams(values),
                           [(p, o.nbytes) for p, o in zip(outs_ptrs, ln.outputs)] if ln.init_value is not None else [],
-                          pdl, ln.spec.shared_memory))
+                          ln.spec.shared_memory))
         drv.begin_capture(self.stream)
         try:
-            for func, grid, block, params, fills, pdl, shared in plans:
+            for func, grid, block, params, fills, shared in plans:
                 for p, n in fills:
                     drv.call("cuMemsetD8Async", p, 0, n, self.stream)
-                drv.launch(func, grid, block, self.stream, params.array, programmatic=pdl and not fills,
-                           shared_bytes=shared)
+                drv.launch(func, grid, block, self.stream, params.array, shared_bytes=shared)
         finally:
             graph = drv.end_capture(self.stream)
         exec_ = drv.instantiate(graph)

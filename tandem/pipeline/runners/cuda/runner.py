@@ -43,13 +43,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from tandem.kernels.cuda import decode_attention_cuda as dac
-from tandem.kernels.cuda import decode_block as dblk
 from tandem.kernels.cuda import embed_cuda
 from tandem.kernels.cuda import linear
 from tandem.kernels import paged_attention as pa
 from tandem.kernels.cuda import paged_attention_cuda as pac
 from tandem.kernels.cuda import kv_write_cuda as kvw
-from tandem.kernels.cuda import w4wgmma
 from tandem.kernels.cuda.quantized_matmul import cuda_available
 from tandem.pipeline.runners.cuda import graph_step
 from tandem.pipeline.runners.cuda import host_inputs
@@ -229,17 +227,6 @@ class _CudaOps:
 
     def __init__(self, n_kv_heads: int):
         self.counters = dac.counters(max(dac.MAX_ROWS, 1), n_kv_heads)
-        self.barrier = dblk.counter()
-
-    def tail(self, blk: "FusedBlock", nxt: "FusedBlock | None", a, h):
-        """One row: the layer after its attention, and the next layer's QKV (see
-        ``FusedBlock.tail``), in one launch where ``kernels.decode_block`` covers it."""
-        if not blk.tail_kernel_applies(nxt):
-            return blk.tail(a, h, nxt)
-        q = lambda m: (m["qweight"], m["scales"], m["biases"])  # noqa: E731
-        return dblk.decode_block(a, h, q(blk.o_proj), blk.ln2, q(blk.gate_up), q(blk.down_proj),
-                                 None if nxt is None else nxt.ln1, None if nxt is None else q(nxt.qkv),
-                                 eps2=blk.eps2, eps1=nxt.eps1 if nxt is not None else 1e-5, bar=self.barrier)
 
     def write_attend(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool,
                      scale: float, block_size: int):
@@ -248,11 +235,9 @@ class _CudaOps:
                                      block_size, step.max_len, self.counters, step.partition,
                                      traditional=trad)
             return a, kp, vp
-        if (dac.TILE_WRITE and y.shape[0] >= pac.V4_MIN_BATCH and pac.ATT_KERNEL in ("auto", "v4", "v6", "tc")
-                and dac.tile_supported(y, kp.shape[-1])):
+        if y.shape[0] >= pac.TILE_MIN_BATCH and dac.tile_supported(y, kp.shape[-1]):
             a = dac.decode_attention_tile(y, step.pos, step.slots, inv_freq, kp, vp, step.table, step.lens, H,
                                           KVH, scale, block_size, step.max_len, step.partition,
-                                          kernel=None if pac.ATT_KERNEL == "auto" else pac.ATT_KERNEL,
                                           traditional=trad)
             return a, kp, vp
         q, _, kp, vp = self.write(y, step, kp, vp, inv_freq, H, KVH, trad)
@@ -283,9 +268,6 @@ class _ReferenceOps:
                      scale: float, block_size: int):
         q, _, kp, vp = self.write(y, step, kp, vp, inv_freq, H, KVH, trad)
         return self.attend(q, step, kp, vp, scale, block_size), kp, vp
-
-    def tail(self, blk: "FusedBlock", nxt: "FusedBlock | None", a, h):
-        return blk.tail(a, h, nxt)
 
 
 class FusedBlock(nn.Module):
@@ -334,32 +316,18 @@ class FusedBlock(nn.Module):
         """h: (B, W) one token per row -> (h, kp, vp); this token's K/V go into the pools."""
         y = self.qkv.fused(h, norm_weight=self.ln1, eps=self.eps1)
         a, kp, vp = self.attend(y, ops, step, kp, vp, block_size)
-        return self.tail(a, h)[0], kp, vp
+        return self.tail(a, h), kp, vp
 
     def attend(self, y, ops, step: _Step, kp, vp, block_size: int):
         """The QKV rows y -> (attention output (B, H * D), kp, vp)."""
         return ops.write_attend(y, step, kp, vp, self.inv_freq, self.H, self.KVH, self.traditional,
                                 self.scale, block_size)
 
-    def tail(self, a, h, nxt: "FusedBlock | None" = None):
-        """The layer after its attention: (h, the next layer's QKV rows or None)."""
+    def tail(self, a, h):
+        """The layer after its attention: the residual stream h after o and the MLP."""
         h = self.o_proj.fused(a, residual=h)
         g = self.gate_up.fused_swiglu(h, norm_weight=self.ln2, eps=self.eps2)
-        h = self.down_proj.fused(g, residual=h)
-        return h, (None if nxt is None else nxt.qkv.fused(h, norm_weight=nxt.ln1, eps=nxt.eps1))
-
-    def tail_kernel_applies(self, nxt: "FusedBlock | None") -> bool:
-        """Whether ``kernels.decode_block`` runs :meth:`tail` at one row: 4-bit affine
-        weights with fp16 scales and biases and no linear bias, shapes it covers."""
-        mods = [self.o_proj, self.gate_up, self.down_proj] + ([nxt.qkv] if nxt is not None else [])
-        if not (dblk.ENABLED and cuda_available() and all(
-                isinstance(m, linear.FlatLinear) and m.has_quantized and m.bits == 4 and m.mode == "affine"
-                and "biases" in m and "bias" not in m and m["scales"].dtype == mx.float16 for m in mods)):
-            return False
-        hidden = self.o_proj.output_dims
-        nqkv = nxt.qkv.output_dims if nxt is not None else dblk.ROWS
-        return (self.ln2.dtype == mx.float16 and (nxt is None or nxt.ln1.dtype == mx.float16)
-                and dblk.supports(hidden, self.ffn, nqkv, {m.group_size for m in mods}, blocks=w4wgmma.sm_count()))
+        return self.down_proj.fused(g, residual=h)
 
 
 class KernelRunner(PagedRunner):
@@ -488,7 +456,7 @@ class KernelRunner(PagedRunner):
         self.sync()
         super().flush()
 
-    def warm_kernels(self, row_counts=tuple(sorted({1, 2, 3, 4, 8, pac.V4_MIN_BATCH, pac.TC_MIN_BATCH}))) -> None:
+    def warm_kernels(self, row_counts=(1, 2, 3, 4, 8, pac.TILE_MIN_BATCH)) -> None:
         """Run a decode step per row-count class against the scratch block, split and
         unsplit, so every kernel variant a decode step can pick is compiled now: each is
         an NVRTC compile of ~2 s, which mid-serving is a ~2 s stall of every running
@@ -497,9 +465,9 @@ class KernelRunner(PagedRunner):
         bs = self.store.block_size
         # The widths forward() uses, so these traces are the ones decode steps replay.
         split_nb = table_width(-(-(2 * max(64, pac.MIN_PARTITION) + 1) // bs))  # two partitions at one row
-        long_nb = table_width(pac.MAX_PARTITION // bs + 1)  # split even at V4_MIN_BATCH rows
+        long_nb = table_width(pac.MAX_PARTITION // bs + 1)  # split even at TILE_MIN_BATCH rows
         for B in row_counts:
-            for nb in (table_width(1), split_nb) + ((long_nb,) if B >= pac.V4_MIN_BATCH else ()):
+            for nb in (table_width(1), split_nb) + ((long_nb,) if B >= pac.TILE_MIN_BATCH else ()):
                 zeros = mx.zeros((B,), mx.int32)
                 out = self._step_fn(mx.zeros((B, 1), mx.int32), zeros, zeros,
                                     mx.zeros((B, nb), mx.int32), mx.full((B,), nb * bs, mx.int32),
@@ -712,10 +680,7 @@ class KernelRunner(PagedRunner):
         """The last layer of a fresh prefill: its QKV, K/V write and attention at every
         position, the rest at each row's last one: h (B, L, W) -> (h (B, W), kp, vp)."""
         x, a, kp, vp = self._prefill_attend(blk, h, pos, slots, kp, vp)
-        a, x = a[last], x[last]
-        # One row goes through the decode step's one-launch tail where it applies.
-        h = self.ops.tail(blk, None, a, x)[0] if a.shape[0] == 1 else blk.tail(a, x)[0]
-        return h, kp, vp
+        return blk.tail(a[last], x[last]), kp, vp
 
     def _compiled_prefill_last_layer(self, blk: FusedBlock, h, pos, slots, kp, vp, last):
         return self._prefill_last_layer(blk, h, pos, slots, kp, vp, last)[0]
@@ -740,17 +705,8 @@ class KernelRunner(PagedRunner):
         B = inputs.shape[0]
         bs = self.store.block_size
         h = self._embed(inputs).reshape(B, -1)
-        if B == 1:
-            # One row: each layer's tail also computes the next layer's QKV, so that
-            # ``kernels.decode_block`` runs it all in one launch after the attention.
-            first = self.blocks[0]
-            y = first.qkv.fused(h, norm_weight=first.ln1, eps=first.eps1)
-            for i, blk in enumerate(self.blocks):
-                a, keys[i], values[i] = blk.attend(y, self.ops, step, keys[i], values[i], bs)
-                h, y = self.ops.tail(blk, self.blocks[i + 1] if i + 1 < L else None, a, h)
-        else:
-            for i, blk in enumerate(self.blocks):
-                h, keys[i], values[i] = blk.decode(h, self.ops, step, keys[i], values[i], bs)
+        for i, blk in enumerate(self.blocks):
+            h, keys[i], values[i] = blk.decode(h, self.ops, step, keys[i], values[i], bs)
         norm = self.final_norm
         if self.head is not None:
             logits = self.head.fused(h, norm_weight=norm.weight, eps=norm.eps)

@@ -60,13 +60,12 @@ def test_recording_sees_this_threads_calls_inside_the_block_only():
 
 
 def test_a_kernels_spec_keeps_its_dynamic_shared_memory(monkeypatch):
-    """A capture launches with the bytes MLX launches with: the one-launch layer tail
-    (``decode_block``) carves its stages out of ``extern __shared__``, and 0 there would
-    overrun them."""
-    from tandem.kernels.cuda import decode_block
+    """A capture launches with the bytes MLX launches with: the tensor-core attention
+    carves its K and V tiles out of ``extern __shared__``, and 0 there would overrun them."""
+    from tandem.kernels.cuda import paged_attention_cuda as pac
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: kw)  # CPU MLX has no CUDA back-end
-    assert decode_block._kernel.__wrapped__(70_000).spec.shared_memory == 70_000
+    assert pac._attention_kernel.__wrapped__("tc", 70_000).spec.shared_memory == 70_000
     assert kernel_files.cuda_kernel(name="k", input_names=["x"], output_names=["y"], source="y[0] = x[0];",
                                     include=False).spec.shared_memory == 0
 
@@ -154,8 +153,7 @@ def test_pipelined_engine_chains_captured_steps_on_the_device(tiny):
 
 
 def _spec(name, inputs, outputs, source, header=""):
-    return kernel_files.KernelSpec(name, inputs, outputs, *kernel_files.short_texts(name, source, header, inputs),
-                                   "TANDEM_PDL" in source + header)
+    return kernel_files.KernelSpec(name, inputs, outputs, *kernel_files.short_texts(name, source, header, inputs))
 
 
 def test_kernel_text_declares_what_the_body_reads_in_mlxs_order():
@@ -233,16 +231,11 @@ def test_one_row_kernels_compile_through_nvrtc_as_the_graph_step_writes_them(tmp
     found = {label: args for gen in (cc.embed_variants, cc.qgemv_stream_variants, cc.attention_variants,
                                      cc.multirow_variants, cc.argmax_variants) for label, args in gen()}
     for label in ONE_ROW_KERNELS:
-        launch = _launch_from_variant(*found[label])
-        # Every one of them waits for its predecessor under programmatic dependent launch.
-        assert launch.spec.pdl, label
-        for pdl in (False, True):
-            text, _ = captured.kernel_text(launch, pdl)
-            assert ("griddepcontrol.wait" in text) == pdl
-            try:
-                assert nvrtc.compile_cubin(text, "sm_90", "k.cu")[:4] == b"\x7fELF", label
-            except nvrtc.CompileError as exc:
-                pytest.fail(f"{label} (pdl {pdl}): {exc}")
+        text, _ = captured.kernel_text(_launch_from_variant(*found[label]))
+        try:
+            assert nvrtc.compile_cubin(text, "sm_90", "k.cu")[:4] == b"\x7fELF", label
+        except nvrtc.CompileError as exc:
+            pytest.fail(f"{label}: {exc}")
 
 
 class FakeDriver:
@@ -362,9 +355,9 @@ class FakeCaptureDriver(FakeDriver):
     def allow_shared(self, func, nbytes):
         self.allowed[self.names[func]] = nbytes
 
-    def launch(self, func, grid, block, stream, params, programmatic=False, shared_bytes=0):
+    def launch(self, func, grid, block, stream, params, shared_bytes=0):
         assert self.capturing
-        self.captured.append((self.names[func], grid, block, params, programmatic))
+        self.captured.append((self.names[func], grid, block, params))
         self.shared[self.names[func]] = shared_bytes
 
 
@@ -377,7 +370,7 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
     w, y = mx.zeros((4, 8), mx.float16), mx.zeros((4,), mx.float16)
     logits, tokens = mx.zeros((1, 64), mx.float16), mx.zeros((1,), mx.int32)
     pos_v, tab_v, ids_v = state[:1], state[3:].reshape(1, 4), tok.reshape(-1)
-    spec = lambda name, ins, outs, src, shared=0: kernel_files.KernelSpec(name, ins, outs, src, "", True, shared)  # noqa: E731
+    spec = lambda name, ins, outs, src, shared=0: kernel_files.KernelSpec(name, ins, outs, src, "", shared)  # noqa: E731
     launches = [
         kernel_files.Launch(spec("a", ["w", "pos", "table", "ids"], ["y"], "// reads w_shape table_ndim", 80_000),
                             [w, pos_v, tab_v, ids_v], [y], [("K", 8)], (8, 1, 1), (4, 1, 1), None),
@@ -389,7 +382,6 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
              id(w): 0x30000, id(y): 0x40000, id(logits): 0x50000, id(tokens): 0x60000}
     monkeypatch.setattr(graph_step, "device_pointers", lambda arrays: [where[id(a)] for a in arrays])
     monkeypatch.setattr(nvrtc, "compile_cubin", lambda text, arch, name: text.encode())
-    monkeypatch.setattr(graph_step, "PDL", True)
     drv = FakeCaptureDriver()
     g = graph_step.GraphStep(type("R", (), {})(), drv)
     g._record = lambda nb, token, pos, pools: (launches, state, tok, tokens, logits)
@@ -398,8 +390,8 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
     def ptr(p):
         return ctypes.c_uint64.from_address(p).value
 
-    (na, ga, ba, pa, pdl_a), (_, gh, _, ph, _), (nm, gm, _, pm, _) = drv.captured
-    assert (na, nm) == ("graph_a", "graph_argmax") and pdl_a
+    (na, ga, ba, pa), (_, gh, _, ph), (nm, gm, _, pm) = drv.captured
+    assert (na, nm) == ("graph_a", "graph_argmax")
     assert (ga, ba, gh, gm) == ((2, 1, 1), (4, 1, 1), (1, 1, 1), (1, 1, 1))
     sd = graph.state_dev
     assert [ptr(pa[0]), ptr(pa[2]), ptr(pa[3]), ptr(pa[5]), ptr(pa[6])] == [0x30000, sd, sd + 12, g.tok_dev, 0x40000]
