@@ -33,6 +33,30 @@ class SamplingParams:
     # k streamed tokens resubmits prompt + those tokens with seed_offset k, and draws
     # exactly what the worker that died would have drawn next.
     seed_offset: int = 0
+    # OpenAI's penalties on the tokens generated so far: logit -= frequency_penalty * count
+    # + presence_penalty * (count > 0). repetition_penalty (llama.cpp / vLLM) divides a
+    # positive logit, multiplies a negative one, of every token already in prompt or output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # An llguidance grammar (its JSON text) every generated token must follow, or None.
+    grammar: str | None = None
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that needs the logits or the history: one argmax decides."""
+        return (self.temperature <= 0 and self.logprobs is None and not self.logit_bias
+                and not self.penalized and self.grammar is None)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether picking the next token needs the tokens before it on the host
+        (penalties count them, a grammar consumes them)."""
+        return self.penalized or self.grammar is not None
 
 
 @dataclass

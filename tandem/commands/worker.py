@@ -57,7 +57,8 @@ def build_engine(cfg, args, log):
         loaded = load_model(resolve_model(cfg.model.path, log=log), cfg.model.weights)
     except ModelError as exc:
         raise UserError(str(exc)) from None
-    eng = Engine(loaded.model, cfg.engine, model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids)
+    eng = Engine(loaded.model, cfg.engine, model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids,
+                 tokenizer=loaded.tokenizer)
     return eng, loaded.model_id
 
 

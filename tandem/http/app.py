@@ -9,6 +9,7 @@ lifespan startup (or on the first request when lifespan is off).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -42,6 +43,15 @@ class Edge:
         self._backend_pid = os.getpid() if backend is not None else None
         self._started = False
         self._lock: asyncio.Lock | None = None
+
+    @functools.cached_property
+    def grammar_tokenizer(self):
+        """llguidance's view of the tokenizer, to refuse a grammar the workers could not
+        run with a 400 before it is submitted; built on first use (about 1 s)."""
+        from tandem.pipeline.grammar import build_tokenizer
+
+        tok = self.tokenizer
+        return build_tokenizer(tok.hf, tok.vocab_size, tok.eos_token_ids)
 
     async def get_backend(self) -> Backend:
         if self._backend is None or self._backend_pid != os.getpid():

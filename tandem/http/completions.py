@@ -19,6 +19,7 @@ from tandem.http.backend import Busy, InvalidRequest, StreamError, Unavailable
 from tandem.http.errors import ApiError, bad_request, busy, unavailable
 from tandem.http.generation import Choice, Delta
 from tandem.http.protocol import Job, parse_chat, parse_completion
+from tandem.http.structured import check_grammar
 from tandem.http.responses import Formatter, dumps, error_chunk, usage_body
 
 log = logging.getLogger("tandem.edge")
@@ -77,6 +78,8 @@ class CompletionsResource:
             bad = next((t for t in job.sampling.logit_bias if not 0 <= t < vocab), None)
             if bad is not None:
                 raise bad_request(f"'logit_bias' names token {bad}, outside the vocabulary (0..{vocab - 1})", "logit_bias")
+            if job.sampling.grammar is not None:
+                await asyncio.to_thread(check_grammar, job.sampling.grammar, edge.grammar_tokenizer, "response_format")
             if len(job.prompts) * job.n > MAX_CHOICES:
                 raise bad_request(f"a request may ask for at most {MAX_CHOICES} completions (prompts x n); "
                                   f"this one asks for {len(job.prompts) * job.n}", "prompt")

@@ -2,7 +2,7 @@
 
 Every field OpenAI defines is either honoured or refused with a 400 that names it;
 nothing is silently ignored. Unknown fields are refused the way OpenAI refuses them.
-Extensions (``top_k``, ``min_p``, ``ignore_eos``) are documented in docs/http.md.
+Extensions (``top_k``, ``min_p``, ``ignore_eos``, ``repetition_penalty``) are documented in docs/http.md.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from typing import Any
 
 from tandem.http.errors import ApiError, bad_request, unsupported
 from tandem.http.settings import EdgeSettings
+from tandem.http.structured import response_format_grammar
+from tandem.wire.protocol import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from tandem.kvtypes import SamplingParams
 
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
     "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-    "top_k", "min_p", "ignore_eos",  # extensions
+    "top_k", "min_p", "ignore_eos", "repetition_penalty",  # extensions
 }
 _CHAT_ONLY = {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
@@ -131,9 +133,6 @@ def _common(body: Any, kind: str, settings: EdgeSettings) -> dict:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "model", "missing_required_parameter" if model is None else "invalid_type")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _num(body, name, -2.0, 2.0, 0.0) != 0.0:
-            raise unsupported(name, "repetition penalties are not implemented; omit it or send 0")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     include_usage = False
@@ -175,6 +174,9 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
         logit_bias=_logit_bias(body),
         logprobs=logprobs,
         ignore_eos=_bool(body, "ignore_eos"),
+        presence_penalty=_num(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=_num(body, "repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, 1.0),
     )
 
 
@@ -233,9 +235,7 @@ def parse_chat(body: Any, settings: EdgeSettings) -> Job:
     _refuse_set(body, "modalities", (["text"],), "only text output")
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
         _refuse_set(body, name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise unsupported("response_format", "only {\"type\": \"text\"}; structured output is not implemented")
+    grammar = response_format_grammar(body.get("response_format"))
     max_tokens = _int(body, "max_tokens", 1)
     max_completion = _int(body, "max_completion_tokens", 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
@@ -246,6 +246,7 @@ def parse_chat(body: Any, settings: EdgeSettings) -> Job:
         raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     limit = max_completion if max_completion is not None else max_tokens
     sampling = _sampling(body, limit, (top or 0) if want_logprobs else None)
+    sampling.grammar = grammar
     return Job(kind="chat", sampling=sampling, logprobs=want_logprobs, max_tokens=limit, messages=parsed, **common)
 
 

@@ -32,6 +32,7 @@ from tandem.pipeline.block_pool import BlockPool
 from tandem.pipeline.kv_store import KVStore, dtype_name
 from tandem.pipeline.runner import ModelRunner, probe
 from tandem.pipeline.runners import make_runner
+from tandem.pipeline.grammar import Grammars
 from tandem.pipeline.sampler import Sampled, sample
 from tandem.pipeline.scheduler import Plan, Scheduler
 from tandem.pipeline.sequence import Sequence, Status
@@ -75,9 +76,12 @@ def _ranges(cpus) -> str:
 
 class Engine:
     """``runner_factory(model, store, shape, settings)``: the runner that computes the steps
-    (:func:`~tandem.pipeline.runners.make_runner` picks one for this device)."""
+    (:func:`~tandem.pipeline.runners.make_runner` picks one for this device). ``tokenizer``:
+    the model's (an mlx-lm TokenizerWrapper or a fast HF tokenizer); without it the engine
+    refuses requests that carry a grammar."""
 
-    def __init__(self, model, settings: EngineSettings, *, model_id: str, eos_token_ids=(), runner_factory=None):
+    def __init__(self, model, settings: EngineSettings, *, model_id: str, eos_token_ids=(), runner_factory=None,
+                 tokenizer=None):
         self.model = model
         self.settings = settings
         self._cpus = parse_cpus(settings.cpus)  # before any work: a bad value fails the start
@@ -107,6 +111,9 @@ class Engine:
         else:
             self.store = None
         self.runner: ModelRunner = (runner_factory or make_runner)(model, self.store, sh, settings)
+        self.grammars = None
+        if tokenizer is not None:
+            self.grammars = Grammars(getattr(tokenizer, "_tokenizer", tokenizer), self.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(settings, self.pool, prefix_caching=settings.enable_prefix_caching and sh.pageable)
         self._inbox: queue.Queue = queue.Queue()
         self._by_id: dict[bytes, Sequence] = {}
@@ -170,6 +177,7 @@ class Engine:
             if self._queued >= self.settings.max_queue_depth:
                 raise EngineRefused(f"engine queue is full ({self.settings.max_queue_depth} waiting)", retry_after_s=1.0)
             self._queued += 1
+        self._check_grammar(sp)
         if sp.seed is None:
             sp = replace(sp, seed=random.getrandbits(63))
         seq = Sequence(req.request_id, prompt, len(prompt), sp, req.on_event, priority=req.priority,
@@ -181,6 +189,7 @@ class Engine:
 
     def import_kv(self, snapshot: KVSnapshot, on_event, priority: int = 0) -> None:
         self._check_snapshot(snapshot)
+        self._check_grammar(snapshot.sampling)
         sp = snapshot.sampling if snapshot.sampling.seed is not None else replace(snapshot.sampling, seed=0)
         seq = Sequence(snapshot.request_id, list(snapshot.tokens), snapshot.prompt_len, sp, on_event,
                        priority=priority, stop_ids=self._stop_ids(sp), imported=snapshot,
@@ -300,12 +309,15 @@ class Engine:
 
     def _tick(self) -> int:
         produced = 0
-        if self._inflight is not None and (self._read_back_first or _exports(self._inflight[0])):
+        if self._inflight is not None and (self._read_back_first or _exports(self._inflight[0])
+                                           or _needs_history(self._inflight[0])):
             # On the CPU, step N is read back and its tokens emitted before anything of
             # step N+1 runs. Launching a step may compute it on the spot (the C decode
             # step and a prefill's C RoPE/SiLU read their inputs back), and tokens emitted
             # after that reached clients a step late: a whole prefill late for the first
-            # tokens of a prefill batch followed by another. On any device, a step that
+            # tokens of a prefill batch followed by another. On any device, a step with a
+            # row whose next pick needs its tokens (penalties, a grammar) is read back
+            # first, and so is a step that
             # exports KV is read back first too: its export copies from the store arrays,
             # which step N+1's forward replaces with its own pending writes, so exporting
             # after the launch computed most of step N+1 first (a prefill worker's first
@@ -386,7 +398,10 @@ class Engine:
         steady = (L == 1 and prev is not None and prev.shape[0] == len(rows)
                   and all(len(r.seq.tokens) <= r.start and r.seq.pending_index == i for i, r in enumerate(rows)))
         runner = self.runner
-        if L == 1 and all(r.samples for r in rows) and runner.can_capture(rows):
+        samplers = [i for i, r in enumerate(rows) if r.samples]
+        seqs = [rows[i].seq for i in samplers]
+        masks = self.grammars.start_masks(seqs) if self.grammars is not None and seqs else None
+        if masks is None and L == 1 and all(r.samples for r in rows) and runner.can_capture(rows):
             # A captured step: its work is queued already, with no MLX launches.
             toks = runner.launch_captured(rows, prev if steady else self._host_inputs(rows, prev))
             if toks is not None:
@@ -405,13 +420,19 @@ class Engine:
         else:
             inputs = self._host_inputs(rows, prev, keep_host=runner.takes_host_ids)
         logits = runner.forward(rows, inputs)
-        samplers = [i for i, r in enumerate(rows) if r.samples]
         sampled = None
         if samplers:
             if len(samplers) < len(rows):
                 logits = logits[mx.array(samplers)]
-            seqs = [rows[i].seq for i in samplers]
-            sampled = sample(logits, [s.sampling for s in seqs], [s.num_generated + s.pending for s in seqs])
+            bitmask = None
+            if masks is not None:
+                mx.async_eval(logits)  # the forward runs while the grammar thread finishes the masks
+                bitmask = masks.result()
+            history = None
+            if any(s.sampling.penalized for s in seqs):
+                history = [(s.tokens, len(s.tokens) - s.output_start) if s.sampling.penalized else None for s in seqs]
+            sampled = sample(logits, [s.sampling for s in seqs], [s.num_generated + s.pending for s in seqs],
+                             history, bitmask)
             pending = sampled.arrays()
             posted = runner.post_tokens(sampled.tokens) if len(pending) == 1 else None
             if posted is not None:  # tokens alone: the runner may read them back its own way
@@ -470,6 +491,11 @@ class Engine:
             seq.num_generated += 1
             produced += 1
             self.scheduler.register_full_blocks(seq)
+            if seq.sampling.grammar is not None and self.grammars is not None:
+                why = self.grammars.advance(seq, tok)
+                if why is not None:
+                    self._finish(seq, "error", error=f"grammar: {why}")
+                    continue
             logprobs = None
             if seq.sampling.logprobs is not None and lps is not None:
                 n = seq.sampling.logprobs
@@ -513,6 +539,8 @@ class Engine:
                 self._queued -= 1
         self.scheduler.remove(seq)
         self._by_id.pop(seq.request_id, None)
+        if self.grammars is not None:
+            self.grammars.drop(seq)
         usage = Usage(seq.prompt_len, seq.num_generated, seq.num_cached_prompt)
         self._emit(seq, TokenEvent(seq.request_id, list(last), logprobs, reason, usage, error, snapshot))
 
@@ -560,6 +588,13 @@ class Engine:
             ids |= self.eos_token_ids
         return frozenset(ids)
 
+    def _check_grammar(self, sp: SamplingParams) -> None:
+        if sp.grammar is None:
+            return
+        if self.grammars is None:
+            raise ValueError(f"model {self.model_id} was loaded without its tokenizer: it cannot follow a grammar")
+        self.grammars.check(sp.grammar)
+
     def _check_snapshot(self, snap: KVSnapshot) -> None:
         sh = self.shape
         if self.store is None:
@@ -587,6 +622,11 @@ class Engine:
 def _exports(plan: Plan) -> bool:
     """Whether a step ends with a KV export (a prefill worker's prompt got its first token)."""
     return any(r.samples and r.seq.export_after_prefill for r in plan.rows)
+
+
+def _needs_history(plan: Plan) -> bool:
+    """Whether a step has a row whose next pick needs this step's token on the host."""
+    return any(r.seq.sampling.needs_history for r in plan.rows)
 
 
 def _reblocked(snap: KVSnapshot, block_size: int) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -1,5 +1,10 @@
 """Pick each row's next token from its logits, per-request parameters, reproducibly.
 
+Before any pick, the logits get each row's logit bias, its penalties (from the tokens
+before it, handed in by the caller as host lists) and its grammar's token mask (a
+bitmask computed off the step's path, see pipeline/grammar.py): rows without them are
+not touched and a batch without them runs exactly the ops it ran before.
+
 Greedy rows take the argmax, vectorized over the batch. Sampled rows apply temperature,
 top-k, top-p and min-p to the sorted distribution and draw with the Gumbel-max trick; the
 noise for the ``i``-th generated token of a request comes from a key derived only from
@@ -49,11 +54,64 @@ class Sampled:
         return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if a is not None]
 
 
-def sample(logits: mx.array, params: list[SamplingParams], indices: list[int]) -> Sampled:
-    """logits: (B, V); params[b] and indices[b] (the token's index within its request)."""
+def penalty_terms(tokens: list[int], n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A row's history as (ids seen in prompt or output, their output counts): the
+    unique token ids of ``tokens`` and how often each occurs in its last ``n_out``."""
+    arr = np.asarray(tokens, np.int64)
+    seen = np.unique(arr)
+    out_ids, counts = np.unique(arr[len(arr) - n_out:], return_counts=True) if n_out > 0 else (arr[:0], arr[:0])
+    out_counts = np.zeros(len(seen), np.float32)
+    out_counts[np.searchsorted(seen, out_ids)] = counts
+    return seen, out_counts
+
+
+def apply_penalties(logits: mx.array, params: list[SamplingParams],
+                    history: list[tuple[list[int], int] | None]) -> mx.array:
+    """Repetition penalty (every token seen), then frequency and presence (output tokens),
+    as vLLM orders them. ``history[b]``: (prompt + output tokens, how many are output)."""
+    rows, cols, rep, freq, pres, counts = [], [], [], [], [], []
+    V = logits.shape[1]
+    for b, (p, h) in enumerate(zip(params, history)):
+        if h is None or not p.penalized:
+            continue
+        seen, out_counts = penalty_terms(*h)
+        keep = (seen >= 0) & (seen < V)
+        seen, out_counts = seen[keep], out_counts[keep]
+        rows.append(np.full(len(seen), b, np.int32))
+        cols.append(seen.astype(np.int32))
+        counts.append(out_counts)
+        n = len(seen)
+        rep.append(np.full(n, p.repetition_penalty, np.float32))
+        freq.append(np.full(n, p.frequency_penalty, np.float32))
+        pres.append(np.full(n, p.presence_penalty, np.float32))
+    if not rows or not sum(len(r) for r in rows):
+        return logits
+    r, c = mx.array(np.concatenate(rows)), mx.array(np.concatenate(cols))
+    cnt = mx.array(np.concatenate(counts))
+    old = logits[r, c]
+    rp = mx.array(np.concatenate(rep))
+    new = mx.where(old > 0, old / rp, old * rp)
+    new = new - mx.array(np.concatenate(freq)) * cnt - mx.array(np.concatenate(pres)) * (cnt > 0)
+    return logits.at[r, c].add(new - old)
+
+
+def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
+    """Tokens whose bit is clear in ``bitmask`` (B, ceil(V / 32)) int32 become -inf."""
+    V = logits.shape[1]
+    words = mx.array(bitmask.view(np.uint32))
+    idx = mx.arange(V, dtype=mx.uint32)
+    bits = mx.right_shift(words[:, idx // 32], idx % 32) & 1
+    return mx.where(bits.astype(mx.bool_), logits, -mx.inf)
+
+
+def sample(logits: mx.array, params: list[SamplingParams], indices: list[int],
+           history: list[tuple[list[int], int] | None] | None = None, bitmask: np.ndarray | None = None) -> Sampled:
+    """logits: (B, V); params[b] and indices[b] (the token's index within its request).
+    ``history[b]``: row b's tokens so far and how many of them it generated, for rows
+    with penalties; ``bitmask``: (B, ceil(V / 32)) allowed tokens, all bits set on rows
+    without a grammar."""
     B, V = logits.shape
-    if (argmax_cuda.applies(logits) and all(p.temperature <= 0 and p.logprobs is None and not p.logit_bias
-                                            for p in params)):
+    if argmax_cuda.applies(logits) and bitmask is None and all(p.plain_greedy for p in params):
         return Sampled(argmax_cuda.argmax_kernel(logits))  # greedy rows only: one launch
     logits = logits.astype(mx.float32)
     bias_rows, bias_cols, bias_vals = [], [], []
@@ -65,6 +123,10 @@ def sample(logits: mx.array, params: list[SamplingParams], indices: list[int]) -
                 bias_vals.append(val)
     if bias_rows:
         logits = logits.at[mx.array(bias_rows), mx.array(bias_cols)].add(mx.array(bias_vals, dtype=mx.float32))
+    if history is not None:
+        logits = apply_penalties(logits, params, history)
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
 
     hot = [b for b, p in enumerate(params) if p.temperature > 0]
     tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -79,6 +141,8 @@ def sample(logits: mx.array, params: list[SamplingParams], indices: list[int]) -
     want = [p.logprobs for p in params if p.logprobs is not None]
     if want:
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if bitmask is not None:  # masked tokens: a finite floor (-inf does not cross the wire)
+            lp = mx.maximum(lp, -1e30)
         out.logprobs = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
         n = min(max(want), V)
         if n > 0:

@@ -54,6 +54,12 @@ class Sequence:
         return len(self.tokens) + self.pending
 
     @property
+    def output_start(self) -> int:
+        """Where the generated tokens begin in ``tokens``: a resumed request's prompt ends
+        with the ``seed_offset`` tokens it generated before it moved here."""
+        return max(0, self.prompt_len - self.sampling.seed_offset)
+
+    @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
 

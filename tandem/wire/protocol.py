@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # Every header frame starts with these 4 bytes: magic, version, message type.
 MAGIC = b"TD"
@@ -35,6 +35,9 @@ MAX_TOKEN_ID = (1 << 24) - 1  # larger than any real vocabulary
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20  # top-N alternatives per token
+MAX_GRAMMAR_CHARS = 1 << 20  # a request's grammar (llguidance JSON: a schema or Lark text inside)
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
 MAX_TOKENS_PER_STREAM_MESSAGE = 4096
 MAX_PREFIX_HASHES = 256  # heartbeat's bounded list of recent full-block hashes
 MAX_HELD_REQUESTS = 4096  # request ids a heartbeat may list

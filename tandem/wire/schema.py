@@ -341,6 +341,11 @@ class Sampling(Spec):
         # Tokens of this request's seeded stream drawn before it reached this worker
         # (a migrated request resumes its stream there). Protocol v2.
         ("seed_offset", Int(0, P.MAX_NEW_TOKENS)),
+        # Penalties and the grammar (llguidance JSON text). Protocol v4.
+        ("presence_penalty", Float(-2.0, 2.0)),
+        ("frequency_penalty", Float(-2.0, 2.0)),
+        ("repetition_penalty", Float(P.MIN_REPETITION_PENALTY, P.MAX_REPETITION_PENALTY)),
+        ("grammar", Opt(Str(P.MAX_GRAMMAR_CHARS, min_chars=1))),
     )
     N = len(FIELDS)
 
@@ -349,7 +354,8 @@ class Sampling(Spec):
             float(s.temperature), float(s.top_p), int(s.top_k), float(s.min_p), s.seed,
             int(s.max_tokens), list(s.stop_token_ids),
             [[int(t), float(b)] for t, b in s.logit_bias.items()], s.logprobs, bool(s.ignore_eos),
-            int(s.seed_offset),
+            int(s.seed_offset), float(s.presence_penalty), float(s.frequency_penalty),
+            float(s.repetition_penalty), s.grammar,
         ]
 
     def pack_src(self, src):

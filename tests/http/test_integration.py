@@ -264,7 +264,7 @@ def test_n_two_and_logprobs(stack, oracle, edge_tok):
 
 
 @pytest.mark.parametrize("kwargs,exc,status,code", [
-    ({"presence_penalty": 0.5}, "BadRequestError", 400, "unsupported_parameter"),
+    ({"presence_penalty": 2.5}, "BadRequestError", 400, "invalid_value"),
     ({"extra_body": {"frobnicate": 1}}, "BadRequestError", 400, "unknown_parameter"),
     ({"temperature": 5}, "BadRequestError", 400, "invalid_value"),
     ({"n": 100}, "BadRequestError", 400, "invalid_value"),

@@ -9,6 +9,8 @@ RID = bytes(range(16))
 SAMPLING = SamplingParams(
     temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=(1 << 64) - 1, max_tokens=128,
     stop_token_ids=[2, 3], logit_bias={5: -100.0, 7: 2.5}, logprobs=5, ignore_eos=True,
+    presence_penalty=-0.5, frequency_penalty=1.25, repetition_penalty=1.1,
+    grammar='{"grammars": [{"json_schema": {"type": "object"}}]}',
 )
 
 

@@ -126,7 +126,7 @@ class GraphStep:
     # -- the engine's side -------------------------------------------------------------
     def applies(self, rows, params) -> bool:
         return (self.failed is None and len(rows) == 1 and rows[0].n == 1 and len(params) == 1
-                and params[0].temperature <= 0 and params[0].logprobs is None and not params[0].logit_bias)
+                and params[0].plain_greedy)
 
     def launch(self, rows, prev) -> DeviceTokens | None:
         """Queue one decode step; ``prev``: the input token, a :class:`DeviceTokens` of
