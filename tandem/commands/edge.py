@@ -29,7 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--bind", metavar="HOST:PORT", help="listen address (default 127.0.0.1:8000)")
     p.add_argument("--workers", type=int, help="gunicorn worker processes (default 1)")
     p.add_argument("--model", metavar="PATH", help="mlx-lm model directory whose tokenizer to use (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--model-name", help="model id clients send (default: the model directory's name)")
+    p.add_argument("--served-model-name", "--model-name", dest="model_name", metavar="NAME",
+                   help="model id clients send and /v1/models lists (default: the model directory's name)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (prefer --api-key-file: flags show in ps)")
     p.add_argument("--api-key-file", metavar="PATH", help="file holding the API key")
     p.add_argument("--broker", metavar="ADDR", help="broker frontend (default tcp://127.0.0.1:5555)")

@@ -30,6 +30,7 @@ PORTS = {"frontend": 0, "backend": 1, "stream_in": 2, "stream_out": 3, "stats": 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", metavar="PATH", help="mlx-lm model directory (default: the bundled SmolLM2-135M-Instruct, fetched on first use)")
+    p.add_argument("--served-model-name", metavar="NAME", help="model id clients send and /v1/models lists (default: the model directory's name)")
     p.add_argument("--weights", choices=("auto", "dense", "quantized"), help="weight format the workers run (default auto)")
     p.add_argument("--config", metavar="FILE", help="TOML config file passed to every child")
     p.add_argument("--topology", choices=("disaggregated", "hybrid"), default="disaggregated",
@@ -109,6 +110,8 @@ def build_specs(args, model: Path, secret: Path, gate: Path | None = None):
         edge += ["--api-key-file", args.api_key_file]
     if args.access_log:
         edge += ["--access-log"]
+    if args.served_model_name:
+        edge += ["--served-model-name", args.served_model_name]
     specs.append(ChildSpec("edge", edge, stop_grace_s=35.0))
     return specs, addr
 
@@ -178,7 +181,7 @@ def run(args) -> int:
         wait_ready(url + "/ready", sup, deadline)
         publish(secret.parent, addresses=addr, secret=secret, model=model, url=url)
         sup.say(f"ready: {url}/v1  (OpenAI-compatible; Ctrl-C stops everything)")
-        sup.say("try: " + curl_hint(url, model.name, args.api_key_file))
+        sup.say("try: " + curl_hint(url, args.served_model_name or model.name, args.api_key_file))
         while not sup.stopping.wait(0.5):
             sup.check()
     except ChildFailed as exc:
