@@ -165,6 +165,8 @@ def run(args) -> int:
         model = resolve_model(args.model, log=lambda m: print(f"{'serve':>10} | {m}", flush=True))
     except ModelError as exc:
         raise UserError(str(exc)) from None
+    if not args.served_model_name and args.model and not Path(args.model).expanduser().exists():
+        args.served_model_name = args.model  # a Hugging Face repo id names the model, not its snapshot hash
     secret = ensure_secret(state_dir(args.state_dir))
     gate = None if args.no_cpu_gate else secret.parent / f"cpu-gate-{args.base_port}.lock"
     specs, addr = build_specs(args, model, secret, gate)

@@ -39,6 +39,7 @@ class Edge:
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = EdgeMetrics()
+        self.reasoning = reasoning_markers(self.settings.reasoning, tokenizer)
         self._backend = backend
         self._backend_pid = os.getpid() if backend is not None else None
         self._started = False
@@ -97,8 +98,8 @@ class _Auth:
         self.edge = edge
 
     async def process_request(self, req, resp):
-        if self.edge.api_key is None or not req.path.startswith("/v1/"):
-            return
+        if self.edge.api_key is None or not req.path.startswith("/v1/") or req.method == "OPTIONS":
+            return  # a CORS preflight carries no credentials; the request after it does
         header = req.get_header("Authorization") or ""
         scheme, _, token = header.partition(" ")
         supplied = token.strip().encode() if scheme.lower() == "bearer" else b""
@@ -110,9 +111,43 @@ class _Auth:
                            headers={"WWW-Authenticate": "Bearer"})
 
 
+def cors_origins(setting: str) -> str | list[str] | None:
+    """``edge.cors_origins`` as Falcon takes it: None (off), "*" or a list of origins."""
+    value = (setting or "").strip()
+    if not value:
+        return None
+    if value == "*":
+        return "*"
+    origins = [o.strip().rstrip("/") for o in value.split(",") if o.strip()]
+    for o in origins:
+        if not o.startswith(("http://", "https://")):
+            raise ValueError(f"edge.cors_origins: {o!r} is not an origin such as https://app.example.com")
+    return origins
+
+
+def reasoning_markers(setting: str, tokenizer: EdgeTokenizer) -> tuple[str, str] | None:
+    """The (start, end) thinking markers of ``edge.reasoning``; raise ValueError on a bad value."""
+    value = (setting or "off").strip()
+    if value == "off":
+        return None
+    if value == "auto":
+        vocab = tokenizer.hf.get_vocab() if hasattr(tokenizer.hf, "get_vocab") else {}
+        return ("<think>", "</think>") if "<think>" in vocab and "</think>" in vocab else None
+    start, sep, end = value.partition(",")
+    if not sep or not start.strip() or not end.strip():
+        raise ValueError(f"edge.reasoning={setting!r}: expected auto, off or START,END (two markers)")
+    return start.strip(), end.strip()
+
+
 def _model_dir(config) -> Path:
     if config.model.path:
-        return Path(config.model.path).expanduser()
+        path = Path(config.model.path).expanduser()
+        if not path.exists():
+            from tandem.pipeline.model_store import hf_snapshot, looks_like_repo_id
+
+            if looks_like_repo_id(config.model.path):
+                return hf_snapshot(config.model.path)
+        return path
     try:
         from tandem.pipeline.model_store import default_model_dir
     except ImportError:
@@ -149,9 +184,15 @@ def create_app(config=None, backend: Backend | None = None, tokenizer: EdgeToken
         model_dir = _model_dir(config)
         if tokenizer is None:
             tokenizer = load_tokenizer(model_dir)
-        model_name = model_name or model_dir.name
+        from_repo = config.model.path and not Path(config.model.path).expanduser().exists()
+        model_name = model_name or (config.model.path if from_repo else model_dir.name)
     edge = Edge(config, backend, tokenizer, model_name, _api_key(config.edge))
-    app = EdgeApp(middleware=[_Lifespan(edge), _Auth(edge)], cors_enable=False)
+    middleware = [_Lifespan(edge), _Auth(edge)]
+    origins = cors_origins(config.edge.cors_origins)
+    if origins is not None:
+        # Opt-in: a browser page on another origin may call the API (the API key still applies).
+        middleware.insert(0, falcon.CORSMiddleware(allow_origins=origins, expose_headers=["Retry-After"]))
+    app = EdgeApp(middleware=middleware, cors_enable=False)
     app.req_options.strip_url_path_trailing_slash = True
     app.add_error_handler(Exception, handle_error)
     app.add_error_handler(falcon.HTTPError, handle_error)

@@ -18,6 +18,7 @@ from falcon.asgi import SSEvent
 from tandem.http.backend import Busy, InvalidRequest, StreamError, Unavailable
 from tandem.http.errors import ApiError, bad_request, busy, unavailable
 from tandem.http.generation import Choice, Delta
+from tandem.http.message import MessageShaper
 from tandem.http.protocol import Job, parse_chat, parse_completion
 from tandem.http.structured import check_grammar
 from tandem.http.responses import Formatter, dumps, error_chunk, usage_body
@@ -118,7 +119,10 @@ class CompletionsResource:
         tok = self.edge.tokenizer
         if job.kind == "chat":
             try:
-                prompts = [tok.apply_chat_template(job.messages)]
+                text = tok.render_chat(job.messages, job.tools)
+                prompts = [tok.encode_chat(text)]
+                markers = self.edge.reasoning
+                job.thinking = markers is not None and text.rstrip().endswith(markers[0])
             except ValueError as exc:
                 raise bad_request(str(exc), "messages") from None
             except Exception as exc:  # a template may raise on an unexpected role order
@@ -176,6 +180,13 @@ class CompletionsResource:
             raise ApiError(500, f"the cluster failed the request: {failure}", type="server_error", code="stream_error")
         raise failure
 
+    def _shaper(self, job: Job) -> MessageShaper | None:
+        """What splits a chat choice's text into reasoning, content and tool calls (None: plain text)."""
+        tools = job.tools is not None and job.tools.choice != "none"
+        if job.kind != "chat" or (self.edge.reasoning is None and not tools):
+            return None
+        return MessageShaper(self.edge.reasoning, job.thinking, tools)
+
     async def _collect(self, job: Job, choices: list[Choice], fmt: Formatter) -> dict:
         texts = {c.index: [] for c in choices}
         lps = {c.index: [] for c in choices}
@@ -194,7 +205,15 @@ class CompletionsResource:
         body_choices = []
         for c in choices:
             lp = fmt.logprobs(Delta(index=c.index, logprobs=lps[c.index])) if job.logprobs else None
-            body_choices.append(fmt.choice(c.index, "".join(texts[c.index]), c.finish_reason, lp))
+            text, parts, finish = "".join(texts[c.index]), None, c.finish_reason
+            shaper = self._shaper(job)
+            if shaper is not None:
+                parts, rest = shaper.feed(text), shaper.finish()
+                parts.content += rest.content
+                parts.reasoning += rest.reasoning
+                parts.tool_calls += rest.tool_calls
+                finish = _finish(finish, shaper)
+            body_choices.append(fmt.choice(c.index, text, finish, lp, parts))
         self._count(job, choices)
         return fmt.completion(body_choices, usage_body(_groups(job, choices)))
 
@@ -212,6 +231,7 @@ class CompletionsResource:
                 queue.put_nowait(_END)
 
         tasks = [asyncio.create_task(pump(c)) for c in choices]
+        shapers = {c.index: s for c in choices if (s := self._shaper(job)) is not None}
         try:
             if job.kind == "chat":
                 for c in choices:
@@ -233,6 +253,9 @@ class CompletionsResource:
                     yield SSEvent(text=dumps(error_chunk(f"the cluster failed the request: {message}")))
                     failed = True
                     break
+                elif item.index in shapers:
+                    for chunk in self._shaped_chunks(fmt, item, shapers[item.index], job.logprobs):
+                        yield SSEvent(text=dumps(chunk))
                 else:
                     for chunk in fmt.delta_chunks(item, job.logprobs):
                         yield SSEvent(text=dumps(chunk))
@@ -247,6 +270,21 @@ class CompletionsResource:
             await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(*(c.close() for c in choices), return_exceptions=True)
 
+    @staticmethod
+    def _shaped_chunks(fmt: Formatter, delta: Delta, shaper: MessageShaper, with_logprobs: bool) -> list[dict]:
+        before = len(shaper.calls)
+        parts = shaper.feed(delta.text)
+        if delta.finish_reason:
+            rest = shaper.finish()
+            parts.content += rest.content
+            parts.reasoning += rest.reasoning
+            parts.tool_calls += rest.tool_calls
+        lp = fmt.logprobs(delta) if with_logprobs and delta.logprobs else None
+        out = fmt.parts_chunks(delta.index, parts, before, lp)
+        if delta.finish_reason:
+            out.append(fmt.finish_chunk(delta.index, _finish(delta.finish_reason, shaper)))
+        return out
+
     def _count(self, job: Job, choices: list[Choice]) -> None:
         endpoint = "chat" if job.kind == "chat" else "completions"
         for c in choices:
@@ -258,6 +296,11 @@ def _with(job: Job, limit: int, i: int):
 
     seed = job.sampling.seed
     return dataclasses.replace(job.sampling, max_tokens=limit, seed=None if seed is None else seed + i)
+
+
+def _finish(reason: str | None, shaper: MessageShaper) -> str | None:
+    """A choice that ended on its own after making calls finished to call them."""
+    return "tool_calls" if reason == "stop" and shaper.calls else reason
 
 
 def _groups(job: Job, choices: list[Choice]):

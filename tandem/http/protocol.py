@@ -14,6 +14,7 @@ from typing import Any
 from tandem.http.errors import ApiError, bad_request, unsupported
 from tandem.http.settings import EdgeSettings
 from tandem.http.structured import response_format_grammar
+from tandem.http.tools import Tools, parse_message_tool_calls, parse_tools
 from tandem.wire.protocol import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from tandem.kvtypes import SamplingParams
 
@@ -28,7 +29,7 @@ _CHAT_ONLY = {
     "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
 }
 _COMPLETION_ONLY = {"prompt", "echo", "suffix", "best_of"}
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 
@@ -49,6 +50,8 @@ class Job:
     messages: list[dict] | None = None
     prompts: list[Any] = field(default_factory=list)  # completions: str or list[int] per prompt
     user: str | None = None
+    tools: Tools | None = None
+    thinking: bool = False  # the rendered prompt opened the model's reasoning block
 
 
 def _num(body: dict, name: str, lo: float, hi: float, default: float, *, lo_open: bool = False) -> float:
@@ -186,15 +189,20 @@ def _message(i: int, msg: Any) -> dict:
         raise bad_request(f"{where} must be an object with 'role' and 'content'", where, "invalid_type")
     role = msg.get("role")
     if not isinstance(role, str) or role not in _ROLES:
-        if role in ("tool", "function"):
-            raise unsupported(f"{where}.role", f"role {role!r} needs tool calling, which is not implemented")
-        raise bad_request(f"{where}.role must be one of system, developer, user, assistant; got {role!r}", f"{where}.role")
+        if role == "function":
+            raise unsupported(f"{where}.role", "the legacy 'function' role is not served; send role 'tool'")
+        raise bad_request(f"{where}.role must be one of system, developer, user, assistant, tool; got {role!r}", f"{where}.role")
+    allowed = {"role", "content", "name"} | ({"tool_calls"} if role == "assistant" else set()) | (
+        {"tool_call_id"} if role == "tool" else set())
     for key in msg:
-        if key not in ("role", "content", "name"):
+        if key not in allowed:
             if key in ("tool_calls", "function_call", "refusal", "audio") and msg[key] in (None, []):
                 continue
             raise unsupported(f"{where}.{key}")
+    calls = parse_message_tool_calls(where, msg["tool_calls"]) if msg.get("tool_calls") else None
     content = msg.get("content")
+    if content is None and calls:
+        content = ""
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
@@ -206,6 +214,14 @@ def _message(i: int, msg: Any) -> dict:
     if not isinstance(content, str):
         raise bad_request(f"{where}.content must be a string or a list of text parts", f"{where}.content", "invalid_type")
     out = {"role": _ROLES[role], "content": content}
+    if calls:
+        out["tool_calls"] = calls
+    if role == "tool":
+        call_id = msg.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_request(f"{where}.tool_call_id is required for role 'tool'", f"{where}.tool_call_id",
+                              "missing_required_parameter" if call_id is None else "invalid_type")
+        out["tool_call_id"] = call_id
     if msg.get("name") is not None:
         if not isinstance(msg["name"], str):
             raise bad_request(f"{where}.name must be a string", f"{where}.name", "invalid_type")
@@ -224,11 +240,7 @@ def parse_chat(body: Any, settings: EdgeSettings) -> Job:
     if not messages:
         raise bad_request("'messages' must not be empty", "messages", "invalid_value")
     parsed = [_message(i, m) for i, m in enumerate(messages)]
-    _refuse_set(body, "tools", why="tool calling is not implemented")
-    _refuse_set(body, "functions", why="function calling is not implemented")
-    _refuse_set(body, "tool_choice", ("none",), "tool calling is not implemented")
-    _refuse_set(body, "function_call", ("none",), "function calling is not implemented")
-    _refuse_set(body, "parallel_tool_calls", (False, True) if not body.get("tools") else (), "")
+    tools = parse_tools(body)
     _refuse_set(body, "store", (False,), "completions are never stored")
     _refuse_set(body, "metadata", why="metadata only applies to stored completions")
     _refuse_set(body, "service_tier", ("auto", "default"))
@@ -236,6 +248,11 @@ def parse_chat(body: Any, settings: EdgeSettings) -> Job:
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
         _refuse_set(body, name)
     grammar = response_format_grammar(body.get("response_format"))
+    forced = tools.grammar() if tools is not None else None
+    if forced is not None:
+        if grammar is not None:
+            raise bad_request("'response_format' cannot be combined with a forced 'tool_choice'", "response_format")
+        grammar = forced
     max_tokens = _int(body, "max_tokens", 1)
     max_completion = _int(body, "max_completion_tokens", 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
@@ -247,7 +264,7 @@ def parse_chat(body: Any, settings: EdgeSettings) -> Job:
     limit = max_completion if max_completion is not None else max_tokens
     sampling = _sampling(body, limit, (top or 0) if want_logprobs else None)
     sampling.grammar = grammar
-    return Job(kind="chat", sampling=sampling, logprobs=want_logprobs, max_tokens=limit, messages=parsed, **common)
+    return Job(kind="chat", tools=tools, sampling=sampling, logprobs=want_logprobs, max_tokens=limit, messages=parsed, **common)
 
 
 def parse_completion(body: Any, settings: EdgeSettings) -> Job:

@@ -101,12 +101,28 @@ class Formatter:
                 choice = {"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": None}
             out.append(self._chunk([choice]))
         if delta.finish_reason:
-            if self.kind == "chat":
-                choice = {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
-            else:
-                choice = {"index": delta.index, "text": "", "logprobs": None, "finish_reason": delta.finish_reason}
-            out.append(self._chunk([choice]))
+            out.append(self.finish_chunk(delta.index, delta.finish_reason))
         return out
+
+    def parts_chunks(self, index: int, parts, first_call: int, lp: dict | None = None) -> list[dict]:
+        """Chat chunks for a shaped delta: reasoning, content (with the delta's logprobs),
+        then one chunk per completed tool call, numbered from ``first_call``."""
+        out = []
+        if parts.reasoning:
+            out.append(self._chunk([{"index": index, "delta": {"reasoning_content": parts.reasoning},
+                                     "logprobs": None, "finish_reason": None}]))
+        if parts.content or lp is not None:
+            out.append(self._chunk([{"index": index, "delta": {"content": parts.content}, "logprobs": lp,
+                                     "finish_reason": None}]))
+        for k, call in enumerate(parts.tool_calls):
+            out.append(self._chunk([{"index": index, "delta": {"tool_calls": [call.body(first_call + k)]},
+                                     "logprobs": None, "finish_reason": None}]))
+        return out
+
+    def finish_chunk(self, index: int, finish_reason: str) -> dict:
+        if self.kind == "chat":
+            return self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
+        return self._chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}])
 
     def usage_chunk(self, usage: dict) -> dict:
         chunk = self._chunk([])
@@ -120,10 +136,19 @@ class Formatter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": FINGERPRINT, "choices": choices, "usage": usage}
 
-    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None, parts=None) -> dict:
+        """``parts``: the shaped message (reasoning, tool calls) of a chat choice, if shaped."""
         if self.kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": logprobs, "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text, "refusal": None}
+            if parts is not None:
+                message["content"] = parts.content if parts.content.strip() or not parts.tool_calls else None
+                if parts.reasoning:
+                    message["reasoning_content"] = parts.reasoning
+                if parts.tool_calls:
+                    message["tool_calls"] = [c.body(k) for k, c in enumerate(parts.tool_calls)]
+                    for c in message["tool_calls"]:
+                        del c["index"]
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

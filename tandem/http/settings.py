@@ -20,4 +20,9 @@ class EdgeSettings:
     broker_timeout_s: float = field(default=10.0, metadata={"min": 0.1, "help": "how long the wire client waits for the broker to answer"})
     graceful_timeout_s: int = field(default=30, metadata={"min": 0, "help": "seconds a stopping worker lets open streams finish"})
     worker_connections: int = field(default=1000, metadata={"min": 1, "help": "open connections per gunicorn worker"})
+    reasoning: str = field(default="auto", metadata={"help": "thinking markers whose text is returned as reasoning_content: "
+                           "'auto' (<think> and </think> when both are tokens of the model's vocabulary), 'off', "
+                           "or 'START,END'"})
+    cors_origins: str = field(default="", metadata={"help": "browser origins allowed to call the API (CORS), comma-separated, "
+                              "or '*' for any; empty: no CORS headers (browsers refuse cross-origin calls)"})
     expose_stats: bool = field(default=True, metadata={"help": "serve the broker's redacted stats at /v1/stats"})

@@ -45,12 +45,29 @@ class EdgeTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True, verbose=False))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` (and tool calls and results) itself."""
+        template = getattr(self.hf, "chat_template", None)
+        return isinstance(template, str) and "tools" in template
+
+    def render_chat(self, messages: list[dict], tools=None) -> str:
+        """The prompt text of a conversation; ``tools``: a :class:`tandem.http.tools.Tools` or None."""
+        from tandem.http.tools import template_messages
+
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions with a plain prompt")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        # The template already carries any BOS; encoding must not add a second one.
+        messages, tool_arg = template_messages(messages, tools, self.template_takes_tools)
+        kw = {"tools": tool_arg} if tool_arg else {}
+        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+
+    def encode_chat(self, text: str) -> list[int]:
+        """A rendered conversation's tokens: the template already carries any BOS, so
+        encoding must not add a second one."""
         return list(self.hf.encode(text, add_special_tokens=False, verbose=False))
+
+    def apply_chat_template(self, messages: list[dict], tools=None) -> list[int]:
+        return self.encode_chat(self.render_chat(messages, tools))
 
     def decode(self, tokens: list[int]) -> str:
         return self.hf.decode(tokens, skip_special_tokens=True)

@@ -57,6 +57,8 @@ def resolve_model(path: str | os.PathLike | None, log: Callable[[str], None] = p
     """The model directory to use: ``path`` if given, else the default, fetched on first use."""
     if path:
         p = Path(path).expanduser()
+        if not p.exists() and looks_like_repo_id(str(path)):
+            p = hf_snapshot(str(path))
         if not p.exists():
             raise ModelError(f"model directory {p} does not exist")
         if not is_model_dir(p):
@@ -66,6 +68,29 @@ def resolve_model(path: str | os.PathLike | None, log: Callable[[str], None] = p
     if is_model_dir(target):
         return target
     return fetch_default(log=log)
+
+
+def looks_like_repo_id(text: str) -> bool:
+    """``owner/name`` as the Hugging Face Hub spells repositories (not a path)."""
+    owner, sep, name = text.partition("/")
+    return bool(sep) and bool(owner) and bool(name) and "/" not in name and not text.startswith((".", "~"))
+
+
+def hf_snapshot(repo: str) -> Path:
+    """A Hugging Face repo id → its snapshot directory, as mlx-lm resolves it: the local
+    cache first (works offline), then a download of the files a model needs."""
+    from mlx_lm.utils import _download, hf_repo_to_path
+
+    try:
+        return hf_repo_to_path(repo)
+    except Exception:
+        pass
+    try:
+        return _download(repo)
+    except Exception as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelError(f"{repo!r} is neither a model directory nor a Hugging Face repo in the local cache, "
+                         f"and downloading it failed ({why})") from None
 
 
 def fetch_default(log: Callable[[str], None] = print, force: bool = False) -> Path:

@@ -269,7 +269,7 @@ def test_n_two_and_logprobs(stack, oracle, edge_tok):
     ({"temperature": 5}, "BadRequestError", 400, "invalid_value"),
     ({"n": 100}, "BadRequestError", 400, "invalid_value"),
     ({"max_tokens": 100000}, "BadRequestError", 400, "context_length_exceeded"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "BadRequestError", 400, "unsupported_parameter"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "BadRequestError", 400, "invalid_type"),
     ({"model": "gpt-4o"}, "NotFoundError", 404, "model_not_found"),
 ])
 def test_bad_requests_via_openai(stack, kwargs, exc, status, code):

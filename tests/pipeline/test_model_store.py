@@ -106,3 +106,27 @@ def test_resolve_model_checks_explicit_paths(tmp_path, tiny_model_dir):
         resolve_model(tmp_path / "nope")
     with pytest.raises(ModelError, match="not an mlx-lm model directory"):
         resolve_model(tmp_path)
+
+
+def test_a_hugging_face_repo_id_resolves_from_the_local_cache_offline(tmp_path, tiny_model_dir):
+    """The hub's cache layout (models--owner--name/snapshots/REV + refs/main), found with
+    the network off, in a fresh process (huggingface_hub reads its cache path at import)."""
+    import os
+    import shutil
+    import sys
+
+    repo = tmp_path / "hub" / "models--tandem-test--tiny"
+    snap = repo / "snapshots" / ("a" * 40)
+    shutil.copytree(tiny_model_dir, snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    code = ("from tandem.pipeline.model_store import resolve_model, ModelError\n"
+            "print(resolve_model('tandem-test/tiny'))\n"
+            "try:\n    resolve_model('tandem-test/absent')\nexcept ModelError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert lines[0] == str(snap), out.stderr
+    assert lines[1].startswith("ERR 'tandem-test/absent' is neither a model directory")
+    assert model_store.looks_like_repo_id("org/model") and not model_store.looks_like_repo_id("./org/model")
+    assert not model_store.looks_like_repo_id("/abs/path") and not model_store.looks_like_repo_id("a/b/c")
