@@ -75,6 +75,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; give the TOML file itself") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path} is not readable by this user (uid {os.getuid()}); "
+                          "the services run as user tandem: chgrp tandem it and chmod 0640") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     flat: dict[str, Any] = {}

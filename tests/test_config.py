@@ -82,6 +82,30 @@ def test_missing_config_file(tmp_path):
         config.load(tmp_path / "nope.toml", env={})
 
 
+def test_a_config_that_is_a_directory_is_one_line_from_the_command(tmp_path):
+    """/etc/tandem/tandem.toml made as a directory: one line and exit 2, no traceback (#45)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "tandem.toml").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "stats", "--config", str(tmp_path / "tandem.toml")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"tandem stats: config file {tmp_path / 'tandem.toml'} is a directory; give the TOML file itself"
+
+
+def test_an_unreadable_config_names_the_user_and_the_fix(tmp_path, monkeypatch):
+    # Tests may run as root, whom file modes do not stop: make the read itself fail.
+    path = write(tmp_path, "[engine]\nparallel = 2\n")
+
+    def denied(self, *a, **kw):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(path), "read_text", denied)
+    with pytest.raises(ConfigError, match=r"not readable by this user .*chgrp tandem"):
+        config.load(path, env={})
+
+
 def test_broker_prompt_limit_is_reachable_on_the_wire():
     """A broker limit above the protocol's bound would refuse long prompts as malformed instead."""
     from tandem.wire.protocol import MAX_PROMPT_TOKENS

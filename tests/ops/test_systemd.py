@@ -66,26 +66,3 @@ def test_example_config_is_current_and_loads():
     example = ROOT / "ops" / "tandem.toml.example"
     assert example.read_text() == config.render_example(), "regenerate: python -c 'import tandem.config as c; print(c.render_example(), end=\"\")' > ops/tandem.toml.example"
     assert config.load(example, env={}) == config.Config()
-
-
-def test_install_script_stages_files(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "ops" / "install.sh"), "--root", str(tmp_path), "--no-venv", "--no-systemctl"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    secret = tmp_path / "etc" / "tandem" / "cluster-secret"
-    assert secret.stat().st_mode & 0o777 == 0o600 and len(bytes.fromhex(secret.read_text())) == 32
-    for unit in UNITS:
-        assert (tmp_path / "etc" / "systemd" / "system" / unit.name).read_text() == unit.read_text()
-    assert config.load(tmp_path / "etc" / "tandem" / "tandem.toml", env={}) == config.Config()
-    # A second run keeps the secret and the operator's config.
-    before = secret.read_bytes()
-    (tmp_path / "etc" / "tandem" / "tandem.toml").write_text("[engine]\nparallel = 3\n")
-    subprocess.run(["bash", str(ROOT / "ops" / "install.sh"), "--root", str(tmp_path), "--no-venv", "--no-systemctl"],
-                   check=True, capture_output=True, timeout=60)
-    assert secret.read_bytes() == before
-    assert config.load(tmp_path / "etc" / "tandem" / "tandem.toml", env={}).engine.parallel == 3
-
-
-def test_install_script_refuses_unknown_options():
-    proc = subprocess.run(["bash", str(ROOT / "ops" / "install.sh"), "--frobnicate"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "unknown option --frobnicate" in proc.stderr
