@@ -5,7 +5,7 @@ From process to process the engine on the lent H200 moves by up to ~15%, so a ch
 compared only against processes of the same call, taken in turns. A config is a list of
 ``NAME=value`` environment settings ("" = the defaults)::
 
-    python bench/gpu_ab.py --config "" --config "TANDEM_EMBED_KERNEL=0" --rounds 2 \\
+    python bench/gpu_ab.py --config "" --config "TANDEM_PAGED_KERNELS=off" --rounds 2 \\
         --batches 1,64 --out $OUT/ab
 
 Each process's log goes to ``<out>/<round>-<config index>.log``; the rows of every process

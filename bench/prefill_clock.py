@@ -9,7 +9,7 @@ Here a one-thread kernel writes the GPU's ``%globaltimer`` (ns) into a small arr
   so it runs when the device starts on the prefill;
 - ``embed``: on the embedding's output;
 - ``eval<k>``: on the first array of every ``mx.async_eval`` of the engine thread: each layer
-  handed over (``TANDEM_PREFILL_EVAL_EVERY``), then the step's sampled token.
+  handed over (``runners/cuda/runner.PREFILL_EVAL_EVERY``), then the step's sampled token.
 
 The engine thread's calls are marked on the host's clock (``time.perf_counter``), and
 ``calibrate`` maps the GPU's clock onto it. The markers add ~35 ops and tiny kernels a
@@ -202,7 +202,7 @@ def summarize(host: list[tuple[str, float]], device: list[tuple[str, float]], su
 
     ``device_idle_ms`` sums, layer by layer, the time the device had finished the layer
     before and the host had not yet handed over the next: the device waiting for the host.
-    ``first_split``: layer 0 was handed over in two (``TANDEM_PREFILL_FIRST_SPLIT``), so the
+    ``first_split``: layer 0 was handed over in two (``runners/cuda/runner.PREFILL_FIRST_SPLIT``), so the
     first mark is its attention half's (``layer0_attention_ms``) and ``layer_ms`` are whole layers."""
     def ms(t: float) -> float:
         return round((t - submitted) * 1e3, 3)

@@ -7,7 +7,8 @@ import glob
 import os
 import sys
 
-_CHOICES = ("auto", "mkl", "reference")
+from tandem import knobs
+
 
 
 def _mkl_candidates() -> list[str]:
@@ -25,9 +26,10 @@ def preload_blas() -> str:
     Must run before the first ``import mlx``: once libmlx has bound its BLAS
     symbols, loading another library changes nothing.
     """
-    choice = os.environ.get("TANDEM_BLAS", "auto").strip().lower() or "auto"
-    if choice not in _CHOICES:
-        raise SystemExit(f"TANDEM_BLAS={choice!r} is not one of {', '.join(_CHOICES)}")
+    try:
+        choice = knobs.BLAS or "auto"
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if choice == "reference" or sys.platform != "linux":
         return "reference" if sys.platform == "linux" else "platform"
     if "mlx.core" in sys.modules:
@@ -66,7 +68,7 @@ def openblas_sgemm() -> tuple[int, bool] | None:
     if _openblas is not False:
         return _openblas
     _openblas = None
-    if os.environ.get("TANDEM_PREFILL_BLAS", "auto").strip().lower() in ("mkl", "mlx", "off", "0"):
+    if knobs.PREFILL_BLAS != "auto":
         return None
     import numpy
 

@@ -16,7 +16,8 @@ Set at import, before any thread allocates; a no-op where there is no ``mallopt`
 from __future__ import annotations
 
 import ctypes
-import os
+
+from tandem import knobs
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -28,7 +29,7 @@ TRIM_THRESHOLD = 512 << 20  # free memory kept at the heap's top before it is re
 
 def tune_malloc() -> bool:
     """Apply the settings; True if glibc took them."""
-    if os.environ.get("TANDEM_MALLOC", "").strip().lower() == "default":
+    if knobs.MALLOC == "default":
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -55,7 +55,7 @@ def test_summary_counts_the_device_waiting_for_a_late_layer():
 
 
 def test_summary_of_a_split_first_layer_reports_whole_layers():
-    """TANDEM_PREFILL_FIRST_SPLIT: layer 0's attention half has a mark of its own before the
+    """PREFILL_FIRST_SPLIT: layer 0's attention half has a mark of its own before the
     layer's; layer_ms still holds one figure a layer, and the attention half its own."""
     host = [("forward", 0.0001), ("async_eval/end", 0.001), ("async_eval/end", 0.0012),
             ("async_eval/end", 0.0014), ("async_eval/end", 0.0016)]

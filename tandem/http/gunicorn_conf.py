@@ -9,6 +9,7 @@ import os
 import tempfile
 
 import tandem  # noqa: F401  (BLAS choice before anything imports mlx)
+from tandem import knobs
 from tandem.config import load
 
 _config = load()
@@ -36,9 +37,9 @@ graceful_timeout = _edge.graceful_timeout_s  # SIGTERM: stop accepting, let open
 keepalive = 5
 max_requests = 0
 limit_request_line = 8190
-accesslog = "-" if os.environ.get("TANDEM_EDGE_ACCESS_LOG") else None
+accesslog = "-" if knobs.EDGE_ACCESS_LOG else None
 errorlog = "-"
-loglevel = os.environ.get("TANDEM_EDGE_LOG_LEVEL", "info")
+loglevel = knobs.EDGE_LOG_LEVEL
 proc_name = "tandem-edge"
 # One per user by default; several edges (tests, benchmarks) on one host would collide.
 control_socket_disable = True

@@ -23,6 +23,7 @@ from collections import OrderedDict
 
 import zmq
 
+from tandem import knobs
 from tandem.pipeline.api import EngineRefused, EngineRequest, TokenEvent
 from tandem.wire import codec
 from tandem.wire import messages as M
@@ -44,9 +45,6 @@ from tandem.workers.transfers import KVHandoffs
 log = logging.getLogger("tandem.worker")
 
 TOMBSTONE_S = 60.0  # remember aborted request ids this long (a late KV transfer is refused)
-# Set to a file path, every worker appends a JSON line per request event and engine tick
-# (monotonic clock, comparable across processes): bench/disagg.py --timeline reads them.
-TIMELINE = os.environ.get("TANDEM_TIMELINE")
 
 def default_name(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -107,7 +105,11 @@ class Worker(KVHandoffs, Health):
         self.last_loop = time.monotonic()  # the IO loop's own liveness (systemd watchdog)
         self.on_drain = None  # called once when draining starts (systemd STOPPING=1)
         self.counters = {"refused": 0}
-        self._timeline = open(TIMELINE, "a", buffering=1) if TIMELINE else None
+        # ``TANDEM_TIMELINE`` (``tandem.knobs``) set to a file path: the worker appends a JSON
+        # line per request event and engine tick (monotonic clock, comparable across
+        # processes); bench/disagg.py --timeline reads them.
+        timeline = knobs.TIMELINE
+        self._timeline = open(timeline, "a", buffering=1) if timeline else None
         self.gate = (G.CpuGate(settings.cpu_gate, settings.cpu_gate_max_wait_ms / 1000)
                      if settings.cpu_gate and self.role != "hybrid" else None)
 

@@ -13,7 +13,7 @@ machine's cores: 13 ms for the same 30 layers, close to what the memory can deli
 (the keys and values of every layer are read once per step, 220 MB here).
 
 The C source is compiled on first use with the system's C compiler into tandem's cache
-directory. Without a compiler (or with ``TANDEM_CPU_KERNELS=0``), :func:`available` is
+directory. Without a compiler (or with ``engine.native_kernels = false``), :func:`available` is
 False and the runner keeps the mlx formulation in :func:`cpu_math.attention`. The
 flags allow reassociating sums (so the dot products vectorize) but not the rest of
 ``-ffast-math``: that links a startup file that flushes denormals to zero for the
@@ -31,6 +31,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from tandem import knobs
 
 log = logging.getLogger("tandem.engine")
 
@@ -232,26 +234,18 @@ def available() -> bool:
     """Whether the compiled kernel can be used (built on the first call)."""
     global _lib, _why
     if _lib is None and _why is None:
-        if os.environ.get("TANDEM_CPU_KERNELS", "1").strip() == "0":
-            _why = "TANDEM_CPU_KERNELS=0"
-        else:
-            try:
-                _lib = _build()
-            except (OSError, subprocess.SubprocessError) as e:
-                detail = getattr(e, "stderr", b"") or b""
-                _why = f"{e} {detail.decode(errors='replace')[:500]}".strip()
-                log.info("decode attention stays on mlx ops (could not build the C kernel: %s)", _why)
+        try:
+            _lib = _build()
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            _why = f"{e} {detail.decode(errors='replace')[:500]}".strip()
+            log.info("decode attention stays on mlx ops (could not build the C kernel: %s)", _why)
     return _lib is not None
 
 
 def threads() -> int:
-    """Threads per call: ``TANDEM_ATTENTION_THREADS``, else one per core."""
-    n = os.environ.get("TANDEM_ATTENTION_THREADS", "").strip()
-    if not n:
-        return os.cpu_count() or 1
-    if not n.isdigit() or int(n) < 1:
-        raise ValueError(f"TANDEM_ATTENTION_THREADS={n!r}: set a whole number of threads, 1 or more")
-    return int(n)
+    """Threads per call: ``TANDEM_ATTENTION_THREADS`` (``tandem.knobs``), else one per core."""
+    return knobs.ATTENTION_THREADS or os.cpu_count() or 1
 
 
 def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray, scale: float,

@@ -20,15 +20,14 @@ one call, on a small persistent thread pool (one thread per core).
 The C code is ``q4_kernels.c`` next to this module, built (after
 :mod:`cpu_kernels`' source, whose ``exp_poly`` and attention it uses) with
 :func:`cpu_kernels.build_library`; needs AVX-512F (otherwise
-:func:`available` is False and the mlx/MKL path runs). ``TANDEM_Q4_KERNELS=0`` turns
-it off (as does ``TANDEM_CPU_KERNELS=0``).
+:func:`available` is False and the mlx/MKL path runs). ``engine.native_kernels = false``
+keeps them out of the engine.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import subprocess
 from pathlib import Path
 
@@ -86,9 +85,7 @@ def available() -> bool:
     """Whether the 4-bit kernels can be used (built on the first call)."""
     global _lib, _why
     if _lib is None and _why is None:
-        if os.environ.get("TANDEM_Q4_KERNELS", "1").strip() == "0":
-            _why = "TANDEM_Q4_KERNELS=0"
-        elif not cpu_kernels.available():
+        if not cpu_kernels.available():
             _why = f"no C kernels ({cpu_kernels._why})"
         else:
             try:

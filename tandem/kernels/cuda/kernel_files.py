@@ -34,6 +34,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from tandem import knobs
+
 INCLUDE = True
 SHAPE_SUFFIXES = ("shape", "strides", "ndim")
 
@@ -42,8 +44,7 @@ _written: dict[Path, str] = {}
 
 def kernel_dir() -> Path:
     """``TANDEM_KERNEL_DIR``, else ``<tmp>/tandem-kernels-<uid>``; made private if new."""
-    path = Path(os.environ.get("TANDEM_KERNEL_DIR") or
-                Path(tempfile.gettempdir()) / f"tandem-kernels-{os.getuid()}")
+    path = Path(knobs.KERNEL_DIR or Path(tempfile.gettempdir()) / f"tandem-kernels-{os.getuid()}")
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
     if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):

@@ -148,7 +148,7 @@ def test_layers_pack_only_what_the_kernel_covers(monkeypatch):
     assert not _flat(256, 512, 64, bits=8).pack_w4gemm()
     assert not _flat(96, 512, 64).pack_w4gemm()   # 96 rows: no whole 128-row block
     # The wgmma kernel takes its rows where it runs in one pass over K and the machine
-    # compiles it; TANDEM_W4WG=0 turns it off.
+    # compiles it.
     wide = rows(linear.W4WG_ROWS[1])
     assert not lay._w4g_applies(wide)
     monkeypatch.setattr(linear, "USE_W4WG", True)

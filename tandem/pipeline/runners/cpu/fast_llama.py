@@ -300,6 +300,7 @@ class FastLlama:
     def disable_native_kernels(self) -> None:
         """Decode and prefill through mlx/MKL only (``engine.native_kernels = false``)."""
         self.native, self.native_why = None, "off (engine.native_kernels)"
+        self.decode_kernel = False
         self.prefill_kernels = False
         self.prefill_sgemm = None
 

@@ -71,13 +71,15 @@ class CpuLayerCache(PagedLayerCache):
 
 
 class CpuRunner(PagedRunner):
-    """``fast``: run the fused forward where the model allows it; ``native``: its C decode
-    step and C RoPE/SiLU for a model loaded from 4-bit weights."""
+    """``fast``: run the fused forward where the model allows it; ``native``: tandem's C
+    kernels (decode attention, the mirror's fill and flush, and for a model loaded from
+    4-bit weights the whole decode step and the prefill's RoPE/SiLU); False: mlx/MKL only."""
 
     cache_class = CpuLayerCache
 
     def __init__(self, model, store: KVStore, mirror: bool = True, fast: bool = True, native: bool = True):
         super().__init__(model, store, mirror=mirror)
+        self.native = native
         self._mirror_bufs: list[mx.array] | None = None  # see _fill_mirror_host
         self.fast = None
         if fast:
@@ -110,7 +112,7 @@ class CpuRunner(PagedRunner):
         ms for 16 rows of the default model); False where it cannot (no kernels, a pool
         that is not float32, keys and values of different widths)."""
         m, b, store = self.mirror, self.batch, self.store
-        if not q4_kernels.available() or store.v_head_dim != store.head_dim or b.table_host is None:
+        if not (self.native and q4_kernels.available()) or store.v_head_dim != store.head_dim or b.table_host is None:
             return False
         B, H, D, n = len(b.lens), store.n_kv_heads, store.head_dim, store.num_layers
         mx.eval(store.keys, store.values)  # the pool's pending writes (a flush) land first
@@ -158,7 +160,8 @@ class CpuRunner(PagedRunner):
 
     def _flush_entries(self, slots: np.ndarray, src: np.ndarray) -> None:
         m, store = self.mirror, self.store
-        if not (q4_kernels.available() and store.dtype == mx.float32 and store.v_head_dim == store.head_dim):
+        if not (self.native and q4_kernels.available() and store.dtype == mx.float32
+                and store.v_head_dim == store.head_dim):
             return super()._flush_entries(slots, src)
         # In C, in place (the slots are the decode rows' own blocks, and the pool is
         # evaluated first): mlx's element-wise scatter costs tens of ms for a thousand

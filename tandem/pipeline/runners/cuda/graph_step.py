@@ -2,7 +2,7 @@
 
 At one row the engine thread, not the GPU, set the step: MLX encodes each of a step's ~165
 kernel launches in ~8-13 us (a graph node, an output allocation, its eval loop), 1.3-1.9 ms
-a step against the GPU's 2.37 (H200 runs 98-102, docs/benchmarks/gpu_decode.md), and the
+a step against the GPU's 2.37 (docs/benchmarks/gpu_decode.md), and the
 token gap stayed at 2.5-2.7 ms. The kernels themselves need none of that per step: their
 weights, the KV pools and the attention's tickets live at fixed addresses, and only the
 step's token and its positions / slots / block table change.
@@ -21,11 +21,9 @@ the same token and logits) before it is used; anything it cannot reproduce raise
 
 Limits: one row, greedy (no temperature, logprobs or logit bias), kernels made through
 ``kernel_files.cuda_kernel`` (no precompiled cubins, no MLX ops between kernels: the check
-catches them). On by default (``TANDEM_GRAPH_STEP=0`` turns it off). H200 runs 107-109
-(2026-12-02): replays give exactly the tokens of MLX's launches; the graph alone takes
-2.24-2.39 ms a step (57-761 tokens of context); the engine at one row 398 / 399 tok/s
-against MLX's launches' 404 / 395 on a fast host, 390 against 363 on a slow one, where
-MLX's encoding (1.9 ms a step) and not the GPU set the step.
+catches them). On unless ``engine.decode_graphs`` is off. Replays give exactly the tokens
+of MLX's launches; the engine at one row is as fast as MLX's launches on a fast host and
+~7% faster on a slow one, where MLX's encoding and not the GPU set the step.
 """
 
 from __future__ import annotations
@@ -33,13 +31,13 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
+from tandem import knobs
 from tandem.kernels.cuda import argmax_cuda
 from tandem.kernels.cuda import captured
 from tandem.kernels.cuda import cuda_driver
@@ -50,13 +48,10 @@ from tandem.pipeline.runners.cuda.tables import table_width
 
 log = logging.getLogger("tandem.engine")
 
-ENABLED = os.environ.get("TANDEM_GRAPH_STEP", "1") != "0"
-TIMING = os.environ.get("TANDEM_GRAPH_TIMING", "0") == "1"
-"""Time every replay on the device for the benchmarks (``GraphStep.timings``): its state
-upload and graph between two timing events, and the device's idle time since the replay
-before. H200 runs 115-116 (2026-12-02): the engine's steps take 2.46 ms against a replay's
-2.40 alone, and its first 10-35 tokens after a prompt 2.6-2.8; CUPTI hides the second and
-its callbacks slow everything after them, so these events are the way to see both."""
+# ``TANDEM_GRAPH_TIMING`` (``tandem.knobs``, read when a graph step is made): time every
+# replay on the device for the benchmarks (``GraphStep.timings``), its state upload and
+# graph between two timing events, and the device's idle time since the replay before.
+# CUPTI hides the idle time and its callbacks slow everything after them.
 RING = 8  # read-back slots: the engine holds at most two steps in flight
 MAX_GRAPHS = 24  # one per table width seen; the oldest goes when a new one would exceed it
 
@@ -111,7 +106,7 @@ class GraphStep:
         self._events = [drv.event() for _ in range(RING)]
         # TIMING: per slot, events before the state upload and after the graph; per read
         # replay (its serial, ms from upload to graph end, ms idle since the replay before).
-        self._marks = [(drv.event(timing=True), drv.event(timing=True)) for _ in range(RING)] if TIMING else None
+        self._marks = [(drv.event(timing=True), drv.event(timing=True)) for _ in range(RING)] if knobs.GRAPH_TIMING else None
         self.timings: collections.deque = collections.deque(maxlen=4096)
         self._timed = -1  # the last serial whose timing is in ``timings``
         self._modules: list[int] = []
@@ -371,9 +366,7 @@ class GraphStep:
 
 
 def make(runner) -> GraphStep | None:
-    """The graph step for ``runner`` where it can run (CUDA driver present, enabled)."""
-    if not ENABLED:
-        return None
+    """The graph step for ``runner`` where it can run (CUDA driver present)."""
     drv = cuda_driver.driver()
     if drv is None:
         return None

@@ -3,8 +3,8 @@
 MLX 0.32.4 puts ``mx.array(numpy)`` in managed memory, and the first kernel that reads such
 an array faults its pages over to the GPU. In a one-row 512-token prefill that was
 0.16-0.34 ms in the embedding (the ids) and 40-65 us more in layer 0 (positions and slots
-in the KV write), of the 12.8 ms a prefill may take for 40k tok/s (H200 runs 124-126,
-``bench/prefill_clock.py``). Prefetching or advising each array (``TANDEM_HOST_INPUTS``)
+in the KV write), of the 12.8 ms a prefill may take for 40k tok/s
+(``bench/prefill_clock.py``). Prefetching or advising each array (``host_inputs``)
 takes the fault away but costs the engine thread a driver call per array before its first
 hand-over, and the device started later by as much.
 
@@ -19,8 +19,8 @@ A box is written again ``RING`` posts later. The engine holds at most two steps 
 and reads one back before it launches a third, so the copy that read a box has run long
 before; the kernel also copies the post's serial within the box's header once it has read
 it all, and a box whose last copy has not finished is not written (``post`` returns None,
-and the caller makes its own arrays).
-``TANDEM_PREFILL_INPUTS=pinned`` chooses this (``pipeline/runners/cuda/runner.py``).
+and the caller makes its own arrays). The CUDA runner uses it for every fresh prefill
+(``pipeline/runners/cuda/runner.py``).
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import time
 
 import mlx.core as mx
@@ -42,6 +41,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from tandem import knobs
 from tandem.kernels.cuda import decode_attention_cuda as dac
 from tandem.kernels.cuda import embed_cuda
 from tandem.kernels.cuda import linear
@@ -66,53 +66,36 @@ MODES = ("auto", "off", "cuda", "reference")
 # (mlx-lm loads mistral checkpoints with its llama module.)
 _SUPPORTED = {"mlx_lm.models.llama", "mlx_lm.models.qwen2"}
 
-PREFILL_EVAL_EVERY = int(os.environ.get("TANDEM_PREFILL_EVAL_EVERY", "1"))
+PREFILL_EVAL_EVERY = 1
 """A fresh prefill hands the GPU its graph every this many layers (0: once, at the end).
 Every layer, so the GPU starts one layer in: with MLX's graph byte limit lifted
-(``tandem._mlx_cuda``) each hand-over is one graph launch (H200 run 119)."""
-PREFILL_INPUT_MODES = ("separate", "packed", "mapped", "pinned")
-
-
-def parse_prefill_inputs(value: str) -> str:
-    if value not in PREFILL_INPUT_MODES:
-        raise ValueError(f"TANDEM_PREFILL_INPUTS={value!r}: use one of {', '.join(PREFILL_INPUT_MODES)}")
-    return value
-
-
-PREFILL_INPUTS = parse_prefill_inputs(os.environ.get("TANDEM_PREFILL_INPUTS", "pinned"))
-"""How a fresh prefill's ids, positions, slots and row ends reach the GPU. Each host-made
-array is managed memory that the GPU faults in at its first read: the embedding's read of
-the ids took 0.16-0.31 ms of the device's 12 ms (H200 run 124, ``bench/prefill_clock.py``).
-``separate``: an array each (``TANDEM_HOST_INPUTS`` places them); ``packed``: one array,
-sliced; ``mapped``: one array kept in host memory and mapped for the GPU, which one copy
-kernel reads into device memory before anything else does (no fault, and the layers read
-device memory: run 124, every array mapped, each layer 10 us slower). Runs 124-125: both
-take the fault away and both reach the first hand-over 0.3-0.5 ms later, so the device
-starts later by as much (36.5k and 38.1k tok/s against 37.8k-38.8k). ``pinned``: the host
-writes them into a ring of pinned boxes allocated once and the step's first kernel copies
-them to the device (``pipeline/runners/cuda/input_box.py``): no fault and no driver call. Run 127, one
-process a config: 39.8k against the old default's 38.7k, and 40.4k with the split below
-(device span 11.59 against 11.84 ms). The default; where there is no CUDA box (the CPU), the
-arrays are ``separate``."""
-PREFILL_COMPILE = os.environ.get("TANDEM_PREFILL_COMPILE", "1") == "1"
-PREFILL_FIRST_SPLIT = os.environ.get("TANDEM_PREFILL_FIRST_SPLIT", "1") == "1"
+(``tandem._mlx_cuda``) each hand-over is one graph launch. Building the whole graph
+first left the GPU idle for about a quarter of a 512-token prompt."""
+# A fresh prefill's ids, positions, slots and row ends reach the GPU through a ring of
+# pinned boxes allocated once, which the step's first kernel copies to the device
+# (``input_box.py``): no page fault and no driver call. Host-made arrays are managed
+# memory that the GPU faults in at its first read (0.16-0.31 ms of a 12 ms prefill for the
+# ids); packing them into one array, or mapping it from host memory, took the fault away
+# but reached the first hand-over later and lost to the box. Where there is no CUDA box
+# (the CPU, the reference ops) they are arrays of their own.
+PREFILL_FIRST_SPLIT = True
 """A fresh prefill hands the GPU layer 0 in two graphs (attention, then the MLP), so the
-device starts on fewer encoded ops. The first hand-over (embedding + layer 0) took 0.32-0.43
-ms of MLX's encoding before the device started (H200 runs 125-126). Run 127, with ``pinned``
-inputs: 40,448 against 39,792 tok/s without the split (batch 1 decode 406 / 403, batch 64
-10,370 / 10,602, within the processes' spread). The default."""
-PREFILL_LAST_ROWS = os.environ.get("TANDEM_PREFILL_LAST_ROWS", "1") == "1"
+device starts on fewer encoded ops (~2% prefill tok/s). A constant, so tests can compare."""
+PREFILL_LAST_ROWS = True
 """A fresh prefill's last layer runs its o product and MLP on each row's last position
 only: the logits need nothing else, and the layer's K/V (all positions) are written
-before. At 512 tokens that skips ~0.27 ms of the device's ~11.5 (o, gate/up, swiglu and
-down at 512 rows) for one row's decode tail. 0: every position (A/B runs)."""
+before (~0.27 ms of the device's ~11.5 at 512 tokens). A constant, so tests can compare."""
 CHECKPOINT_LAYERS = 3
 """A fresh prefill's ``checkpoint`` is this many layers before its end (~0.6 ms of device
 work at 512 tokens, with the last layer at its last rows): what the engine waits for MLX's
 way before spinning on the token mailbox, so MLX's wake-up overlaps the last layers (the
-host read the token 0.10-0.15 ms after the device wrote it in H200 runs 132-133)."""
+host read the token 0.10-0.15 ms after the device wrote it)."""
 PREFILL_COMPILE_MULTIPLE = 64
-GRAPH_PREPARE_TOKENS = int(os.environ.get("TANDEM_GRAPH_PREPARE_TOKENS", "4096"))
+GRAPH_PREPARE_TOKENS = 4096
+DECODE_COMPILE = True
+"""``mx.compile`` the decode step (traced per batch x table width): with pipelining it
+saves the engine thread's graph building and no measured cell was slower. The prefill's
+layers are compiled with it (fresh prompts whose length is a multiple of 64)."""
 """Contexts up to this many tokens have their one-row graph captured when the runner starts."""
 
 
@@ -122,7 +105,7 @@ def kernel_runner(model, store: KVStore, *, kernels: str | None = None, graphs: 
     ``kernels``: see :data:`MODES` (default: the ``TANDEM_PAGED_KERNELS`` environment
     variable, else ``auto`` = CUDA kernels on CUDA). ``graphs``: capture one-row decode
     steps as CUDA graphs (``pipeline/runners/cuda/graph_step.py``)."""
-    mode = (kernels or os.environ.get("TANDEM_PAGED_KERNELS", "auto")).strip().lower()
+    mode = (kernels or knobs.PAGED_KERNELS).strip().lower()
     if mode not in MODES:
         raise ValueError(f"TANDEM_PAGED_KERNELS={mode!r}: choose one of {', '.join(MODES)}")
     if mode == "auto":
@@ -186,10 +169,6 @@ def _pack_w4gemm(module) -> None:
 
 
 
-STEP_STATE_ON_DEVICE = os.environ.get("TANDEM_STEP_STATE_ON_DEVICE", "1") == "1"
-"""Whether a decode step whose rows all just move one token on reuses the previous step's
-device array of positions, slots and table plus an increment (``KernelRunner._step_state``)
-instead of uploading a new one (``0``: upload every step)."""
 
 
 def _known_ids(rows: list[Row], L: int) -> np.ndarray | None:
@@ -348,8 +327,8 @@ class KernelRunner(PagedRunner):
                 linear.flatten_linears(model, "keep")
         super().__init__(model, store, mirror=False)
         self.ops = _CudaOps(store.n_kv_heads) if ops == "cuda" else _ReferenceOps()
-        # Let the engine queue decode step N+1 before reading N back (TANDEM_PIPELINE=0: off).
-        self.pipelined = ops == "cuda" and os.environ.get("TANDEM_PIPELINE", "1") != "0"
+        # Let the engine queue decode step N+1 before reading N back (1.23x at batch 64).
+        self.pipelined = ops == "cuda"
         inner = model.model
         # In place, one layer at a time: the fused copies of QKV and gate/up exist next to
         # the originals only for the layer being converted.
@@ -371,7 +350,7 @@ class KernelRunner(PagedRunner):
             _pack_w4gemm(self.head)
             mx.eval(self.head.parameters())
         if compile_decode is None:
-            compile_decode = os.environ.get("TANDEM_DECODE_COMPILE", "1") == "1"
+            compile_decode = DECODE_COMPILE
         # Compiled: the step's graph is traced once per (batch, table width) and replayed
         # without Python (~2 ms of graph building per step otherwise). Only with the CUDA
         # ops: the reference ops return new pools, which a compiled step cannot hand back.
@@ -382,20 +361,19 @@ class KernelRunner(PagedRunner):
         self._state_prev: tuple[np.ndarray, mx.array] | None = None
         self._state_inc: dict[tuple[int, int], tuple[np.ndarray, mx.array]] = {}
         self.state_uploads = 0
-        # Prompts that start at position 0 skip the block gather (TANDEM_FRESH_PREFILL=0: off).
-        self.fresh_prefill = os.environ.get("TANDEM_FRESH_PREFILL", "1") != "0"
+        # Prompts that start at position 0 skip the block gather.
+        self.fresh_prefill = True
         self._slot_offsets: dict[tuple[int, int], np.ndarray] = {}  # (L, block size) -> position % block size
         # Their layers compiled, one function per layer traced once per (B, L): replaying
-        # skips the Python that builds a layer's graph (H200 run 52: the engine thread's
-        # share of a 512-token prefill 5.1-5.9 ms against 6.6-7.1; the prefill itself
-        # waited on the GPU either way, and in run 51 a slower thread had bounded it).
+        # skips the Python that builds a layer's graph (the engine thread's share of a
+        # 512-token prefill fell by about a fifth).
         # Only at lengths that are a multiple of PREFILL_COMPILE_MULTIPLE (full chunks,
         # the bench's prompts): a trace of 32 layers costs more than a length seen once saves.
         # The CUDA write kernel fills the pools in place, so a compiled layer returns h alone.
         self._prefill_fns = ([mx.compile(functools.partial(self._compiled_prefill_layer, b)) for b in self.blocks]
-                             if self.compiled and PREFILL_COMPILE else None)
+                             if self.compiled else None)
         # A fresh prefill's ids, positions, slots and row ends through pinned memory.
-        self._input_box = input_box.make() if ops == "cuda" and PREFILL_INPUTS == "pinned" else None
+        self._input_box = input_box.make() if ops == "cuda" else None
         self._prefill_first = ((mx.compile(functools.partial(self._compiled_prefill_attention, self.blocks[0])),
                                 mx.compile(functools.partial(self._prefill_mlp, self.blocks[0])))
                                if self._prefill_fns is not None else None)
@@ -410,7 +388,7 @@ class KernelRunner(PagedRunner):
         log.info("paged runner: %s kernels for decode (fused QKV, RoPE + in-place KV write, split-K "
                  "paged attention%s), weights %s, %d layers", ops, ", compiled step" if self.compiled else "",
                  ",".join(fmt), len(self.blocks))
-        if ops == "cuda" and os.environ.get("TANDEM_WARM_KERNELS", "1") != "0":
+        if ops == "cuda":
             t = time.perf_counter()
             self.warm_kernels()
             log.info("paged runner: decode kernel variants compiled in %.1f s", time.perf_counter() - t)
@@ -419,8 +397,8 @@ class KernelRunner(PagedRunner):
         # One greedy row decodes through a captured CUDA graph of these kernels.
         self.graph_step = graph_step.make(self) if ops == "cuda" and graphs else None
         if self.graph_step is not None:
-            log.info("paged runner: one-row greedy decode through captured CUDA graphs (TANDEM_GRAPH_STEP=0: off)")
-            if store.keys and os.environ.get("TANDEM_WARM_KERNELS", "1") != "0":
+            log.info("paged runner: one-row greedy decode through captured CUDA graphs (engine.decode_graphs)")
+            if store.keys:
                 self.graph_step.prepare(min(GRAPH_PREPARE_TOKENS, store.num_blocks * store.block_size))
 
     # -- captured steps and token read-back (the engine's side, pipeline/runner.py) -----
@@ -460,8 +438,8 @@ class KernelRunner(PagedRunner):
         """Run a decode step per row-count class against the scratch block, split and
         unsplit, so every kernel variant a decode step can pick is compiled now: each is
         an NVRTC compile of ~2 s, which mid-serving is a ~2 s stall of every running
-        request (H200 run 5: one such stall cut a batch-64 measurement from ~5,400 to
-        ~950 tok/s). Writes land in the scratch block, which nothing reads as context."""
+        request (one such stall cut a batch-64 measurement from ~5,400 to ~950 tok/s).
+        Writes land in the scratch block, which nothing reads as context."""
         bs = self.store.block_size
         # The widths forward() uses, so these traces are the ones decode steps replay.
         split_nb = table_width(-(-(2 * max(64, pac.MIN_PARTITION) + 1) // bs))  # two partitions at one row
@@ -526,17 +504,16 @@ class KernelRunner(PagedRunner):
         ``forward``, concatenated) as one device array.
 
         A host-made array is managed memory that the GPU faults in at its first read, a
-        cost per array (H200 run 26: ~65 us copies, 3 a step; hence one array). At one row
-        that read, the first layer's attention, took 173 us of a 2.7 ms step (run 98,
-        CUPTI: the attention 11.3 / 11.8 / 172.6 us min / median / max). When a step only
+        cost per array (~65 us; hence one array). At one row that read, the first layer's
+        attention, took 173 us of a 2.7 ms step (its median 11.8 us). When a step only
         moves every row one token on within its block (positions, slots and lengths + 1,
         the same table), the previous step's array plus a device-resident increment holds
-        the same values, and nothing is uploaded: 15 of every 16 steps at one row (run 101:
-        the attention 376 against 503 us a step). The host still computes the state, and
+        the same values, and nothing is uploaded: 15 of every 16 steps at one row (the
+        attention 376 against 503 us a step). The host still computes the state, and
         the increment is taken only when it gives exactly those values."""
         prev = self._state_prev
         dev = None
-        if STEP_STATE_ON_DEVICE and prev is not None and prev[0].shape == host.shape:
+        if prev is not None and prev[0].shape == host.shape:
             key = (host.shape[0], B)
             if key not in self._state_inc:
                 if len(self._state_inc) >= 64:  # one per (batch, table width) seen; bounded
@@ -585,8 +562,7 @@ class KernelRunner(PagedRunner):
             else:
                 h, keys[i], values[i] = self._prefill_layer(blk, h, pos, slots, keys[i], values[i])
             if PREFILL_EVAL_EVERY and i % PREFILL_EVAL_EVERY == PREFILL_EVAL_EVERY - 1:
-                # Start the GPU on the layers built so far: building the whole graph first
-                # left it idle for ~4 of a 512-token prompt's 17.5 ms (H200 run 19 trace).
+                # Start the GPU on the layers built so far (see PREFILL_EVAL_EVERY).
                 mx.async_eval(h)
             if i == max(0, len(self.blocks) - CHECKPOINT_LAYERS):
                 self.checkpoint = h
@@ -623,27 +599,17 @@ class KernelRunner(PagedRunner):
         return slots.reshape(-1), last
 
     def _prefill_inputs(self, rows: list[Row], inputs, slots: np.ndarray, last: np.ndarray):
-        """A fresh prefill's ids (B, L), positions, slots and row ends as device arrays, placed
-        as ``PREFILL_INPUTS`` says. ``inputs``: the ids, an MLX array or (``takes_host_ids``) numpy."""
+        """A fresh prefill's ids (B, L), positions, slots and row ends as device arrays,
+        through the input box where there is one. ``inputs``: the ids, an MLX array or
+        (``takes_host_ids``) numpy."""
         B, L = inputs.shape
-        host_ids = inputs if isinstance(inputs, np.ndarray) else None
-        boxed = PREFILL_INPUTS == "pinned" and self._input_box is not None
-        if host_ids is None and (boxed or PREFILL_INPUTS in ("packed", "mapped")):
-            host_ids = _known_ids(rows, L)
-        if boxed and host_ids is not None:
-            got = self._input_box.post(host_ids, slots, last)
-            if got is not None:
-                return got.ids, got.pos, got.slots, got.last
+        if self._input_box is not None:
+            host_ids = inputs if isinstance(inputs, np.ndarray) else _known_ids(rows, L)
+            if host_ids is not None:
+                got = self._input_box.post(host_ids, slots, last)
+                if got is not None:
+                    return got.ids, got.pos, got.slots, got.last
         pos = np.tile(np.arange(L, dtype=np.int32), B)
-        if PREFILL_INPUTS in ("packed", "mapped") and host_ids is not None:
-            n = B * L
-            host = np.concatenate([host_ids.reshape(-1), pos, slots, last])
-            if PREFILL_INPUTS == "mapped":
-                packed = host_inputs.array(host, mode="mapped") + 0  # the one read of host memory
-            else:
-                packed = host_inputs.array(host)
-            # Views of the one array (the engine's own ids array goes unread).
-            return packed[:n].reshape(B, L), packed[n : 2 * n], packed[2 * n : 3 * n], packed[3 * n :]
         if isinstance(inputs, np.ndarray):
             inputs = host_inputs.array(inputs)
         return inputs, host_inputs.array(pos), host_inputs.array(slots), host_inputs.array(last)

@@ -16,10 +16,8 @@ after that, or if the box is never filled, it falls back to MLX's wait and read.
 
 Boxes are a ring of ``RING``; each has its own device-resident array holding its address,
 so posting uploads nothing (a host-made array would be managed memory the GPU faults in).
-``TANDEM_TOKEN_MAILBOX=0`` turns it off. H200 runs 125-126 (2026-12-02, engine at one row,
-512-token prompts): the read-back ends 0.11-0.13 ms after the token kernel against 0.20-0.30
-without the box, in every process; prefill alone 40.5k and 38.6k tok/s against 37.8k and
-39.6k, inside the processes' spread (the ids' fault and the first hand-over move more).
+The read-back ends ~0.1 ms after the token kernel against 0.2-0.3 without the box, in
+every process; prefill throughput moved within the processes' spread.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import time
 
 import mlx.core as mx
@@ -37,10 +34,9 @@ from tandem.kernels.cuda import kernel_files
 
 log = logging.getLogger("tandem.engine")
 
-ENABLED = os.environ.get("TANDEM_TOKEN_MAILBOX", "1") == "1"
 MAX_ROWS = 256
 RING = 4  # the engine has at most two steps in flight
-SPIN_S = float(os.environ.get("TANDEM_TOKEN_MAILBOX_SPIN_MS", "20")) / 1e3
+SPIN_S = 0.020
 THREADS = 256
 
 # Box layout, int32: [flag, count, tokens...]. Inputs: tokens (n,) int32; box (1,) uint64,
@@ -145,13 +141,12 @@ class TokenMailbox:
 
 
 def make() -> TokenMailbox | None:
-    """A mailbox where the CUDA driver is there (unless ``TANDEM_TOKEN_MAILBOX=0``); its
-    kernel is compiled and checked once now (a first use mid-serving would stall every
+    """A mailbox where the CUDA driver is there; its kernel is compiled and checked once now (a first use mid-serving would stall every
     request for the NVRTC compile)."""
     from tandem.kernels.cuda import cuda_driver
     from tandem.kernels.cuda.quantized_matmul import cuda_available
 
-    if not ENABLED or not cuda_available():
+    if not cuda_available():
         return None
     drv = cuda_driver.driver()
     if drv is None:
@@ -165,5 +160,5 @@ def make() -> TokenMailbox | None:
     if got != [7, 8, 9]:
         log.warning("token mailbox: its check read %s, not [7, 8, 9]: off", got)
         return None
-    log.info("token mailbox: a prefill's greedy tokens are read from pinned memory (TANDEM_TOKEN_MAILBOX=0: off)")
+    log.info("token mailbox: a prefill's greedy tokens are read from pinned memory")
     return box

@@ -74,36 +74,10 @@ def test_reference_kernel_runner_matches_alone(tiny_model_dir, expected, monkeyp
     assert got == want
 
 
-@pytest.mark.parametrize("mode", ["packed", "mapped"])
-def test_fresh_prefill_inputs_in_one_array_keep_the_tokens(tiny_model_dir, expected, monkeypatch, mode):
-    """A fresh prefill's ids, positions, slots and row ends as slices of one host array
-    (``TANDEM_PREFILL_INPUTS``), mapped and copied or not: the same tokens, ragged batches
-    included, and the one array is made for every fresh prefill."""
-    import numpy as np
-
-    from tandem.pipeline.runners.cuda import host_inputs
-
-    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
-    monkeypatch.setattr(cuda_runner, "PREFILL_INPUTS", mode)
-    made = []
-    real = host_inputs.array
-    monkeypatch.setattr(host_inputs, "array", lambda a, mode=None: made.append((np.asarray(a).size, mode)) or real(a))
-    prompts, want = expected
-    eng = _engine(_fresh(tiny_model_dir), max_batch_prefill=3)
-    fresh = []
-    real_fresh = eng.runner._fresh_prefill
-    eng.runner._fresh_prefill = lambda rows, inputs: fresh.append(
-        (len(rows), inputs.shape[1])) or real_fresh(rows, inputs)
-    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
-    assert fresh and any(b > 1 for b, _ in fresh)
-    want_mode = "mapped" if mode == "mapped" else None
-    assert all((3 * b * L + b, want_mode) in made for b, L in fresh)
-
-
 @pytest.mark.parametrize("every", [1, 0])
 def test_fresh_prefill_with_layer_0_in_two_hand_overs_keeps_the_tokens(tiny_model_dir, expected, monkeypatch,
                                                                       every):
-    """``TANDEM_PREFILL_FIRST_SPLIT``: layer 0's attention handed over before its MLP (and
+    """``PREFILL_FIRST_SPLIT``: layer 0's attention handed over before its MLP (and
     not where the prefill is handed over once, at the end): the same tokens."""
     import mlx.core as mx
 
@@ -169,12 +143,6 @@ def test_fresh_prefill_last_layer_on_last_rows_keeps_the_logits(tiny_model_dir, 
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_unknown_prefill_inputs_mode_is_refused():
-    assert cuda_runner.parse_prefill_inputs("pinned") == "pinned"
-    with pytest.raises(ValueError, match="separate, packed, mapped, pinned"):
-        cuda_runner.parse_prefill_inputs("boxed")
-
-
 def test_reference_decode_logits_match_the_portable_runner(tiny_model_dir):
     """One decode step of a ragged batch: kernel-path logits == PagedRunner logits."""
     import mlx.core as mx
@@ -234,7 +202,7 @@ def test_cuda_kernel_runner_matches_alone(tiny_model_dir, tiny_quantized_model_d
     # The tiny model's products are small; let its 9-row decode steps run w4gemm anyway.
     monkeypatch.setattr(w4gemm, "MIN_WEIGHTS", 0)
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
-    monkeypatch.setenv("TANDEM_DECODE_COMPILE", "1" if compiled else "0")
+    monkeypatch.setattr(cuda_runner, "DECODE_COMPILE", compiled)
     path = tiny_quantized_model_dir if quantized else tiny_model_dir
     ref = _fresh(path)
     prompts = random_prompts(9, 1, 70, seed=11)
@@ -295,8 +263,6 @@ def test_captured_one_row_steps_give_the_tokens_of_mlx_launches(graph_model_dir,
     """One greedy row at a time, 40 tokens each (several table widths): the CUDA graph
     replays (pipeline/runners/cuda/graph_step.py) give exactly the tokens of MLX's own launches of the
     same kernels, and mlx_lm's up to a late near-tie; sampled rows still run through MLX."""
-    from tandem.pipeline.runners.cuda import graph_step
-
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
     prompts = random_prompts(3, 1, 70, seed=17)
     n = 40
@@ -304,8 +270,7 @@ def test_captured_one_row_steps_give_the_tokens_of_mlx_launches(graph_model_dir,
     want = [oracle(ref, p, n) for p in prompts]
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(graph_step, "ENABLED", on)
-        eng = _engine(_fresh(graph_model_dir), max_batch_size=1)
+        eng = _engine(_fresh(graph_model_dir), max_batch_size=1, decode_graphs=on)
         assert (eng.runner.graph_step is not None) == on
         runs[on] = [eng.generate_many([(p, greedy(n))], timeout=240)[0] for p in prompts]
         if on:
@@ -328,10 +293,7 @@ def test_captured_one_row_steps_give_the_tokens_of_mlx_launches(graph_model_dir,
 def test_a_step_with_mlx_ops_between_kernels_is_not_captured(tiny_model_dir, monkeypatch):
     """fp16 weights: the step runs MLX's own matmuls between the kernels, which a replay
     would not redo; the capture's check refuses it and MLX's launches give the tokens."""
-    from tandem.pipeline.runners.cuda import graph_step
-
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
-    monkeypatch.setattr(graph_step, "ENABLED", True)
     ref = _fresh(tiny_model_dir)
     prompts = random_prompts(2, 1, 40, seed=19)
     want = [oracle(ref, p, MAX_TOKENS) for p in prompts]
@@ -375,7 +337,7 @@ def test_compiled_prefill_layers_give_mlx_lm_tokens(tiny_model_dir, monkeypatch)
 @pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
 @pytest.mark.timeout(240, method="thread")
 def test_compiled_prefill_with_layer_0_split_gives_mlx_lm_tokens(tiny_model_dir, monkeypatch):
-    """The compiled halves of layer 0 (``TANDEM_PREFILL_FIRST_SPLIT``) at 64 and 128 tokens."""
+    """The compiled halves of layer 0 (``PREFILL_FIRST_SPLIT``) at 64 and 128 tokens."""
     import random
 
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")

@@ -456,7 +456,7 @@ class TimedDriver(FakeDriver):
 
 
 def test_timing_gives_each_replays_device_time_and_the_idle_time_before_it(monkeypatch):
-    monkeypatch.setattr(graph_step, "TIMING", True)
+    monkeypatch.setenv("TANDEM_GRAPH_TIMING", "1")
     drv = TimedDriver()
     runner = type("R", (), {"decode_state": lambda self, rows: (np.array([rows[0].start, 0, 0, 0], np.int32), 1)})()
     g = graph_step.GraphStep(runner, drv)
@@ -486,7 +486,7 @@ def test_timing_gives_each_replays_device_time_and_the_idle_time_before_it(monke
 
 
 def test_without_timing_no_timing_event_is_made_or_recorded(monkeypatch):
-    monkeypatch.setattr(graph_step, "TIMING", False)
+    monkeypatch.setenv("TANDEM_GRAPH_TIMING", "0")
     drv = TimedDriver()
     g = graph_step.GraphStep(type("R", (), {})(), drv)
     made = drv._next_event - 100

@@ -91,7 +91,6 @@ def test_none_without_cuda():
 @pytest.mark.parametrize("done", [True, False])
 def test_engine_takes_fresh_prefill_inputs_from_the_box(tiny_model_dir, monkeypatch, done):
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
-    monkeypatch.setattr(cuda_runner, "PREFILL_INPUTS", "pinned")
     prompts = random_prompts(12, 1, 60, seed=5)
     eng, want = two_row_engine(tiny_model_dir, prompts, 6)
     assert isinstance(eng.runner, cuda_runner.KernelRunner)
@@ -113,7 +112,6 @@ def test_gpu_input_box_gives_mlx_lm_tokens(tiny_model_dir, monkeypatch):
     """The real kernel and pinned boxes: every fresh prefill's inputs come through the box,
     and the tokens are mlx-lm's."""
     monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
-    monkeypatch.setattr(cuda_runner, "PREFILL_INPUTS", "pinned")
     prompts = random_prompts(6, 1, 70, seed=9) + [list(range(3, 67))]
     eng, want = two_row_engine(tiny_model_dir, prompts, 8)
     box = eng.runner._input_box
