@@ -20,6 +20,7 @@ import falcon.asgi
 
 from tandem.http.backend import Backend, make_backend
 from tandem.http.completions import CompletionsResource
+from tandem.http.console import ConsoleResource, load_assets
 from tandem.http.errors import ApiError, handle_error
 from tandem.http.metrics import EdgeMetrics
 from tandem.http.ops import HealthResource, MetricsResource, ModelResource, ModelsResource, ReadyResource, StatsResource
@@ -204,6 +205,10 @@ def create_app(config=None, backend: Backend | None = None, tokenizer: EdgeToken
     app.add_route("/health", HealthResource())
     app.add_route("/ready", ReadyResource(edge))
     app.add_route("/metrics", MetricsResource(edge))
+    if config.edge.console:
+        console = ConsoleResource(load_assets())
+        app.add_route("/", console)
+        app.add_route("/console/{name}", console, suffix="asset")
     app.edge = edge  # for tests and the gunicorn config
     return app
 

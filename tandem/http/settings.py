@@ -26,3 +26,4 @@ class EdgeSettings:
     cors_origins: str = field(default="", metadata={"help": "browser origins allowed to call the API (CORS), comma-separated, "
                               "or '*' for any; empty: no CORS headers (browsers refuse cross-origin calls)"})
     expose_stats: bool = field(default=True, metadata={"help": "serve the broker's redacted stats at /v1/stats"})
+    console: bool = field(default=True, metadata={"help": "serve the web console (chat playground, live cluster view) at /"})
