@@ -24,6 +24,7 @@ from tandem.broker import jobs as J
 from tandem.broker.dispatcher import Dispatcher
 from tandem.broker.settings import BrokerSettings
 from tandem.broker.stats import snapshot
+from tandem.broker.throughput import ThroughputLog
 from tandem.wire import messages as M
 from tandem.wire.errors import WireError
 from tandem.wire.protocol import ATTEMPT_TOPIC_BYTES, REQUEST_ID_BYTES, STREAM_PING_TOPIC
@@ -67,6 +68,7 @@ class Broker:
         self.busy_rounds = 0  # poll rounds that had work: requests per round is the batching achieved
         self.dispatcher = Dispatcher(settings, to_worker=self._to_worker, to_client=self._to_client, publish=self._publish,
                                      to_worker_raw=self._to_worker_raw)
+        self.throughput = ThroughputLog(settings.log_stats_interval_s)
         sec = secret
         self.frontend = make_socket(self.ctx, zmq.ROUTER, bind=settings.frontend, security=sec)
         self.backend = make_socket(self.ctx, zmq.ROUTER, bind=settings.backend, security=sec)
@@ -165,6 +167,9 @@ class Broker:
                 if now >= next_tick:
                     self.dispatcher.tick()
                     next_tick = now + TICK_S
+                    line = self.throughput.line(self.dispatcher)
+                    if line:
+                        log.info("%s", line)
                 self._flush()
                 self.last_loop = time.monotonic()
                 if events:

@@ -29,5 +29,6 @@ class BrokerSettings:
     decode_allowlist: list[str] = field(default_factory=list, metadata={"help": "decode worker names or KV addresses the broker may choose; empty = any"})
     reprobe_interval_ms: int = field(default=250, metadata={"min": 1, "help": "at most one re-probe of unreachable workers per this many ms"})
     reprobe_timeout_ms: int = field(default=500, metadata={"min": 1, "help": "how long a re-probe waits for an answer"})
+    log_stats_interval_s: float = field(default=10.0, metadata={"min": 0.0, "help": "log the cluster's prompt and generation throughput, requests and KV use every this many seconds while there is work; 0 = never"})
     stats_verbose: bool = field(default=False, metadata={"help": "show worker addresses in stats instead of redacted node ids"})
     max_prompt_tokens: int = field(default=131_072, metadata={"min": 1, "max": 131_072, "help": "longest prompt the broker admits (the protocol's own bound is 131072)"})

@@ -47,6 +47,7 @@ class StreamTracking:
         job.next_seq += 1
         if job.first_token_at is None and msg.tokens:
             job.first_token_at = self.clock()
+            self.counters["prompt_tokens"] += len(job.prompt)  # prefilled: the throughput line's prompt tokens
         job.generated.extend(msg.tokens)
         self.counters["tokens"] += len(msg.tokens)
         # The first token is the prefill worker's, the rest the decode worker's: the

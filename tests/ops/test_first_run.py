@@ -70,9 +70,11 @@ def test_first_run_serve_curl_client_stats_ctrl_c_and_serve_again(tiny_model_dir
         del env[k]
     key = tmp_path / "api-key"
     key.write_text("sk-first-run-key")
+    cfg = tmp_path / "tandem.toml"
+    cfg.write_text("[broker]\nlog_stats_interval_s = 1.0\n")
     base, port = free_port_block(12), free_port_block(1)
     argv = ["--model", str(tiny_model_dir), "--topology", "hybrid", "--base-port", str(base), "--port", str(port),
-            "--api-key-file", str(key)]
+            "--api-key-file", str(key), "--config", str(cfg), "--access-log"]
     serve = Serve(argv, env)
     try:
         serve.line("ready: http://")
@@ -84,6 +86,9 @@ def test_first_run_serve_curl_client_stats_ctrl_c_and_serve_again(tiny_model_dir
                              text=True, timeout=90, env=env)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "data: [DONE]" in out.stdout and '"chat.completion.chunk"' in out.stdout
+        # Item 8: the access log and the periodic throughput line show in serve's output.
+        assert '"POST /v1/chat/completions HTTP/1.1" 200' in serve.line("POST /v1/chat/completions", timeout=10)
+        assert "tokens/s, running:" in serve.line("avg generation throughput:", timeout=10)
 
         # Item 3: client and stats find this serve's secret and ports by themselves.
         client = subprocess.run(CLI + ["client", "Hello", "--max-tokens", "4"], capture_output=True, text=True,
