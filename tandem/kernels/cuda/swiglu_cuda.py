@@ -3,7 +3,7 @@
 Prefill and batched decode run the gate/up product as one GEMM whose rows are [gate, up];
 the activation then reads both halves and writes half as much. MLX's compiled swiglu
 (the one mlx-lm's models use) took 20.5 us a layer for a 512-token prompt on the H200
-(run 53's trace: 44 MB, 2.1 TB/s; 657 us of a 12.2 ms prefill). This kernel reads 16
+(44 MB at 2.1 TB/s; 657 us of a 12.2 ms prefill). This kernel reads 16
 bytes of gate and of up per thread and writes 16 bytes, with MLX's own arithmetic in the
 input's type: ``sigmoid(g) = 1 / (1 + exp(|g|))`` (for g < 0, else one minus it), then
 ``g * sigmoid(g)``, then ``* up``, each rounded to the type as MLX rounds them.

@@ -2,10 +2,10 @@
 
 At batch 64 the dense fp16 GEMMs read ~15 GB a decode step (4.3 of a 6.9 ms step on the
 H200) and cuBLAS's graph capture is most of the engine thread's 4.7 ms of encoding
-(docs/benchmarks/gpu_decode.md, runs 49-71). The 4-bit weights are a quarter of the bytes.
+(docs/benchmarks/gpu_decode.md). The 4-bit weights are a quarter of the bytes.
 ``w4mma`` read them in MLX's layout and lost to cuBLAS 1.3x at 64 rows: a lane's 16-byte
 piece of a row had to be shuffled into fragments, every block re-read the whole input
-for 64 weight rows, and the loads came in 64-byte pieces a row apart (runs 31-37).
+for 64 weight rows, and the loads came in 64-byte pieces a row apart.
 
 This kernel reads a copy of the weights packed once, at load, in the order the tensor
 cores want them (Marlin's idea, :func:`pack`):
@@ -23,7 +23,7 @@ Everything goes through shared memory by ``cp.async``, ``ST - 1`` chunks of 64 a
 Products with few weight rows split K over ``gridDim.y`` blocks that add into an fp32
 result. ``w4_gemm_reference`` is the pure-ops definition.
 
-Measured on the H200 (runs 72-76, cold): up to 32 rows it beats cuBLAS's fp16 product on
+Measured on the H200 (cold): up to 32 rows it beats cuBLAS's fp16 product on
 the large layers (gate/up at 16 rows 44 against 57-62 us, the head 131-134 against
 250-261) and ``w4mma`` everywhere from 16 rows; at 64 rows its math alone (``mma.sync``
 at ~210 TFLOPS) is slower than cuBLAS's whole product, which uses Hopper's ``wgmma``.
@@ -287,7 +287,7 @@ def pack(wq: mx.array, scales: mx.array, biases: mx.array, group_size: int,
     The pieces are stored block by block (``block_tiles`` tiles, default ``WARPS *
     row_tiles(N)``, the kernel's), then chunk by chunk: what one block reads for one chunk
     is one contiguous run, and the shapes above only count the pieces. (Stored tile by
-    tile, all chunks of tile 0 first, the kernel ran as fast: H200 run 73.) ``block_tiles=0``
+    tile, all chunks of tile 0 first, the kernel ran as fast.) ``block_tiles=0``
     gives the tile-by-tile order, which the tests read back."""
     n, words = wq.shape
     k = words * 8

@@ -5,7 +5,7 @@ thread sleeps in the driver and is woken after the device is done, and reading t
 back then copies them to host memory. For a step the engine waits for alone (a prefill:
 nothing is queued behind it) that is latency on every request's first token: 0.17-0.38 ms
 from the sampled token existing on the device to the engine's read-back ending, of a
-12.8 ms prefill at one row (H200 run 124, ``bench/prefill_clock.py``).
+12.8 ms prefill at one row (``bench/prefill_clock.py``).
 
 So after the step's token kernel, one more kernel copies the tokens into a pinned box and
 then raises the box's flag (``__threadfence_system`` between, so the flag never shows
