@@ -604,7 +604,7 @@ def main() -> int:
     if sockets:
         lat = sockets["latency"]
         rows += [
-            (f"full stack: AsyncClient + `tandem worker --engine stub`, closed loop ({args.concurrency} in flight)",
+            (f"full stack: AsyncClient + `python -m tests.stub_engine worker`, closed loop ({args.concurrency} in flight)",
              f"{sockets['capacity_per_s']:,.0f}/s", "", ""),
             (f"full stack, open loop {args.rate:.0f}/s (achieved {lat['achieved_per_s']:.0f})", "", f"{lat['p50_ms']:.2f} ms",
              f"{lat['p99_ms']:.2f} ms"),

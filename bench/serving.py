@@ -151,11 +151,15 @@ def start_tandem(model: Path, weights: str, parallel: int, edge_workers: int, tm
     procs.append(broker)
     ends = broker.ready_line()
     for role in (("hybrid",) if topology == "hybrid" else ("decode", "prefill")):
-        worker = Server(role, py + ["worker", "--role", role, "--model", str(model), "--weights", weights,
-                                    "--parallel", str(parallel), "--broker-backend", ends["backend"], "--engine", engine,
-                                    *(["--stub-step-ms", str(stub_step_ms)] if engine == "stub" else []),
-                                    "--broker-stream", ends["stream_in"], "--cluster-secret-file", str(secret)],
-                        tmp / f"worker-{role}.log", env)
+        # The stub: the same worker command with tests/stub_engine.py's model-free engine.
+        run = ([sys.executable, "-m", "tests.stub_engine", "--stub-step-ms", str(stub_step_ms)]
+               if engine == "stub" else py)
+        worker = Server(role, run + ["worker", "--role", role, "--model", str(model), "--weights", weights,
+                                     "--parallel", str(parallel), "--broker-backend", ends["backend"],
+                                     "--broker-stream", ends["stream_in"], "--cluster-secret-file", str(secret)],
+                        tmp / f"worker-{role}.log",
+                        dict(env, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH")))))
+                        if engine == "stub" else env)
         procs.append(worker)
         worker.ready_line()
     port = free_port()
@@ -461,7 +465,7 @@ def report(results: dict, out: Path) -> str:
         f"![aggregate tok/s per concurrency level]({chart_names(out)[0]}) "
         f"![TTFT p95 per concurrency level]({chart_names(out)[1]})",
         "",
-        (f"Tokenizer of `{meta['model']}`; the worker runs tandem's stub engine (no model), so this measures what the "
+        (f"Tokenizer of `{meta['model']}`; the worker runs the model-free stub engine (tests/stub_engine.py), so this measures what the "
          f"edge, broker and wire add per token: at {meta.get('stub_step_ms')} ms per engine step the ceiling is "
          f"clients x {1000 / (meta.get('stub_step_ms') or 1):.0f} tok/s. " if stub else
          f"Model `{meta['model']}` ({meta['weights']} weights for both servers, BLAS {meta['blas']}; on the CPU "
@@ -509,7 +513,7 @@ def main() -> int:
                    help="tandem workers: one hybrid, or one prefill + one decode (KV handoff)")
     p.add_argument("--servers", default="tandem,mlx_lm", help="comma list of tandem, mlx_lm")
     p.add_argument("--engine", choices=("mlx", "stub"), default="mlx",
-                   help="stub: tandem's model-free engine, to measure the edge+broker path alone (tandem only)")
+                   help="stub: a model-free engine (tests/stub_engine.py), to measure the edge+broker path alone (tandem only)")
     p.add_argument("--stub-step-ms", type=float, default=5.0, help="stub engine: time per step")
     p.add_argument("--timeout", type=float, default=900.0, help="per-request limit in seconds")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "serving"))

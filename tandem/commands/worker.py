@@ -29,8 +29,6 @@ def add_arguments(p) -> None:
     p.add_argument("--name", help="node id (default role-host-pid)")
     p.add_argument("--parallel", type=int, help="engine: maximum active sequences")
     p.add_argument("--heartbeat-ms", type=int, help="heartbeat interval (match the broker's)")
-    p.add_argument("--engine", choices=("mlx", "stub"), help="stub: model-free deterministic tokens for benchmarks and tests")
-    p.add_argument("--stub-step-ms", type=float, help="stub engine: time per step")
     p.add_argument("--drain-grace", type=float, help="seconds SIGTERM waits for in-flight requests")
     p.add_argument("--kv-strategy", choices=("adaptive", "full", "streamed", "layer_parallel"), help="prefill: how KV travels to the decode worker")
     p.add_argument("--kv-compression", choices=("none", "lz4"), help="prefill: compress KV frames")
@@ -41,14 +39,10 @@ def add_arguments(p) -> None:
 
 
 def build_engine(cfg, args, log):
+    """The engine this worker serves and its model id (tests/stub_engine.py puts a
+    model-free engine in its place to run this command in integration tests)."""
     from tandem.cli import UserError
 
-    if cfg.worker.engine == "stub":
-        from tandem.workers.stub import StubEngine
-
-        eng = StubEngine(parallel=cfg.engine.parallel, max_queue=cfg.engine.max_queue_depth,
-                         step_s=cfg.worker.stub_step_ms / 1000)
-        return eng, eng.model_id
     from tandem.pipeline.engine import Engine
     from tandem.pipeline.loader import load_model
     from tandem.pipeline.model_store import ModelError, resolve_model
@@ -69,7 +63,7 @@ def warm_up(engine) -> float:
 
     from tandem.kvtypes import SamplingParams
 
-    if not hasattr(engine, "generate_many"):  # the stub engine has nothing to warm
+    if not hasattr(engine, "generate_many"):  # a model-free test engine has nothing to warm
         return 0.0
     t = time.perf_counter()
     engine.generate_many([([0, 1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))])
@@ -90,8 +84,8 @@ def run(args) -> int:
         "worker.role": args.role, "model.path": args.model, "model.weights": args.weights,
         "broker.backend": args.broker_backend, "broker.stream_in": args.broker_stream,
         "worker.kv_bind": args.kv_bind, "worker.kv_advertise": args.kv_advertise, "worker.name": args.name, "engine.parallel": args.parallel,
-        "broker.heartbeat_interval_ms": args.heartbeat_ms, "worker.engine": args.engine,
-        "worker.stub_step_ms": args.stub_step_ms, "worker.drain_grace_s": args.drain_grace,
+        "broker.heartbeat_interval_ms": args.heartbeat_ms,
+        "worker.drain_grace_s": args.drain_grace,
         "security.cluster_secret_file": args.cluster_secret_file, "transfer.strategy": args.kv_strategy,
         "transfer.compression": args.kv_compression, "transfer.quantization": args.kv_quantization,
         "worker.cpu_gate": args.cpu_gate,

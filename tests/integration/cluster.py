@@ -19,6 +19,7 @@ from pathlib import Path
 from tandem.wire.client import Client
 
 READY_TIMEOUT_S = 60.0
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _own_group_die_with_parent() -> None:
@@ -101,8 +102,13 @@ class Cluster:
         self.env.pop("TANDEM_CLUSTER_SECRET", None)
         self.env.pop("TANDEM_CLUSTER_SECRET_FILE", None)
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
-        p = Proc([sys.executable, "-m", "tandem.cli", "-v", *args], self.env, self.tmp / f"{name}-{len(self.procs)}.log")
+    def _spawn(self, name: str, args: list[str], module: str = "tandem.cli") -> Proc:
+        """``python -m module -v args``; a module of the tests (the stub worker) finds them
+        through the repository root put first on PYTHONPATH."""
+        env = self.env
+        if not module.startswith("tandem."):
+            env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH")))))
+        p = Proc([sys.executable, "-m", module, "-v", *args], env, self.tmp / f"{name}-{len(self.procs)}.log")
         self.procs.append(p)
         return p
 
@@ -121,14 +127,18 @@ class Cluster:
 
     def start_worker(self, role: str, *extra: str, engine: str = "stub", model: Path | None = None,
                      secret_file: Path | None = None, wait: bool = True, name: str | None = None) -> Proc:
+        """A ``tandem worker`` process; ``engine="stub"``: the same command with the model-free
+        engine of tests/stub_engine.py (``--stub-step-ms`` in ``extra`` sets its step time),
+        ``"mlx"``: the product's worker loading ``model``."""
+        assert engine in ("stub", "mlx"), engine
         args = ["worker", "--role", role, "--broker-backend", self.endpoints["backend"],
                 "--broker-stream", self.endpoints["stream_in"], "--heartbeat-ms", str(self.heartbeat_ms),
-                "--engine", engine, "--cluster-secret-file", str(secret_file or self.secret_file), *extra]
+                "--cluster-secret-file", str(secret_file or self.secret_file), *extra]
         if model is not None:
             args += ["--model", str(model)]
         if name:
             args += ["--name", name]
-        p = self._spawn(f"worker-{role}", args)
+        p = self._spawn(f"worker-{role}", args, "tests.stub_engine" if engine == "stub" else "tandem.cli")
         if wait:
             p.wait_ready()
         return p

@@ -15,7 +15,7 @@ import pytest
 
 from tandem.kvtypes import SamplingParams
 from tandem.wire.client import AsyncClient, Busy
-from tandem.workers.stub import reference_tokens
+from tests.stub_engine import reference_tokens
 
 
 def collect(client, prompt, max_tokens, **kw):
@@ -293,3 +293,19 @@ def test_client_and_stats_commands(cluster):
     table = subprocess.run(base + ["stats", "--stats", e["stats"], "--cluster-secret-file", sf],
                            capture_output=True, text=True, timeout=60, env=cluster.env)
     assert "hybrid-0" in table.stdout and "dispatched" in table.stdout and "kv_GB/s" in table.stdout
+
+
+def test_the_product_worker_ships_no_model_free_engine(capsys):
+    """`tandem worker` always loads a model: the stub engine is a test module, and the
+    command refuses the flag that once selected it."""
+    import importlib.util
+
+    import pytest
+
+    from tandem import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["worker", "--engine", "stub"])
+    assert exc.value.code == 2
+    assert "--engine" in capsys.readouterr().err
+    assert importlib.util.find_spec("tandem.workers.stub") is None

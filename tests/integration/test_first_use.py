@@ -9,7 +9,7 @@ import threading
 import time
 
 from tandem.kvtypes import SamplingParams
-from tandem.workers.stub import reference_tokens
+from tests.stub_engine import reference_tokens
 
 CLI = [sys.executable, "-m", "tandem.cli"]
 

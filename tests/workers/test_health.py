@@ -9,7 +9,7 @@ import time
 
 from tandem.kvtypes import SamplingParams
 from tandem.wire import messages as M
-from tandem.workers.stub import StubEngine, reference_tokens
+from tests.stub_engine import StubEngine, reference_tokens
 
 from .test_worker import FakeBroker, env  # noqa: F401  (env is the fixture)
 

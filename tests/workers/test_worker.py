@@ -16,7 +16,7 @@ from tandem.wire import codec
 from tandem.wire import messages as M
 from tandem.wire.protocol import STREAM_PING_TOPIC
 from tandem.workers.settings import WorkerSettings
-from tandem.workers.stub import StubEngine, reference_tokens
+from tests.stub_engine import StubEngine, reference_tokens
 from tandem.workers.worker import Worker
 
 

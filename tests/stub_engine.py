@@ -1,4 +1,5 @@
-"""A model-free engine with the real Engine's interface, for benchmarks and broker tests.
+"""A model-free engine with the real Engine's interface, for tests and benchmarks; and
+``python -m tests.stub_engine``, the real ``tandem worker`` process serving it.
 
 The next token is a fixed function of every token before it (a rolling hash), so a
 request continued elsewhere from ``prompt + tokens streamed so far`` produces exactly
@@ -6,6 +7,12 @@ the tokens an uninterrupted run would: the same property greedy decoding has, wh
 is what migration and handoff tests need to check. Exported snapshots carry a tiny
 "KV" that encodes the tokens, and ``import_kv`` refuses a snapshot whose KV does not
 match its tokens, so a corrupted handoff cannot go unnoticed.
+
+It lives with the tests, not in ``tandem/``: the product's ``tandem worker`` always
+loads a model. ``python -m tests.stub_engine [-v] worker [--stub-step-ms MS] ...`` runs
+the command's own code (sockets, heartbeats, handoffs, drain) with this engine put in
+place of the model's; the repository root must be on ``sys.path`` (run it from there or
+through ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -187,3 +194,29 @@ def _encode_kv(tokens: list[int], block: int) -> np.ndarray:
     flat[: len(tokens)] = tokens
     arr[:, 0, :, 0] = flat.reshape(n, block)
     return arr
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tandem`` with ``worker``'s engine replaced by a :class:`StubEngine` that sleeps
+    ``--stub-step-ms`` a step (taken out of the arguments; the rest are the command's)."""
+    import argparse
+    import sys
+
+    from tandem import cli
+    from tandem.commands import worker
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--stub-step-ms", type=float, default=0.0)
+    ours, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+
+    def build_engine(cfg, args, log):
+        eng = StubEngine(parallel=cfg.engine.parallel, max_queue=cfg.engine.max_queue_depth,
+                         step_s=ours.stub_step_ms / 1000)
+        return eng, eng.model_id
+
+    worker.build_engine = build_engine
+    return cli.main(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
