@@ -96,8 +96,8 @@ def build_specs(args, model: Path, secret: Path, gate: Path | None = None):
         specs += [ChildSpec(f"hybrid-{i}", worker + ["--role", "hybrid", "--name", f"hybrid-{i}"]) for i in range(args.hybrid)]
     else:
         # Every worker here shares this machine's cores: prefill first, as a hybrid
-        # worker's scheduler does (docs/benchmarks/disagg.md: 0.96x hybrid throughput and
-        # TTFT within the handoff with the gate, 0.86x and +1.4 s without).
+        # worker's scheduler does (docs/benchmarks/disagg.md: with the gate ~0.97x hybrid's
+        # throughput and first tokens within the handoff's time; without it ~0.8x).
         if gate is not None:
             worker += ["--cpu-gate", str(gate)]
         specs += [ChildSpec(f"decode-{i}", worker + ["--role", "decode", "--name", f"decode-{i}",

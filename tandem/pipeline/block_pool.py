@@ -19,7 +19,7 @@ the never-used ones at its head, which costs it nothing: its KV memory is alloca
 front. Here a block past the store costs a growth, so those come last.) Handing out
 never-used blocks before evicting cached ones, as this pool did, let a long-lived
 worker's high-water mark creep up by a request's blocks per request until the store had
-doubled up to the whole budget (docs/benchmarks/disagg.md). The prefix cache holds what
+doubled up to the whole budget (docs/benchmarks/LOG.md, disaggregated serving). The prefix cache holds what
 the store has room for beyond the blocks in use.
 
 A full block's hash chains its parent's hash with its own tokens, so equal hashes mean equal

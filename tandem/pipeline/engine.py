@@ -414,7 +414,7 @@ class Engine:
         runner.sync()  # this step's MLX work touches the pools the captured steps wrote
         if steady:
             # Steady decode: every input is the in-flight sample, in its order. No host
-            # array: each one is managed memory that the GPU faults in (H200 run 26: a
+            # array: each one is managed memory that the GPU faults in (on the H200 a
             # 64-index gather took 151 us), and no per-row copying on this thread.
             inputs = prev[:, None]
         else:

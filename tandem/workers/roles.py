@@ -12,7 +12,7 @@ once it exists (the engine owns its scheduler, pool and store):
   worker's product is first tokens and handoffs, and a batch holds every first token
   until its last prompt is done; on the CPU four prompts a step gave the best
   throughput and time to first token once a batch's first tokens were emitted at once
-  (docs/benchmarks/disagg.md).
+  (docs/benchmarks/LOG.md, disaggregated serving).
 * **decode**: no prefix cache (``engine.enable_prefix_caching``), a KV store sized for
   its batch from the start (``engine.kv_initial_tokens``), and the KV imports that are
   waiting go into one step (``engine.parallel`` of them, not
