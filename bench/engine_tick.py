@@ -4,7 +4,7 @@ graph, read-back and token events, with the model's forward stubbed out.
     .venv/bin/python bench/engine_tick.py --batches 16,64,128
     .venv/bin/python bench/engine_tick.py --compare /tmp/base --out docs/benchmarks/engine_tick
 
-On the H200 a batch-64 decode step waits for its host thread (run 71: 6.5 ms of work and
+On the H200 a batch-64 decode step waits for its host thread (6.5 ms of work and
 0.45 of waiting a tick), and ~0.6 ms of that work is neither building the model's graph
 nor MLX encoding it: it is this. A tiny random model (``tests/tiny_model``) fills the
 engine; its ``runner.forward`` returns fixed logits, so what is timed is tandem's Python

@@ -1,6 +1,6 @@
 """Where an engine prefill's time goes, with no tracer: the GPU's own clock read by marker kernels.
 
-CUPTI doubles the engine thread's encoding (H200 run 121: its forward 12.8-13.5 ms against
+CUPTI doubles the engine thread's encoding (on the H200 its forward 12.8-13.5 ms against
 6.4-7.5 untraced), so a traced prefill is host-bound where an untraced one is not, and its
 timeline cannot say where the untraced 13.0 ms go when the device's kernels take ~11.6.
 Here a one-thread kernel writes the GPU's ``%globaltimer`` (ns) into a small array:
