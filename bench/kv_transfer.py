@@ -1,7 +1,8 @@
 """KV transfer throughput over loopback ZeroMQ, sealed with the cluster handshake + AES-256-GCM.
 
 For each cache shape and prompt length it moves one KVSnapshot from this process (the
-prefill side) to a receiver process (the decode side, KVIngest) and reports GB/s of KV
+prefill side: a prefill worker's HandoffSender) to a receiver process (the decode side: a
+decode worker's KVIngest, acknowledging as workers/transfers.py does) and reports GB/s of KV
 moved (the snapshot's bytes / time from first byte encoded to the decode side's ack)
 for every strategy x {raw, lz4, int8, int4}, next to two ceilings measured in the same
 run: raw AES-256-GCM (sealing the same frames in one thread, no network) and raw
@@ -45,14 +46,17 @@ import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
 
+from tandem._malloc import retain_freed_memory  # noqa: E402
 from tandem.kvtypes import KVSnapshot, SamplingParams  # noqa: E402
 from tandem.wire import codec  # noqa: E402
-from tandem.wire import kvchannel  # noqa: E402
-from tandem.wire.kvchannel import KVReceiver, KVSender  # noqa: E402
-from tandem.wire.kvframes import KVOptions  # noqa: E402
-from tandem.wire.messages import Abort, Dispatch  # noqa: E402
+from tandem.wire.handshake import Initiator, Responder  # noqa: E402
+from tandem.wire.kvchannel import SendArena  # noqa: E402
+from tandem.wire.messages import Abort, Dispatch, KVAck  # noqa: E402
+from tandem.wire.settings import TransferSettings  # noqa: E402
 from tandem.wire.sockets import make_socket  # noqa: E402
-from tandem.wire.transfer import KVIngest, retain_freed_memory, send_snapshot  # noqa: E402
+from tandem.workers import handoff  # noqa: E402
+from tandem.workers.handoff import KVIngest  # noqa: E402
+from tandem.workers.sender import HandoffSender  # noqa: E402
 
 SECRET = b"bench-cluster-secret-0123456789ab"  # the receiver is a spawned process: must be a constant
 SHAPES = {
@@ -87,31 +91,62 @@ def make_snapshot(tokens: int, layers: int, heads: int, head_dim: int, dtype: st
 # ---- the receiver process (decode side) ---------------------------------------------------
 
 
+def ingest_kv(ingest: KVIngest, frames) -> None:
+    """One message into the decode worker's ingest, answered as workers/transfers.py
+    answers it: a new transfer's header is accepted, a completed transfer acknowledged."""
+    for peer, _, header, snap in ingest.on_message(frames, at_capacity=lambda: False):
+        ingest.reply(peer, KVAck(header.request_id, complete=snap is not None))
+
+
+class SealedControl:
+    """The receiving end of the sealed control-message measurement: the cluster handshake,
+    then AES-GCM records on a plain ROUTER (the channel KV travels on, carrying control
+    messages instead)."""
+
+    def __init__(self, ctx):
+        self.sock = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", hwm=handoff.KV_HWM)
+        self._responders: dict = {}
+        self._channels: dict = {}
+
+    def handle(self, frames) -> None:
+        peer, body = codec.split_route(frames)
+        channel = self._channels.get(peer)
+        if channel is None:
+            responder = self._responders.pop(peer, None)
+            if responder is None:
+                responder = self._responders[peer] = Responder(SECRET, "control-bench")
+                codec.send(self.sock, [peer, *responder.on_hello(body)])
+            else:
+                self._channels[peer] = responder.on_proof(body)
+            return
+        opened = channel.open(body)
+        if opened is not None and getattr(codec.decode(opened), "request_id", None) == DONE_ID:
+            codec.send(self.sock, [peer, *channel.seal(codec.encode(Abort(DONE_ID)))])
+
+
 def receiver_main(conn) -> None:
-    retain_freed_memory()  # as a decode worker should: no page faults per transfer
+    retain_freed_memory()  # as a decode worker does: no page faults per transfer
     ctx = zmq.Context()
-    ingest = KVIngest(ctx, "tcp://127.0.0.1:*", SECRET, "decode-bench")
+    ingest = KVIngest(ctx, "tcp://127.0.0.1:*", secret=SECRET, node_id="decode-bench", timeout_s=300)
     raw = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", hwm=64)
     curve = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", security=SECRET)
-    sealed = KVReceiver(ctx, "tcp://127.0.0.1:*", SECRET, "control-bench")
-    eps = [ingest.endpoint] + [s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (raw, curve)] + [sealed.endpoint]
+    sealed = SealedControl(ctx)
+    eps = [s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (ingest.sock, raw, curve, sealed.sock)]
     conn.send(eps)
     poller = zmq.Poller()
-    for s in (ingest.socket, raw, curve, sealed.socket):
+    for s in (ingest.sock, raw, curve, sealed.sock):
         poller.register(s, zmq.POLLIN)
     running = True
     while running:
         for sock, _ in poller.poll(1000):
-            if sock is ingest.socket:
+            if sock is ingest.sock:
                 while True:  # drain: a KV message is many records back to back
                     try:  # no name keeps the received record: its buffer is freed once opened
-                        ingest.handle(codec.recv_frames(sock, copy=False, flags=zmq.NOBLOCK, max_frames=4096))
+                        ingest_kv(ingest, codec.recv_frames(sock, copy=False, flags=zmq.NOBLOCK, max_frames=4096))
                     except zmq.Again:
                         break
-            elif sock is sealed.socket:
-                got = sealed.handle(codec.recv_frames(sock, copy=False))
-                if got is not None and getattr(got[1], "request_id", None) == DONE_ID:
-                    sealed.send(got[0], Abort(DONE_ID))
+            elif sock is sealed.sock:
+                sealed.handle(codec.recv_frames(sock, copy=False))
             else:
                 frames = sock.recv_multipart(copy=False)
                 body = frames[1:]
@@ -126,7 +161,6 @@ def receiver_main(conn) -> None:
                     if getattr(msg, "request_id", None) == DONE_ID:
                         sock.send_multipart([frames[0], b"ok"])
     ingest.close()
-    sealed.close()
     ctx.destroy(linger=0)
 
 
@@ -182,10 +216,10 @@ class RawZmq:
     connection per timed run, as this bench had until 2026-11-30 17:41 UTC, starts with
     small kernel socket buffers; it was slower for the 8B-shaped 1k cache in every run, by
     7-12% in medians, mixed for the others: docs/benchmarks/kv_transfer.md). Socket options
-    are the KV sockets' (kvchannel.KV_HWM, the factory's defaults)."""
+    are the KV sockets' (handoff.SEND_HWM, the factory's defaults)."""
 
     def __init__(self, ctx, endpoint: str, snap: KVSnapshot):
-        self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, hwm=kvchannel.KV_HWM)
+        self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, hwm=handoff.SEND_HWM)
         self.frames = [b"bulk", *layer_frames(snap)]
         self.nbytes = snap.nbytes
         self.sock.send_multipart([b"bulk", b"warm-up"])  # connect outside the timed runs
@@ -206,7 +240,7 @@ def fresh_raw_zmq_gbps(ctx, endpoint: str, snap: KVSnapshot) -> float:
     """One timed raw ZeroMQ transfer on a fresh connection (connected with a tiny message
     first): the ceiling as this bench measured it until 2026-11-30 17:41 UTC, kept beside
     the fair one so the two statistics can be compared in one run."""
-    sock = make_socket(ctx, zmq.DEALER, connect=endpoint, hwm=kvchannel.KV_HWM)
+    sock = make_socket(ctx, zmq.DEALER, connect=endpoint, hwm=handoff.SEND_HWM)
     sock.send_multipart([b"bulk", b"warm-up"])
     sock.recv()
     t0 = time.perf_counter()
@@ -225,20 +259,53 @@ def raw_zmq_gbps(ctx, endpoint: str, snap: KVSnapshot, repeats: int) -> float:
     return best
 
 
+class SealedSender:
+    """A prefill worker's sending path (workers.sender.HandoffSender over workers.handoff.KVPeer,
+    never blocking), driven here until the decode side acknowledges each transfer. Keeps its
+    connections (and their warmed send arena) across transfers, as a worker does."""
+
+    def __init__(self, ctx, endpoint: str, transfer: TransferSettings):
+        self.poller = zmq.Poller()
+        self.sender = HandoffSender(ctx, secret=SECRET, node_id="prefill-bench", transfer=transfer, timeout_s=300,
+                                    poller=self.poller)
+        self.endpoint = endpoint
+        self.attempt = 0
+
+    def send(self, snap: KVSnapshot) -> tuple[float, int]:
+        """One transfer: (GB/s of KV from the first byte encoded to the ack, payload bytes sent)."""
+        self.attempt += 1
+        t0 = time.perf_counter()
+        self.sender.start(snap, attempt=self.attempt, decode_node="decode-bench", address=self.endpoint,
+                          stream_seq=0, priority=0)
+        outgoing = [p.pending[snap.request_id] for p in self.sender.peers.values() if snap.request_id in p.pending]
+        while True:
+            for sock, _ in self.poller.poll(1000):
+                for rid, failure in self.sender.on_message(self.sender.peer_for(sock), sock.recv_multipart(copy=False)):
+                    if failure is not None:
+                        raise RuntimeError(failure)
+                    if rid == snap.request_id:
+                        return snap.nbytes / (time.perf_counter() - t0) / 1e9, sum(o.wire_bytes for o in outgoing)
+            for _, failure in self.sender.expired(time.monotonic()):
+                raise RuntimeError(failure)
+
+    def gbps(self, snap: KVSnapshot) -> float:
+        return self.send(snap)[0]
+
+    def close(self) -> None:
+        self.sender.close()
+
+
 def sealed_gbps(ctx, endpoint: str, snap: KVSnapshot, strategy: str, option: str, repeats: int) -> tuple[float, float]:
     compression, quantization = OPTIONS[option]
-    conns = 2 if strategy == "layer_parallel" else 1
-    senders = [KVSender(ctx, endpoint, SECRET, "prefill-bench") for _ in range(conns)]
-    opts = KVOptions(compression=compression, quantization=quantization, strategy=strategy,
-                     blocks_per_chunk=256 // BLOCK * 4, connections=conns)  # streamed: 1024-token chunks
-    send_snapshot(senders, snap, opts, timeout_s=300)  # warm-up: connections, send arena first touch
+    tx = SealedSender(ctx, endpoint, TransferSettings(strategy=strategy, compression=compression, quantization=quantization,
+                                                      blocks_per_chunk=256 // BLOCK * 4, connections=2))  # streamed: 1024-token chunks
+    tx.send(snap)  # warm-up: connections, send arena first touch
     best, wire_ratio = 0.0, 1.0
     for _ in range(repeats):
-        result = send_snapshot(senders, snap, opts, timeout_s=300)
-        best = max(best, result.gbps)
-        wire_ratio = result.wire_bytes / result.nbytes
-    for s in senders:
-        s.close()
+        gbps, wire_bytes = tx.send(snap)
+        best = max(best, gbps)
+        wire_ratio = wire_bytes / snap.nbytes
+    tx.close()
     return best, wire_ratio
 
 
@@ -291,11 +358,18 @@ def control_rates(ctx, eps: list[str], n: int) -> dict[str, dict[str, float]]:
         sock.recv()  # connected and handshaken
         out[name] = measure(lambda: sock.send_multipart(msg), lambda: (sock.send_multipart(done), sock.recv()))
         sock.close(0)
-    sender = KVSender(ctx, eps[3], SECRET, "control-bench")
-    sender.send(Abort(DONE_ID))
-    sender.recv(10)
-    out["AES-GCM sealed"] = measure(lambda: sender.send_frames(msg), lambda: (sender.send_frames(done), sender.recv(30)))
-    sender.close()
+    sock = make_socket(ctx, zmq.DEALER, connect=eps[3], hwm=handoff.SEND_HWM)
+    initiator = Initiator(SECRET, "control-bench")
+    codec.send(sock, initiator.hello())
+    proof, channel, _ = initiator.on_challenge(codec.recv_frames(sock))
+    codec.send(sock, proof)
+
+    def finish():
+        codec.send(sock, channel.seal(done))
+        channel.open(codec.recv_frames(sock))
+    finish()  # handshaken and answering
+    out["AES-GCM sealed"] = measure(lambda: codec.send(sock, channel.seal(msg)), finish)
+    sock.close(0)
     return out
 
 
@@ -306,19 +380,19 @@ def ab_child(shape: str, tokens: int, rounds: int) -> None:
     proc, eps = start_receiver()
     ctx = zmq.Context()
     snap = make_snapshot(tokens, **SHAPES[shape])
-    senders = [KVSender(ctx, eps[0], SECRET, "prefill-bench")]
-    send_snapshot(senders, snap, KVOptions(), timeout_s=300)  # warm-up
+    tx = SealedSender(ctx, eps[0], TransferSettings(strategy="full"))
+    tx.send(snap)  # warm-up
     raw = RawZmq(ctx, eps[1], snap)
     out = {"tandem": str(Path(tandem.__file__).parent), "zmq": [], "sealed": [], "cpu_zmq": [], "cpu_sealed": []}
     for _ in range(rounds):
         c0 = cpu_pair(ctx, eps[1])
         out["zmq"].append(raw.gbps())
         c1 = cpu_pair(ctx, eps[1])
-        out["sealed"].append(send_snapshot(senders, snap, KVOptions(), timeout_s=300).gbps)
+        out["sealed"].append(tx.gbps(snap))
         c2 = cpu_pair(ctx, eps[1])
         out["cpu_zmq"].append((c1[0] - c0[0] + c1[1] - c0[1]) / (snap.nbytes / 1e9))
         out["cpu_sealed"].append((c2[0] - c1[0] + c2[1] - c1[1]) / (snap.nbytes / 1e9))
-    senders[0].close()
+    tx.close()
     raw.close()
     stop_receiver(ctx, proc, eps)
     ctx.destroy(linger=0)
@@ -414,8 +488,8 @@ def main() -> int:
             # over the lower of that round's two ceilings, and the headline is their median.
             rounds = args.rounds or (1 if args.quick else (ROUNDS_LARGE if snap.nbytes > (256 << 20) else ROUNDS_SMALL))
             entry["sealed"].setdefault("full/raw", {"gbps": 0.0, "wire_ratio": 1.0})
-            senders = [KVSender(ctx, eps[0], SECRET, "prefill-bench")]
-            send_snapshot(senders, snap, KVOptions(), timeout_s=300)  # warm-up
+            tx = SealedSender(ctx, eps[0], TransferSettings(strategy="full"))
+            tx.send(snap)  # warm-up
             raw = RawZmq(ctx, eps[1], snap)  # warmed up the same way
             cpu = {"raw ZeroMQ": [], "sealed full/raw": []}  # (sender, receiver) CPU seconds per run
             pairs = []  # (sealed, raw ZeroMQ, raw AES-GCM) GB/s of each round
@@ -432,7 +506,7 @@ def main() -> int:
                 lambda got: got.__setitem__(3, fresh_raw_zmq_gbps(ctx, eps[1], snap)),
                 lambda got: got.__setitem__(1, timed_cpu("raw ZeroMQ", raw.gbps)),
                 lambda got: got.__setitem__(2, raw_aes_gbps(snap, 1)),
-                lambda got: got.__setitem__(0, timed_cpu("sealed full/raw", lambda: send_snapshot(senders, snap, KVOptions(), timeout_s=300).gbps)),
+                lambda got: got.__setitem__(0, timed_cpu("sealed full/raw", lambda: tx.gbps(snap))),
             ]
             for r in range(rounds):
                 got = [0.0, 0.0, 0.0, 0.0]
@@ -440,7 +514,7 @@ def main() -> int:
                     step(got)
                 pairs.append(got[:3])
                 fresh.append(got[3])
-            senders[0].close()
+            tx.close()
             raw.close()
             zq, aes = max(zq, max(b for _, b, _ in pairs)), max(aes, max(c for *_, c in pairs))
             cell = entry["sealed"]["full/raw"]
@@ -551,16 +625,17 @@ def write_results(prefix: Path, results: list, control: dict, baseline: dict | N
         ratio = (s_["sender"] + s_["receiver"]) / max(1e-9, r["sender"] + r["receiver"])
         lines.append(f"| {e['shape']} {e['tokens']} tokens | {r['sender']:.3f} / {r['receiver']:.3f} | "
                      f"{s_['sender']:.3f} / {s_['receiver']:.3f} | {ratio:.2f}x |")
-    arena = getattr(kvchannel, "SENDER_ARENA_BYTES", 64 << 20)
-    record = kvchannel.SendArena(arena).group_bytes()
-    lines += ["", "How the sealed path gets there (tandem/wire/sealed.py, kvchannel.py): a KV message is sealed as AES-GCM "
+    arena = handoff.ARENA_BYTES
+    record = SendArena(arena).group_bytes()
+    lines += ["", "How the sealed path gets there (tandem/wire/sealed.py, kvchannel.py; the worker's sender, "
+              "tandem/workers/handoff.py): a KV message is sealed as AES-GCM "
               f"records of about {record / (1 << 20):g} MiB (consecutive frames share one, and a frame over 1.5 records travels as "
               "pieces, each decrypted straight into one buffer for the frame; the first and last records of "
               "a message are smaller, since their cipher work overlaps nothing), one ZeroMQ message each, so the "
               "fixed costs per record - a ZeroMQ message, a zero-copy release through pyzmq's garbage-collector thread, "
               "wake-ups of the threads on each side - are paid once per few MB; the sender encrypts each record "
-              f"with one call into a reused, already-faulted {arena >> 20} MiB arena (small enough to stay in the 32 MiB L3 "
-              "between sealing and libzmq's copy into the socket) that ZeroMQ sends zero-copy while the next "
+              f"with one call into a reused, already-faulted {arena >> 20} MiB arena (never waiting for it: a region "
+              "libzmq still holds is passed over for a fresh buffer) that ZeroMQ sends zero-copy while the next "
               "record is sealed; the receiver decrypts each record as it arrives, while the rest is in flight, into a buffer of its own "
               "(so the received one is freed at once and libzmq's next records land in the same cache-hot memory) "
               "and hands the KV on as views of those buffers (cryptography releases the GIL inside these calls). "

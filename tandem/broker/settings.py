@@ -23,7 +23,6 @@ class BrokerSettings:
     retry_after_s: float = field(default=1.0, metadata={"min": 0.0, "help": "Retry-After the broker suggests with BUSY"})
     failover_wait_s: float = field(default=30.0, metadata={"min": 0.0, "help": "seconds a request whose worker failed waits for a worker that can continue it (say, the one its supervisor restarts) before its stream ends with an error (never less than queue_timeout_s); new requests are still refused at once when no worker is up"})
     max_migrations: int = field(default=2, metadata={"min": 0, "help": "times one request may move to another worker after its worker failed"})
-    max_retargets: int = field(default=2, metadata={"min": 0, "help": "times a prefill worker may ask for another decode target after a refused handoff"})
     prefix_load_guard: float = field(default=2.0, metadata={"min": 1.0, "help": "prefix_aware never picks a worker whose load exceeds guard x (lowest load + 1)"})
     long_prompt_tokens: int = field(default=512, metadata={"min": 1, "help": "prompt_length_aware: prompts at least this long count as long"})
     decode_allowlist: list[str] = field(default_factory=list, metadata={"help": "decode worker names or KV addresses the broker may choose; empty = any"})

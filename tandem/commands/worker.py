@@ -99,7 +99,7 @@ def run(args) -> int:
             raise UserError(str(exc)) from None
     roles.engine_settings(cfg.engine, role, prefill_batch=cfg.worker.prefill_batch)
     if role in ("prefill", "decode"):
-        from tandem.wire.transfer import retain_freed_memory
+        from tandem._malloc import retain_freed_memory
 
         # KV handoffs arrive in (and quantized ones leave from) fresh buffers of up to
         # hundreds of MB: keep freed heap memory so each transfer does not page-fault

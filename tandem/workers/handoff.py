@@ -9,9 +9,9 @@ the dispatch attempt the decode side publishes under.
 
 Both sides bound what a handoff may hold and for how long: a prefill worker drops a
 snapshot that is not acknowledged within the transfer timeout, and a decode worker drops
-a partial transfer after the same time, so no KV stays pinned by a peer that died.
-(:func:`tandem.wire.transfer.send_snapshot` does the same transfer synchronously; the
-worker needs the non-blocking form: a dead decode peer must not stop its heartbeats.)
+a partial transfer after the same time, so no KV stays pinned by a peer that died. Nothing here blocks: a dead decode peer must
+not stop a prefill worker's heartbeats. This is the one KV-handoff implementation: the
+worker, the tests and bench/kv_transfer.py all move KV through it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tandem.wire import messages as M
 from tandem.wire.errors import WireError
 from tandem.wire.handshake import Initiator, PeerAtCapacity, Responder, error_frames
 from tandem.wire.kvchannel import SendArena, send_records
-from tandem.wire.kvframes import KVAssembler, KVOptions, iter_snapshot_messages
+from tandem.wire.kvframes import KVAssembler
 from tandem.wire.sockets import make_socket
 
 log = logging.getLogger("tandem.workers.handoff")
@@ -42,12 +42,6 @@ SEND_HWM = 4096
 ARENA_BYTES = 64 << 20
 
 
-def snapshot_messages(snap: KVSnapshot, options: KVOptions | None = None, *, stream_seq: int, priority: int,
-                      attempt: int = 0) -> list:
-    """Per connection, the messages (lazily encoded) of one snapshot."""
-    return iter_snapshot_messages(snap, options or KVOptions(), stream_seq=stream_seq, priority=priority, attempt=attempt)
-
-
 # ---- prefill side ----------------------------------------------------------------------
 
 @dataclass
@@ -55,7 +49,7 @@ class Outgoing:
     request_id: bytes
     attempt: int
     decode_node: str
-    messages: object  # an iterator of messages for one connection
+    messages: object  # the messages for one connection, in order (kvframes.iter_snapshot_messages)
     deadline: float
     sent: bool = False
     nbytes: int = 0
@@ -96,7 +90,7 @@ class KVPeer:
                         frames = codec.encode(msg)
                         if isinstance(msg, M.KVChunk):
                             out.wire_bytes += sum(len(codec.as_buffer(f)) for f in msg.frames)
-                        # Grouped records, one ZeroMQ message each, as KVSender sends them: the
+                        # Grouped records, one ZeroMQ message each (wire.kvchannel.send_records): the
                         # decode side opens each record while the rest is in flight.
                         send_records(self.sock, self.channel, frames, self._arena, flags=zmq.NOBLOCK)
                 except zmq.Again:
@@ -199,16 +193,28 @@ class KVIngest:
         except WireError as exc:
             self._drop_peer(peer, f"sealed channel rejected a message: {exc}")
             return []
+        return self.on_decoded(peer, msg)
+
+    def on_decoded(self, peer: bytes, msg) -> list[tuple[bytes, int, M.KVHeader, KVSnapshot | None]]:
+        """:meth:`on_message` for a message already authenticated and decoded (the fuzzer
+        feeds this directly): anything a peer sends ends in a result or a refusal."""
         rid = getattr(msg, "request_id", None)
         if rid in self._refused:
             return []
         if isinstance(msg, M.KVHeader):
             inc = self._partial.get(rid)
             if inc is not None:
-                # Another connection of the same (LayerParallel) transfer.
-                if not inc.assembler.same_geometry(msg) or inc.attempt != msg.attempt:
-                    self.refuse(peer, rid, "invalid", "KV headers of one transfer disagree")
+                # Another connection's copy (LayerParallel), or a progressive transfer's
+                # later header: same geometry and attempt; the newest token state wins,
+                # and only a final header completes the transfer.
+                try:
+                    if inc.attempt != msg.attempt:
+                        raise WireError("KV headers of one transfer disagree")
+                    inc.assembler.update(msg)
+                except WireError as exc:
+                    self.refuse(peer, rid, "invalid", str(exc))
                     return []
+                inc.header = inc.assembler.header
                 inc.peers.add(peer)
                 return self._maybe_complete(peer, inc)
             try:

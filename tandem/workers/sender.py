@@ -18,13 +18,56 @@ import zmq
 
 from tandem.kvtypes import KVSnapshot
 from tandem.wire import messages as M
-from tandem.wire.kvframes import KVOptions
-from tandem.wire.settings import TransferSettings
-from tandem.wire.transfer import AdaptiveSelector
 from tandem.wire.kvchannel import SendArena
-from tandem.workers.handoff import ARENA_BYTES, KVPeer, Outgoing, snapshot_messages
+from tandem.wire.kvframes import KVOptions, iter_snapshot_messages
+from tandem.wire.settings import TransferSettings
+from tandem.workers.handoff import ARENA_BYTES, KVPeer, Outgoing
 
 log = logging.getLogger("tandem.workers.sender")
+
+
+class AdaptiveSelector:
+    """Picks a strategy per decode peer from measured throughput.
+
+    Small transfers go Full (one round trip beats any overlap). For larger ones every
+    candidate is tried once per peer, then the best EWMA of achieved GB/s wins, with one
+    exploratory pick of the least recently tried candidate every ``explore_every``
+    transfers so a changed link or load is noticed."""
+
+    def __init__(self, *, small_bytes: int = 4 << 20, explore_every: int = 16, alpha: float = 0.3):
+        self.small_bytes = small_bytes
+        self.explore_every = explore_every
+        self.alpha = alpha
+        self._gbps: dict[tuple[str, str], float] = {}
+        self._last_used: dict[tuple[str, str], int] = {}
+        self._count: dict[str, int] = {}
+
+    def choose(self, peer: str, nbytes: int, *, streaming: bool = False) -> str:
+        if nbytes < self.small_bytes:
+            return "full"
+        candidates = ["full", "layer_parallel"] + (["streamed"] if streaming else [])
+        n = self._count[peer] = self._count.get(peer, 0) + 1
+        untried = [c for c in candidates if (peer, c) not in self._gbps]
+        if untried:
+            pick = min(untried, key=lambda c: self._last_used.get((peer, c), -1))
+        elif n % self.explore_every == 0:
+            pick = min(candidates, key=lambda c: self._last_used.get((peer, c), -1))
+        else:
+            pick = max(candidates, key=lambda c: self._gbps[(peer, c)])
+        self._last_used[(peer, pick)] = n
+        return pick
+
+    def record(self, peer: str, strategy: str, nbytes: int, seconds: float) -> None:
+        if seconds <= 0 or nbytes < self.small_bytes:
+            return
+        gbps = nbytes / seconds / 1e9
+        old = self._gbps.get((peer, strategy))
+        self._gbps[(peer, strategy)] = gbps if old is None else old + self.alpha * (gbps - old)
+
+    def bandwidth(self, peer: str) -> float | None:
+        """The best measured GB/s to ``peer`` (for stats), or None before any large transfer."""
+        rates = [v for (p, _), v in self._gbps.items() if p == peer]
+        return max(rates) if rates else None
 
 
 @dataclass
@@ -71,11 +114,12 @@ class HandoffSender:
     def _options(self, address: str, nbytes: int) -> KVOptions:
         t = self.transfer
         strategy = self.selector.choose(address, nbytes) if t.strategy == "adaptive" else t.strategy
-        return KVOptions(compression=t.compression, quantization=t.quantization, strategy=strategy)
+        return KVOptions(compression=t.compression, quantization=t.quantization, strategy=strategy,
+                         blocks_per_chunk=t.blocks_per_chunk, connections=t.connections)
 
     def start(self, snap: KVSnapshot, *, attempt: int, decode_node: str, address: str, stream_seq: int, priority: int) -> None:
         options = self._options(address, snap.nbytes)
-        per_conn = snapshot_messages(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt)
+        per_conn = iter_snapshot_messages(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt)
         now = time.monotonic()
         self._transfers[snap.request_id] = _Transfer(now, snap.nbytes, options.strategy, address, decode_node)
         for i, msgs in enumerate(per_conn):

@@ -80,15 +80,15 @@ _INGEST = None
 
 
 def ingest_any(rng):
-    """Mutated KV headers/chunks straight into KVIngest's message handler: it must absorb
-    every bad message (refuse and forget the transfer), never raise."""
+    """Mutated KV headers/chunks straight into the decode worker's KVIngest (past its sealed
+    channel): it must absorb every bad message (refuse and forget the transfer), never raise."""
     global _INGEST
     if _INGEST is None:
         import zmq
 
-        from tandem.wire.transfer import KVIngest
+        from tandem.workers.handoff import KVIngest
 
-        _INGEST = KVIngest(zmq.Context.instance(), "tcp://127.0.0.1:*", SECRET, "fuzz")
+        _INGEST = KVIngest(zmq.Context.instance(), "tcp://127.0.0.1:*", secret=SECRET, node_id="fuzz", timeout_s=30)
     msgs = _KV[rng.choice(list(_KV))]
     for msg in msgs[: rng.randrange(1, len(msgs) + 1)]:
         frames = codec.encode(msg)
@@ -98,9 +98,10 @@ def ingest_any(rng):
             decoded = codec.decode(frames)
         except WireError:
             continue
-        _INGEST._on_message(b"peer", decoded)
-    _INGEST._pending.clear()
-    _INGEST._refused.clear()
+        for _, _, _, snap in _INGEST.on_decoded(b"peer", decoded):
+            if snap is not None:  # a mutation that still assembles is a well-formed snapshot
+                assert len(snap.keys) == len(snap.values) == snap.num_layers
+    _INGEST.expire(float("inf"))  # forget every partial and refused transfer
 
 
 def _one_round(rng):

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-import zmq
 
-from tandem.wire import codec
 from tandem.wire import protocol as P
 from tandem.wire.errors import AuthError, WireError
 from tandem.wire.handshake import Initiator, PeerAtCapacity, Responder
-from tandem.wire.kvchannel import KVReceiver, KVSender
-from tandem.wire.messages import KVAck, KVChunk
 from tandem.wire.sealed import REJECTED, SealedChannel
 
 SECRET = b"k" * 32
-RID = b"q" * 16
 
 
 def _pair(secret_i=SECRET, secret_r=SECRET, at_capacity=False):
@@ -124,73 +119,6 @@ def test_records_one_per_zeromq_message():
     assert ch_r.open(ch_i.seal([b"after"])) == [b"after"]
     with pytest.raises(AuthError):
         ch_r.open(records[1])  # replayed record
-
-
-@pytest.fixture
-def ctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-def test_kv_sender_receiver_over_zeromq(ctx):
-    rx = KVReceiver(ctx, "tcp://127.0.0.1:*", SECRET, "decode-1")
-    import threading
-
-    result = {}
-
-    def sender():
-        tx = KVSender(ctx, rx.endpoint, SECRET, "prefill-1")
-        tx.send(KVChunk(RID, 0, 0, 1, 0, 1, True, [b"K" * 70_000, b"V"]))
-        result["ack"] = tx.recv(timeout_s=5)
-        tx.close()
-
-    t = threading.Thread(target=sender)
-    t.start()
-    got = None
-    while got is None:
-        got = rx.recv(timeout_s=5)
-        assert got is not None or t.is_alive()
-    peer, msg = got
-    assert rx.peer_ids[peer] == "prefill-1"
-    assert [bytes(f) for f in msg.frames] == [b"K" * 70_000, b"V"]
-    rx.send(peer, KVAck(RID, True))
-    t.join(5)
-    assert result["ack"] == KVAck(RID, True)
-    rx.close()
-
-
-def test_wrong_secret_peer_refused_over_zeromq(ctx):
-    rx = KVReceiver(ctx, "tcp://127.0.0.1:*", SECRET, "decode-1")
-    import threading
-
-    errors = []
-
-    def sender():
-        try:
-            KVSender(ctx, rx.endpoint, b"x" * 32, "intruder", timeout_s=5)
-        except Exception as exc:  # noqa: BLE001 - the test inspects it
-            errors.append(exc)
-
-    t = threading.Thread(target=sender)
-    t.start()
-    assert rx.recv(timeout_s=1.0) is None
-    t.join(5)
-    assert isinstance(errors[0], AuthError)
-    assert not rx._channels
-
-
-def test_unauthenticated_garbage_gets_nothing(ctx):
-    rx = KVReceiver(ctx, "tcp://127.0.0.1:*", SECRET, "decode-1")
-    d = ctx.socket(zmq.DEALER)
-    d.linger = 0
-    d.connect(rx.endpoint)
-    ch_i, _ = _pair()
-    for frames in ([b"hello?"], codec.encode(KVAck(RID)), ch_i.seal([b"sealed under other keys"])):
-        d.send_multipart(frames)
-        assert rx.recv(timeout_s=0.3) is None
-    assert sum(v for k, v in rx.stats.items() if k.startswith("rejected_")) == 3
-    d.close()
 
 
 def test_large_writable_frames_decrypt_in_place_and_reject_flips():

@@ -13,8 +13,8 @@ import zmq
 from tandem.kvtypes import KVSnapshot, SamplingParams
 from tandem.wire import messages as M
 from tandem.wire.errors import WireError
-from tandem.wire.kvframes import KVOptions
-from tandem.workers.handoff import KVIngest, KVPeer, Outgoing, snapshot_messages
+from tandem.wire.kvframes import KVOptions, snapshot_messages
+from tandem.workers.handoff import KVIngest, KVPeer, Outgoing
 
 
 def snapshot(n_tokens=37, layers=3, heads=2, block=16, dim=8, dtype=np.float16):
@@ -83,7 +83,7 @@ def test_sealed_handoff_end_to_end(ctx):
     addr = ingest.sock.getsockopt_string(zmq.LAST_ENDPOINT)
     peer = KVPeer(ctx, addr, secret=secret, node_id="prefill-a")
     snap = snapshot()
-    (msgs,) = snapshot_messages(snap, stream_seq=1, priority=0, attempt=5)
+    (msgs,) = snapshot_messages(snap, KVOptions(), stream_seq=1, priority=0, attempt=5)
     peer.queue(Outgoing(snap.request_id, 5, "decode-a", msgs, time.monotonic() + 5))
     got, _ = pump(peer, ingest)
     (_, attempt_h, header, none), (peer_id, attempt, header2, back) = got
@@ -100,7 +100,7 @@ def test_wrong_secret_gets_nothing_through(ctx):
     addr = ingest.sock.getsockopt_string(zmq.LAST_ENDPOINT)
     peer = KVPeer(ctx, addr, secret=os.urandom(32), node_id="intruder")
     snap = snapshot()
-    peer.queue(Outgoing(snap.request_id, 1, "decode-a", snapshot_messages(snap, stream_seq=1, priority=0)[0], time.monotonic() + 5))
+    peer.queue(Outgoing(snap.request_id, 1, "decode-a", snapshot_messages(snap, KVOptions(), stream_seq=1, priority=0)[0], time.monotonic() + 5))
     got, verdicts = pump(peer, ingest, rounds=10)
     assert got == []  # no header, no KV reached the decode side
     assert verdicts and isinstance(verdicts[0][1], M.KVRefuse) and verdicts[0][1].reason == "unauthorized"
@@ -112,7 +112,7 @@ def test_at_capacity_verdict_is_authenticated_refusal(ctx):
     ingest = KVIngest(ctx, "tcp://127.0.0.1:*", secret=secret, node_id="decode-a", timeout_s=5)
     peer = KVPeer(ctx, ingest.sock.getsockopt_string(zmq.LAST_ENDPOINT), secret=secret, node_id="p")
     snap = snapshot()
-    peer.queue(Outgoing(snap.request_id, 1, "decode-a", snapshot_messages(snap, stream_seq=1, priority=0)[0], time.monotonic() + 5))
+    peer.queue(Outgoing(snap.request_id, 1, "decode-a", snapshot_messages(snap, KVOptions(), stream_seq=1, priority=0)[0], time.monotonic() + 5))
     _, verdicts = pump(peer, ingest, at_capacity=lambda: True, rounds=10)
     assert verdicts[0][1].reason == "at_capacity"
 
@@ -122,7 +122,7 @@ def test_partial_transfer_released_after_timeout_on_both_sides(ctx):
     ingest = KVIngest(ctx, "tcp://127.0.0.1:*", secret=secret, node_id="d", timeout_s=0.2)
     peer = KVPeer(ctx, ingest.sock.getsockopt_string(zmq.LAST_ENDPOINT), secret=secret, node_id="p")
     snap = snapshot()
-    header = next(snapshot_messages(snap, stream_seq=1, priority=0)[0])
+    header = snapshot_messages(snap, KVOptions(), stream_seq=1, priority=0)[0][0]
     # Only the header goes out (the prefill side "dies" before the data).
     peer.queue(Outgoing(snap.request_id, 1, "d", iter([header]), time.monotonic() + 0.2))
     got, _ = pump(peer, ingest, rounds=10)
@@ -132,3 +132,56 @@ def test_partial_transfer_released_after_timeout_on_both_sides(ctx):
     expired_out = peer.expired(time.monotonic())
     assert [i.header.request_id for i in expired_in] == [snap.request_id] and ingest.partial == 0
     assert [o.request_id for o in expired_out] == [snap.request_id] and not peer.pending
+
+
+def test_unauthenticated_garbage_gets_nothing(ctx):
+    """A peer that never completes the handshake: a non-hello, a message in the clear, a
+    record sealed under keys of another session. Each is refused and counted; none
+    reaches the worker."""
+    from tandem.wire import codec
+    from tandem.wire.handshake import Initiator, Responder
+
+    ingest = KVIngest(ctx, "tcp://127.0.0.1:*", secret=os.urandom(32), node_id="decode-a", timeout_s=5)
+    d = ctx.socket(zmq.DEALER)
+    d.linger = 0
+    d.connect(ingest.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    other = os.urandom(32)
+    res = Responder(other, "elsewhere")
+    ini = Initiator(other, "p")
+    _, channel, _ = ini.on_challenge(res.on_hello(ini.hello()))
+    got = []
+    for frames in ([b"hello?"], codec.encode(M.KVAck(b"q" * 16)), channel.seal([b"sealed under other keys"])):
+        d.send_multipart(frames)
+        assert ingest.sock.poll(2000)
+        got += ingest.on_message(ingest.sock.recv_multipart(copy=False), at_capacity=lambda: False)
+    assert got == [] and ingest.rejected == 3 and ingest.partial == 0
+    d.close()
+
+
+def test_a_progressive_transfer_completes_only_with_its_final_header(ctx):
+    """KV sent while it is computed: a non-final header with the final geometry, blocks as
+    they are done, then the final header with the sampled token. Every block arriving
+    does not complete the transfer; the final header does, with its token state."""
+    import dataclasses
+
+    from tandem.wire.kvframes import encode_blocks, make_header
+
+    secret = os.urandom(32)
+    ingest = KVIngest(ctx, "tcp://127.0.0.1:*", secret=secret, node_id="d", timeout_s=5)
+    peer = KVPeer(ctx, ingest.sock.getsockopt_string(zmq.LAST_ENDPOINT), secret=secret, node_id="p")
+    final = snapshot(n_tokens=97, block=8)  # 12 blocks
+    options = KVOptions(compression="lz4")
+    header = make_header(final, options, stream_seq=1, attempt=2)
+    first = dataclasses.replace(header, tokens=header.tokens[:-1], final=False)
+    blocks = [encode_blocks(final.request_id, final.dtype, [k[b:b + 5] for k in final.keys],
+                            [v[b:b + 5] for v in final.values], 0, b, options, i, last=False)
+              for i, b in enumerate(range(0, 12, 5))]
+    peer.queue(Outgoing(final.request_id, 2, "d", [first, *blocks], time.monotonic() + 5))
+    got, _ = pump(peer, ingest, rounds=10)
+    assert [s for *_, s in got] == [None] and ingest.partial == 1  # the header alone was announced
+    peer.queue(Outgoing(final.request_id, 2, "d", [header], time.monotonic() + 5))
+    got, _ = pump(peer, ingest, rounds=10)
+    (_, attempt, h, back), = got
+    assert attempt == 2 and h.final and back.tokens == final.tokens and ingest.partial == 0
+    for a, b in zip(back.keys + back.values, final.keys + final.values):
+        assert np.array_equal(a, b)

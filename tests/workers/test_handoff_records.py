@@ -1,6 +1,7 @@
-"""The worker handoff (tandem.workers.handoff) sends KV the way wire.kvchannel does: grouped
-sealed records, one ZeroMQ message each, sealed into a shared arena without ever blocking
-the IO thread; the decode side opens each record as it arrives."""
+"""The worker handoff (tandem.workers.handoff) sends KV as grouped sealed records, one
+ZeroMQ message each, sealed into a shared arena without ever blocking the IO thread (and
+through a small arena that wraps within a transfer, bit-exact); the decode side opens
+each record as it arrives."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import zmq
 
 from tandem.kvtypes import KVSnapshot, SamplingParams
 from tandem.wire.kvchannel import SendArena
-from tandem.workers.handoff import KVIngest, KVPeer, Outgoing, snapshot_messages
+from tandem.wire.kvframes import KVOptions, snapshot_messages
+from tandem.workers.handoff import KVIngest, KVPeer, Outgoing
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ def test_large_handoffs_travel_as_records_and_stay_bit_exact(ctx, tokens):
     frame_mib = snaps[0].keys[0].nbytes >> 20
     assert frame_mib == tokens // 1024
     for snap in snaps:
-        (msgs,) = snapshot_messages(snap, stream_seq=0, priority=0, attempt=1)
+        (msgs,) = snapshot_messages(snap, KVOptions(), stream_seq=0, priority=0, attempt=1)
         peer.queue(Outgoing(snap.request_id, 1, "decode-a", msgs, time.monotonic() + 10))
     done, zmq_messages, deadline = {}, 0, time.monotonic() + 20
     while len(done) < len(snaps) and time.monotonic() < deadline:
