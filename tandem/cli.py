@@ -1,8 +1,9 @@
 """The `tandem` command: one subcommand per module under tandem/commands/.
 
 Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and
-``run(args) -> int``. Errors a user can fix are raised as :class:`UserError` (or
-:class:`tandem.config.ConfigError`, :class:`tandem.wire.secret.ClusterSecretError`) and printed as one line with a non-zero exit.
+``run(args) -> int``. Errors a user can fix are raised as :class:`tandem.commands.UserError`
+(or :class:`tandem.config.ConfigError`, :class:`tandem.wire.secret.ClusterSecretError`) and
+printed as one line with a non-zero exit.
 """
 
 from __future__ import annotations
@@ -14,12 +15,9 @@ import os
 import sys
 
 import tandem
+from tandem.commands import UserError
 
 COMMANDS = ("serve", "generate", "model", "broker", "worker", "edge", "client", "stats", "bench")
-
-
-class UserError(Exception):
-    """A problem the user can fix; printed as one line, exit status 2."""
 
 
 def _load_commands() -> dict:
@@ -80,7 +78,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's main so `except UserError` sees the class commands raise.
-    from tandem.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

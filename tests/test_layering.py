@@ -83,10 +83,27 @@ def import_graph() -> dict[str, dict[str, int]]:
                 if source.split(".")[0] != "tandem":
                     continue
                 targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in mods else nearest(source) for a in node.names]
+            elif isinstance(node, ast.Call) and _called(node.func) == "import_module" and node.args:
+                targets = [m for m in mods if _dynamic_match(node.args[0], m)]
             for target in targets:
                 if target is not None and target != name:
                     edges.setdefault(target, node.lineno)
     return graph
+
+
+def _called(func: ast.expr) -> str | None:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def _dynamic_match(arg: ast.expr, module: str) -> bool:
+    """Whether ``importlib.import_module(arg)`` may import ``module``: a constant names it;
+    an f-string counts as every module under its constant prefix."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value == module
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        prefix = str(arg.values[0].value)
+        return prefix.startswith("tandem") and module.startswith(prefix) and module != prefix.rstrip(".")
+    return False
 
 
 def _owner(module: str, entries) -> str | None:
@@ -176,6 +193,7 @@ def test_the_graph_sees_imports_at_every_level(graph):
     assert "tandem.wire.codec" in graph["tandem.wire.client"]
     assert "tandem.wire.secret" in graph["tandem.cli"]  # imported inside main()
     assert "tandem.config" in graph["tandem.commands.worker"]  # ``from tandem import config``
+    assert "tandem.commands.serve" in graph["tandem.cli"]  # importlib.import_module(f"tandem.commands.{name}")
 
 
 def test_every_module_has_a_layer(graph):

@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from tandem import config as config_mod
     from tandem.broker.broker import Broker
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.sdnotify import Notifier, Watchdog
     from tandem.wire.secret import require_cluster_secret
     from tandem.wire.sockets import is_loopback

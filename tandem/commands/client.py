@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from tandem import config as config_mod
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.commands import serve_state
     from tandem.kvtypes import SamplingParams
     from tandem.wire.client import Busy, Client, InvalidRequest, StreamError, Unavailable
@@ -103,7 +103,7 @@ def run(args) -> int:
 
 
 def _tokenizer(cfg):
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.pipeline.model_store import ModelError, resolve_model
 
     try:

@@ -47,7 +47,7 @@ def _env_name(dotted: str) -> str:
 
 def run(args) -> int:
     from tandem import config as config_mod
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.pipeline.model_store import resolve_model
     from tandem.sdnotify import Notifier
     from tandem.supervisor import die_with_parent

@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from tandem import config as config_mod
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.pipeline.model_store import ModelError, resolve_model
 
     cfg = config_mod.load(args.config, overrides={"model.path": args.model, "model.weights": args.weights})

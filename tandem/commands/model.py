@@ -25,7 +25,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.pipeline import model_store
 
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
@@ -52,7 +52,7 @@ def _convert(gguf: Path, out: Path, log) -> None:
     import shutil
     import tempfile
 
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.pipeline.gguf import GGUFError, convert
 
     if not gguf.is_file():

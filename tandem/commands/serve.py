@@ -65,7 +65,7 @@ def ensure_secret(directory: Path) -> Path:
 
 
 def check_port_free(host: str, port: int, what: str) -> None:
-    from tandem.cli import UserError
+    from tandem.commands import UserError
 
     if not 0 < port < 65536:
         raise UserError(f"port {port} for {what} is out of range")
@@ -147,7 +147,7 @@ def wait_ready(url: str, sup, deadline: float) -> None:
 
 
 def run(args) -> int:
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.commands.serve_state import publish, withdraw
     from tandem.pipeline.model_store import ModelError, resolve_model
     from tandem.supervisor import ChildFailed, Supervisor

@@ -77,7 +77,7 @@ def render(stats: dict) -> str:
 
 def run(args) -> int:
     from tandem import config as config_mod
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.commands import serve_state
     from tandem.wire.client import Unavailable
     from tandem.wire.secret import load_cluster_secret

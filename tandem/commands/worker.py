@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
 def build_engine(cfg, args, log):
     """The engine this worker serves and its model id (tests/stub_engine.py puts a
     model-free engine in its place to run this command in integration tests)."""
-    from tandem.cli import UserError
+    from tandem.commands import UserError
 
     from tandem.pipeline.engine import Engine
     from tandem.pipeline.loader import load_model
@@ -72,7 +72,7 @@ def warm_up(engine) -> float:
 
 def run(args) -> int:
     from tandem import config as config_mod
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.sdnotify import Notifier, Watchdog
     from tandem.wire.secret import require_cluster_secret
     from tandem.wire.sockets import is_loopback

@@ -223,7 +223,7 @@ def test_colocated_prefill_and_decode_workers_share_one_cpu_gate(tmp_path):
 def test_port_check_ignores_connections_lingering_in_time_wait():
     """After Ctrl-C the HTTP port keeps closed connections in TIME_WAIT for a minute;
     gunicorn binds it anyway (SO_REUSEADDR), so the check before it must too (#45)."""
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.commands.serve import check_port_free
     from tests.ops.test_first_run import time_wait_on
 
