@@ -28,6 +28,15 @@ DESCRIPTION = (
 PORTS = {"frontend": 0, "backend": 1, "stream_in": 2, "stream_out": 3, "stats": 4}
 
 
+def console_served(url: str) -> bool:
+    """Whether the edge serves the web console (``edge.console`` may turn it off)."""
+    try:
+        with urllib.request.urlopen(url + "/", timeout=2) as r:
+            return r.status == 200 and r.headers.get_content_type() == "text/html"
+    except (OSError, ValueError):
+        return False
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", metavar="PATH", help="mlx-lm model directory (default: the bundled SmolLM2-135M-Instruct, fetched on first use)")
     p.add_argument("--served-model-name", metavar="NAME", help="model id clients send and /v1/models lists (default: the model directory's name)")
@@ -183,6 +192,8 @@ def run(args) -> int:
         wait_ready(url + "/ready", sup, deadline)
         publish(secret.parent, addresses=addr, secret=secret, model=model, url=url)
         sup.say(f"ready: {url}/v1  (OpenAI-compatible; Ctrl-C stops everything)")
+        if console_served(url):
+            sup.say(f"console: {url}/  (chat playground and live cluster view in a browser)")
         sup.say("try: " + curl_hint(url, args.served_model_name or model.name, args.api_key_file))
         while not sup.stopping.wait(0.5):
             sup.check()

@@ -48,6 +48,7 @@ def _card(page, node: str, state: str) -> str:
 def test_console_chats_streams_and_follows_the_cluster(serve, browser):  # noqa: F811
     s = serve()
     s.wait_for("ready: http://")
+    s.wait_for(f"console: {s.url}/")
     context = browser.new_context(viewport={"width": 1280, "height": 800}, color_scheme="dark")
     page = context.new_page()
     problems: list[str] = []

@@ -210,7 +210,8 @@ function workerCard(w, tokensPerS) {
       h("span", `state state-${w.state}`, [w.state]),
     ]),
     h("dl", null, [
-      stat("Load", `${fmtInt(w.running || 0)} running · ${fmtInt(w.waiting || 0)} waiting`, bar(w.inflight || 0, w.capacity || 0), `${w.inflight || 0} of ${w.capacity || 0} slots held`),
+      stat("Load", `${fmtInt(w.running || 0)} running` + (w.waiting ? ` · ${fmtInt(w.waiting)} waiting` : ""),
+        bar(w.inflight || 0, w.capacity || 0), `${fmtInt(w.waiting || 0)} waiting · ${w.inflight || 0} of ${w.capacity || 0} slots held`),
       stat("KV blocks", `${fmtCount(used)} used · ${fmtCount(Math.max(0, total - used))} free`, bar(used, total), total ? `${((100 * used) / total).toFixed(1)}% of ${fmtInt(total)}` : ""),
       stat("Prefix hits", hits, null, w.prefix_queries ? `${fmtInt(w.prefix_hits)} of ${fmtInt(w.prefix_queries)} prompts` : "no prompt yet"),
       stat("Tokens/s", tokensPerS === null ? "–" : fmtRate(tokensPerS), null, `${fmtInt(w.tokens || 0)} streamed`),
