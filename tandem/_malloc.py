@@ -28,18 +28,23 @@ MMAP_THRESHOLD = 64 << 20  # above a prefill's largest temporary (4 x 512 tokens
 TRIM_THRESHOLD = 512 << 20  # free memory kept at the heap's top before it is returned
 
 
-def tune_malloc() -> bool:
-    """Apply the settings; True if glibc took them."""
-    if knobs.MALLOC == "default":
-        return False
+def _mallopt(settings: list[tuple[int, int]]) -> bool:
+    """glibc's ``mallopt`` for each (parameter, value); False where there is none (macOS,
+    musl) or glibc refused one."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_ARENA_MAX, 1) and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-                and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return all(mallopt(param, value) for param, value in settings)
+
+
+def tune_malloc() -> bool:
+    """Apply the settings; True if glibc took them."""
+    if knobs.MALLOC == "default":
+        return False
+    return _mallopt([(_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD)])
 
 
 def retain_freed_memory() -> bool:
@@ -53,12 +58,5 @@ def retain_freed_memory() -> bool:
     (an 8k-token 8B-shaped cache) still handed it back, and the next one faulted again.
     Call once in a prefill or decode worker (after :func:`tune_malloc`, whose thresholds it
     replaces). Returns False where mallopt is unavailable (not glibc)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    ok = mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1) and mallopt(_M_TOP_PAD, 256 << 20)
     # 32 MiB is glibc's largest mmap threshold: frames (one layer's K or V) above it stay mmapped.
-    return bool(ok and mallopt(_M_MMAP_THRESHOLD, 32 << 20))
+    return _mallopt([(_M_TRIM_THRESHOLD, (1 << 31) - 1), (_M_TOP_PAD, 256 << 20), (_M_MMAP_THRESHOLD, 32 << 20)])

@@ -20,7 +20,6 @@ import time
 import zmq
 
 from tandem.broker import frames as F
-from tandem.broker import jobs as J
 from tandem.broker.dispatcher import Dispatcher
 from tandem.broker.settings import BrokerSettings
 from tandem.broker.stats import snapshot

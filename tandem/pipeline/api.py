@@ -7,7 +7,7 @@ return quickly (normally ``queue.put``), because the step loop waits for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from tandem.kvtypes import KVSnapshot, SamplingParams, TokenLogprob, Usage

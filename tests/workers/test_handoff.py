@@ -12,7 +12,6 @@ import zmq
 
 from tandem.kvtypes import KVSnapshot, SamplingParams
 from tandem.wire import messages as M
-from tandem.wire.errors import WireError
 from tandem.wire.kvframes import KVOptions, snapshot_messages
 from tandem.workers.handoff import KVIngest, KVPeer, Outgoing
 
@@ -68,13 +67,6 @@ def pump(peer: KVPeer, ingest: KVIngest, *, at_capacity=lambda: False, rounds=50
         if not moved and (got or verdicts):
             break
     return got, verdicts
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(0)
 
 
 def test_sealed_handoff_end_to_end(ctx):

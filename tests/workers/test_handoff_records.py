@@ -18,13 +18,6 @@ from tandem.wire.kvframes import KVOptions, snapshot_messages
 from tandem.workers.handoff import KVIngest, KVPeer, Outgoing
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(0)
-
-
 def big_snapshot(seed: int, tokens: int = 1024, layers: int = 4, heads: int = 4, dim: int = 128) -> KVSnapshot:
     rng = np.random.default_rng(seed)
     nb = tokens // 16

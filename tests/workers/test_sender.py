@@ -21,13 +21,6 @@ from tests.wire.test_kvframes import make_snapshot
 SECRET = b"t" * 32
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 class Decode:
     """A decode worker's side of the handoff, as workers/transfers.py runs it: accept (or
     refuse) each new transfer's header, acknowledge each completed one. Records what each
