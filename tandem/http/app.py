@@ -206,7 +206,7 @@ def create_app(config=None, backend: Backend | None = None, tokenizer: EdgeToken
     app.add_route("/ready", ReadyResource(edge))
     app.add_route("/metrics", MetricsResource(edge))
     if config.edge.console:
-        console = ConsoleResource(load_assets())
+        console = ConsoleResource(load_assets(), api_key_required=edge.api_key is not None)
         app.add_route("/", console)
         app.add_route("/console/{name}", console, suffix="asset")
     app.edge = edge  # for tests and the gunicorn config

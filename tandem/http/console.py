@@ -11,6 +11,7 @@ origin: even a rendering bug could not run model-written script or send data els
 from __future__ import annotations
 
 import hashlib
+import json
 from importlib import resources
 
 import falcon
@@ -22,6 +23,7 @@ _TYPES = {
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
     ".svg": "image/svg+xml",
+    ".json": "application/json",
 }
 _HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -48,12 +50,15 @@ def load_assets() -> dict[str, _Asset]:
 
 
 class ConsoleResource:
-    """``GET /`` (the page) and ``GET /console/{name}`` (its scripts, styles, icon)."""
+    """``GET /`` (the page), ``GET /console/{name}`` (its scripts, styles, icon) and
+    ``GET /console/settings.json`` (what the page must know before its first call)."""
 
-    def __init__(self, assets: dict[str, _Asset]):
+    def __init__(self, assets: dict[str, _Asset], *, api_key_required: bool):
         if "index.html" not in assets:
             raise ValueError("the web console's index.html is missing from the package (tandem/http/static)")
-        self.assets = assets
+        # Told up front so that the page asks for the key instead of failing a call first.
+        settings = json.dumps({"api_key_required": api_key_required}).encode()
+        self.assets = {**assets, "settings.json": _Asset("settings.json", settings)}
 
     async def on_get(self, req, resp):
         self._send(req, resp, self.assets["index.html"])

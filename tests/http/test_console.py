@@ -70,5 +70,7 @@ def test_the_page_is_public_the_api_behind_it_is_not(make_app, fake, tmp_path):
     key.write_text("sekrit\n")
     app = make_app(fake, api_key_file=str(key))
     assert get(app, "/").status == 200 and get(app, "/console/chat.js").status == 200
+    assert get(app, "/console/settings.json").json() == {"api_key_required": True}
+    assert get(make_app(fake), "/console/settings.json").json() == {"api_key_required": False}
     assert get(app, "/v1/stats").status == 401
     assert get(app, "/v1/stats", headers={"Authorization": "Bearer sekrit"}).status == 200

@@ -1,7 +1,8 @@
 """The web console end to end: headless Chromium against a real `tandem serve`.
 
-The page loads without a console error (a Content-Security-Policy violation or a
-script error would be one), a chat message streams an answer through the edge's
+The page asks for the edge's API key and loads without a console error (a
+Content-Security-Policy violation, a script error or a failed request would be one), a
+chat message streams an answer through the edge's
 OpenAI API, Stop aborts a long one, the cluster view lists the prefill and decode
 workers and follows a killed decode worker down and back up, and the page fits a
 phone's width. Skipped, with the reason, where no Chromium or no Playwright is found;
@@ -45,8 +46,10 @@ def _card(page, node: str, state: str) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_console_chats_streams_and_follows_the_cluster(serve, browser):  # noqa: F811
-    s = serve()
+def test_console_chats_streams_and_follows_the_cluster(serve, browser, tmp_path):  # noqa: F811
+    key = tmp_path / "api-key"
+    key.write_text("console-test-key\n")
+    s = serve("--api-key-file", str(key))
     s.wait_for("ready: http://")
     s.wait_for(f"console: {s.url}/")
     context = browser.new_context(viewport={"width": 1280, "height": 800}, color_scheme="dark")
@@ -57,6 +60,10 @@ def test_console_chats_streams_and_follows_the_cluster(serve, browser):  # noqa:
 
     page.goto(s.url + "/")
     assert page.title() == "tandem console"
+    # The edge requires an API key: the page asks for it before its first call.
+    page.wait_for_selector("#key-dialog[open]")
+    page.fill("#key-input", "console-test-key")
+    page.click("#key-form button[type=submit]")
     # The cluster view lists both workers, up, under their redacted ids only.
     page.wait_for_selector(_card(page, "prefill-0", "up"), timeout=20_000)
     page.wait_for_selector(_card(page, "decode-0", "up"), timeout=20_000)

@@ -17,10 +17,12 @@ export class Api {
     // Concurrent 401s (a poll and a chat message) share one prompt.
     this.askKey = null;
     this._asking = null;
+    this.declined = false; // the user cancelled the prompt: no more prompts until a key is set
   }
 
   setKey(key) {
     this.key = key || "";
+    this.declined = false;
     writeStore(KEY_STORE, this.key || null);
   }
 
@@ -31,7 +33,7 @@ export class Api {
       const headers = { ...(init.headers || {}) };
       if (this.key) headers.Authorization = `Bearer ${this.key}`;
       const resp = await fetch(path, { ...init, headers });
-      if (resp.status !== 401 || !this.askKey) return resp;
+      if (resp.status !== 401 || !this.askKey || this.declined) return resp;
       const key = await this._ask(wrong || Boolean(this.key));
       if (key === null) return resp;
       wrong = true;
@@ -43,10 +45,23 @@ export class Api {
       this._asking = this.askKey(wasWrong).then((key) => {
         this._asking = null;
         if (key !== null) this.setKey(key);
+        else this.declined = true;
         return key;
       });
     }
     return this._asking;
+  }
+
+  // Asks for a key before the first call when the edge says it needs one (no 401 first).
+  async ensureKey() {
+    let settings = {};
+    try {
+      const resp = await fetch("/console/settings.json");
+      if (resp.ok) settings = await resp.json();
+    } catch {
+      // an older edge or a network hiccup: the first 401 asks instead
+    }
+    if (settings.api_key_required && !this.key && this.askKey) await this._ask(false);
   }
 
   async json(path, init) {

@@ -16,6 +16,7 @@ export class Chat {
     this.messages = this.$("messages");
     this.prompt = this.$("prompt");
     this.send = this.$("send");
+    this.send.disabled = true; // until the served model's id is known
     this.params = { ...DEFAULTS, ...store.get(PARAMS_STORE, {}) };
     this._bindParams();
     this.$("composer").addEventListener("submit", (e) => {
@@ -35,6 +36,7 @@ export class Chat {
 
   setModel(id) {
     this.model = id;
+    this.send.disabled = false;
   }
 
   _bindParams() {

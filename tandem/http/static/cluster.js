@@ -57,8 +57,8 @@ export class Cluster {
     const up = stats !== null ? true : metrics ? metric(metrics, "tandem_broker_up") === 1 : false;
     if (this.brokerUp !== null && up !== this.brokerUp) this._event(up ? "The broker answers again" : "The broker stopped answering", up ? "up" : "down");
     this.brokerUp = up;
-    const ready = stats ? readyText(stats) : { ok: false, text: this.statsOff ? "stats off" : "broker down" };
-    this.onReady(this.statsOff && up ? { ok: true, text: "up" } : ready);
+    // Without the stats (turned off, or no key) the edge's tandem_broker_up still tells.
+    this.onReady(stats ? readyText(stats) : up ? { ok: true, text: "broker up" } : { ok: false, text: "broker down" });
 
     const tokens = rate(prev, { t, stats, metrics }, (s) => (s.stats ? (s.stats.counters || {}).tokens || 0 : null),
       (s) => (s.metrics ? metric(s.metrics, "tandem_generation_tokens_total") : null));
@@ -70,7 +70,7 @@ export class Cluster {
       this._workers(stats.workers || [], prev && prev.stats ? prev.stats.workers || [] : [], prev ? t - prev.t : 0);
       this._changes(stats.workers || []);
     }
-    const routing = stats ? `${stats.strategy.replace(/_/g, " ")} routing · ` : "";
+    const routing = stats && stats.strategy ? `${String(stats.strategy).replace(/_/g, " ")} routing · ` : "";
     this.updated.textContent = `${routing}updated ${new Date().toLocaleTimeString()}`;
   }
 

@@ -63,6 +63,7 @@ function setupKeyDialog(api) {
     if (dialog.open) return;
     open(api.key ? "An API key is saved in this browser. Replace or forget it." : "Set the API key this browser sends.")
       .then((key) => { if (key !== null) api.setKey(key); });
+    // (Cancelling here changes nothing; Forget clears the saved key.)
   });
 }
 
@@ -96,5 +97,6 @@ const api = new Api();
 setupKeyDialog(api);
 const chat = new Chat(api, document);
 const cluster = new Cluster(api, document, { onReady: showReady });
+await api.ensureKey();
 loadModel(api, chat);
 cluster.start();
