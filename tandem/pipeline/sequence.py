@@ -80,3 +80,11 @@ class Row:
     start: int
     n: int
     samples: bool  # whether this row's last position yields a token
+    # Drafted tokens this row verifies: its inputs are the sequence's last token and then
+    # these (n = 1 + len(draft)), and the step returns the logits of all n positions.
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def logits(self) -> int:
+        """How many of this row's last positions the forward returns logits for."""
+        return 1 + len(self.draft)

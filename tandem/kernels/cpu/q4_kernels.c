@@ -429,6 +429,8 @@ typedef struct {
     float scale;
     const float *cos_t, *sin_t;  /* (B, d/2) */
     atomic_long next;
+    const int *kvrow;  /* row b's KV region (NULL: its own, b) */
+    int phase;         /* 0: RoPE, append and attend; 1: RoPE and append only; 2: attend only */
 } at_job;
 
 /* RoPE of one head (d values) by a row's cos/sin (d/2 each), in place. */
@@ -453,15 +455,19 @@ static void at_part(void *arg, long part, long parts) {
         if (at >= j->npairs) break;
         const long bh = j->order[at];
         const long b = bh / j->hkv, g = bh % j->hkv, n = j->lens[b], half = d / 2;
-        float *K = j->kmir[j->layer] + bh * j->cap * d, *V = j->vmir[j->layer] + bh * j->cap * d;
+        const long kvh = (j->kvrow ? j->kvrow[b] * j->hkv + g : bh);
+        float *K = j->kmir[j->layer] + kvh * j->cap * d, *V = j->vmir[j->layer] + kvh * j->cap * d;
         float *row = j->qkv + b * j->ld, *Q = row + g * rep * d, *newk = row + (j->hq + g) * d;
-        /* this pair's RoPE and KV append here, in parallel, rather than for every row
-           on the caller's thread before the job */
-        const float *c = j->cos_t + b * half, *sn = j->sin_t + b * half;
-        for (long r = 0; r < rep; r++) rope_head(Q + r * d, c, sn, half);
-        rope_head(newk, c, sn, half);
-        memcpy(K + (n - 1) * d, newk, sizeof(float) * d);
-        memcpy(V + (n - 1) * d, row + (j->hq + j->hkv + g) * d, sizeof(float) * d);
+        if (j->phase != 2) {
+            /* this pair's RoPE and KV append here, in parallel, rather than for every row
+               on the caller's thread before the job */
+            const float *c = j->cos_t + b * half, *sn = j->sin_t + b * half;
+            for (long r = 0; r < rep; r++) rope_head(Q + r * d, c, sn, half);
+            rope_head(newk, c, sn, half);
+            memcpy(K + (n - 1) * d, newk, sizeof(float) * d);
+            memcpy(V + (n - 1) * d, row + (j->hq + j->hkv + g) * d, sizeof(float) * d);
+        }
+        if (j->phase == 1) continue;
         float *O = j->o + b * j->hq * d + g * rep * d;
         if (d == 64 && rep == 3) attend_pair(Q, K, V, O, n, 3, 64, j->scale, s, s + rep * j->maxlen);
         else if (d == 64) attend_pair(Q, K, V, O, n, rep, 64, j->scale, s, s + rep * j->maxlen);
@@ -786,7 +792,8 @@ int rms_norm_cols(const float *x, const float *w, float *out, long n, long t, fl
 int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const float *norm_w,
                    float *x, long B, long hidden, long hq, long hkv, long d, long inter,
                    const float *cos_t, const float *sin_t, float *const *kmir, float *const *vmir,
-                   const int *lens, long cap, float eps, float scale, float *logits, long threads) {
+                   const int *lens, const int *kvrow, long cap, float eps, float scale, float *logits,
+                   long threads) {
     const long F = (hq + 2 * hkv) * d;
     long maxlen = 1;
     for (long b = 0; b < B; b++) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
@@ -813,8 +820,14 @@ int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const floa
         PROF(0);
         matmul(&L->qkv, h, B, qkv, F, 0, L->qkv_bias, threads);
         PROF(1);
-        at_job aj = {qkv, kmir, vmir, o, lens, order, B * hkv, l, hq, hkv, d, cap, F, maxlen, scale, cos_t, sin_t, 0};
+        at_job aj = {qkv, kmir, vmir, o, lens, order, B * hkv, l, hq, hkv, d, cap, F, maxlen, scale, cos_t, sin_t, 0,
+                     kvrow, kvrow ? 1 : 0};
         parallel(at_part, &aj, threads);
+        if (kvrow) {  /* rows sharing a region (a verified draft) see each other's new keys */
+            atomic_store(&aj.next, 0);
+            aj.phase = 2;
+            parallel(at_part, &aj, threads);
+        }
         PROF(2);
         matmul(&L->o, o, B, x, hidden, 1, NULL, threads);
         PROF(3);

@@ -64,7 +64,7 @@ def _build() -> ctypes.CDLL:
     P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     lib.q4_matmul.argtypes = [P, P, L, P, L]
     lib.q4_expand.argtypes = [P, P]
-    lib.q4_decode_step.argtypes = [P, L, P, P, P, L, L, L, L, L, L, P, P, P, P, P, L, F, F, P, L]
+    lib.q4_decode_step.argtypes = [P, L, P, P, P, L, L, L, L, L, L, P, P, P, P, P, P, L, F, F, P, L]
     lib.rope_cols.argtypes = [P, L, L, L, P, P, L]
     lib.silu_rows.argtypes = [P, L, L, P, L]
     lib.rope_rows.argtypes = [P, L, L, L, L, P, P, L]
@@ -213,27 +213,36 @@ def layers_array(layers: list[_Layer]):
 
 def decode_step(layers, head: Q4Matrix, norm_w: np.ndarray, x: np.ndarray, dims: tuple, cos: np.ndarray,
                 sin: np.ndarray, kmir: list[np.ndarray], vmir: list[np.ndarray], lens: np.ndarray, cap: int,
-                eps: float, scale: float) -> np.ndarray:
+                eps: float, scale: float, kvrow: np.ndarray | None = None) -> np.ndarray:
     """One decode step, every layer and the vocabulary projection -> logits (B, vocab).
 
     x (B, hidden) float32 (overwritten); dims = (hidden, Hq, Hkv, D, intermediate);
     cos, sin (B, D/2); kmir/vmir: per layer a C-contiguous float32 buffer of
-    (B, Hkv, cap, D) into which each row's new key and value are written at position
-    lens[b] - 1 before the attention reads the first lens[b] positions."""
+    (R, Hkv, cap, D) into which each row's new key and value are written at position
+    lens[b] - 1 before the attention reads the first lens[b] positions. ``kvrow`` (B,):
+    the region of R that row b writes and reads (None: its own, R = B); rows that share
+    one (a sequence's positions verified together) all write before any attends, so each
+    sees the keys of the positions before its own."""
     hidden, hq, hkv, d, inter = dims
     B = x.shape[0]
     assert x.dtype == np.float32 and x.flags.c_contiguous and x.shape == (B, hidden)
     assert cos.shape == sin.shape == (B, d // 2) and cos.flags.c_contiguous and sin.flags.c_contiguous
     lens = np.ascontiguousarray(lens, np.int32)
     assert lens.shape == (B,) and lens.min() >= 1 and lens.max() <= cap
+    R = B
+    if kvrow is not None:
+        kvrow = np.ascontiguousarray(kvrow, np.int32)
+        R = int(kvrow.max()) + 1
+        assert kvrow.shape == (B,) and kvrow.min() >= 0
     for m in (*kmir, *vmir):
-        assert m.dtype == np.float32 and m.flags.c_contiguous and m.size == B * hkv * cap * d
+        assert m.dtype == np.float32 and m.flags.c_contiguous and m.size == R * hkv * cap * d
     nl = len(kmir)
     kp = (ctypes.c_void_p * nl)(*[m.ctypes.data for m in kmir])
     vp = (ctypes.c_void_p * nl)(*[m.ctypes.data for m in vmir])
     logits = np.empty((B, head.n), np.float32)
     rc = _lib.q4_decode_step(layers, nl, ctypes.byref(head.c), norm_w.ctypes.data, x.ctypes.data, B, hidden,
-                             hq, hkv, d, inter, cos.ctypes.data, sin.ctypes.data, kp, vp, lens.ctypes.data, cap,
+                             hq, hkv, d, inter, cos.ctypes.data, sin.ctypes.data, kp, vp, lens.ctypes.data,
+                             None if kvrow is None else kvrow.ctypes.data, cap,
                              eps, scale, logits.ctypes.data, cpu_kernels.threads())
     if rc != 0:
         raise MemoryError("4-bit decode step: no memory for its buffers")

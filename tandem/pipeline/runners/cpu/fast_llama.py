@@ -305,11 +305,14 @@ class FastLlama:
         self.prefill_sgemm = None
 
     def __call__(self, inputs: mx.array, caches, mask: mx.array | None, max_q_start: int,
-                 last: mx.array | None) -> mx.array:
+                 last: np.ndarray | None) -> mx.array:
         """inputs: (B, L) token ids; caches: one per layer (offset, update_and_fetch);
-        mask: additive (B, 1, L, K) or None; last: (B,) index of each row's position to
-        project onto the vocabulary (None: position 0, a decode) -> logits (B, V)."""
+        mask: additive (B, 1, L, K) or None; last: (B, m) the positions of each row to
+        project onto the vocabulary (None: position 0, a decode) -> logits (B * m, V),
+        row by row."""
         B, L = inputs.shape
+        if last is not None:
+            last = np.asarray(last).reshape(B, -1)  # (B,): one position a row
         blas = False
         if L == 1 and self.native is not None and B <= native_decode.MAX_ROWS and hasattr(caches[0], "native_mirror"):
             mirror = caches[0].native_mirror()
@@ -340,12 +343,13 @@ class FastLlama:
             else:
                 for layer, cache, (qkv_w, qkv_b, gu_w) in zip(self.inner.layers, caches, self.fused.layers):
                     x = self._layer(layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start)
-        if x.shape[0] != B:  # every token's hidden state: keep each row's last (or first)
+        if x.shape[0] != B and not blas:  # every token's hidden state: keep the wanted ones
             x = x.reshape(B, L, -1)
-            x = x[:, 0] if last is None else x[mx.arange(B), last]
+            x = x[:, 0] if last is None else x[mx.arange(B)[:, None], mx.array(last)].reshape(-1, x.shape[-1])
         h = self.inner.norm(x)
         if L > 1 and blas:
             return mx.array(self._head_host(np.asarray(h)))
+        B = h.shape[0]
         if B >= self.left_below:
             return h @ self.head.T
         if _padded(B) < HEAD_CHUNK_FROM:
@@ -396,16 +400,16 @@ class FastLlama:
             assert all(w is None or w.flags.c_contiguous for ws in self._np_weights for w in ws)
         return self._np_weights[i]
 
-    def _layers_blas(self, x: mx.array, caches, B: int, L: int, last: mx.array | None) -> mx.array:
+    def _layers_blas(self, x: mx.array, caches, B: int, L: int, last: np.ndarray | None) -> mx.array:
         """Every layer of a prefill on the host, token columns, the products through
         OpenBLAS on the kernels' pool and everything else in C; only the KV cache is
-        mlx's. x (B*L, hidden) embedded tokens -> (B, hidden) hidden states of each row's
-        ``last`` token (position 0 without it)."""
+        mlx's. x (B*L, hidden) embedded tokens -> (B * m, hidden) hidden states of each
+        row's ``last`` (B, m) tokens (position 0 without it)."""
         xc = np.ascontiguousarray(np.asarray(x).T)  # the residual stream, (hidden, B*L)
         for i, (layer, cache) in enumerate(zip(self.inner.layers, caches)):
             self._layer_blas(layer, cache, xc, B, L, self._host_weights(i))
-        pick = np.arange(B) * L + (np.zeros(B, np.int64) if last is None else np.array(last, np.int64))
-        return mx.array(np.ascontiguousarray(xc[:, pick].T))
+        pick = np.arange(B)[:, None] * L + (np.zeros((B, 1), np.int64) if last is None else np.asarray(last, np.int64))
+        return mx.array(np.ascontiguousarray(xc[:, pick.reshape(-1)].T))
 
     def _layer_blas(self, layer, cache, xc: np.ndarray, B: int, L: int, weights) -> None:
         """One layer over the residual stream xc (hidden, B*L), updated in place: the

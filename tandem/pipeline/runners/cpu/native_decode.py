@@ -72,16 +72,16 @@ class NativeDecode:
         if qkv.n != (Hq + 2 * Hkv) * D:
             raise ValueError("value heads of another size than the query and key heads")
 
-    def step(self, inputs: mx.array, mirror, cos: mx.array, sin: mx.array) -> mx.array:
+    def step(self, inputs: mx.array, mirror, cos: mx.array, sin: mx.array, kvrow: np.ndarray | None = None) -> mx.array:
         """inputs (B, 1) token ids; mirror: what ``native_mirror()`` returned; cos, sin
-        (D/2, B, 1) RoPE tables -> logits (B, vocab)."""
+        (D/2, B, 1) RoPE tables -> logits (B, vocab). ``kvrow``: see ``q4_kernels.decode_step``."""
         kmir, vmir, lens, cap = mirror
         B = inputs.shape[0]
         x = np.array(self.embed(inputs).reshape(B, -1), np.float32)
         c = np.ascontiguousarray(np.array(cos).reshape(-1, B).T)
         s = np.ascontiguousarray(np.array(sin).reshape(-1, B).T)
         logits = q4_kernels.decode_step(self.layers, self.head, self.norm_w, x, self.dims, c, s, kmir, vmir,
-                                        lens, cap, self.eps, self.scale)
+                                        lens, cap, self.eps, self.scale, kvrow)
         return mx.array(logits)
 
 

@@ -17,8 +17,9 @@ import numpy as np
 
 from tandem.kernels.cpu import cpu_math, q4_kernels
 from tandem.pipeline.kv_store import KVStore
-from tandem.pipeline.runners.cpu import fast_llama
-from tandem.pipeline.runners.portable.paged import PagedLayerCache, PagedRunner
+from tandem.pipeline.runners.cpu import fast_llama, native_decode
+from tandem.pipeline.runners.portable.paged import PagedLayerCache, PagedRunner, logit_positions
+from tandem.pipeline.sequence import Row
 
 log = logging.getLogger("tandem.engine")
 
@@ -91,19 +92,71 @@ class CpuRunner(PagedRunner):
             else:
                 log.info("mlx-lm forward for this model (the fast CPU forward does not support %s)", why)
 
-    def _run_model(self, inputs: mx.array, starts: np.ndarray, ns: np.ndarray, ctx: np.ndarray) -> mx.array:
+    def forward(self, rows: list[Row], inputs) -> mx.array:
+        if inputs.shape[1] > 1 and self._verifies_natively(rows):
+            return self._verify_native(rows, inputs)
+        return super().forward(rows, inputs)
+
+    def _verifies_natively(self, rows: list[Row]) -> bool:
+        """Whether a step whose rows each verify a draft (every position's logits, after
+        context already computed) can run as one 4-bit decode step of all their positions."""
+        fast = self.fast
+        return (fast is not None and fast.native is not None and self.use_mirror and self.store.dtype == mx.float32
+                and all(r.start > 0 and r.n == r.logits for r in rows)
+                and sum(r.n for r in rows) <= native_decode.MAX_ROWS)
+
+    def _verify_native(self, rows: list[Row], inputs) -> mx.array:
+        """Every position of every row as a row of the C decode step, each writing its key
+        and value into its sequence's region of the decode mirror and attending over the
+        positions up to its own (the kernel appends all of a step's entries before any
+        row attends). A draft of k tokens then costs what a decode step of k + 1 rows
+        costs, where the mlx prefill path cost several decode steps per position (4-bit
+        weights read once for all rows; docs/benchmarks/speculative.md). Rejected
+        positions leave entries past the accepted length in the mirror and in its pending
+        flush; the next step overwrites them (a flush keeps the last entry of a slot)."""
+        B, L = inputs.shape
+        starts, ns, ctx, table, slots = self._layout(rows, L)
+        b, m, store = self.batch, self.mirror, self.store
+        b.offsets = mx.array(starts)
+        b.table, b.table_host = mx.array(table), table
+        b.kv_len, b.lens = int(ctx.max()), ctx
+        b.exact_len, b.mask = None, None
+        self._plan_mirror(rows, starts, ctx)
+        if b.mirror == "rebuild":
+            self.flush()
+            if not self._fill_mirror_host():
+                for layer in range(store.num_layers):
+                    self.rebuild_mirror_layer(layer)
+        b.mirror = "append"
+        valid = np.arange(L)[None, :] < ns[:, None]
+        q_row, q_j = np.nonzero(valid)
+        q_pos = (starts[q_row] + q_j).astype(np.int32)
+        H = store.n_kv_heads
+        m.pending.append((slots[valid].astype(slots.dtype), ((q_row[:, None] * H + np.arange(H)[None, :]) * m.cap
+                                                              + q_pos[:, None]).astype(np.int32)))
+        mx.eval(m.keys, m.values)
+        mirror = [np.asarray(k) for k in m.keys], [np.asarray(v) for v in m.values], q_pos + 1, m.cap
+        ids = mx.array(np.asarray(inputs)[valid].reshape(-1, 1))
+        native = self.fast.native
+        return native.step(ids, mirror, *self.fast.decode.tables(mx.array(q_pos), len(q_pos)), kvrow=q_row)
+
+    def _run_model(self, inputs: mx.array, starts: np.ndarray, ns: np.ndarray, ctx: np.ndarray,
+                   rows: list[Row]) -> mx.array:
         if self.fast is None:
-            return super()._run_model(inputs, starts, ns, ctx)
+            return super()._run_model(inputs, starts, ns, ctx, rows)
         b = self.batch
         B, L = inputs.shape
         K = b.exact_len if b.exact_len is not None else b.kv_len  # keys update_and_fetch returns
+        keep = None
         if L == 1:
             mask = None if (ctx == K).all() else cpu_math.additive_mask(ctx - 1, 1, K)
             last = None
         else:
             mask = cpu_math.additive_mask(starts, L, K)
-            last = mx.array(ns - 1)
-        return self.fast(inputs, self.caches, mask, int(starts.max()), last)
+            index, keep = logit_positions(rows)
+            last = index
+        logits = self.fast(inputs, self.caches, mask, int(starts.max()), last)
+        return logits if keep is None else logits[mx.array(keep)]
 
 
     def _fill_mirror_host(self) -> bool:

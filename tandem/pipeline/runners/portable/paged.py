@@ -124,7 +124,8 @@ class PagedLayerCache:
 
 class _LastRows(nn.Module):
     """Stands in for the model's final norm during a prefill so the vocabulary projection
-    runs on each row's last real position only, not on every prompt position."""
+    runs on the positions whose logits are wanted only (each row's last real one, or a
+    verified draft's), not on every prompt position. ``index`` (B, m)."""
 
     def __init__(self, norm, index: mx.array):
         super().__init__()
@@ -132,8 +133,22 @@ class _LastRows(nn.Module):
         self.index = index
 
     def __call__(self, h):
-        h = h[mx.arange(h.shape[0]), self.index][:, None, :]
+        h = h[mx.arange(h.shape[0])[:, None], self.index]
         return self.norm(h)
+
+
+def logit_positions(rows: list[Row]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Where a forward's logits come from: ``index`` (B, m), the positions of each row
+    whose logits are wanted (its last ``row.logits`` real ones, the last repeated to fill
+    m), and ``keep``: which of the B * m results to return, in row order (None: all, m = 1)."""
+    want = np.fromiter((r.logits for r in rows), np.int32, len(rows))
+    ns = np.fromiter((r.n for r in rows), np.int32, len(rows))
+    m = int(want.max())
+    j = np.arange(m, dtype=np.int32)[None, :]
+    index = ns[:, None] - want[:, None] + np.minimum(j, want[:, None] - 1)
+    if m == 1:
+        return index, None
+    return index, np.flatnonzero((j < want[:, None]).reshape(-1))
 
 
 class PagedRunner(RunnerBase):
@@ -153,15 +168,16 @@ class PagedRunner(RunnerBase):
         inner = getattr(model, "model", None)
         self._norm_owner = inner if isinstance(getattr(inner, "norm", None), nn.Module) else None
 
-    def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
-        """inputs: (B, L) token ids, row b's real tokens first -> logits (B, V) at each row's last real token."""
+    def _layout(self, rows: list[Row], L: int):
+        """Each row's first position, length and context, the block table (0 = the store's
+        scratch block, ids + 1) and the pool slot of every (row, position) (B, L)."""
         bs = self.store.block_size
-        B, L = inputs.shape
+        B = len(rows)
         starts = np.fromiter((r.start for r in rows), np.int32, B)
         ns = np.fromiter((r.n for r in rows), np.int32, B)
         ctx = starts + ns
         nb = int((ctx.max() + bs - 1) // bs)
-        table = np.zeros((B, nb), np.int32)  # 0 = the store's scratch block
+        table = np.zeros((B, nb), np.int32)
         for i, r in enumerate(rows):
             ids = r.seq.block_ids[: (ctx[i] + bs - 1) // bs]
             table[i, : len(ids)] = ids
@@ -170,6 +186,16 @@ class PagedRunner(RunnerBase):
         valid = np.arange(L)[None, :] < ns[:, None]
         blk = np.take_along_axis(table, np.minimum(pos // bs, nb - 1), axis=1)
         slots = np.where(valid, blk * bs + pos % bs, 0)
+        return starts, ns, ctx, table, slots
+
+    def forward(self, rows: list[Row], inputs: mx.array) -> mx.array:
+        """inputs: (B, L) token ids, row b's real tokens first -> logits (sum of rows'
+        ``logits``, V): each row's last ``row.logits`` real positions, in row order ((B, V)
+        at each row's last real token when no row verifies a draft)."""
+        bs = self.store.block_size
+        B, L = inputs.shape
+        starts, ns, ctx, table, slots = self._layout(rows, L)
+        nb = table.shape[1]
         b = self.batch
         b.offsets = mx.array(starts)
         b.slots = mx.array(slots.reshape(-1))
@@ -197,28 +223,36 @@ class PagedRunner(RunnerBase):
             b.exact_len = None
             b.kv_len = nb * bs
             b.mask = pa.causal_mask(b.offsets, L, nb * bs)
-        return self._run_model(inputs, starts, ns, ctx)
+        return self._run_model(inputs, starts, ns, ctx, rows)
 
-    def _run_model(self, inputs: mx.array, starts: np.ndarray, ns: np.ndarray, ctx: np.ndarray) -> mx.array:
-        """The model over ``self.batch`` (set by :meth:`forward`): logits at each row's last token."""
+    def _run_model(self, inputs: mx.array, starts: np.ndarray, ns: np.ndarray, ctx: np.ndarray,
+                   rows: list[Row]) -> mx.array:
+        """The model over ``self.batch`` (set by :meth:`forward`): logits at the rows' wanted positions."""
         B, L = inputs.shape
-        if L == 1 or self._norm_owner is None:
+        index, keep = logit_positions(rows)
+        if L == 1:
+            return self.model(inputs, cache=self.caches)[:, -1, :]
+        if self._norm_owner is None:
             logits = self.model(inputs, cache=self.caches)
-            return logits[:, -1, :] if L == 1 else logits[mx.arange(B), mx.array(ns - 1)]
-        owner = self._norm_owner
-        norm = owner.norm
-        owner.norm = _LastRows(norm, mx.array(ns - 1))
-        try:
-            logits = self.model(inputs, cache=self.caches)
-        finally:
-            owner.norm = norm
-        return logits[:, 0, :]
+            logits = logits[mx.arange(B)[:, None], mx.array(index)]
+        else:
+            owner = self._norm_owner
+            norm = owner.norm
+            owner.norm = _LastRows(norm, mx.array(index))
+            try:
+                logits = self.model(inputs, cache=self.caches)
+            finally:
+                owner.norm = norm
+        logits = logits.reshape(-1, logits.shape[-1])
+        return logits if keep is None else logits[mx.array(keep)]
 
     def _plan_mirror(self, rows: list[Row], starts: np.ndarray, ctx: np.ndarray) -> None:
         m, b = self.mirror, self.batch
         H = self.store.n_kv_heads
         key = [(r.seq.serial, r.seq.num_preemptions) for r in rows]
-        if key == m.rows and np.array_equal(starts, m.lens) and int(ctx.max()) <= m.cap:
+        # A row may start before the mirror's end: a verified draft's rejected positions
+        # are past its new start, and this step overwrites them.
+        if key == m.rows and len(starts) == len(m.lens) and (starts <= m.lens).all() and int(ctx.max()) <= m.cap:
             b.mirror = "append"
             B = len(rows)
             b.mirror_rows = ((np.arange(B)[:, None] * H + np.arange(H)[None, :]) * m.cap + starts[:, None]).astype(np.int32)
@@ -257,6 +291,12 @@ class PagedRunner(RunnerBase):
         slots = np.concatenate([s for s, _ in m.pending])
         src = np.concatenate([r for _, r in m.pending])  # (n, H) mirror rows
         m.pending = []
+        # A slot written twice (a rejected draft position, then its real token): the last
+        # entry is the one that counts.
+        _, first_from_end = np.unique(slots[::-1], return_index=True)
+        if len(first_from_end) < len(slots):
+            keep = np.sort(len(slots) - 1 - first_from_end)
+            slots, src = slots[keep], src[keep]
         self._flush_entries(slots, src)
 
     def _flush_entries(self, slots: np.ndarray, src: np.ndarray) -> None:
