@@ -67,3 +67,5 @@ class EngineStats:
     cached_blocks: int = 0  # free blocks still holding reusable prefix KV (part of free_blocks)
     preemptions: int = 0
     prefix_hit_ratio: float = 0.0  # prefix_hits / prefix_queries
+    spec_draft_tokens: int = 0  # tokens drafted for verification (speculative decoding)
+    spec_accepted_tokens: int = 0  # drafted tokens the target accepted

@@ -36,6 +36,7 @@ from tandem.pipeline.grammar import Grammars
 from tandem.pipeline.sampler import Sampled, sample
 from tandem.pipeline.scheduler import Plan, Scheduler
 from tandem.pipeline.sequence import Sequence, Status
+from tandem.pipeline.speculation import Speculator
 from tandem.pipeline.settings import EngineSettings
 
 log = logging.getLogger("tandem.engine")
@@ -81,7 +82,7 @@ class Engine:
     refuses requests that carry a grammar."""
 
     def __init__(self, model, settings: EngineSettings, *, model_id: str, eos_token_ids=(), runner_factory=None,
-                 tokenizer=None):
+                 tokenizer=None, speculator: Speculator | None = None):
         self.model = model
         self.settings = settings
         self._cpus = parse_cpus(settings.cpus)  # before any work: a bad value fails the start
@@ -115,6 +116,10 @@ class Engine:
         if tokenizer is not None:
             self.grammars = Grammars(getattr(tokenizer, "_tokenizer", tokenizer), self.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(settings, self.pool, prefix_caching=settings.enable_prefix_caching and sh.pageable)
+        if speculator is not None and self.store is None:
+            log.warning("model %s runs on dense caches: it decodes without speculation", model_id)
+            speculator = None
+        self.speculator = speculator
         self._inbox: queue.Queue = queue.Queue()
         self._by_id: dict[bytes, Sequence] = {}
         self._inflight = None
@@ -309,8 +314,10 @@ class Engine:
 
     def _tick(self) -> int:
         produced = 0
+        spec = self.speculator
         if self._inflight is not None and (self._read_back_first or _exports(self._inflight[0])
-                                           or _needs_history(self._inflight[0])):
+                                           or _needs_history(self._inflight[0]) or _verifies(self._inflight[0])
+                                           or (spec is not None and spec.wants_tokens(self.scheduler.running))):
             # On the CPU, step N is read back and its tokens emitted before anything of
             # step N+1 runs. Launching a step may compute it on the spot (the C decode
             # step and a prefill's C RoPE/SiLU read their inputs back), and tokens emitted
@@ -321,11 +328,15 @@ class Engine:
             # exports KV is read back first too: its export copies from the store arrays,
             # which step N+1's forward replaces with its own pending writes, so exporting
             # after the launch computed most of step N+1 first (a prefill worker's first
-            # tokens and handoffs 2.3 s late, bench/disagg.py timeline).
+            # tokens and handoffs 2.3 s late, bench/disagg.py timeline). A row that verified
+            # drafts, or may draft now, needs its tokens too: how many it accepted decides
+            # where its next step starts, and the drafter reads its last token.
             produced = self._read_back()
         for hook in self._before_schedule:
             hook()
         plan = self.scheduler.schedule()
+        if spec is not None and plan is not None and plan.kind == "decode" and plan.rows:
+            spec.plan(plan.rows, self.scheduler.grow)
         for hook in self._after_schedule:
             hook(plan)
         launched = None
@@ -421,20 +432,27 @@ class Engine:
             inputs = self._host_inputs(rows, prev, keep_host=runner.takes_host_ids)
         logits = runner.forward(rows, inputs)
         sampled = None
+        drafted = any(r.draft for r in rows)
         if samplers:
-            if len(samplers) < len(rows):
-                logits = logits[mx.array(samplers)]
+            if drafted:
+                logits, params, indices, history = self._positions(rows, samplers, logits)
+            else:
+                if len(samplers) < len(rows):
+                    logits = logits[mx.array(samplers)]
+                params = [s.sampling for s in seqs]
+                indices = [s.num_generated + s.pending for s in seqs]
+                history = None
+                if any(s.sampling.penalized for s in seqs):
+                    history = [(s.tokens, len(s.tokens) - s.output_start) if s.sampling.penalized else None for s in seqs]
             bitmask = None
             if masks is not None:
                 mx.async_eval(logits)  # the forward runs while the grammar thread finishes the masks
                 bitmask = masks.result()
-            history = None
-            if any(s.sampling.penalized for s in seqs):
-                history = [(s.tokens, len(s.tokens) - s.output_start) if s.sampling.penalized else None for s in seqs]
-            sampled = sample(logits, [s.sampling for s in seqs], [s.num_generated + s.pending for s in seqs],
-                             history, bitmask)
+                if drafted:  # a row with a grammar drafts nothing: its one position takes its mask
+                    bitmask = np.repeat(bitmask, [rows[i].logits for i in samplers], axis=0)
+            sampled = sample(logits, params, indices, history, bitmask)
             pending = sampled.arrays()
-            posted = runner.post_tokens(sampled.tokens) if len(pending) == 1 else None
+            posted = runner.post_tokens(sampled.tokens) if len(pending) == 1 and not drafted else None
             if posted is not None:  # tokens alone: the runner may read them back its own way
                 sampled.ticket, done = posted
                 pending.append(done)
@@ -445,6 +463,27 @@ class Engine:
             rows[i].seq.pending_index = j
         return (plan, sampled, samplers, pending)
 
+    def _positions(self, rows, samplers: list[int], logits: mx.array):
+        """A step with drafts: the logits of every sampling row's positions (each row's
+        ``logits`` of them, in order) and, per position, the row's sampling parameters,
+        the index of the token it picks in its request and the tokens before it (for
+        penalties): what a step without speculation would use for that token."""
+        counts = [r.logits for r in rows]
+        offsets = np.cumsum([0] + counts)
+        if len(samplers) < len(rows):
+            logits = logits[mx.array(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in samplers]))]
+        params, indices, history = [], [], []
+        penalized = False
+        for i in samplers:
+            r = rows[i]
+            s = r.seq
+            penalized |= s.sampling.penalized
+            for j in range(r.logits):
+                params.append(s.sampling)
+                indices.append(s.num_generated + s.pending + j)
+                history.append((s.tokens + r.draft[:j], len(s.tokens) + j - s.output_start) if s.sampling.penalized else None)
+        return logits, params, indices, history if penalized else None
+
     def _host_inputs(self, rows, prev, keep_host: bool = False):
         """The step's input tokens from the sequences, the in-flight step's samples
         (``prev``) where a row's last input is still pending. ``keep_host``: the numpy array
@@ -454,6 +493,8 @@ class Engine:
         dev_rows, dev_idx = [], []
         for i, r in enumerate(rows):
             known = r.seq.tokens[r.start : r.start + r.n]
+            if r.draft:  # the last token, then the drafts
+                known = known + r.draft
             host[i, : len(known)] = known
             if len(known) < r.n:  # the last input is the in-flight step's sample
                 dev_rows.append(i)
@@ -481,35 +522,54 @@ class Engine:
         for r in plan.rows:
             if not r.samples:  # a sampling row registers below, once its token is in
                 self.scheduler.register_full_blocks(r.seq)
-        for j, i in enumerate(samplers):
-            seq = plan.rows[i].seq
+        offset = 0
+        for i in samplers:
+            row = plan.rows[i]
+            seq = row.seq
+            at, offset = offset, offset + row.logits
             if seq.status is Status.FINISHED:
                 continue  # stopped or aborted while this step was in flight
             seq.pending -= 1
-            tok = toks[j]
-            seq.tokens.append(tok)
-            seq.num_generated += 1
-            produced += 1
+            picks = toks[at : at + row.logits]
+            if row.draft:
+                accepted = self.speculator.accept(seq, row.draft, picks)
+                picks = picks[: accepted + 1]
+                if seq.status is Status.RUNNING:
+                    # The KV of the last token and the accepted drafts stays; the rejected
+                    # positions' entries lie past it, for later steps to overwrite.
+                    seq.num_computed = row.start + 1 + accepted
+            first = seq.num_generated == 0
+            out, logprobs, reason = [], None, None
+            for t, tok in enumerate(picks):
+                seq.tokens.append(tok)
+                seq.num_generated += 1
+                produced += 1
+                if seq.sampling.grammar is not None and self.grammars is not None:
+                    why = self.grammars.advance(seq, tok)
+                    if why is not None:
+                        reason = "error: " + why
+                        break
+                if seq.sampling.logprobs is not None and lps is not None:
+                    n = seq.sampling.logprobs
+                    top = list(zip(top_ids[at + t][:n], top_lps[at + t][:n])) if top_ids is not None else []
+                    logprobs = (logprobs or []) + [TokenLogprob(tok, lps[at + t], top)]
+                if tok in seq.stop_ids:
+                    reason = "stop"
+                    break
+                out.append(tok)
+                if seq.num_generated >= seq.sampling.max_tokens:
+                    reason = "length"
+                    break
             self.scheduler.register_full_blocks(seq)
-            if seq.sampling.grammar is not None and self.grammars is not None:
-                why = self.grammars.advance(seq, tok)
-                if why is not None:
-                    self._finish(seq, "error", error=f"grammar: {why}")
-                    continue
-            logprobs = None
-            if seq.sampling.logprobs is not None and lps is not None:
-                n = seq.sampling.logprobs
-                top = list(zip(top_ids[j][:n], top_lps[j][:n])) if top_ids is not None else []
-                logprobs = [TokenLogprob(tok, lps[j], top)]
-            if tok in seq.stop_ids:
-                self._finish(seq, "stop", logprobs=logprobs)
-            elif seq.num_generated >= seq.sampling.max_tokens:
-                self._finish(seq, "length", last=[tok], logprobs=logprobs)
+            if reason is not None and reason.startswith("error: "):
+                self._finish(seq, "error", error="grammar: " + reason[len("error: "):])
+            elif reason is not None:
+                self._finish(seq, reason, last=out, logprobs=logprobs)
             else:
                 # The first event already says how much of the prompt came from the prefix
                 # cache: a consumer that stops reading early (a stop string) still knows.
-                usage = Usage(seq.prompt_len, seq.num_generated, seq.num_cached_prompt) if seq.num_generated == 1 else None
-                self._emit(seq, TokenEvent(seq.request_id, [tok], logprobs, usage=usage))
+                usage = Usage(seq.prompt_len, seq.num_generated, seq.num_cached_prompt) if first else None
+                self._emit(seq, TokenEvent(seq.request_id, out, logprobs, usage=usage))
                 if seq.hold:
                     holds.append(seq)
         # Every first token of the step is out before the first export starts.
@@ -541,6 +601,8 @@ class Engine:
         self._by_id.pop(seq.request_id, None)
         if self.grammars is not None:
             self.grammars.drop(seq)
+        if self.speculator is not None:
+            self.speculator.drop(seq)
         usage = Usage(seq.prompt_len, seq.num_generated, seq.num_cached_prompt)
         self._emit(seq, TokenEvent(seq.request_id, list(last), logprobs, reason, usage, error, snapshot))
 
@@ -572,6 +634,7 @@ class Engine:
             self._tok_rate = 0.9 * self._tok_rate + 0.1 * (produced / max(dt, 1e-6))
             self._step_ms = 0.9 * self._step_ms + 0.1 * dt * 1e3
         c = self.pool.counters
+        spec = self.speculator.counters if self.speculator is not None else None
         self._stats = EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             free_blocks=self.pool.num_free, total_blocks=self.pool.num_blocks, block_size=self.pool.block_size,
@@ -579,6 +642,7 @@ class Engine:
             tokens_per_s=self._tok_rate, step_time_ms=self._step_ms, steps=self._stats.steps + int(ran),
             cached_blocks=self.pool.num_cached, preemptions=self.scheduler.preemptions,
             prefix_hit_ratio=c.prefix_hits / c.prefix_queries if c.prefix_queries else 0.0,
+            spec_draft_tokens=spec.drafted if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
         )
 
     # ---- helpers ------------------------------------------------------------------
@@ -622,6 +686,11 @@ class Engine:
 def _exports(plan: Plan) -> bool:
     """Whether a step ends with a KV export (a prefill worker's prompt got its first token)."""
     return any(r.samples and r.seq.export_after_prefill for r in plan.rows)
+
+
+def _verifies(plan: Plan) -> bool:
+    """Whether a step verifies drafts (its rows' next steps start where their drafts ended)."""
+    return any(r.draft for r in plan.rows)
 
 
 def _needs_history(plan: Plan) -> bool:

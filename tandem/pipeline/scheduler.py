@@ -192,6 +192,19 @@ class Scheduler:
             seq.block_ids.append(self.pool.allocate())
         return True
 
+    def grow(self, seq: Sequence, upto: int) -> bool:
+        """Give ``seq`` blocks for positions below ``upto`` if the pool has them free, preempting
+        no one (a draft's extra positions). The blocks stay the sequence's after a rejection:
+        its next tokens fill them."""
+        need = self.pool.blocks_for(upto) - len(seq.block_ids)
+        if need <= 0:
+            return True
+        if not self.pool.can_allocate(need + self.blocks_reserved()):
+            return False
+        for _ in range(need):
+            seq.block_ids.append(self.pool.allocate())
+        return True
+
     def _owns(self, seq: Sequence, k: int) -> bool:
         b = seq.block_ids[k]
         return self.pool.ref_count[b] == 1 and self.pool.block_hash[b] is None

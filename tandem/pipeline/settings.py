@@ -31,3 +31,26 @@ class EngineSettings:
     cpus: str | None = field(default=None, metadata={"help": "CPUs the engine thread may run on (Linux), e.g. 3 or 2,3 or 4-7; unset = wherever the OS schedules it. On a GPU one thread encoding every kernel sets the small-batch step, and its speed moved by 1.6x from process to process"})
     decode_graphs: bool = field(default=True, metadata={"help": "on a GPU, decode one greedy row through CUDA graphs of tandem's kernels, captured per table width when the engine starts (7-15 s, on the 8B shape); a prefill-role worker, which never decodes, turns it off"})
     decode_mirror: bool = field(default=True, metadata={"help": "keep the decode batch's KV contiguous as well as paged (faster attention on the CPU; costs one dense copy of the batch's KV)"})
+
+
+@dataclass
+class SpeculativeSettings:
+    """Section [speculative]: drafting tokens that a decode step verifies in the batch."""
+
+    mode: str = field(default="off", metadata={"help": "off; ngram (prompt lookup: propose what followed the last tokens' earlier occurrence; pays where the output copies its input); or draft:PATH (a smaller mlx-lm model with the target's tokenizer, loaded beside it)"})
+    max_draft: int = field(default=4, metadata={"min": 1, "max": 16, "help": "most tokens one sequence drafts per step"})
+    ngram_min: int = field(default=2, metadata={"min": 1, "max": 16, "help": "shortest run of last tokens the prompt lookup matches"})
+    ngram_max: int = field(default=4, metadata={"min": 1, "max": 16, "help": "longest run of last tokens the prompt lookup matches (tried first)"})
+    batch_tokens: int = field(default=16, metadata={"min": 0, "help": "a step drafts at most this many tokens minus its rows in all: a batch that wide is compute-bound already and drafts nothing"})
+    verify_cost: float = field(default=0.1, metadata={"min": 0, "help": "what verifying one drafted position adds to a decode step, as a fraction of it; a sequence drafts the length that yields the most tokens per unit of cost at its recent acceptance, none where that is zero"})
+    retry_steps: int = field(default=16, metadata={"min": 1, "help": "steps a sequence whose drafts stopped paying waits before it tries one again"})
+
+    def draft_path(self) -> str | None:
+        """The draft model's path for ``draft:PATH``; None for off and ngram. Raises
+        ValueError for any other mode."""
+        if self.mode in ("off", "ngram"):
+            return None
+        kind, sep, path = self.mode.partition(":")
+        if kind != "draft" or not sep or not path.strip():
+            raise ValueError(f"speculative.mode={self.mode!r}: expected off, ngram or draft:PATH")
+        return path.strip()
