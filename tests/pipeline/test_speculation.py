@@ -1,0 +1,234 @@
+"""Speculative decoding in the batch: the same tokens as without it, blocks all returned.
+
+The drafters here: the tiny model drafting for itself (every draft accepted at
+temperature 0), prompt lookup, and a random mixture of right and wrong drafts."""
+
+from __future__ import annotations
+
+import math
+import queue
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tandem.kvtypes import SamplingParams
+from tandem.pipeline.api import EngineRequest
+from tandem.pipeline.drafters import ModelDrafter, NgramDrafter, lookup
+from tandem.pipeline.engine import Engine
+from tandem.pipeline.loader import load_model
+from tandem.pipeline.runners.cpu.runner import CpuRunner
+from tandem.pipeline.settings import EngineSettings
+from tandem.pipeline.speculation import Speculator, best_length
+from tests.pipeline.conftest import EOS, oracle, random_prompts
+from tests.pipeline.test_engine import CONFIGS, greedy, make
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny):
+    prompts = random_prompts(12, 1, 70, seed=17)
+    return prompts, [oracle(tiny, p, MAX_TOKENS) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def twin(tiny_model_dir):
+    """The tiny model loaded a second time, as its own drafter."""
+    from mlx_lm import load
+
+    return load(str(tiny_model_dir))[0]
+
+
+class MixedDrafter:
+    """Right drafts (the model's own greedy continuation) or random tokens, of random
+    length, chosen by a seeded coin per proposal."""
+
+    cost = 0.0
+
+    def __init__(self, model, seed: int, vocab: int = 380):
+        self.right = ModelDrafter(model, 0.0)
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+
+    def propose(self, seq, k):
+        k = self.rng.randint(1, k)
+        if self.rng.random() < 0.5:
+            return self.right.propose(seq, k)
+        return [self.rng.randrange(3, self.vocab) for _ in range(k)]
+
+    def drop(self, serial):
+        self.right.drop(serial)
+
+
+def spec_engine(model, drafter, **kw) -> Engine:
+    kw.setdefault("kv_cache_budget", "16MiB")
+    # batch_tokens well above the batch: every row drafts (the default spares wide batches)
+    return Engine(model, EngineSettings(**kw), model_id="tiny", eos_token_ids=[EOS],
+                  speculator=Speculator(drafter, batch_tokens=256))
+
+
+def free_after(eng: Engine) -> None:
+    eng.pool.check()
+    assert all(c == 0 for c in eng.pool.ref_count)
+
+
+@pytest.mark.parametrize("name", ["default", "chunked", "small-blocks-small-batch", "no-prefix-cache", "no-decode-mirror"])
+def test_self_drafted_batch_matches_single(tiny, twin, mixed, name):
+    prompts, expected = mixed
+    eng = spec_engine(tiny, ModelDrafter(twin, 0.0), **CONFIGS[name])
+    got = eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts])
+    assert got == expected
+    st = eng.stats()
+    assert st.spec_draft_tokens > 100 and st.spec_accepted_tokens == st.spec_draft_tokens
+    free_after(eng)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "mixed"])
+def test_rejected_drafts_change_nothing(tiny, twin, mixed, drafter):
+    prompts, expected = mixed
+    d = NgramDrafter(1, 3) if drafter == "ngram" else MixedDrafter(twin, seed=3)
+    eng = spec_engine(tiny, d, block_size=4)
+    got = eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts])
+    assert got == expected
+    st = eng.stats()
+    assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens
+    free_after(eng)
+
+
+def test_random_drafts_under_preemption_leak_nothing(tiny, twin, mixed):
+    prompts, expected = mixed
+    for seed in range(3):
+        eng = spec_engine(tiny, MixedDrafter(twin, seed=seed), kv_cache_budget="192KiB", block_size=8)
+        got = eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts])
+        assert got == expected
+        assert eng.scheduler.preemptions > 0
+        assert 0 < eng.stats().spec_accepted_tokens < eng.stats().spec_draft_tokens
+        free_after(eng)
+
+
+def test_prefix_cache_registers_only_accepted_tokens(tiny, twin):
+    """Every registered block holds the tokens its sequence really has (random drafts,
+    blocks of 4, so most drafts straddle a block boundary)."""
+    prompts = random_prompts(6, 10, 40, seed=5)
+    eng = spec_engine(tiny, MixedDrafter(twin, seed=9), block_size=4)
+    outs = eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts])
+    texts = [tuple(p + o) for p, o in zip(prompts, outs)]
+    for b, toks in enumerate(eng.pool.block_tokens):
+        if toks is not None:
+            assert any(toks in {t[i : i + 4] for i in range(0, len(t) - 3, 4)} for t in texts), b
+    # and a second engine run over the cached prefixes still gives the same tokens
+    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == outs
+    free_after(eng)
+
+
+def test_export_import_with_speculation_continues_identically(tiny, twin):
+    prompt = random_prompts(1, 37, 37, seed=11)[0]
+    expected = oracle(tiny, prompt, MAX_TOKENS)
+    src = spec_engine(tiny, ModelDrafter(twin, 0.0))
+    events: queue.Queue = queue.Queue()
+    src.start()
+    try:
+        src.submit(EngineRequest(b"x" * 16, prompt, greedy(MAX_TOKENS), events.put, export_after_prefill=True))
+        first, ev = events.get(timeout=30), events.get(timeout=30)
+    finally:
+        src.stop()
+    snap = ev.snapshot
+    assert snap is not None and snap.num_computed == len(prompt)
+    free_after(src)
+    dst = spec_engine(tiny, MixedDrafter(twin, seed=1), block_size=8)
+    out: queue.Queue = queue.Queue()
+    dst.start()
+    try:
+        dst.import_kv(snap, out.put)
+        toks = []
+        while True:
+            e = out.get(timeout=30)
+            toks += e.tokens
+            if e.finish_reason:
+                break
+    finally:
+        dst.stop()
+    assert first.tokens + toks == expected
+    assert dst.stats().spec_draft_tokens > 0
+    free_after(dst)
+
+
+def test_sampled_output_equals_unspeculated_for_the_same_seed(tiny, twin, mixed):
+    prompts, _ = mixed
+    reqs = [(p, SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=40 + i,
+                               logprobs=2 if i % 3 == 0 else None, frequency_penalty=0.5 if i % 4 == 1 else 0.0))
+            for i, p in enumerate(prompts)]
+    want = make(tiny).generate_many(reqs)
+    eng = spec_engine(tiny, MixedDrafter(twin, seed=4))
+    assert eng.generate_many(reqs) == want
+    assert eng.stats().spec_accepted_tokens > 0
+    free_after(eng)
+
+
+def test_native_verification_on_4bit_weights_matches_plain_decode(tiny_quantized_model_dir, monkeypatch):
+    """The CPU's C step verifying every drafted position at once gives the tokens its
+    one-position steps give (greedy and sampled)."""
+    model = load_model(str(tiny_quantized_model_dir)).model
+    twin = load_model(str(tiny_quantized_model_dir)).model
+    calls = []
+    real = CpuRunner._verify_native
+    monkeypatch.setattr(CpuRunner, "_verify_native", lambda self, rows, inputs: calls.append(len(rows)) or real(self, rows, inputs))
+    prompts = random_prompts(6, 5, 60, seed=21)
+    for temp in (0.0, 0.8):
+        reqs = [(p, SamplingParams(temperature=temp, max_tokens=MAX_TOKENS, seed=i)) for i, p in enumerate(prompts)]
+        want = Engine(model, EngineSettings(kv_cache_budget="16MiB"), model_id="q", eos_token_ids=[EOS]).generate_many(reqs)
+        eng = Engine(model, EngineSettings(kv_cache_budget="16MiB"), model_id="q", eos_token_ids=[EOS],
+                     speculator=Speculator(MixedDrafter(twin, seed=2), batch_tokens=256))
+        assert eng.generate_many(reqs) == want
+        free_after(eng)
+    assert calls and max(calls) > 1  # verified natively, several rows at once
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square distribution's upper 0.1% point (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_drafted_token_follows_the_target_distribution(tiny, twin):
+    """The second token of a sampled request, which the self-drafter drafts (its greedy
+    guess, accepted only when the target's draw agrees), against the target's exact
+    marginal for it: sum over first tokens t of p(t | prompt) p(y | prompt, t)."""
+    prompt = random_prompts(1, 12, 12, seed=31)[0]
+    temp, n = 1.5, 1500
+    logits = tiny(mx.array([prompt]))[0, -1].astype(mx.float32)
+    p1 = np.array(mx.softmax(logits / temp))
+    V = p1.shape[0]
+    nxt = tiny(mx.array([prompt + [t] for t in range(V)]))[:, -1].astype(mx.float32)
+    p2 = np.array(mx.softmax(nxt / temp, axis=-1))
+    marginal = p1 @ p2
+    eng = spec_engine(tiny, ModelDrafter(twin, 0.0))
+    reqs = [(prompt, SamplingParams(temperature=temp, max_tokens=3, seed=1000 + i, ignore_eos=True)) for i in range(n)]
+    outs = eng.generate_many(reqs)
+    st = eng.stats()
+    assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens  # both verdicts happened
+    counts = np.bincount([o[1] for o in outs], minlength=V).astype(np.float64)
+    expected = marginal * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    assert stat < _chi2_critical(len(obs) - 1), (stat, len(obs))
+    free_after(eng)
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    toks = [5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6, 7]
+    assert lookup(toks, 3, 2, 4) == [2, 3, 5]  # the later "5 6 7" wins
+    assert lookup(toks, 10, 2, 4)[:2] == [2, 3]
+    assert lookup([1, 2, 3, 4], 3, 2, 3) == []
+    assert lookup([4, 4, 4, 4], 2, 1, 2) == [4]  # overlapping: up to the sequence's end
+
+
+def test_draft_length_follows_acceptance():
+    assert best_length(0.95, 4, 0.1) == 4
+    assert best_length(0.5, 4, 0.1) in (1, 2, 3)
+    assert best_length(0.05, 4, 0.1) == 0
+    # an expensive drafter needs a higher acceptance to be worth running
+    assert best_length(0.5, 4, 0.6) == 0 and best_length(0.9, 4, 0.6) > 0
