@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from tandem.broker.settings import BrokerSettings
 from tandem.http.settings import EdgeSettings
-from tandem.pipeline.settings import EngineSettings, ModelSettings
+from tandem.pipeline.settings import EngineSettings, ModelSettings, SpeculativeSettings
 from tandem.wire.settings import SecuritySettings, TransferSettings
 from tandem.workers.settings import WorkerSettings
 
@@ -36,6 +36,7 @@ class ConfigError(ValueError):
 class Config:
     model: ModelSettings = field(default_factory=ModelSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     broker: BrokerSettings = field(default_factory=BrokerSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     edge: EdgeSettings = field(default_factory=EdgeSettings)

@@ -26,6 +26,8 @@ class Load:
     block_size: int = 16
     prefix_queries: int = 0
     prefix_hits: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass

@@ -51,6 +51,7 @@ def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
     p.add_argument("--base-port", type=int, default=5555, help="first of the ZeroMQ ports (default 5555)")
     p.add_argument("--parallel", type=int, help="active sequences per worker")
+    p.add_argument("--speculative", metavar="MODE", help="speculative decoding in the decode workers: off, ngram (prompt lookup) or draft:PATH (a smaller model with the same tokenizer)")
     p.add_argument("--api-key-file", metavar="PATH", help="require this API key as a Bearer token")
     p.add_argument("--state-dir", metavar="DIR", help="where the generated cluster secret and serve.json (the addresses "
                    "`tandem client` and `tandem stats` find) live (default $XDG_STATE_HOME/tandem)")
@@ -98,6 +99,8 @@ def build_specs(args, model: Path, secret: Path, gate: Path | None = None):
     worker = tandem + ["worker", "--broker-backend", addr["backend"], "--broker-stream", addr["stream_in"]] + common + model_args
     if args.parallel:
         worker += ["--parallel", str(args.parallel)]
+    if args.speculative:
+        worker += ["--speculative", args.speculative]
     specs = [ChildSpec("broker", tandem + ["broker", "--frontend", addr["frontend"], "--backend", addr["backend"],
                                            "--stream-in", addr["stream_in"], "--stream-out", addr["stream_out"],
                                            "--stats", addr["stats"]] + common)]

@@ -8,7 +8,7 @@ import time
 
 HELP = "show the broker's stats: workers, load, queue, migrations, refusals"
 COLUMNS = ("node", "role", "state", "inflight", "dispatched", "decode_targeted", "running", "waiting",
-           "used_blocks", "total_blocks", "refusals", "failures", "kv_handoffs", "kv_sent", "kv_GB/s")
+           "used_blocks", "total_blocks", "refusals", "failures", "kv_handoffs", "kv_sent", "kv_GB/s", "spec_accepted")
 
 
 def _mb(n) -> str:
@@ -23,6 +23,9 @@ def _cell(w: dict, key: str) -> str:
         # Recent moving average, then the all-time average; '-' until a handoff completed.
         gb_s = w.get("kv_gb_s_recent") if w.get("kv_gb_s_recent") is not None else w.get("kv_gb_s")
         return "-" if gb_s is None else f"{gb_s:.3f}"
+    if key == "spec_accepted":  # accepted / drafted tokens of speculative decoding
+        drafted = w.get("spec_draft_tokens") or 0
+        return "-" if not drafted else f"{w.get('spec_accepted_tokens', 0)}/{drafted}"
     value = w.get(key, "")
     return "" if value is None else str(value)
 

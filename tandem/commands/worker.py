@@ -28,6 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-advertise", metavar="ADDR", help="decode: the KV address other hosts connect to (worker.kv_advertise)")
     p.add_argument("--name", help="node id (default role-host-pid)")
     p.add_argument("--parallel", type=int, help="engine: maximum active sequences")
+    p.add_argument("--speculative", metavar="MODE", help="speculative decoding: off, ngram (prompt lookup) or draft:PATH (a smaller model with the same tokenizer)")
     p.add_argument("--heartbeat-ms", type=int, help="heartbeat interval (match the broker's)")
     p.add_argument("--drain-grace", type=float, help="seconds SIGTERM waits for in-flight requests")
     p.add_argument("--kv-strategy", choices=("adaptive", "full", "streamed", "layer_parallel"), help="prefill: how KV travels to the decode worker")
@@ -46,13 +47,18 @@ def build_engine(cfg, args, log):
     from tandem.pipeline.engine import Engine
     from tandem.pipeline.loader import load_model
     from tandem.pipeline.model_store import ModelError, resolve_model
+    from tandem.pipeline.speculation import make_speculator
 
     try:
         loaded = load_model(resolve_model(cfg.model.path, log=log), cfg.model.weights)
     except ModelError as exc:
         raise UserError(str(exc)) from None
+    try:
+        speculator = make_speculator(cfg.speculative, loaded.model, log=log)
+    except (ModelError, ValueError) as exc:
+        raise UserError(str(exc)) from None
     eng = Engine(loaded.model, cfg.engine, model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids,
-                 tokenizer=loaded.tokenizer)
+                 tokenizer=loaded.tokenizer, speculator=speculator)
     return eng, loaded.model_id
 
 
@@ -84,6 +90,7 @@ def run(args) -> int:
         "worker.role": args.role, "model.path": args.model, "model.weights": args.weights,
         "broker.backend": args.broker_backend, "broker.stream_in": args.broker_stream,
         "worker.kv_bind": args.kv_bind, "worker.kv_advertise": args.kv_advertise, "worker.name": args.name, "engine.parallel": args.parallel,
+        "speculative.mode": args.speculative,
         "broker.heartbeat_interval_ms": args.heartbeat_ms,
         "worker.drain_grace_s": args.drain_grace,
         "security.cluster_secret_file": args.cluster_secret_file, "transfer.strategy": args.kv_strategy,

@@ -117,6 +117,11 @@ class _ClusterCollector:
             fam = GaugeMetricFamily(f"tandem_worker_requests_{key}", help_text)
             fam.add_metric([], sum(_num(w, key) or 0.0 for w in workers))
             yield fam
+        for key, help_text in (("spec_draft_tokens", "Tokens drafted for verification by speculative decoding, all workers"),
+                               ("spec_accepted_tokens", "Drafted tokens the target model accepted, all workers")):
+            fam = CounterMetricFamily(f"tandem_{key}", help_text)
+            fam.add_metric([], sum(_num(w, key) or 0.0 for w in workers))
+            yield fam
         queued = _num(self.cluster, "queued", "queue_depth", "waiting")
         if queued is not None:
             fam = GaugeMetricFamily("tandem_broker_requests_queued", "Requests queued in the broker")

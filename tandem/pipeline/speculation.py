@@ -34,8 +34,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.pipeline.drafters import Drafter
+import logging
+
+from tandem.pipeline.drafters import Drafter, ModelDrafter, NgramDrafter, parameter_ratio
 from tandem.pipeline.sequence import Row, Sequence
+from tandem.pipeline.settings import SpeculativeSettings
+
+log = logging.getLogger("tandem.engine")
 
 
 @dataclass
@@ -152,3 +157,32 @@ def expected_tokens(rate: float, k: int) -> float:
 def best_length(rate: float, max_draft: int, cost: float) -> int:
     """The draft length in ``0..max_draft`` with the most tokens per unit of step cost."""
     return max(range(max_draft + 1), key=lambda k: (expected_tokens(rate, k) / (1.0 + k * cost), -k))
+
+
+def make_speculator(settings: SpeculativeSettings, target, log=log.info) -> Speculator | None:
+    """The speculator ``[speculative]`` asks for beside ``target``; None for mode off.
+    A draft model must share the target's vocabulary. Raises ValueError (a bad mode, a
+    vocabulary that differs) or ModelError (no model at the path)."""
+    path = settings.draft_path()
+    if settings.mode == "off":
+        return None
+    if settings.ngram_min > settings.ngram_max:
+        raise ValueError(f"speculative.ngram_min={settings.ngram_min} is above speculative.ngram_max={settings.ngram_max}")
+    if path is None:
+        drafter: Drafter = NgramDrafter(settings.ngram_min, settings.ngram_max)
+    else:
+        import mlx.core as mx
+
+        from tandem.pipeline.loader import load_model
+        from tandem.pipeline.model_store import resolve_model
+
+        draft = load_model(resolve_model(path, log=log)).model
+        probe = mx.array([[0]])
+        v_draft, v_target = draft(probe).shape[-1], target(probe).shape[-1]
+        if v_draft != v_target:
+            raise ValueError(f"the draft model {path} has a vocabulary of {v_draft} tokens, the target {v_target}: "
+                             "it needs the target's tokenizer")
+        drafter = ModelDrafter(draft, parameter_ratio(draft, target))
+        log(f"speculative decoding: draft model {path} ({drafter.cost:.2f} of the target's parameters)")
+    return Speculator(drafter, max_draft=settings.max_draft, batch_tokens=settings.batch_tokens,
+                      verify_cost=settings.verify_cost, retry_steps=settings.retry_steps)

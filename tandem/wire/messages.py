@@ -149,6 +149,9 @@ class Heartbeat:
     # The engine's prefix-cache lookups and hits since start (the console's hit rate).
     prefix_queries: int = w(S.TOTAL, 0)
     prefix_hits: int = w(S.TOTAL, 0)
+    # Speculative decoding since start: tokens drafted for verification, and accepted.
+    spec_draft_tokens: int = w(S.TOTAL, 0)
+    spec_accepted_tokens: int = w(S.TOTAL, 0)
 
 
 @message(MsgType.DISPATCH)
