@@ -32,7 +32,7 @@ def test_gunicorn_conf_reads_tandem_config(monkeypatch, tmp_path):
     assert edge_cmd.CONF == "python:tandem.http.gunicorn_conf"  # packaged: works without a source checkout
     conf = runpy.run_module("tandem.http.gunicorn_conf")
     assert conf["bind"] == ["127.0.0.1:9123"] and conf["workers"] == 3
-    assert conf["worker_class"] == "asgi" and conf["preload_app"] is True
+    assert conf["worker_class"] == "tandem.http.edge_worker.EdgeWorker" and conf["preload_app"] is True
     assert conf["wsgi_app"] == "tandem.http.app:gunicorn_app()"
     assert conf["asgi_lifespan"] == "on" and callable(conf["child_exit"])
 
