@@ -80,7 +80,9 @@ class CompletionsResource:
             if bad is not None:
                 raise bad_request(f"'logit_bias' names token {bad}, outside the vocabulary (0..{vocab - 1})", "logit_bias")
             if job.sampling.grammar is not None:
-                await asyncio.to_thread(check_grammar, job.sampling.grammar, edge.grammar_tokenizer, "response_format")
+                forced = job.tools is not None and job.tools.choice in ("required", "named")
+                await asyncio.to_thread(check_grammar, job.sampling.grammar, edge.grammar_tokenizer,
+                                        "tools" if forced else "response_format")
             if len(job.prompts) * job.n > MAX_CHOICES:
                 raise bad_request(f"a request may ask for at most {MAX_CHOICES} completions (prompts x n); "
                                   f"this one asks for {len(job.prompts) * job.n}", "prompt")
@@ -208,10 +210,7 @@ class CompletionsResource:
             text, parts, finish = "".join(texts[c.index]), None, c.finish_reason
             shaper = self._shaper(job)
             if shaper is not None:
-                parts, rest = shaper.feed(text), shaper.finish()
-                parts.content += rest.content
-                parts.reasoning += rest.reasoning
-                parts.tool_calls += rest.tool_calls
+                parts = shaper.take(text, final=True)
                 finish = _finish(finish, shaper)
             body_choices.append(fmt.choice(c.index, text, finish, lp, parts))
         self._count(job, choices)
@@ -273,12 +272,7 @@ class CompletionsResource:
     @staticmethod
     def _shaped_chunks(fmt: Formatter, delta: Delta, shaper: MessageShaper, with_logprobs: bool) -> list[dict]:
         before = len(shaper.calls)
-        parts = shaper.feed(delta.text)
-        if delta.finish_reason:
-            rest = shaper.finish()
-            parts.content += rest.content
-            parts.reasoning += rest.reasoning
-            parts.tool_calls += rest.tool_calls
+        parts = shaper.take(delta.text, final=bool(delta.finish_reason))
         lp = fmt.logprobs(delta) if with_logprobs and delta.logprobs else None
         out = fmt.parts_chunks(delta.index, parts, before, lp)
         if delta.finish_reason:

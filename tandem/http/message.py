@@ -40,6 +40,16 @@ class MessageShaper:
             return self._content("", final=True)
         return self._split(self._think.finish(), final=True)
 
+    def take(self, text: str, final: bool) -> Parts:
+        """``feed(text)``, and with ``final`` the held-back rest too, as one :class:`Parts`."""
+        parts = self.feed(text)
+        if final:
+            rest = self.finish()
+            parts.content += rest.content
+            parts.reasoning += rest.reasoning
+            parts.tool_calls += rest.tool_calls
+        return parts
+
     def _split(self, events, final: bool) -> Parts:
         parts, outside = Parts(), ""
         for kind, text in events:
