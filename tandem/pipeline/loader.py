@@ -3,7 +3,11 @@
 On the CPU the quantized matmul kernel of ``mlx[cpu]`` runs at a few GFLOP/s while
 a dense fp32 matmul through MKL runs at ~150, so ``auto`` dequantizes quantized
 checkpoints to fp32 there (docs/cpu-performance.md has the measurements). On a GPU
-``auto`` keeps fp16. ``quantized`` runs the weights as stored.
+``auto`` loads a checkpoint as stored: the runner then chooses per layer and per device
+memory (on CUDA, tandem's 4-bit kernels read a quantized checkpoint at a quarter of the
+fp16 bytes, and a dense copy joins them only where memory allows:
+``kernels/cuda/linear.choose_weight_format``). ``dense`` dequantizes everywhere;
+``quantized`` runs the weights as stored.
 """
 
 from __future__ import annotations
@@ -42,8 +46,12 @@ def _is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
+def _on_gpu() -> bool:
+    return mx.default_device() == mx.gpu
+
+
 def dense_dtype() -> mx.Dtype:
-    return mx.float16 if mx.default_device() == mx.gpu else mx.float32
+    return mx.float16 if _on_gpu() else mx.float32
 
 
 def load_model(path: str | Path, weights: str = "auto", *, lazy: bool = False) -> LoadedModel:
@@ -65,7 +73,7 @@ def load_model(path: str | Path, weights: str = "auto", *, lazy: bool = False) -
     except (FileNotFoundError, ValueError, KeyError, RuntimeError, OSError) as exc:
         raise ModelError(f"cannot load the model in {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
-    if _is_quantized(model) and weights in ("auto", "dense"):
+    if _is_quantized(model) and (weights == "dense" or (weights == "auto" and not _on_gpu())):
         packed = _packed_weights(model)
         model = dequantize_model(model)
         # The 4-bit codes stay alongside the dense weights: the CPU decode step can multiply

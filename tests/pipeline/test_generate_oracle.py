@@ -53,6 +53,18 @@ def test_dense_matches_mlx_lm_on_dequantized_weights(tiny_quantized_model_dir, t
     assert generate_tokens(loaded, prompt, max_tokens=32) == mlx_lm_tokens(model, tokenizer, prompt, 32)
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_auto_dequantizes_on_the_cpu_and_keeps_a_quantized_checkpoint_on_a_gpu(tiny_quantized_model_dir, monkeypatch, gpu):
+    """On a GPU the runner picks the format per device memory (the CUDA 4-bit kernels read
+    the checkpoint as stored); dequantizing it at load made a 4-bit 8B checkpoint run dense."""
+    from tandem.pipeline import loader
+
+    monkeypatch.setattr(loader, "_on_gpu", lambda: gpu)
+    loaded = load_model(tiny_quantized_model_dir, "auto", lazy=True)
+    quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.model.named_modules())
+    assert quantized is gpu and (loaded.weights == "quantized") is gpu
+
+
 def test_seeded_sampling_is_reproducible(tiny_model_dir):
     loaded = load_model(tiny_model_dir)
     prompt = chat_prompt(loaded.tokenizer, "Hello")
