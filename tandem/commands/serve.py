@@ -99,6 +99,8 @@ def build_specs(args, model: Path, secret: Path, gate: Path | None = None):
     worker = tandem + ["worker", "--broker-backend", addr["backend"], "--broker-stream", addr["stream_in"]] + common + model_args
     if args.parallel:
         worker += ["--parallel", str(args.parallel)]
+    # Every worker here shares this machine's device: each takes an equal share of its memory.
+    worker += ["--workers-per-device", str(args.hybrid if args.topology == "hybrid" else args.prefill + args.decode)]
     if args.speculative:
         worker += ["--speculative", args.speculative]
     specs = [ChildSpec("broker", tandem + ["broker", "--frontend", addr["frontend"], "--backend", addr["backend"],

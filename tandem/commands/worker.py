@@ -28,6 +28,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-advertise", metavar="ADDR", help="decode: the KV address other hosts connect to (worker.kv_advertise)")
     p.add_argument("--name", help="node id (default role-host-pid)")
     p.add_argument("--parallel", type=int, help="engine: maximum active sequences")
+    p.add_argument("--workers-per-device", type=int, metavar="N",
+                   help="worker processes sharing this device's memory: each takes 1/N (engine.workers_per_device)")
     p.add_argument("--speculative", metavar="MODE", help="speculative decoding: off, ngram (prompt lookup) or draft:PATH (a smaller model with the same tokenizer)")
     p.add_argument("--heartbeat-ms", type=int, help="heartbeat interval (match the broker's)")
     p.add_argument("--drain-grace", type=float, help="seconds SIGTERM waits for in-flight requests")
@@ -90,6 +92,7 @@ def run(args) -> int:
         "worker.role": args.role, "model.path": args.model, "model.weights": args.weights,
         "broker.backend": args.broker_backend, "broker.stream_in": args.broker_stream,
         "worker.kv_bind": args.kv_bind, "worker.kv_advertise": args.kv_advertise, "worker.name": args.name, "engine.parallel": args.parallel,
+        "engine.workers_per_device": args.workers_per_device,
         "speculative.mode": args.speculative,
         "broker.heartbeat_interval_ms": args.heartbeat_ms,
         "worker.drain_grace_s": args.drain_grace,

@@ -1,13 +1,24 @@
-"""The KV byte budget: how many blocks the pool may hold (``engine.kv_cache_budget``)."""
+"""The KV byte budget: how many blocks the pool may hold (``engine.kv_cache_budget``).
+
+Several worker processes may share one device (``tandem serve``'s prefill and decode
+workers on one GPU). Each takes an equal share of the device's memory
+(``engine.workers_per_device``): an ``auto`` KV budget is what is left of that share once
+the model and the runner's own buffers are in, and on a GPU MLX's memory limit is the
+share, so a process short of memory refuses requests (the pool is full) instead of failing
+an allocation. Host memory never sizes a GPU's budget: the two machines differ by far.
+"""
 
 from __future__ import annotations
 
 import os
 import re
 
+import mlx.core as mx
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-AUTO_FRACTION = 0.5  # of the memory available once the model is loaded
+AUTO_FRACTION = 0.5  # CPU: of the host memory available once the model is loaded
+DEVICE_FRACTION = 0.9  # GPU: of the device's memory, for every process on it together (the rest: the driver, CUDA graphs, fragmentation)
 
 
 def parse_size(text: str) -> int:
@@ -32,12 +43,31 @@ def total_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_blocks(setting: str, bytes_per_block: int) -> int:
-    """auto: half the available memory; none: as many as physical memory could hold
+def device_memory() -> int | None:
+    """The GPU's memory in bytes; None on the CPU (or where MLX does not say)."""
+    if mx.default_device() != mx.gpu:
+        return None
+    try:
+        return int(mx.device_info()["memory_size"])
+    except (KeyError, TypeError, ValueError, RuntimeError):
+        return None
+
+
+def share_bytes(workers: int) -> int | None:
+    """One of ``workers`` processes' share of the GPU's memory; None on the CPU."""
+    dev = device_memory()
+    return None if dev is None else int(dev * DEVICE_FRACTION / max(1, workers))
+
+
+def num_blocks(setting: str, bytes_per_block: int, *, workers: int = 1, in_use: int = 0) -> int:
+    """auto: on a GPU, this process's share of the device (``workers`` share it) less
+    ``in_use`` (what the process holds already: weights, runner buffers); on the CPU, half
+    the available host memory over ``workers``. none: as many as physical memory could hold
     (no guard); otherwise the given size. At least one block."""
     s = (setting or "auto").strip().lower()
     if s == "auto":
-        nbytes = int(available_memory() * AUTO_FRACTION)
+        share = share_bytes(workers)
+        nbytes = share - in_use if share is not None else int(available_memory() * AUTO_FRACTION / max(1, workers))
     elif s == "none":
         nbytes = total_memory()
     else:

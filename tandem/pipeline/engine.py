@@ -98,23 +98,39 @@ class Engine:
             log.warning("model %s cannot be paged (%s): running it on dense per-sequence caches without prefix caching", model_id, sh.why_not)
             per_block = max(1, sh.num_layers * bs * 2 * 4 * 256)  # a rough admission guess
         self.bytes_per_block = per_block
-        num_blocks = budget.num_blocks(settings.kv_cache_budget, per_block)
-        self.pool = BlockPool(num_blocks, bs)
+        workers = settings.workers_per_device
+        share = budget.share_bytes(workers)  # None on the CPU
+        if share is not None:
+            mx.set_memory_limit(share)  # MLX frees its cache before it takes more than the share
+        auto = (settings.kv_cache_budget or "auto").strip().lower() == "auto"
+        num_blocks = budget.num_blocks(settings.kv_cache_budget, per_block, workers=workers,
+                                       in_use=mx.get_active_memory() if share is not None else 0)
         if sh.pageable:
             initial = settings.kv_initial_tokens
             if initial is None:
                 initial = settings.parallel * settings.prefill_chunk_size // 2
             self.store = KVStore(sh.num_layers, sh.n_kv_heads, sh.head_dim, sh.dtype, bs, num_blocks, sh.v_head_dim,
                                  initial_blocks=max(64, -(-initial // bs)))
-            log.info("KV store: %d of %d blocks allocated at start (%.0f MB)", self.store.capacity, num_blocks,
-                     self.store.nbytes / 1e6)
-            self.pool.addressable = self.store.capacity
         else:
             self.store = None
-        self.runner: ModelRunner = (runner_factory or make_runner)(model, self.store, sh, settings)
         self.grammars = None
         if tokenizer is not None:
             self.grammars = Grammars(getattr(tokenizer, "_tokenizer", tokenizer), self.vocab_size, self.eos_token_ids)
+        self.runner: ModelRunner = (runner_factory or make_runner)(model, self.store, sh, settings)
+        if share is not None and auto:
+            # The runner's own memory (a dense copy of the weights, compiled steps, graphs)
+            # is in now: the pool gets what is left of the share, and never less than the
+            # store already holds.
+            held = mx.get_active_memory() - (self.store.nbytes if self.store is not None else 0)
+            num_blocks = budget.num_blocks("auto", per_block, workers=workers, in_use=held)
+            if self.store is not None:
+                num_blocks = max(num_blocks, self.store.capacity)
+                self.store.num_blocks = num_blocks
+        self.pool = BlockPool(num_blocks, bs)
+        if self.store is not None:
+            log.info("KV store: %d of %d blocks allocated at start (%.0f MB)", self.store.capacity, num_blocks,
+                     self.store.nbytes / 1e6)
+            self.pool.addressable = self.store.capacity
         self.scheduler = Scheduler(settings, self.pool, prefix_caching=settings.enable_prefix_caching and sh.pageable)
         if speculator is not None and self.store is None:
             log.warning("model %s runs on dense caches: it decodes without speculation", model_id)

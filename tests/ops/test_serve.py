@@ -220,6 +220,30 @@ def test_colocated_prefill_and_decode_workers_share_one_cpu_gate(tmp_path):
     assert not any("--cpu-gate" in s.argv for s in ungated)
 
 
+def test_every_worker_serve_starts_takes_its_share_of_the_device(tmp_path):
+    """Workers on one device size their KV and memory limit from a share of it: serve tells
+    each how many share it (two processes that each took the whole GPU ran out of memory)."""
+    import argparse
+
+    from tandem.commands import serve as serve_cmd
+    from tandem.commands import worker as worker_cmd
+
+    p = argparse.ArgumentParser()
+    serve_cmd.add_arguments(p)
+
+    def shares(argv):
+        specs, _ = serve_cmd.build_specs(p.parse_args(argv), tmp_path, tmp_path / "secret", None)
+        return {s.argv[s.argv.index("--workers-per-device") + 1] for s in specs if s.name.startswith(("prefill", "decode", "hybrid"))}
+
+    assert shares([]) == {"2"}
+    assert shares(["--prefill", "2", "--decode", "3"]) == {"5"}
+    assert shares(["--topology", "hybrid"]) == {"1"}
+    assert shares(["--topology", "hybrid", "--hybrid", "3"]) == {"3"}
+    wp = argparse.ArgumentParser()
+    worker_cmd.add_arguments(wp)
+    assert wp.parse_args(["--role", "decode", "--workers-per-device", "2"]).workers_per_device == 2
+
+
 def test_port_check_ignores_connections_lingering_in_time_wait():
     """After Ctrl-C the HTTP port keeps closed connections in TIME_WAIT for a minute;
     gunicorn binds it anyway (SO_REUSEADDR), so the check before it must too (#45)."""

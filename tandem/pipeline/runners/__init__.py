@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from tandem.pipeline import budget
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.runner import ModelRunner, ModelShape
 from tandem.pipeline.settings import EngineSettings
@@ -26,7 +27,8 @@ def make_runner(model, store: KVStore | None, shape: ModelShape, settings: Engin
         return DenseRunner(model)
     from tandem.pipeline.runners.cuda import runner as cuda
 
-    runner = cuda.kernel_runner(model, store, kernels=kernels, graphs=settings.decode_graphs)
+    runner = cuda.kernel_runner(model, store, kernels=kernels, graphs=settings.decode_graphs,
+                                memory_bytes=budget.share_bytes(settings.workers_per_device))
     if runner is not None:
         return runner
     if mx.default_device() == mx.cpu:

@@ -99,12 +99,14 @@ layers are compiled with it (fresh prompts whose length is a multiple of 64)."""
 """Contexts up to this many tokens have their one-row graph captured when the runner starts."""
 
 
-def kernel_runner(model, store: KVStore, *, kernels: str | None = None, graphs: bool = True) -> "KernelRunner | None":
+def kernel_runner(model, store: KVStore, *, kernels: str | None = None, graphs: bool = True,
+                  memory_bytes: int | None = None) -> "KernelRunner | None":
     """The CUDA runner for ``model``, or None where it does not run (then the portable
     runner does; on CUDA its linear layers are flattened first, which still matters there).
     ``kernels``: see :data:`MODES` (default: the ``TANDEM_PAGED_KERNELS`` environment
     variable, else ``auto`` = CUDA kernels on CUDA). ``graphs``: capture one-row decode
-    steps as CUDA graphs (``pipeline/runners/cuda/graph_step.py``)."""
+    steps as CUDA graphs (``pipeline/runners/cuda/graph_step.py``). ``memory_bytes``: this
+    process's share of device memory, which the weight format must fit (default: the device's)."""
     mode = (kernels or knobs.PAGED_KERNELS).strip().lower()
     if mode not in MODES:
         raise ValueError(f"TANDEM_PAGED_KERNELS={mode!r}: choose one of {', '.join(MODES)}")
@@ -116,9 +118,9 @@ def kernel_runner(model, store: KVStore, *, kernels: str | None = None, graphs: 
     if why:
         log.warning("paged kernels off for this model (%s): portable paged runner", why)
         if mode == "cuda":
-            _prepare_linears(model)
+            _prepare_linears(model, memory_bytes)
         return None
-    return KernelRunner(model, store, ops=mode, graphs=graphs)
+    return KernelRunner(model, store, ops=mode, graphs=graphs, memory_bytes=memory_bytes)
 
 
 def unsupported(model, store: KVStore) -> str:
@@ -143,14 +145,15 @@ def unsupported(model, store: KVStore) -> str:
     return ""
 
 
-def _prepare_linears(model) -> None:
+def _prepare_linears(model, memory_bytes: int | None = None) -> None:
     if any(isinstance(m, linear.FlatLinear) for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)):
         return  # already prepared by the caller (a bench, or a second engine on one model)
-    try:
-        mem = mx.device_info().get("memory_size")
-    except Exception:  # noqa: BLE001 - no device info: choose without a memory bound
-        mem = None
-    linear.prepare_model(model, "auto", memory_bytes=mem)
+    if memory_bytes is None:
+        try:
+            memory_bytes = mx.device_info().get("memory_size")
+        except Exception:  # noqa: BLE001 - no device info: choose without a memory bound
+            memory_bytes = None
+    linear.prepare_model(model, "auto", memory_bytes=memory_bytes)
 
 
 def _pack_w4gemm(module) -> None:
@@ -318,9 +321,9 @@ class KernelRunner(PagedRunner):
     """
 
     def __init__(self, model, store: KVStore, ops: str = "cuda", compile_decode: bool | None = None,
-                 graphs: bool = True):
+                 graphs: bool = True, memory_bytes: int | None = None):
         if ops == "cuda":
-            _prepare_linears(model)
+            _prepare_linears(model, memory_bytes)
         else:
             # The reference ops need FlatLinear (fuse_linears) but keep each layer's weights.
             if not any(isinstance(m, linear.FlatLinear) for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)):
