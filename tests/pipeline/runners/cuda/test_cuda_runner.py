@@ -182,7 +182,7 @@ def _rows(lens, bs):
         nb = -(-(n + 1) // bs)
         seq = SimpleNamespace(block_ids=list(range(next_block, next_block + nb)), serial=len(rows), num_preemptions=0)
         next_block += nb
-        rows.append(SimpleNamespace(seq=seq, start=0, n=n))
+        rows.append(SimpleNamespace(seq=seq, start=0, n=n, logits=1))  # as a Row without a draft
     return rows
 
 
