@@ -30,16 +30,6 @@ _u64 = ctypes.c_uint64
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
-class MemLocation(ctypes.Structure):  # CUmemLocation
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-CU_MEM_LOCATION_TYPE_DEVICE = 1
-CU_MEM_LOCATION_TYPE_HOST = 2
-CU_MEM_ADVISE_SET_PREFERRED_LOCATION = 3
-CU_MEM_ADVISE_SET_ACCESSED_BY = 5
-
-
 class CudaError(RuntimeError):
     """A driver call failed; ``code`` is its CUresult."""
 
@@ -82,11 +72,6 @@ _SIGNATURES = {
     "cuEventElapsedTime": [ctypes.POINTER(ctypes.c_float), _ptr, _ptr],
     "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
 }
-# Bound where the driver has them (CUDA 12.2 and later): callers ask ``has`` first.
-_OPTIONAL = {
-    "cuMemPrefetchAsync_v2": [_u64, ctypes.c_size_t, MemLocation, ctypes.c_uint, _ptr],
-    "cuMemAdvise_v2": [_u64, ctypes.c_size_t, ctypes.c_int, MemLocation],
-}
 
 
 class Driver:
@@ -105,11 +90,6 @@ class Driver:
                     break
             else:
                 raise OSError(f"libcuda has none of {names}")
-        for name, argtypes in _OPTIONAL.items():
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.argtypes, fn.restype = argtypes, ctypes.c_int
-                self._fns[name] = (name, fn)
         self._ctx_lock = threading.Lock()
         self._ctx: int | None = None
 
@@ -163,22 +143,6 @@ class Driver:
 
     def event(self, timing: bool = False) -> int:
         return self._out("cuEventCreate", _ptr, 0 if timing else CU_EVENT_DISABLE_TIMING)
-
-    def has(self, name: str) -> bool:
-        return name in self._fns
-
-    def prefetch_to_device(self, ptr: int, nbytes: int, stream: int, ordinal: int = 0) -> None:
-        """Queue the move of a managed range's pages to device ``ordinal`` on ``stream``."""
-        loc = MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, ordinal)
-        self.call("cuMemPrefetchAsync_v2", ptr, nbytes, loc, 0, stream)
-
-    def map_from_host(self, ptr: int, nbytes: int, ordinal: int = 0) -> None:
-        """Keep a managed range's pages in host memory and map them for device ``ordinal``:
-        its kernels read them there, with no fault and no migration either way."""
-        self.call("cuMemAdvise_v2", ptr, nbytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION,
-                  MemLocation(CU_MEM_LOCATION_TYPE_HOST, 0))
-        self.call("cuMemAdvise_v2", ptr, nbytes, CU_MEM_ADVISE_SET_ACCESSED_BY,
-                  MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, ordinal))
 
     def elapsed_ms(self, start: int, end: int) -> float:
         """Device time between two recorded timing events (both complete), in ms."""

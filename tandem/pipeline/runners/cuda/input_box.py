@@ -4,9 +4,9 @@ MLX 0.32.4 puts ``mx.array(numpy)`` in managed memory, and the first kernel that
 an array faults its pages over to the GPU. In a one-row 512-token prefill that was
 0.16-0.34 ms in the embedding (the ids) and 40-65 us more in layer 0 (positions and slots
 in the KV write), of the 12.8 ms a prefill may take for 40k tok/s
-(``bench/prefill_clock.py``). Prefetching or advising each array (``host_inputs``)
-takes the fault away but costs the engine thread a driver call per array before its first
-hand-over, and the device started later by as much.
+(``bench/prefill_clock.py``). Prefetching or advising each array took the fault away but
+cost the engine thread a driver call per array before its first hand-over, and the device
+started later by as much (those modes were measured and deleted).
 
 So the host writes the ids, slots and row ends into one of ``RING`` boxes of pinned memory
 allocated once, and one kernel, the first of the step, copies them into its output (an

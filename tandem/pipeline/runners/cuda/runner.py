@@ -50,7 +50,6 @@ from tandem.kernels.cuda import paged_attention_cuda as pac
 from tandem.kernels.cuda import kv_write_cuda as kvw
 from tandem.kernels.cuda.quantized_matmul import cuda_available
 from tandem.pipeline.runners.cuda import graph_step
-from tandem.pipeline.runners.cuda import host_inputs
 from tandem.pipeline.runners.cuda import input_box
 from tandem.pipeline.runners.cuda import token_mailbox
 from tandem.pipeline.runners.cuda.tables import table_width
@@ -464,7 +463,7 @@ class KernelRunner(PagedRunner):
         B, L = inputs.shape
         fresh = L != 1 and self.fresh_prefill and all(r.start == 0 for r in rows)
         if isinstance(inputs, np.ndarray) and not fresh:
-            inputs = host_inputs.array(inputs)
+            inputs = mx.array(inputs)
         self.checkpoint = None  # a fresh prefill's, for token_mailbox
         # Decode through the CUDA write kernel touches the pools in place only (the
         # reference ops return new pools, as the portable path does).
@@ -528,7 +527,7 @@ class KernelRunner(PagedRunner):
             if np.array_equal(host, prev[0] + bump):
                 dev = prev[1] + bump_dev
         if dev is None:
-            dev = host_inputs.array(host)
+            dev = mx.array(host)
             self.state_uploads += 1
         self._state_prev = (host, dev)
         return dev
@@ -614,8 +613,8 @@ class KernelRunner(PagedRunner):
                     return got.ids, got.pos, got.slots, got.last
         pos = np.tile(np.arange(L, dtype=np.int32), B)
         if isinstance(inputs, np.ndarray):
-            inputs = host_inputs.array(inputs)
-        return inputs, host_inputs.array(pos), host_inputs.array(slots), host_inputs.array(last)
+            inputs = mx.array(inputs)
+        return inputs, mx.array(pos), mx.array(slots), mx.array(last)
 
     def _prefill_layer(self, blk: FusedBlock, h, pos, slots, kp, vp):
         """One layer of a fresh prefill: h (B, L, W) -> (h, kp, vp); writes the chunk's K/V
