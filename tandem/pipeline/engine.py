@@ -565,14 +565,14 @@ class Engine:
                     if why is not None:
                         reason = "error: " + why
                         break
-                if seq.sampling.logprobs is not None and lps is not None:
-                    n = seq.sampling.logprobs
-                    top = list(zip(top_ids[at + t][:n], top_lps[at + t][:n])) if top_ids is not None else []
-                    logprobs = (logprobs or []) + [TokenLogprob(tok, lps[at + t], top)]
                 if tok in seq.stop_ids:
                     reason = "stop"
                     break
                 out.append(tok)
+                if seq.sampling.logprobs is not None and lps is not None:  # one per emitted token
+                    n = seq.sampling.logprobs
+                    top = list(zip(top_ids[at + t][:n], top_lps[at + t][:n])) if top_ids is not None else []
+                    logprobs = (logprobs or []) + [TokenLogprob(tok, lps[at + t], top)]
                 if seq.num_generated >= seq.sampling.max_tokens:
                     reason = "length"
                     break

@@ -236,6 +236,25 @@ def test_stop_ids_logit_bias_and_logprobs(tiny, mixed):
     assert all(a[1] >= b[1] for a, b in zip(first.top, first.top[1:]))
 
 
+def test_logprobs_match_tokens_when_a_stop_id_ends_the_stream(tiny, mixed):
+    """The stop token is not emitted, so it gets no logprob either: a final event with one
+    logprob too many failed the wire's check and the whole request (found by bench/chaos.py)."""
+    prompts, expected = mixed
+    p, exp = prompts[0], expected[0]
+    events: queue.Queue = queue.Queue()
+    eng = make(tiny)
+    eng.start()
+    eng.submit(EngineRequest(b"y" * 16, p, greedy(stop_token_ids=[exp[3]], logprobs=2), events.put))
+    evs = []
+    while not evs or evs[-1].finish_reason is None:
+        evs.append(events.get(timeout=30))
+    eng.stop()
+    assert evs[-1].finish_reason == "stop"
+    for ev in evs:
+        assert len(ev.logprobs or []) == len(ev.tokens)
+    assert [lp.token for ev in evs for lp in ev.logprobs or []] == exp[: exp.index(exp[3])]
+
+
 def test_abort_refusals_and_validation(tiny):
     eng = make(tiny, max_queue_depth=2, kv_cache_budget="64KiB")  # 8 blocks of 16 tokens
     with pytest.raises(EngineRefused):
