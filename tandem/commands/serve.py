@@ -46,7 +46,10 @@ def add_arguments(p) -> None:
                    help="disaggregated: separate prefill and decode workers (default); hybrid: one worker does both")
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
-    p.add_argument("--hybrid", type=int, default=1, metavar="N", help="hybrid workers with --topology hybrid (default 1)")
+    p.add_argument("--hybrid", type=int, metavar="N", help="hybrid workers with --topology hybrid (default: one per GPU, else 1)")
+    p.add_argument("--gpus", metavar="LIST", default="all",
+                   help="GPUs to place workers on, each worker on one (CUDA_VISIBLE_DEVICES), in turn: 0,1 or all "
+                        "(default: every GPU MLX sees; none on a machine without one) or none")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
     p.add_argument("--base-port", type=int, default=5555, help="first of the ZeroMQ ports (default 5555)")
@@ -89,9 +92,33 @@ def check_port_free(host: str, port: int, what: str) -> None:
             raise UserError(f"port {port} ({what}) is already in use; pick other ports with --port / --base-port") from None
 
 
-def build_specs(args, model: Path, secret: Path, gate: Path | None = None):
+def visible_gpus(spec: str) -> list[str]:
+    """``--gpus``: "all" -> every GPU MLX sees (none on a CPU machine); "none" -> []; "0,1" -> those."""
+    from tandem.cli import UserError
+
+    spec = (spec or "all").strip().lower()
+    if spec == "none":
+        return []
+    if spec == "all":
+        import mlx.core as mx
+
+        return [str(i) for i in range(mx.device_count(mx.gpu))]
+    gpus = [g.strip() for g in spec.split(",") if g.strip()]
+    if not gpus or not all(g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus):
+        raise UserError(f"--gpus {spec!r}: give GPU numbers such as 0,1, or all, or none")
+    return gpus
+
+
+def place(names: list[str], gpus: list[str]) -> dict[str, str]:
+    """Each worker's GPU, in turn over ``gpus`` (decode workers first: with one prefill and
+    one decode worker on two GPUs, each has a device of its own)."""
+    return {name: gpus[i % len(gpus)] for i, name in enumerate(names)} if gpus else {}
+
+
+def build_specs(args, model: Path, secret: Path, gate: Path | None = None, gpus: list[str] | None = None):
     from tandem.supervisor import ChildSpec
 
+    gpus = gpus or []
     tandem = [sys.executable, "-m", "tandem.cli"]
     addr = {k: f"tcp://127.0.0.1:{args.base_port + off}" for k, off in PORTS.items()}
     common = ["--cluster-secret-file", str(secret)] + (["--config", args.config] if args.config else [])
@@ -99,25 +126,29 @@ def build_specs(args, model: Path, secret: Path, gate: Path | None = None):
     worker = tandem + ["worker", "--broker-backend", addr["backend"], "--broker-stream", addr["stream_in"]] + common + model_args
     if args.parallel:
         worker += ["--parallel", str(args.parallel)]
-    # Every worker here shares this machine's device: each takes an equal share of its memory.
-    worker += ["--workers-per-device", str(args.hybrid if args.topology == "hybrid" else args.prefill + args.decode)]
     if args.speculative:
         worker += ["--speculative", args.speculative]
     specs = [ChildSpec("broker", tandem + ["broker", "--frontend", addr["frontend"], "--backend", addr["backend"],
                                            "--stream-in", addr["stream_in"], "--stream-out", addr["stream_out"],
                                            "--stats", addr["stats"]] + common)]
     if args.topology == "hybrid":
-        specs += [ChildSpec(f"hybrid-{i}", worker + ["--role", "hybrid", "--name", f"hybrid-{i}"]) for i in range(args.hybrid)]
+        roles = {f"hybrid-{i}": ["--role", "hybrid"] for i in range(args.hybrid or max(1, len(gpus)))}
     else:
-        # Every worker here shares this machine's cores: prefill first, as a hybrid
-        # worker's scheduler does (docs/benchmarks/disagg.md: with the gate ~0.97x hybrid's
-        # throughput and first tokens within the handoff's time; without it ~0.8x).
-        if gate is not None:
+        roles = {f"decode-{i}": ["--role", "decode", "--kv-bind", f"tcp://127.0.0.1:{args.base_port + 10 + i}"]
+                 for i in range(args.decode)}
+        roles.update({f"prefill-{i}": ["--role", "prefill"] for i in range(args.prefill)})
+        # Workers that share this machine's cores: prefill first, as a hybrid worker's
+        # scheduler does (docs/benchmarks/disagg.md: with the gate ~0.97x hybrid's
+        # throughput and first tokens within the handoff's time; without it ~0.8x). Workers
+        # on GPUs of their own do not wait for each other: that is what the split is for.
+        if gate is not None and len(set(place(list(roles), gpus).values())) <= 1:
             worker += ["--cpu-gate", str(gate)]
-        specs += [ChildSpec(f"decode-{i}", worker + ["--role", "decode", "--name", f"decode-{i}",
-                                                     "--kv-bind", f"tcp://127.0.0.1:{args.base_port + 10 + i}"])
-                  for i in range(args.decode)]
-        specs += [ChildSpec(f"prefill-{i}", worker + ["--role", "prefill", "--name", f"prefill-{i}"]) for i in range(args.prefill)]
+    where = place(list(roles), gpus)
+    for name, role in roles.items():
+        # Workers on one device share its memory: each takes an equal share.
+        sharing = sum(1 for g in where.values() if g == where[name]) if where else len(roles)
+        env = {"CUDA_VISIBLE_DEVICES": where[name]} if where else {}
+        specs.append(ChildSpec(name, worker + role + ["--name", name, "--workers-per-device", str(sharing)], env=env))
     edge = tandem + ["edge", "--bind", f"{args.host}:{args.port}", "--broker", addr["frontend"],
                      "--broker-stream", addr["stream_out"], "--model", str(model)] + common
     if args.api_key_file:
@@ -166,7 +197,7 @@ def run(args) -> int:
     from tandem.pipeline.model_store import ModelError, resolve_model
     from tandem.supervisor import ChildFailed, Supervisor
 
-    for name, n in (("--prefill", args.prefill), ("--decode", args.decode), ("--hybrid", args.hybrid)):
+    for name, n in (("--prefill", args.prefill), ("--decode", args.decode), ("--hybrid", 1 if args.hybrid is None else args.hybrid)):
         if n < 1:
             raise UserError(f"{name}={n} must be at least 1")
     check_port_free(args.host, args.port, "HTTP")
@@ -183,7 +214,10 @@ def run(args) -> int:
         args.served_model_name = args.model  # a Hugging Face repo id names the model, not its snapshot hash
     secret = ensure_secret(state_dir(args.state_dir))
     gate = None if args.no_cpu_gate else secret.parent / f"cpu-gate-{args.base_port}.lock"
-    specs, addr = build_specs(args, model, secret, gate)
+    specs, addr = build_specs(args, model, secret, gate, visible_gpus(args.gpus))
+    placed = [f"{s.name} on GPU {s.env['CUDA_VISIBLE_DEVICES']}" for s in specs if "CUDA_VISIBLE_DEVICES" in s.env]
+    if placed:
+        print(f"{'serve':>10} | " + ", ".join(placed), flush=True)
     sup = Supervisor(specs)
     stop = lambda *_: sup.stopping.set()  # noqa: E731
     signal.signal(signal.SIGTERM, stop)

@@ -244,6 +244,35 @@ def test_every_worker_serve_starts_takes_its_share_of_the_device(tmp_path):
     assert wp.parse_args(["--role", "decode", "--workers-per-device", "2"]).workers_per_device == 2
 
 
+def test_workers_are_placed_on_gpus_one_each_and_share_only_their_own(tmp_path):
+    """--gpus: each worker gets one GPU (CUDA_VISIBLE_DEVICES), in turn; a worker's memory
+    share counts only the workers on its GPU; workers on GPUs of their own skip the CPU gate."""
+    import argparse
+
+    from tandem.cli import UserError
+    from tandem.commands import serve as serve_cmd
+
+    p = argparse.ArgumentParser()
+    serve_cmd.add_arguments(p)
+    gate = tmp_path / "gate"
+
+    def workers(argv, gpus):
+        specs, _ = serve_cmd.build_specs(p.parse_args(argv), tmp_path, tmp_path / "secret", gate, gpus)
+        return {s.name: (s.env.get("CUDA_VISIBLE_DEVICES"), s.argv[s.argv.index("--workers-per-device") + 1],
+                         "--cpu-gate" in s.argv) for s in specs if s.name.startswith(("prefill", "decode", "hybrid"))}
+
+    assert workers([], ["0", "1"]) == {"decode-0": ("0", "1", False), "prefill-0": ("1", "1", False)}
+    assert workers([], ["3"]) == {"decode-0": ("3", "2", True), "prefill-0": ("3", "2", True)}
+    assert workers([], []) == {"decode-0": (None, "2", True), "prefill-0": (None, "2", True)}
+    assert workers(["--topology", "hybrid"], ["0", "1"]) == {"hybrid-0": ("0", "1", False), "hybrid-1": ("1", "1", False)}
+    assert workers(["--prefill", "2", "--decode", "1"], ["0", "1"]) == {
+        "decode-0": ("0", "2", False), "prefill-0": ("1", "1", False), "prefill-1": ("0", "2", False)}
+    assert serve_cmd.visible_gpus("none") == [] and serve_cmd.visible_gpus(" 1,0 ") == ["1", "0"]
+    for bad in ("0,0", "a", ","):
+        with pytest.raises(UserError, match="--gpus"):
+            serve_cmd.visible_gpus(bad)
+
+
 def test_port_check_ignores_connections_lingering_in_time_wait():
     """After Ctrl-C the HTTP port keeps closed connections in TIME_WAIT for a minute;
     gunicorn binds it anyway (SO_REUSEADDR), so the check before it must too (#45)."""
