@@ -65,6 +65,7 @@ class Worker:
     capacity: int  # requests it may hold at once
     kv_addr: str  # where a decode/hybrid worker accepts KV handoffs ('' for prefill)
     node_id: str  # stable redacted id, e.g. decode-1
+    device: str = ""  # where its engine runs, as it says ("cpu", "gpu 1")
     expiry: float = 0.0
     state: str = UP
     stream_ok: bool = False  # its PUB reaches our XSUB (proved by a stream ping)

@@ -29,6 +29,7 @@ def snapshot(dispatcher, *, verbose: bool = False, rounds_s: list[float] | None 
         row = {
             "node": w.node_id,
             "role": w.role,
+            "device": w.device,
             "state": w.state if (w.stream_ok or w.state != "up") else "joining",
             "model": w.model_id,
             "capacity": w.capacity,

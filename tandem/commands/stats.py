@@ -7,7 +7,7 @@ import sys
 import time
 
 HELP = "show the broker's stats: workers, load, queue, migrations, refusals"
-COLUMNS = ("node", "role", "state", "inflight", "dispatched", "decode_targeted", "running", "waiting",
+COLUMNS = ("node", "role", "device", "state", "inflight", "dispatched", "decode_targeted", "running", "waiting",
            "used_blocks", "total_blocks", "refusals", "failures", "kv_handoffs", "kv_sent", "kv_GB/s", "spec_accepted")
 
 

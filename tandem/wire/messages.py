@@ -123,6 +123,7 @@ class Ready:
     kv_address: str | None = w(S.Opt(S.Address()), None)  # decode/hybrid: where KV handoffs go
     block_size: int = w(S.Int(1, P.MAX_BLOCK_SIZE), 16)
     total_blocks: int = w(S.COUNT, 0)
+    device: str | None = w(S.Opt(S.Str(64)), None)  # where its engine runs: "cpu", "gpu", "gpu 1" (CUDA_VISIBLE_DEVICES)
 
 
 @message(MsgType.HEARTBEAT)

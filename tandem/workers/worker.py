@@ -46,6 +46,17 @@ log = logging.getLogger("tandem.worker")
 
 TOMBSTONE_S = 60.0  # remember aborted request ids this long (a late KV transfer is refused)
 
+def device_name() -> str:
+    """Where this process's engine runs, for the broker's stats: "cpu", "gpu", or "gpu N" with
+    the GPU that ``tandem serve`` (or a unit) gave it in CUDA_VISIBLE_DEVICES."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.gpu:
+        return "cpu"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return f"gpu {visible}" if visible else "gpu"
+
+
 def default_name(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}"
 
@@ -189,7 +200,7 @@ class Worker(KVHandoffs, Health):
 
     def _ready(self) -> None:
         self._send(M.Ready(self.node_id, self.role, self.model_id, self.capacity, self.kv_address,
-                           self.block_size, self.total_blocks))
+                           self.block_size, self.total_blocks, device_name()))
 
     def run(self) -> None:
         if self._timeline is not None:

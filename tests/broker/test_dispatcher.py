@@ -480,6 +480,15 @@ def test_heartbeat_prefix_counts_reach_stats():
     assert row["spec_draft_tokens"] == 40 and row["spec_accepted_tokens"] == 31
 
 
+def test_each_worker_s_device_reaches_stats():
+    from tandem.broker.stats import snapshot
+
+    h = Harness()
+    h.d.worker_message(b"g1", M.Ready("d1", "decode", "m", 4, "tcp://127.0.0.1:5600", 16, 100, "gpu 1"))
+    h.d.worker_message(b"c0", M.Ready("p0", "prefill", "m", 4, None, 16, 100))
+    assert {r["node"]: r["device"] for r in snapshot(h.d)["workers"]} == {"decode-0": "gpu 1", "prefill-0": ""}
+
+
 def test_streamed_tokens_count_for_the_worker_that_made_them():
     from tandem.broker.stats import snapshot
 

@@ -289,10 +289,12 @@ def test_client_and_stats_commands(cluster):
                         capture_output=True, text=True, timeout=60, env=cluster.env)
     stats = json.loads(st.stdout)
     assert stats["workers"][0]["node"] == "hybrid-0" and "name" not in stats["workers"][0]  # redacted
+    assert stats["workers"][0]["device"] == "cpu"  # where its engine runs (serve --gpus places workers on GPUs)
     assert stats["counters"]["completed"] == 1
     table = subprocess.run(base + ["stats", "--stats", e["stats"], "--cluster-secret-file", sf],
                            capture_output=True, text=True, timeout=60, env=cluster.env)
     assert "hybrid-0" in table.stdout and "dispatched" in table.stdout and "kv_GB/s" in table.stdout
+    assert "device" in table.stdout.splitlines()[0] or any("device" in line for line in table.stdout.splitlines()[:3])
 
 
 def test_the_product_worker_ships_no_model_free_engine(capsys):
