@@ -94,7 +94,7 @@ def check_port_free(host: str, port: int, what: str) -> None:
 
 def visible_gpus(spec: str) -> list[str]:
     """``--gpus``: "all" -> every GPU MLX sees (none on a CPU machine); "none" -> []; "0,1" -> those."""
-    from tandem.cli import UserError
+    from tandem.commands import UserError
 
     spec = (spec or "all").strip().lower()
     if spec == "none":

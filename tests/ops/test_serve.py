@@ -249,7 +249,7 @@ def test_workers_are_placed_on_gpus_one_each_and_share_only_their_own(tmp_path):
     share counts only the workers on its GPU; workers on GPUs of their own skip the CPU gate."""
     import argparse
 
-    from tandem.cli import UserError
+    from tandem.commands import UserError
     from tandem.commands import serve as serve_cmd
 
     p = argparse.ArgumentParser()
