@@ -293,3 +293,31 @@ def test_port_check_ignores_connections_lingering_in_time_wait():
             check_port_free("127.0.0.1", port, "HTTP")  # a listener still holds it
     assert time_wait_on(port)
     check_port_free("127.0.0.1", port, "HTTP")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_hybrid_serve_single_worker_sigkilled_mid_stream_continues_exactly(serve):
+    """Issue #45 item 6 through the whole stack: `serve --topology hybrid`, its only worker
+    SIGKILLed mid-stream; serve restarts it and the stream ends as an undisturbed one."""
+    from pathlib import Path
+
+    s = serve("--topology", "hybrid")
+    s.wait_for("ready: http://")
+    here = Path(__file__).resolve().parent
+    client = [sys.executable, str(here / "stream_client.py"), s.url, "tiny-llama0", "1", "3000"]
+    env = {**os.environ, "PYTHONPATH": str(here.parents[1])}
+    ref = subprocess.run(client, capture_output=True, text=True, timeout=300, env=env)
+    (reference,) = [json.loads(l) for l in ref.stdout.splitlines() if '"done"' in l]
+    assert reference["error"] is None and reference["finish"] == "length", reference
+
+    run = subprocess.Popen(client, stdout=subprocess.PIPE, text=True, env=env)
+    assert '"streaming"' in run.stdout.readline()
+    s.descendants |= pids_in_session(s.proc.pid)
+    (worker,) = [p for p in pids_in_session(s.proc.pid) if "--role\0hybrid" in open(f"/proc/{p}/cmdline").read()]
+    os.kill(worker, signal.SIGKILL)
+    done = json.loads(run.stdout.readline())
+    run.wait(timeout=60)
+    assert done["error"] is None, done["error"]
+    assert done["text"] == reference["text"]
+    s.wait_for("hybrid-0 was killed by signal 9", "restarting it (1/5)")
