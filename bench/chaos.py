@@ -1,0 +1,840 @@
+"""Chaos and soak: the whole stack under mixed load and a seeded fault schedule, checked
+for lost, repeated or reordered tokens, hung requests or processes, leaked KV blocks and
+growing memory.
+
+    .venv/bin/python bench/chaos.py --minutes 30 --seed 1 --out docs/benchmarks
+
+The stack (bench/chaos_stack.py): broker, 2 prefill + 2 decode workers, the edge with 2
+gunicorn workers, supervised and restarted as ``tandem serve`` does, every broker link
+through a cuttable proxy. Before any fault, every request of a seeded catalogue (chat and
+completions; temperature 0 and seeded temperature 0.8; n 1-2; stop strings; logprobs;
+short, shared-prefix and long prompts that park in chunked prefill) runs once on the
+undisturbed stack: its texts are the reference. Then, for ``--minutes``, client loops send
+catalogue requests (streaming or not, some read slowly, some abort at a random point)
+while a fault loop SIGKILLs or SIGSTOPs (1-8 s) a random process of a random role,
+restarts the broker, cuts a process's broker links for seconds, fills the decode workers'
+KV until they refuse, and plays the named scenarios (abort during KV wait, decode refusing
+before admission, prefill death mid-transfer, transfer timeout, broker restart
+mid-handoff); garbage and oversized HTTP and hostile ZeroMQ peers arrive throughout.
+
+Every request ends in one class: ``exact`` (every choice's text equals the reference),
+``failed_clean`` (an HTTP error or an SSE error event with an OpenAI error body, and what
+streamed before it a prefix of the reference), ``aborted`` (by this client; what streamed
+a prefix), ``severed`` (the connection dropped without an error while the edge process
+serving it was being killed: nothing could have answered), ``unclean`` (anything else),
+or ``hung`` (open past its deadline). Text that is not a prefix of its reference counts
+its tokens as lost (the reference's rest) and duplicated (the output's rest). At the end
+the faults stop, every stopped process resumes, links come back, and the run waits for
+the broker to see every worker with all KV blocks free; blocks still in use are
+``leaked_blocks``. ``rss_growth_mb`` is the largest resident-memory growth of any
+process that lived long enough to measure, from its warm-up to its end.
+
+The last line of output is one JSON object (requests, completed_exact, failed_clean,
+lost_tokens, duplicated_tokens, hung, leaked_blocks, faults, rss_growth_mb, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _common import ROOT, machine  # noqa: F401  (puts the repository first on sys.path)
+from chaos_stack import HOST, Stack, resume_all, rss_mb, send_signal
+
+WORDS = ("river valley farmers forests marshes stone walls fields villages market towns roads canals merchants "
+         "grain wool timber salt coast floods monasteries harvests engineers railways barges quick brown fox").split()
+DEADLINE_S = 120.0
+
+
+# ---------------------------------------------------------------- catalogue -------------
+
+@dataclass
+class Spec:
+    """One catalogue entry: an OpenAI request body and the endpoint it goes to."""
+
+    key: int
+    path: str
+    body: dict
+    ref: list[str] | None = None  # one text per choice, from the undisturbed run
+    long: bool = False
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def catalogue(seed: int, size: int) -> list[Spec]:
+    rng = random.Random(seed)
+    shared = "Background: " + _text(rng, 40)
+    specs = []
+    for key in range(size):
+        kind = rng.choice(("short", "short", "shared", "shared", "long"))
+        prompt = {"short": lambda: _text(rng, rng.randint(3, 20)),
+                  "shared": lambda: shared + " Question: " + _text(rng, rng.randint(2, 10)),
+                  "long": lambda: _text(rng, rng.randint(100, 160))}[kind]()
+        body: dict = {"max_tokens": rng.randint(4, 40), "n": rng.choice((1, 1, 1, 2))}
+        if rng.random() < 0.5:
+            body["temperature"] = 0
+        else:
+            body.update(temperature=0.8, seed=rng.randint(0, 2**31))
+        path = "/v1/chat/completions" if rng.random() < 0.75 else "/v1/completions"
+        if path == "/v1/chat/completions":
+            body["messages"] = [{"role": "user", "content": prompt}]
+            if rng.random() < 0.25:
+                body.update(logprobs=True, top_logprobs=2)
+        else:
+            body["prompt"] = prompt
+            if rng.random() < 0.25:
+                body["logprobs"] = 2
+        if rng.random() < 0.3:
+            body["stop"] = ["__STOP_FROM_REFERENCE__"]  # replaced by a piece of the reference text
+        specs.append(Spec(key, path, body, long=kind == "long"))
+    return specs
+
+
+def kv_fill_specs(seed: int, count: int) -> list[Spec]:
+    """Long prompts with long answers: a burst of them fills a decode worker's small pool."""
+    rng = random.Random(seed + 7919)
+    return [Spec(10_000 + i, "/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": _text(rng, rng.randint(150, 200))}],
+                  "max_tokens": 160, "temperature": 0, "ignore_eos": True}, long=True) for i in range(count)]
+
+
+# ---------------------------------------------------------------- one request -----------
+
+@dataclass
+class Outcome:
+    spec: int
+    kind: str  # exact | failed_clean | aborted | severed | unclean | hung | mismatch
+    texts: list[str] = field(default_factory=list)
+    detail: str = ""
+    t0: float = 0.0
+    t1: float = 0.0
+    stream: bool = False
+
+
+def _is_openai_error(obj) -> bool:
+    return (isinstance(obj, dict) and isinstance(obj.get("error"), dict)
+            and isinstance(obj["error"].get("message"), str) and "type" in obj["error"])
+
+
+async def _read_head(reader) -> tuple[int, dict]:
+    status_line = await reader.readline()
+    if not status_line:
+        raise ConnectionResetError("connection closed before a status line")
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        k, _, v = line.decode("latin-1").partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return int(status_line.split()[1]), headers
+
+
+async def _chunks(reader, headers: dict):
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            line = await reader.readline()
+            if not line:
+                raise ConnectionResetError("connection closed inside a chunked body")
+            size = int(line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                return
+            data = await reader.readexactly(size)
+            await reader.readexactly(2)
+            yield data
+    else:
+        n = int(headers.get("content-length", "-1"))
+        yield await (reader.readexactly(n) if n >= 0 else reader.read())
+
+
+async def send(port: int, spec: Spec, *, stream: bool, abort_after: int | None, slow: bool) -> Outcome:
+    """Send one catalogue request and classify how it ended (before the reference check)."""
+    body = dict(spec.body, stream=stream)
+    n = body.get("n", 1)
+    payload = json.dumps(body).encode()
+    out = Outcome(spec.key, "unclean", [""] * n, t0=time.monotonic(), stream=stream)
+    try:
+        reader, writer = await asyncio.open_connection(HOST, port, limit=1 << 22)
+    except OSError as exc:
+        out.detail = f"connect: {exc}"
+        out.kind = "refused"
+        out.t1 = time.monotonic()
+        return out
+    try:
+        writer.write(f"POST {spec.path} HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+        await writer.drain()
+        async with asyncio.timeout(DEADLINE_S):
+            status, headers = await _read_head(reader)
+            if status != 200 or not stream:
+                raw = b"".join([c async for c in _chunks(reader, headers)])
+                obj = json.loads(raw) if raw else None
+                if status != 200:
+                    out.kind = "failed_clean" if _is_openai_error(obj) and status in (429, 500, 502, 503, 504) else "unclean"
+                    out.detail = f"HTTP {status}: {raw[:200]!r}"
+                    return out
+                for choice in obj["choices"]:
+                    msg = choice.get("message")
+                    out.texts[choice["index"]] = msg["content"] if msg is not None else choice["text"]
+                out.kind = "exact"  # provisional: checked against the reference later
+                return out
+            buf, events, finished = b"", 0, set()
+            async for data in _chunks(reader, headers):
+                buf += data
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data: "):
+                            continue
+                        if line[6:] == b"[DONE]":
+                            if len(finished) != n:
+                                out.detail = f"[DONE] with {len(finished)} of {n} choices finished"
+                                return out
+                            out.kind = "exact"
+                            return out
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            out.kind = "failed_clean" if _is_openai_error(chunk) else "unclean"
+                            out.detail = f"stream error: {chunk['error']}"
+                            return out
+                        for choice in chunk.get("choices") or []:
+                            i = choice["index"]
+                            piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                            if piece:
+                                if i in finished:
+                                    out.detail = f"choice {i} got text after its finish_reason"
+                                    return out
+                                out.texts[i] += piece
+                            if choice.get("finish_reason"):
+                                finished.add(i)
+                        events += 1
+                        if abort_after is not None and events >= abort_after:
+                            out.kind = "aborted"
+                            return out
+                        if slow:
+                            await asyncio.sleep(0.2)
+            out.detail = "stream ended without [DONE]"
+            out.kind = "severed"
+            return out
+    except TimeoutError:
+        out.kind = "hung"
+        out.detail = f"open past its {DEADLINE_S:.0f} s deadline"
+        return out
+    except (OSError, asyncio.IncompleteReadError, ConnectionResetError) as exc:
+        out.kind = "severed"
+        out.detail = f"{type(exc).__name__}: {exc}"
+        return out
+    except (ValueError, KeyError, TypeError) as exc:
+        out.detail = f"malformed answer: {type(exc).__name__}: {exc}"
+        return out
+    finally:
+        out.t1 = time.monotonic()
+        writer.transport.abort()
+
+
+# ---------------------------------------------------------------- hostile input ---------
+
+GARBAGE = [
+    b"\x00\xff" * 300,
+    b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GARBAGE" * 2000 + b"\r\n\r\n",
+]
+BAD_BODIES = [  # (body, statuses that count as a clean answer)
+    (b"{not json", (400,)),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 1000}).encode(), (400,)),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}).encode(), (400,)),
+    (json.dumps({"messages": "nope"}).encode(), (400,)),
+    (json.dumps({"messages": [{"role": "user", "content": "x" * (3 << 20)}]}).encode(), (413,)),
+]
+
+
+async def garbage_http(port: int, rng: random.Random) -> tuple[str, str]:
+    """One hostile HTTP exchange; returns (kind, detail): clean when the edge answered an
+    error body of OpenAI's shape (or closed on bytes that are not HTTP)."""
+    try:
+        reader, writer = await asyncio.open_connection(HOST, port)
+    except OSError as exc:
+        return "severed", f"connect: {exc}"
+    try:
+        if rng.random() < 0.4:
+            junk = rng.choice(GARBAGE)
+            writer.write(junk)
+            await writer.drain()
+            try:
+                async with asyncio.timeout(15):
+                    await reader.read(1 << 16)
+            except TimeoutError:
+                return "unclean", f"no answer within 15 s to garbage {junk[:60]!r}"
+            return "clean", "raw garbage"
+        body, ok = rng.choice(BAD_BODIES)
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+        writer.write(body)
+        try:
+            await writer.drain()
+        except OSError:
+            pass  # the edge may refuse an oversized body before reading it all
+        async with asyncio.timeout(15):
+            status, headers = await _read_head(reader)
+            raw = b"".join([c async for c in _chunks(reader, headers)])
+        clean = status in ok and _is_openai_error(json.loads(raw))
+        return ("clean" if clean else "unclean"), f"HTTP {status}: {raw[:160]!r}"
+    except TimeoutError:
+        return "unclean", "no answer to garbage within 15 s"
+    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        return "severed", f"{type(exc).__name__}: {exc}"
+    finally:
+        writer.transport.abort()
+
+
+def hostile_zmq(stack: Stack, rng: random.Random) -> str:
+    """A peer without the cluster secret (plain ZeroMQ, a wrong CURVE key, or raw TCP bytes)
+    talks to a broker socket or a decode worker's KV port; nothing should reach anyone."""
+    import socket as _socket
+
+    import zmq
+
+    from tandem.wire.sockets import make_socket
+
+    ports = list(stack.ports.values()) + list(stack.kv_ports.values())
+    port = rng.choice(ports)
+    how = rng.choice(("plain", "wrong-key", "tcp"))
+    if how == "tcp":
+        try:
+            with _socket.create_connection((HOST, port), timeout=2) as s:
+                s.sendall(os.urandom(rng.randint(1, 4096)))
+        except OSError:
+            pass
+        return f"tcp:{port}"
+    ctx = zmq.Context.instance()
+    security = os.urandom(32).hex().encode() if how == "wrong-key" else None
+    sock = make_socket(ctx, zmq.DEALER, connect=f"tcp://{HOST}:{port}", security=security)
+    try:
+        for _ in range(3):
+            sock.send_multipart([os.urandom(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))], zmq.NOBLOCK)
+        time.sleep(0.2)
+    except zmq.ZMQError:
+        pass
+    finally:
+        sock.close(0)
+    return f"{how}:{port}"
+
+
+# ---------------------------------------------------------------- the run ---------------
+
+class Run:
+    def __init__(self, stack: Stack, specs: list[Spec], fill: list[Spec], seed: int, minutes: float,
+                 clients: int, fault_every_s: float, log):
+        self.stack = stack
+        self.specs = {s.key: s for s in specs + fill}
+        self.catalogue = specs
+        self.fill = fill
+        self.seed = seed
+        self.minutes = minutes
+        self.clients = clients
+        self.fault_every_s = fault_every_s
+        self.log = log
+        self.outcomes: list[Outcome] = []
+        self.scenario_of: dict[int, str] = {}  # id(outcome) -> scenario name
+        self.faults: list[dict] = []
+        self.scenarios: Counter = Counter()
+        self.scenario_evidence: Counter = Counter()
+        self.hostile: Counter = Counter()
+        self.hostile_examples: list[str] = []
+        self.stopped: set[int] = set()
+        self.edge_kills: list[float] = []  # times an edge process was killed (severed streams are excused near them)
+        self.rss: dict[int, list[tuple[float, str, float]]] = {}
+        self.t_start = 0.0
+        self.stop_event = asyncio.Event()
+
+    # ------------------------------------------------------------ reference
+    async def reference(self) -> None:
+        """Every catalogue request once on the undisturbed stack (4 at a time), twice when it
+        asks for a stop string: once to find one in its text, once with it."""
+        sem = asyncio.Semaphore(4)
+
+        async def one(spec: Spec) -> None:
+            async with sem:
+                for attempt in range(2):
+                    if spec.body.get("stop") == ["__STOP_FROM_REFERENCE__"]:
+                        plain = Spec(spec.key, spec.path, {k: v for k, v in spec.body.items() if k != "stop"})
+                        o = await send(self.stack.http_port, plain, stream=False, abort_after=None, slow=False)
+                        text = o.texts[0] if o.kind == "exact" else ""
+                        piece = text[len(text) // 2: len(text) // 2 + 3] if len(text) >= 6 else ""
+                        if piece.strip():
+                            spec.body["stop"] = [piece]
+                        else:
+                            del spec.body["stop"]
+                    o = await send(self.stack.http_port, spec, stream=False, abort_after=None, slow=False)
+                    if o.kind == "exact":
+                        spec.ref = o.texts
+                        return
+                raise RuntimeError(f"the undisturbed stack failed catalogue request {spec.key}: {o.kind} {o.detail}")
+
+        await asyncio.gather(*(one(s) for s in self.specs.values()))
+        # The same requests streamed must give the same texts (checked once, undisturbed).
+        for spec in list(self.specs.values())[:8]:
+            o = await send(self.stack.http_port, spec, stream=True, abort_after=None, slow=False)
+            if o.kind != "exact" or o.texts != spec.ref:
+                raise RuntimeError(f"streamed catalogue request {spec.key} differs from its non-streamed text: "
+                                   f"{o.kind} {o.detail} {o.texts!r} vs {spec.ref!r}")
+
+    # ------------------------------------------------------------ load
+    async def request(self, spec: Spec, rng: random.Random, scenario: str | None = None, **kw) -> Outcome:
+        stream = kw.pop("stream", rng.random() < 0.6)
+        abort_after = kw.pop("abort_after", rng.randint(1, 8) if stream and rng.random() < 0.12 else None)
+        slow = kw.pop("slow", stream and rng.random() < 0.1)
+        o = await send(self.stack.http_port, spec, stream=stream, abort_after=abort_after, slow=slow)
+        self.outcomes.append(o)
+        if scenario:
+            self.scenario_of[id(o)] = scenario
+        return o
+
+    async def client_loop(self, i: int) -> None:
+        rng = random.Random(f"{self.seed}-client-{i}")
+        while not self.stop_event.is_set():
+            o = await self.request(rng.choice(self.catalogue), rng)
+            await asyncio.sleep(rng.random() * 0.3 + (0.5 if o.kind == "refused" else 0.0))
+
+    async def hostile_loop(self) -> None:
+        rng = random.Random(f"{self.seed}-hostile")
+        while not self.stop_event.is_set():
+            await asyncio.sleep(rng.uniform(0.5, 3.0))
+            if rng.random() < 0.6:
+                kind, detail = await garbage_http(self.stack.http_port, rng)
+                self.hostile[f"http_{kind}"] += 1
+                if kind == "unclean":
+                    self.log(f"chaos | garbage HTTP got an unclean answer: {detail}")
+                    self.hostile_examples.append(detail)
+            else:
+                await asyncio.to_thread(hostile_zmq, self.stack, rng)
+                self.hostile["zmq"] += 1
+
+    # ------------------------------------------------------------ faults
+    def fault(self, kind: str, target: str, **detail) -> None:
+        self.faults.append({"t": round(time.monotonic() - self.t_start, 1), "kind": kind, "target": target, **detail})
+        self.log(f"chaos | fault {kind} {target} {detail if detail else ''}")
+
+    def pid_of(self, name: str) -> int | None:
+        if name == "edge-worker":
+            pids = self.stack.edge_workers()
+            return random.Random(time.monotonic()).choice(pids) if pids else None
+        if name == "edge-arbiter":
+            return self.stack.edge_arbiter()
+        return self.stack.pid(name)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> bool:
+        pid = self.pid_of(name)
+        if pid is None or not send_signal(pid, sig):
+            return False
+        if name.startswith("edge") and sig == signal.SIGKILL:
+            self.edge_kills.append(time.monotonic())
+        self.fault("sigkill" if sig == signal.SIGKILL else "sigterm", name, pid=pid)
+        return True
+
+    async def pause(self, name: str, seconds: float) -> None:
+        pid = self.pid_of(name)
+        if pid is not None and send_signal(pid, signal.SIGSTOP):
+            self.stopped.add(pid)
+            self.fault("sigstop", name, pid=pid, seconds=round(seconds, 1))
+            await asyncio.sleep(seconds)
+            send_signal(pid, signal.SIGCONT)
+            self.stopped.discard(pid)
+
+    async def cut(self, name: str, seconds: float) -> None:
+        links = self.stack.links[name]
+        if any(link.is_cut for link in links):
+            return
+        self.fault("cut_link", name, seconds=round(seconds, 1))
+        for link in links:
+            await link.cut()
+        await asyncio.sleep(seconds)
+        for link in links:
+            await link.up()
+
+    async def long_requests(self, rng: random.Random, scenario: str, count: int = 3, stream: bool = True) -> list[asyncio.Task]:
+        longs = [s for s in self.catalogue if s.long] or self.catalogue
+        return [asyncio.create_task(self.request(rng.choice(longs), rng, scenario, stream=stream, abort_after=None, slow=False))
+                for _ in range(count)]
+
+    async def refusals(self) -> int:
+        try:
+            st = await asyncio.to_thread(self.stack.stats)
+        except Exception:
+            return -1
+        return sum(w.get("refusals", 0) for w in st.get("workers", []))
+
+    async def scenario(self, name: str, rng: random.Random) -> None:
+        self.scenarios[name] += 1
+        self.fault("scenario", name)
+        decodes = ["decode-0", "decode-1"]
+        if name == "abort_during_kv_wait":
+            # Decode workers frozen: the prefill finishes and its KV waits for a decode that
+            # does not answer; the client gives up meanwhile.
+            pauses = [asyncio.create_task(self.pause(d, 2.5)) for d in decodes]
+            longs = [s for s in self.catalogue if s.long] or self.catalogue
+            tasks = [asyncio.create_task(self.request(rng.choice(longs), rng, name, stream=True, abort_after=None, slow=False))
+                     for _ in range(2)]
+            await asyncio.sleep(rng.uniform(0.8, 2.0))
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                try:
+                    await t
+                except asyncio.CancelledError:
+                    self.outcomes.append(o := Outcome(-1, "aborted", [], t0=time.monotonic(), t1=time.monotonic()))
+                    self.scenario_of[id(o)] = name
+            await asyncio.gather(*pauses)
+        elif name == "decode_refuses_before_admission":
+            before = await self.refusals()
+            tasks = [asyncio.create_task(self.request(s, rng, name, stream=rng.random() < 0.5, abort_after=None, slow=False))
+                     for s in self.fill]
+            await asyncio.sleep(3.0)
+            after = await self.refusals()
+            if before >= 0 and after > before:
+                self.scenario_evidence[name] += 1
+            await asyncio.gather(*tasks)
+        elif name == "prefill_death_mid_transfer":
+            tasks = await self.long_requests(rng, name)
+            await asyncio.sleep(rng.uniform(0.2, 2.5))
+            self.kill(rng.choice(["prefill-0", "prefill-1"]))
+            await asyncio.gather(*tasks)
+        elif name == "transfer_timeout":
+            tasks = await self.long_requests(rng, name)
+            await asyncio.sleep(rng.uniform(0.2, 1.0))
+            await asyncio.gather(*(self.pause(d, 5.5) for d in decodes))
+            await asyncio.gather(*tasks)
+        elif name == "broker_restart_mid_handoff":
+            tasks = await self.long_requests(rng, name)
+            await asyncio.sleep(rng.uniform(0.3, 2.0))
+            self.kill("broker", rng.choice([signal.SIGKILL, signal.SIGTERM]))
+            await asyncio.gather(*tasks)
+
+    SCENARIOS = ("abort_during_kv_wait", "decode_refuses_before_admission", "prefill_death_mid_transfer",
+                 "transfer_timeout", "broker_restart_mid_handoff")
+    ROLES = ("broker", "prefill-0", "prefill-1", "decode-0", "decode-1", "edge", "edge-arbiter", "edge-worker", "edge-worker")
+
+    async def fault_loop(self) -> None:
+        rng = random.Random(f"{self.seed}-faults")
+        background: set[asyncio.Task] = set()
+        while not self.stop_event.is_set():
+            await asyncio.sleep(rng.expovariate(1.0 / self.fault_every_s))
+            if self.stop_event.is_set():
+                break
+            kind = rng.choices(("kill", "stop", "broker_restart", "cut", "kv_fill", "scenario"),
+                               weights=(24, 30, 5, 18, 5, 18))[0]
+            target = rng.choice(self.ROLES)
+            if kind == "kill":
+                # The -0 workers are never killed, so their memory is watched over the whole run.
+                if target in ("prefill-0", "decode-0"):
+                    target = target[:-1] + "1"
+                self.kill(target)
+            elif kind == "stop" and target == "edge-worker" and rng.random() < 0.25:
+                # Longer than gunicorn's worker timeout (30 s): its arbiter must kill and replace it.
+                now = time.monotonic()
+                self.edge_kills += [now + 30 + k for k in range(0, 15, 2)]
+                background.add(asyncio.create_task(self.pause(target, 45.0)))
+            elif kind == "stop":
+                background.add(asyncio.create_task(self.pause(target, rng.uniform(1.0, 8.0))))
+            elif kind == "broker_restart":
+                self.kill("broker", signal.SIGTERM)
+            elif kind == "cut":
+                name = rng.choice(list(self.stack.links))
+                background.add(asyncio.create_task(self.cut(name, rng.uniform(1.0, 8.0))))
+            elif kind == "kv_fill":
+                self.fault("kv_fill", "decode")
+                for s in self.fill:
+                    background.add(asyncio.create_task(self.request(s, rng, "kv_fill", abort_after=None)))
+            else:
+                background.add(asyncio.create_task(self.scenario(rng.choice(self.SCENARIOS), rng)))
+            background = {t for t in background if not t.done()}
+        await asyncio.gather(*background, return_exceptions=True)
+
+    # ------------------------------------------------------------ watching
+    async def supervise_loop(self) -> None:
+        while True:
+            try:
+                self.stack.sup.check()
+            except Exception as exc:
+                self.log(f"chaos | supervisor: {exc}")
+            await asyncio.sleep(0.5)
+
+    async def rss_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for pid, name in self.stack.processes().items():
+                if pid in self.stopped:
+                    continue
+                if (mb := rss_mb(pid)) is not None:
+                    self.rss.setdefault(pid, []).append((now, name, mb))
+            await asyncio.sleep(5.0)
+
+    def rss_growth(self, warmup_s: float, min_span_s: float) -> tuple[float, list[dict]]:
+        rows = []
+        for pid, samples in self.rss.items():
+            start = samples[0][0] + warmup_s
+            after = [mb for t, _, mb in samples if t >= start]
+            if len(after) < 6 or samples[-1][0] - start < min_span_s:
+                continue
+            first = sorted(after[:3])[1]
+            last = sorted(after[-3:])[1]
+            rows.append({"pid": pid, "name": samples[0][1], "span_s": round(samples[-1][0] - start),
+                         "rss_mb_start": round(first, 1), "rss_mb_end": round(last, 1), "growth_mb": round(last - first, 1)})
+        return max((r["growth_mb"] for r in rows), default=float("nan")), rows
+
+    # ------------------------------------------------------------ verdicts
+    def judge(self, tok) -> dict:
+        counts: Counter = Counter()
+        lost = duplicated = 0
+        examples: dict[str, list[str]] = {}
+        per_scenario: dict[str, Counter] = {}
+        errors: Counter = Counter()
+
+        def ntok(text: str) -> int:
+            return len(tok.encode(text)) if text else 0
+
+        for o in self.outcomes:
+            kind = o.kind
+            spec = self.specs.get(o.spec)
+            if spec is not None and spec.ref is not None:
+                for i, text in enumerate(o.texts):
+                    ref = spec.ref[i]
+                    if text == ref:
+                        continue
+                    if kind != "exact" and ref.startswith(text):
+                        continue  # a request that ended early: what came is a prefix
+                    common = os.path.commonprefix([text, ref])
+                    lost += ntok(ref[len(common):])
+                    duplicated += ntok(text[len(common):])
+                    kind = "mismatch"
+                    examples.setdefault("mismatch", []).append(f"spec {o.spec} choice {i}: got {text!r} want {ref!r}")
+            if kind == "severed":
+                near_edge_kill = any(o.t0 - 1 <= t <= o.t1 + 1 for t in self.edge_kills)
+                kind = "severed" if near_edge_kill else "unclean"
+            if kind == "refused":  # nothing was accepted: fine while a killed edge restarts
+                kind = "refused" if any(t <= o.t0 <= t + 30 for t in self.edge_kills) else "unclean"
+            if kind in ("unclean", "hung"):
+                examples.setdefault(kind, []).append(f"t={o.t0 - self.t_start:.0f}s spec {o.spec} stream={o.stream}: {o.detail}")
+            if kind == "failed_clean":
+                errors[o.detail[:140]] += 1
+            counts[kind] += 1
+            if (sc := self.scenario_of.get(id(o))) is not None:
+                per_scenario.setdefault(sc, Counter())[kind] += 1
+        return {"counts": counts, "lost": lost, "duplicated": duplicated,
+                "examples": {k: v[:5] for k, v in examples.items()}, "errors": dict(errors.most_common(8)),
+                "per_scenario": {k: dict(v) for k, v in per_scenario.items()}}
+
+
+async def settle(stack: Stack, timeout_s: float) -> tuple[bool, dict]:
+    """Wait until the broker sees every worker with all KV blocks free and the edge is ready."""
+    deadline = time.monotonic() + timeout_s
+    ok, st = False, {}
+    while time.monotonic() < deadline:
+        ok, st = await asyncio.to_thread(stack.workers_idle)
+        if ok and await asyncio.to_thread(stack.http_ready):
+            return True, st
+        await asyncio.sleep(1.0)
+    return False, st
+
+
+async def chaos(args, tmp: Path, log) -> dict:
+    from tandem.http.tokenizer import load_tokenizer
+
+    model = Path(args.model) if args.model else None
+    if model is None:
+        sys.path.insert(0, str(ROOT))
+        from tests.tiny_model import build_tiny_model
+
+        model = build_tiny_model(tmp / "tiny-model")
+    stack = Stack(tmp, model, log=log)
+    specs = catalogue(args.seed, args.catalogue)
+    fill = kv_fill_specs(args.seed, 6)
+    for spec in specs + fill:
+        spec.body["model"] = model.name
+    run = Run(stack, specs, fill, args.seed, args.minutes, args.clients, args.fault_every, log)
+    tasks: list[asyncio.Task] = []
+    try:
+        t = time.monotonic()
+        await stack.start()
+        up_s = time.monotonic() - t
+        say(f"stack up in {up_s:.0f} s; computing {len(run.specs)} reference texts on the undisturbed stack")
+        await run.reference()
+        ok, idle_stats = await settle(stack, 60)
+        idle = {w["name"]: w["total_blocks"] for w in idle_stats.get("workers", [])}
+        say(f"reference done; idle KV blocks {idle}; chaos for {args.minutes} min")
+        run.t_start = time.monotonic()
+        tasks = [asyncio.create_task(run.supervise_loop()), asyncio.create_task(run.rss_loop())]
+        load = [asyncio.create_task(run.client_loop(i)) for i in range(args.clients)]
+        load += [asyncio.create_task(run.hostile_loop()), asyncio.create_task(run.fault_loop())]
+        end = run.t_start + args.minutes * 60
+        while time.monotonic() < end:
+            await asyncio.sleep(min(30.0, max(0.1, end - time.monotonic())))
+            c = Counter(o.kind for o in run.outcomes)
+            say(f"t={time.monotonic() - run.t_start:.0f}s requests {len(run.outcomes)} {dict(c)} faults {len(run.faults)}")
+        run.stop_event.set()
+        say("load and faults stop; waiting for open requests (each has its deadline)")
+        await asyncio.gather(*load, return_exceptions=True)
+        resume_all(list(run.stopped))
+        for links in stack.links.values():
+            for link in links:
+                if link.is_cut:
+                    await link.up()
+        settled, final_stats = await settle(stack, 90)
+        hung_processes = []
+        if not settled:
+            ws = {w.get("name"): w for w in final_stats.get("workers", []) if w.get("state") == "up"}
+            hung_processes = [n for n in stack.WORKERS if n not in ws]
+            if not await asyncio.to_thread(stack.http_ready):
+                hung_processes.append("edge")
+            if "error" in final_stats:
+                hung_processes.append("broker")
+        leaked = {w["name"]: w["total_blocks"] - w["free_blocks"] for w in final_stats.get("workers", [])
+                  if w.get("state") == "up" and w.get("total_blocks", 0) - w.get("free_blocks", 0) > 0}
+        # After all that, the stack still answers every kind of request exactly.
+        rng = random.Random(args.seed)
+        after = [await run.request(s, rng, "after_chaos", abort_after=None, slow=False) for s in rng.sample(specs, min(8, len(specs)))]
+        duration = time.monotonic() - run.t_start
+        warmup = min(120.0, 0.2 * duration)
+        growth, rss_rows = run.rss_growth(warmup, min_span_s=max(30.0, 0.3 * duration))
+        verdict = run.judge(load_tokenizer(model))
+        counts = verdict["counts"]
+        hung = counts.get("hung", 0) + len(hung_processes)
+        result = {
+            "requests": len(run.outcomes),
+            "completed_exact": counts.get("exact", 0),
+            "failed_clean": counts.get("failed_clean", 0),
+            "aborted": counts.get("aborted", 0),
+            "severed_by_edge_kill": counts.get("severed", 0),
+            "refused_while_edge_restarts": counts.get("refused", 0),
+            "unclean": counts.get("unclean", 0),
+            "mismatched": counts.get("mismatch", 0),
+            "lost_tokens": verdict["lost"],
+            "duplicated_tokens": verdict["duplicated"],
+            "hung": hung,
+            "hung_processes": hung_processes,
+            "leaked_blocks": sum(leaked.values()),
+            "leaked_by_worker": leaked,
+            "faults": len(run.faults),
+            "fault_kinds": dict(Counter(f["kind"] for f in run.faults)),
+            "fault_targets": dict(Counter(f["target"] for f in run.faults if f["kind"] in ("sigkill", "sigstop", "sigterm"))),
+            "scenarios": dict(run.scenarios),
+            "scenario_evidence": dict(run.scenario_evidence),
+            "scenario_outcomes": verdict["per_scenario"],
+            "after_chaos_exact": sum(o.kind == "exact" and o.texts == run.specs[o.spec].ref for o in after),
+            "after_chaos_requests": len(after),
+            "hostile": dict(run.hostile),
+            "hostile_unclean_examples": run.hostile_examples[:5],
+            "rss_growth_mb": None if growth != growth else round(growth, 1),
+            "rss": rss_rows,
+            "restarts": {c.spec.name: len(c.restarts) for c in stack.sup.children},
+            "examples": verdict["examples"],
+            "clean_errors": verdict["errors"],
+            "minutes": round(duration / 60, 1),
+            "seed": args.seed,
+            "stack_up_s": round(up_s, 1),
+            "model": str(args.model or "tests/tiny_model.py (random weights, 2 layers)"),
+            "machine": machine(),
+        }
+        return result
+    finally:
+        run.stop_event.set()
+        for task in tasks:
+            task.cancel()
+        resume_all(stack.processes())
+        await asyncio.to_thread(stack.stop)
+
+
+def report(r: dict, command: str) -> str:
+    """The markdown page for docs/benchmarks/chaos.md."""
+    ok = not (r["lost_tokens"] or r["duplicated_tokens"] or r["hung"] or r["leaked_blocks"] or r["unclean"])
+    lines = [
+        "# Chaos and soak",
+        "",
+        f"`{command}` ({r['minutes']} min of faults, seed {r['seed']}, {r['machine']['when']}, "
+        f"{r['machine']['cpus']} cores shared with other work, load average {r['machine']['load_avg_1m']:.1f}; "
+        f"model: {r['model']}).",
+        "",
+        "The whole stack on loopback (broker, 2 prefill + 2 decode workers, the edge with 2 gunicorn workers, "
+        "supervised as `tandem serve` does) under mixed load while a seeded schedule kills, freezes, restarts and "
+        "cuts it; bench/chaos.py's docstring says what each check means. Verdict: "
+        + ("**nothing lost, repeated, hung or leaked**." if ok else "**invariants broken** (see below)."),
+        "",
+        "| figure | value |",
+        "|---|---|",
+    ]
+    for key in ("requests", "completed_exact", "failed_clean", "aborted", "severed_by_edge_kill",
+                "refused_while_edge_restarts", "unclean", "mismatched", "lost_tokens", "duplicated_tokens", "hung",
+                "leaked_blocks", "faults", "rss_growth_mb"):
+        lines.append(f"| `{key}` | {r[key]} |")
+    lines.append(f"| after the faults, catalogue requests answered exactly | {r['after_chaos_exact']} of {r['after_chaos_requests']} |")
+    lines += ["", "## Faults", "", "| kind | count |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in sorted(r["fault_kinds"].items())]
+    lines += ["", "Signals by target (SIGKILL, SIGSTOP, SIGTERM): "
+              + ", ".join(f"{k} {v}" for k, v in sorted(r["fault_targets"].items()))
+              + ". Restarts by the supervisor: " + ", ".join(f"{k} {v}" for k, v in r["restarts"].items()) + "."]
+    lines += ["", "## Named scenarios", "", "| scenario | runs | outcomes of its requests |", "|---|---|---|"]
+    for name in Run.SCENARIOS + ("kv_fill",):
+        outcomes = r["scenario_outcomes"].get(name, {})
+        runs = r["scenarios"].get(name, r["fault_kinds"].get("kv_fill", 0) if name == "kv_fill" else 0)
+        lines.append(f"| {name} | {runs} | " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) + " |")
+    if r["scenario_evidence"]:
+        lines += ["", "Decode refusals seen in the broker's counters during decode_refuses_before_admission: "
+                  f"{r['scenario_evidence'].get('decode_refuses_before_admission', 0)} of its runs."]
+    lines += ["", "## Clean errors clients saw", ""]
+    lines += [f"- {v} x {k}" for k, v in r["clean_errors"].items()] or ["- none"]
+    lines += ["", "## Hostile input", "", ", ".join(f"{k} {v}" for k, v in sorted(r["hostile"].items())) + "."]
+    lines += ["", "## Resident memory (processes that lived long enough to measure)", "",
+              "| process | measured for s | RSS start MB | RSS end MB | growth MB |", "|---|---|---|---|---|"]
+    lines += [f"| {x['name']} (pid {x['pid']}) | {x['span_s']} | {x['rss_mb_start']} | {x['rss_mb_end']} | {x['growth_mb']} |"
+              for x in r["rss"]]
+    if r["examples"]:
+        lines += ["", "## Examples of broken invariants", ""] + [f"- {k}: {v}" for k, vs in r["examples"].items() for v in vs]
+    return "\n".join(lines) + "\n"
+
+
+def say(text: str) -> None:
+    print(f"chaos | {text}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--model", help="mlx-lm model directory (default: the test suite's tiny random model)")
+    ap.add_argument("--clients", type=int, default=4, help="concurrent client loops")
+    ap.add_argument("--catalogue", type=int, default=24, help="distinct requests in the reference catalogue")
+    ap.add_argument("--fault-every", type=float, default=4.0, help="mean seconds between faults")
+    ap.add_argument("--log", default="/tmp/tandem-chaos.log", help="every process's output and every fault")
+    ap.add_argument("--out", help="directory to write chaos.md and chaos.json into (docs/benchmarks)")
+    args = ap.parse_args()
+    logf = open(args.log, "w")
+
+    def log(line: str) -> None:
+        logf.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+        logf.flush()
+
+    with tempfile.TemporaryDirectory(prefix="tandem-chaos-") as tmp:
+        result = asyncio.run(chaos(args, Path(tmp), log))
+    logf.close()
+    if args.out:
+        command = "bench/chaos.py " + " ".join(sys.argv[1:])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "chaos.json").write_text(json.dumps(result, indent=1) + "\n")
+        (Path(args.out) / "chaos.md").write_text(report(result, command))
+    print(json.dumps(result), flush=True)
+    bad = result["lost_tokens"] or result["duplicated_tokens"] or result["hung"] or result["leaked_blocks"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
