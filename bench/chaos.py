@@ -351,6 +351,7 @@ class Run:
         self.scenario_evidence: Counter = Counter()
         self.hostile: Counter = Counter()
         self.hostile_examples: list[str] = []
+        self.reference_failures: list[str] = []
         self.stopped: set[int] = set()
         self.edge_kills: list[float] = []  # times an edge process was killed (severed streams are excused near them)
         self.rss: dict[int, list[tuple[float, str, float]]] = {}
@@ -360,34 +361,36 @@ class Run:
     # ------------------------------------------------------------ reference
     async def reference(self) -> None:
         """Every catalogue request once on the undisturbed stack (4 at a time), twice when it
-        asks for a stop string: once to find one in its text, once with it."""
+        asks for a stop string: once to find one in its text, once with it. A request the
+        undisturbed stack cannot answer is itself a finding: it is reported and left out."""
         sem = asyncio.Semaphore(4)
 
         async def one(spec: Spec) -> None:
             async with sem:
-                for attempt in range(2):
-                    if spec.body.get("stop") == ["__STOP_FROM_REFERENCE__"]:
-                        plain = Spec(spec.key, spec.path, {k: v for k, v in spec.body.items() if k != "stop"})
-                        o = await send(self.stack.http_port, plain, stream=False, abort_after=None, slow=False)
-                        text = o.texts[0] if o.kind == "exact" else ""
-                        piece = text[len(text) // 2: len(text) // 2 + 3] if len(text) >= 6 else ""
-                        if piece.strip():
-                            spec.body["stop"] = [piece]
-                        else:
-                            del spec.body["stop"]
+                if spec.body.get("stop") == ["__STOP_FROM_REFERENCE__"]:
+                    plain = Spec(spec.key, spec.path, {k: v for k, v in spec.body.items() if k != "stop"})
+                    o = await send(self.stack.http_port, plain, stream=False, abort_after=None, slow=False)
+                    text = o.texts[0] if o.kind == "exact" else ""
+                    piece = text[len(text) // 2: len(text) // 2 + 3] if len(text) >= 6 else ""
+                    if piece.strip():
+                        spec.body["stop"] = [piece]
+                    else:
+                        del spec.body["stop"]
+                for _ in range(3):
                     o = await send(self.stack.http_port, spec, stream=False, abort_after=None, slow=False)
                     if o.kind == "exact":
                         spec.ref = o.texts
                         return
-                raise RuntimeError(f"the undisturbed stack failed catalogue request {spec.key}: {o.kind} {o.detail}")
+                self.reference_failures.append(f"spec {spec.key}: {o.kind} {o.detail[:300]}")
 
         await asyncio.gather(*(one(s) for s in self.specs.values()))
-        # The same requests streamed must give the same texts (checked once, undisturbed).
-        for spec in list(self.specs.values())[:8]:
+        self.catalogue = [s for s in self.catalogue if s.ref is not None]
+        self.fill = [s for s in self.fill if s.ref is not None]
+        # The same requests streamed must give the same texts (checked undisturbed).
+        for spec in self.catalogue[:8]:
             o = await send(self.stack.http_port, spec, stream=True, abort_after=None, slow=False)
             if o.kind != "exact" or o.texts != spec.ref:
-                raise RuntimeError(f"streamed catalogue request {spec.key} differs from its non-streamed text: "
-                                   f"{o.kind} {o.detail} {o.texts!r} vs {spec.ref!r}")
+                self.reference_failures.append(f"spec {spec.key} streamed: {o.kind} {o.detail[:200]} {o.texts!r} vs {spec.ref!r}")
 
     # ------------------------------------------------------------ load
     async def request(self, spec: Spec, rng: random.Random, scenario: str | None = None, **kw) -> Outcome:
@@ -732,6 +735,7 @@ async def chaos(args, tmp: Path, log) -> dict:
             "scenario_outcomes": verdict["per_scenario"],
             "after_chaos_exact": sum(o.kind == "exact" and o.texts == run.specs[o.spec].ref for o in after),
             "after_chaos_requests": len(after),
+            "reference_failures": run.reference_failures,
             "hostile": dict(run.hostile),
             "hostile_unclean_examples": run.hostile_examples[:5],
             "rss_growth_mb": None if growth != growth else round(growth, 1),
@@ -797,6 +801,8 @@ def report(r: dict, command: str) -> str:
               "| process | measured for s | RSS start MB | RSS end MB | growth MB |", "|---|---|---|---|---|"]
     lines += [f"| {x['name']} (pid {x['pid']}) | {x['span_s']} | {x['rss_mb_start']} | {x['rss_mb_end']} | {x['growth_mb']} |"
               for x in r["rss"]]
+    if r["reference_failures"]:
+        lines += ["", "## Catalogue requests the undisturbed stack failed", ""] + [f"- {x}" for x in r["reference_failures"]]
     if r["examples"]:
         lines += ["", "## Examples of broken invariants", ""] + [f"- {k}: {v}" for k, vs in r["examples"].items() for v in vs]
     return "\n".join(lines) + "\n"
@@ -832,7 +838,8 @@ def main() -> int:
         (Path(args.out) / "chaos.json").write_text(json.dumps(result, indent=1) + "\n")
         (Path(args.out) / "chaos.md").write_text(report(result, command))
     print(json.dumps(result), flush=True)
-    bad = result["lost_tokens"] or result["duplicated_tokens"] or result["hung"] or result["leaked_blocks"]
+    bad = (result["lost_tokens"] or result["duplicated_tokens"] or result["hung"] or result["leaked_blocks"]
+           or result["reference_failures"])
     return 1 if bad else 0
 
 

@@ -29,6 +29,7 @@ def test_two_minute_chaos_run_loses_nothing(tmp_path):
     assert result["hung"] == 0, detail
     assert result["leaked_blocks"] == 0, detail
     assert result["unclean"] == 0 and result["mismatched"] == 0, detail
+    assert result["reference_failures"] == [], detail
     # The run did something: requests completed exactly under faults, and the stack
     # answered exactly after them.
     assert result["faults"] >= 10 and result["completed_exact"] > 0, detail
