@@ -77,6 +77,17 @@ class Child:
         last = next((l for l in reversed(self.tail) if l.strip()), "")
         return f"{self.spec.name} {how}" + (f"; last output: {last.strip()}" if last else "")
 
+    def kill_group(self) -> None:
+        """SIGKILL what is left of a dead child's process group. Its own children outlive it
+        (an edge's gunicorn workers, one of them perhaps stopped): left alone, they kept the
+        listening port and accepted connections the replacement never saw, resetting them
+        when they finally exited (found by bench/chaos.py)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -137,6 +148,7 @@ class Supervisor:
                 raise ChildFailed(f"{reason}; it failed {len(child.restarts)} times in "
                                   f"{self.restart_window_s:.0f}s, giving up")
             self.say(f"{reason}; restarting it ({len(child.restarts)}/{self.max_restarts})")
+            child.kill_group()
             child.start()
 
     def stop_all(self) -> None:
