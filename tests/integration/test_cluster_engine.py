@@ -107,12 +107,16 @@ def test_disaggregated_equals_hybrid_equals_single_process(cluster, tiny_model_d
     # the same place (seed_offset = tokens already streamed), or the tail differs.
     SamplingParams(temperature=0.9, top_p=0.95, seed=20261130, max_tokens=600, ignore_eos=True),
 ], ids=["greedy", "seeded_sampling"])
-def test_decode_sigkill_mid_stream_real_engine_exact(cluster, tiny_model_dir, sp):
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_decode_sigkill_mid_stream_real_engine_exact(cluster, tiny_model_dir, sp, speculative):
+    """With ``ngram`` the decode workers speculate (the one that takes the request over
+    too): the stream still equals one engine's without speculation."""
     from tests.integration.test_cluster_stub import _kill_holder
 
     cluster.heartbeat_ms = 500
     cluster.start_broker("--stats-verbose")
-    procs = [cluster.start_worker(role, engine="mlx", model=tiny_model_dir, wait=False)
+    procs = [cluster.start_worker(role, *(["--speculative", speculative] if role == "decode" else []),
+                                  engine="mlx", model=tiny_model_dir, wait=False)
              for role in ("prefill", "decode", "decode")]
     for p in procs:
         p.wait_ready(120)
@@ -129,6 +133,9 @@ def test_decode_sigkill_mid_stream_real_engine_exact(cluster, tiny_model_dir, sp
     assert killed is not None
     st = wait_clean(c, timeout=20)
     assert st["counters"]["migrations"] == 1
+    if speculative != "off" and sp.temperature == 0:  # the survivor drafted (its heartbeats say so)
+        survivor = [w for w in st["workers"] if w["role"] == "decode" and w["state"] == "up"]
+        assert any(w["spec_draft_tokens"] > 0 for w in survivor), survivor
 
     (single,) = _single_process(tiny_model_dir, [(prompt, sp)])
     assert toks == single
