@@ -555,15 +555,14 @@ class Engine:
                     # positions' entries lie past it, for later steps to overwrite.
                     seq.num_computed = row.start + 1 + accepted
             first = seq.num_generated == 0
-            out, logprobs, reason = [], None, None
+            out, logprobs, reason, grammar_error = [], None, None, None
             for t, tok in enumerate(picks):
                 seq.tokens.append(tok)
                 seq.num_generated += 1
                 produced += 1
                 if seq.sampling.grammar is not None and self.grammars is not None:
-                    why = self.grammars.advance(seq, tok)
-                    if why is not None:
-                        reason = "error: " + why
+                    grammar_error = self.grammars.advance(seq, tok)
+                    if grammar_error is not None:
                         break
                 if tok in seq.stop_ids:
                     reason = "stop"
@@ -577,8 +576,8 @@ class Engine:
                     reason = "length"
                     break
             self.scheduler.register_full_blocks(seq)
-            if reason is not None and reason.startswith("error: "):
-                self._finish(seq, "error", error="grammar: " + reason[len("error: "):])
+            if grammar_error is not None:
+                self._finish(seq, "error", error=f"grammar: {grammar_error}")
             elif reason is not None:
                 self._finish(seq, reason, last=out, logprobs=logprobs)
             else:

@@ -42,9 +42,8 @@ class SpeculativeSettings:
     max_draft: int = field(default=4, metadata={"min": 1, "max": 16, "help": "most tokens one sequence drafts per step"})
     ngram_min: int = field(default=2, metadata={"min": 1, "max": 16, "help": "shortest run of last tokens the prompt lookup matches"})
     ngram_max: int = field(default=4, metadata={"min": 1, "max": 16, "help": "longest run of last tokens the prompt lookup matches (tried first)"})
-    batch_tokens: int = field(default=16, metadata={"min": 0, "help": "a step drafts at most this many tokens minus its rows in all: a batch that wide is compute-bound already and drafts nothing"})
-    verify_cost: float = field(default=0.1, metadata={"min": 0, "help": "what verifying one drafted position adds to a decode step, as a fraction of it; a sequence drafts the length that yields the most tokens per unit of cost at its recent acceptance, none where that is zero"})
-    retry_steps: int = field(default=16, metadata={"min": 1, "help": "steps a sequence whose drafts stopped paying waits before it tries one again"})
+    verify_cost: float = field(default=0.1, metadata={"min": 0, "help": "what one more position adds to a decode step, as a fraction of a one-row step (0.1 on the CPU's 4-bit step); draft tokens go to the rows whose recent acceptance makes them raise the step's tokens per unit of cost, so a lone sequence drafts while over this share of its drafts is accepted and a wide batch drafts little or nothing"})
+    retry_steps: int = field(default=16, metadata={"min": 1, "help": "steps without drafting after which a sequence's acceptance estimate is raised to 2 x verify_cost, so a lone one tries a token again"})
 
     def draft_path(self) -> str | None:
         """The draft model's path for ``draft:PATH``; None for off and ngram. Raises

@@ -20,14 +20,16 @@ rejected positions' entries sit past the sequence's computed length, where the n
 overwrite them and nothing reads them. Full blocks enter the prefix cache only up to the
 computed length, so only accepted tokens are ever registered.
 
-Policy (:meth:`Speculator.plan`), per row: its draft length follows its recent acceptance
-rate ``a`` (a moving average over its verifications): the ``k`` in ``0..max_draft`` that
-maximizes the expected tokens per step, ``(1 - a^(k+1)) / (1 - a)``, over the step's cost,
-``1 + k * (verify_cost + drafter.cost)``; where that is ``k = 0`` the row stops drafting and
-tries again after ``retry_steps`` steps (with one token), so a row whose text turns
-repetitive later starts again. A batch drafts at most ``batch_tokens - rows`` tokens in
-all: a wide batch is compute-bound already, and its steps get no cheaper per token from
-more positions.
+Policy (:meth:`Speculator.plan`): a step's cost is modelled as ``1 + v * (positions - 1)``
+decode steps of one row, ``v`` being what one more position costs (``verify_cost``, plus the
+drafter's own cost per token); a row whose drafts are accepted at rate ``a`` (a moving
+average over its verifications) gains ``a^(k+1)`` expected tokens from its (k+1)-th draft.
+Draft tokens go, best gain first, to the rows whose next one raises the step's tokens per
+unit of cost: so a lone sequence drafts whenever ``a`` is above ``v``, and a wide batch,
+whose step costs many rows already, drafts only its surest rows, few tokens each, or none.
+A row whose rate fell below that has its rate raised to ``2 v`` after ``retry_steps`` steps
+without drafting, so a lone sequence whose text turns repetitive later starts again (with
+one token), while a wide batch stays off.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class SpecState:
     """One sequence's drafting record."""
 
     rate: float = 0.6  # moving average of the share of drafted tokens accepted
-    off_steps: int = 0  # steps since drafting stopped paying (0: drafting)
+    idle: int = 0  # steps since it last drafted
 
 
 @dataclass
@@ -59,11 +61,10 @@ class SpecCounters:
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, *, max_draft: int = 4, batch_tokens: int = 16, verify_cost: float = 0.1,
-                 retry_steps: int = 16, smoothing: float = 0.3):
+    def __init__(self, drafter: Drafter, *, max_draft: int = 4, verify_cost: float = 0.1, retry_steps: int = 16,
+                 smoothing: float = 0.3):
         self.drafter = drafter
         self.max_draft = max_draft
-        self.batch_tokens = batch_tokens
         self.verify_cost = verify_cost
         self.retry_steps = retry_steps
         self.smoothing = smoothing
@@ -71,21 +72,10 @@ class Speculator:
         self._state: dict[int, SpecState] = {}
 
     # ---- policy ---------------------------------------------------------------------
-    def draft_length(self, seq: Sequence) -> int:
-        """How many tokens ``seq`` should draft now (before the batch's budget)."""
-        if not self.eligible(seq):
-            return 0
-        st = self._state.setdefault(seq.serial, SpecState())
-        if st.off_steps:
-            st.off_steps += 1
-            if st.off_steps <= self.retry_steps:
-                return 0
-            st.off_steps = 0
-            return 1  # a probe: one token tells whether the text has turned predictable
-        k = best_length(st.rate, self.max_draft, self.verify_cost + self.drafter.cost)
-        if k == 0:
-            st.off_steps = 1
-        return k
+    @property
+    def position_cost(self) -> float:
+        """What one drafted position adds to a step, in one-row decode steps."""
+        return self.verify_cost + self.drafter.cost
 
     def eligible(self, seq: Sequence) -> bool:
         """Rows that may draft: every token read back (the drafter sees them all), not a
@@ -96,34 +86,55 @@ class Speculator:
     def wants_tokens(self, seqs) -> bool:
         """Whether any of these sequences may draft next step (the engine then reads the
         step in flight back first: drafting needs the sequence's last token)."""
-        return any(self._would_draft(s) for s in seqs)
+        v = self.position_cost
+        for seq in seqs:
+            if seq.hold or seq.sampling.grammar is not None:
+                continue
+            st = self._state.get(seq.serial)
+            if st is None or st.rate > v or st.idle >= self.retry_steps:
+                return True
+        return False
 
-    def _would_draft(self, seq: Sequence) -> bool:
-        if seq.hold or seq.sampling.grammar is not None:
-            return False
-        st = self._state.get(seq.serial)
-        return st is None or st.off_steps == 0 or st.off_steps >= self.retry_steps
+    def lengths(self, rows: list[Row]) -> list[int]:
+        """Each row's draft length this step (see the module's policy)."""
+        v = self.position_cost
+        ks = [0] * len(rows)
+        caps, rates = [0] * len(rows), [0.0] * len(rows)
+        for i, r in enumerate(rows):
+            seq = r.seq
+            if not self.eligible(seq):
+                continue
+            st = self._state.setdefault(seq.serial, SpecState())
+            st.idle += 1
+            if st.idle > self.retry_steps:
+                st.rate = max(st.rate, 2 * v)
+                st.idle = 0
+            caps[i] = min(self.max_draft, seq.sampling.max_tokens - seq.num_generated - 1)
+            rates[i] = st.rate
+        tokens, cost = float(len(rows)), 1.0 + v * (len(rows) - 1)
+        while True:
+            best, gain = -1, 0.0
+            for i in range(len(rows)):
+                if ks[i] < caps[i] and rates[i] ** (ks[i] + 1) > gain:
+                    best, gain = i, rates[i] ** (ks[i] + 1)
+            if best < 0 or gain * cost <= tokens * v:
+                return ks
+            ks[best] += 1
+            tokens += gain
+            cost += v
 
     def plan(self, rows: list[Row], grow) -> None:
         """Give the decode rows their drafts. ``grow(seq, upto)``: whether ``seq`` could get
         blocks for positions below ``upto`` (without preempting anyone)."""
-        budget = self.batch_tokens - len(rows)
-        if budget <= 0:
-            return
-        for r in rows:
-            seq = r.seq
-            k = min(self.draft_length(seq), budget, seq.sampling.max_tokens - seq.num_generated - 1)
+        for r, k in zip(rows, self.lengths(rows)):
             if k <= 0:
                 continue
-            draft = self.drafter.propose(seq, k)[:k]
-            while draft and not grow(seq, r.start + 1 + len(draft)):
+            draft = self.drafter.propose(r.seq, k)[:k]
+            while draft and not grow(r.seq, r.start + 1 + len(draft)):
                 draft.pop()
             if draft:
                 r.draft = draft
                 r.n = 1 + len(draft)
-                budget -= len(draft)
-                if budget <= 0:
-                    break
 
     def drop(self, seq: Sequence) -> None:
         """``seq`` has finished: forget its record and the drafter's state for it."""
@@ -143,20 +154,8 @@ class Speculator:
         c.verify_steps += 1
         st = self._state.setdefault(seq.serial, SpecState())
         st.rate += self.smoothing * (a / len(draft) - st.rate)
+        st.idle = 0
         return a
-
-
-def expected_tokens(rate: float, k: int) -> float:
-    """Tokens a step yields on average with ``k`` drafts each accepted with probability
-    ``rate`` (until the first rejection), counting the target's own pick."""
-    if rate >= 1.0:
-        return k + 1.0
-    return (1.0 - rate ** (k + 1)) / (1.0 - rate)
-
-
-def best_length(rate: float, max_draft: int, cost: float) -> int:
-    """The draft length in ``0..max_draft`` with the most tokens per unit of step cost."""
-    return max(range(max_draft + 1), key=lambda k: (expected_tokens(rate, k) / (1.0 + k * cost), -k))
 
 
 def make_speculator(settings: SpeculativeSettings, target, log=log.info) -> Speculator | None:
@@ -184,5 +183,5 @@ def make_speculator(settings: SpeculativeSettings, target, log=log.info) -> Spec
                              "it needs the target's tokenizer")
         drafter = ModelDrafter(draft, parameter_ratio(draft, target))
         log(f"speculative decoding: draft model {path} ({drafter.cost:.2f} of the target's parameters)")
-    return Speculator(drafter, max_draft=settings.max_draft, batch_tokens=settings.batch_tokens,
-                      verify_cost=settings.verify_cost, retry_steps=settings.retry_steps)
+    return Speculator(drafter, max_draft=settings.max_draft, verify_cost=settings.verify_cost,
+                      retry_steps=settings.retry_steps)

@@ -20,7 +20,8 @@ from tandem.pipeline.engine import Engine
 from tandem.pipeline.loader import load_model
 from tandem.pipeline.runners.cpu.runner import CpuRunner
 from tandem.pipeline.settings import EngineSettings
-from tandem.pipeline.speculation import Speculator, best_length
+from tandem.pipeline.sequence import Row, Sequence
+from tandem.pipeline.speculation import SpecState, Speculator
 from tests.pipeline.conftest import EOS, oracle, random_prompts
 from tests.pipeline.test_engine import CONFIGS, greedy, make
 
@@ -64,9 +65,10 @@ class MixedDrafter:
 
 def spec_engine(model, drafter, **kw) -> Engine:
     kw.setdefault("kv_cache_budget", "16MiB")
-    # batch_tokens well above the batch: every row drafts (the default spares wide batches)
+    # verify_cost 0: every row drafts all it may, whatever the batch's width and its
+    # acceptance (the default policy spares wide batches and unlucky rows)
     return Engine(model, EngineSettings(**kw), model_id="tiny", eos_token_ids=[EOS],
-                  speculator=Speculator(drafter, batch_tokens=256))
+                  speculator=Speculator(drafter, verify_cost=0.0))
 
 
 def free_after(eng: Engine) -> None:
@@ -180,7 +182,7 @@ def test_native_verification_on_4bit_weights_matches_plain_decode(tiny_quantized
         reqs = [(p, SamplingParams(temperature=temp, max_tokens=MAX_TOKENS, seed=i)) for i, p in enumerate(prompts)]
         want = Engine(model, EngineSettings(kv_cache_budget="16MiB"), model_id="q", eos_token_ids=[EOS]).generate_many(reqs)
         eng = Engine(model, EngineSettings(kv_cache_budget="16MiB"), model_id="q", eos_token_ids=[EOS],
-                     speculator=Speculator(MixedDrafter(twin, seed=2), batch_tokens=256))
+                     speculator=Speculator(MixedDrafter(twin, seed=2), verify_cost=0.0))
         assert eng.generate_many(reqs) == want
         free_after(eng)
     assert calls and max(calls) > 1  # verified natively, several rows at once
@@ -226,9 +228,28 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert lookup([4, 4, 4, 4], 2, 1, 2) == [4]  # overlapping: up to the sequence's end
 
 
-def test_draft_length_follows_acceptance():
-    assert best_length(0.95, 4, 0.1) == 4
-    assert best_length(0.5, 4, 0.1) in (1, 2, 3)
-    assert best_length(0.05, 4, 0.1) == 0
+def _rows(spec: Speculator, rates: list[float]) -> list[Row]:
+    rows = []
+    for rate in rates:
+        seq = Sequence(b"r" * 16, [5, 6, 7], 3, SamplingParams(max_tokens=100), lambda e: None)
+        spec._state[seq.serial] = SpecState(rate=rate)
+        rows.append(Row(seq, 2, 1, True))
+    return rows
+
+
+def test_draft_lengths_follow_acceptance_and_the_batch_width():
+    spec = Speculator(NgramDrafter(), max_draft=4, verify_cost=0.1, retry_steps=4)
+    assert spec.lengths(_rows(spec, [0.95])) == [4]
+    assert 1 <= spec.lengths(_rows(spec, [0.5]))[0] <= 2
+    assert spec.lengths(_rows(spec, [0.05])) == [0]
+    # a wide batch: nothing at 50% acceptance, a few tokens for its surest rows only
+    assert sum(spec.lengths(_rows(spec, [0.5] * 16))) == 0
+    ks = spec.lengths(_rows(spec, [0.95] * 4 + [0.3] * 12))
+    assert all(k > 0 for k in ks[:4]) and not any(ks[4:])
+    # a row that stopped drafting gets one token again after retry_steps idle steps (alone)
+    rows = _rows(spec, [0.02])
+    got = [spec.lengths(rows)[0] for _ in range(5)]
+    assert got == [0, 0, 0, 0, 1]
     # an expensive drafter needs a higher acceptance to be worth running
-    assert best_length(0.5, 4, 0.6) == 0 and best_length(0.9, 4, 0.6) > 0
+    costly = Speculator(ModelDrafter(None, 0.6), verify_cost=0.1)
+    assert costly.lengths(_rows(costly, [0.5])) == [0] and costly.lengths(_rows(costly, [0.9])) != [0]
