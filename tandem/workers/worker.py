@@ -72,6 +72,7 @@ class Worker(KVHandoffs, Health):
         self.secret = secret
         self.model_id = model_id
         self.heartbeat_s = heartbeat_s
+        self._ready_at = float("-inf")  # when READY last went out
         self.allowlist = set(decode_allowlist)
         self.capacity = settings.capacity or capacity
         self.block_size, self.total_blocks = block_size, total_blocks
@@ -199,6 +200,7 @@ class Worker(KVHandoffs, Health):
         signal.signal(signal.SIGINT, self.drain)
 
     def _ready(self) -> None:
+        self._ready_at = time.monotonic()
         self._send(M.Ready(self.node_id, self.role, self.model_id, self.capacity, self.kv_address,
                            self.block_size, self.total_blocks, device_name()))
 
@@ -298,9 +300,15 @@ class Worker(KVHandoffs, Health):
         elif isinstance(msg, M.Heartbeat):
             self._heartbeat(time.monotonic())  # a re-probe: answer at once
         elif isinstance(msg, M.Disconnect):
-            log.info("broker asked for registration (%s)", msg.reason)
-            self._ready()
-            self._heartbeat(time.monotonic())
+            # A broker that does not know us answers each of our messages with this (after
+            # its restart, a backlog of them): announce once per heartbeat interval, not
+            # once per answer. A worker whose READY the broker could not take (another
+            # schema) answered every refusal with two more messages, thousands a second.
+            now = time.monotonic()
+            if now - self._ready_at >= self.heartbeat_s:
+                log.info("broker asked for registration (%s)", msg.reason)
+                self._ready()
+                self._heartbeat(now)
 
     def _dispatch(self, msg: M.Dispatch) -> None:
         rid = msg.request_id

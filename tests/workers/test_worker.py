@@ -108,6 +108,24 @@ def test_registers_runs_and_publishes_under_its_attempt(env):
     assert done.request_id == rid and done.finish_reason == "length"
 
 
+def test_a_burst_of_registration_requests_gets_one_ready_per_heartbeat(env):
+    """A restarted broker answers each message of a backlog with Disconnect; the worker
+    announces itself once, not once per answer (the chaos run saw an unbounded storm)."""
+    broker, start = env
+    start(StubEngine())
+    assert broker.recv(want=M.Ready) is not None
+    time.sleep(0.1)  # past the first READY's heartbeat interval
+    for _ in range(50):
+        broker.send(M.Disconnect("broker", "unknown worker: send READY"))
+    readies = 0
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        if broker.recv(timeout=0.05, want=M.Ready) is not None:
+            readies += 1
+    # 0.5 s is ten heartbeat intervals: one READY each at most, and at least one at all.
+    assert 1 <= readies <= 11
+
+
 def test_resume_continues_sequence_numbers_and_tokens(env):
     broker, start = env
     start(StubEngine())
