@@ -754,8 +754,18 @@ async def chaos(args, tmp: Path, log) -> dict:
         run.stop_event.set()
         for task in tasks:
             task.cancel()
-        resume_all(stack.processes())
+        resume_all(list(run.stopped) + list(stack.processes()))
         await asyncio.to_thread(stack.stop)
+
+
+async def chaos_until_signalled(args, tmp: Path, log) -> dict:
+    """:func:`chaos`, cancelled by SIGTERM or SIGINT so its cleanup runs (a process it
+    left stopped would otherwise outlive it)."""
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    return await chaos(args, tmp, log)
 
 
 def report(r: dict, command: str) -> str:
@@ -830,7 +840,11 @@ def main() -> int:
         logf.flush()
 
     with tempfile.TemporaryDirectory(prefix="tandem-chaos-") as tmp:
-        result = asyncio.run(chaos(args, Path(tmp), log))
+        try:
+            result = asyncio.run(chaos_until_signalled(args, Path(tmp), log))
+        except asyncio.CancelledError:
+            print("chaos: interrupted; the stack is stopped", file=sys.stderr)
+            return 1
     logf.close()
     if args.out:
         command = "bench/chaos.py " + " ".join(sys.argv[1:])
