@@ -75,7 +75,8 @@ def names():
 
 def test_the_exported_names_cover_the_edge_and_the_broker(names):
     for name in ("tandem_time_to_first_token_seconds_bucket", "tandem_generation_tokens_total", "tandem_broker_up",
-                 "tandem_broker_requests_queued", "tandem_broker_migrations_total", "tandem_worker_kv_blocks_used"):
+                 "tandem_broker_requests_queued", "tandem_broker_migrations_total", "tandem_worker_kv_blocks_used",
+                 "tandem_spec_accepted_tokens_total"):
         assert name in names, name
     assert names["tandem_broker_requests_refused_total"] == {"reason"}
 
@@ -115,5 +116,6 @@ def test_the_dashboard_is_well_formed_for_import():
         refs = [t["refId"] for t in p["targets"]]
         assert refs and len(refs) == len(set(refs)), p["title"]
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
-    for topic in ("tokens per second", "time to first token", "inter-token latency", "queue", "kv cache", "refusals", "migrations"):
+    for topic in ("tokens per second", "time to first token", "inter-token latency", "queue", "kv cache", "refusals", "migrations",
+                  "draft acceptance"):
         assert topic in titles, topic

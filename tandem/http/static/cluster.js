@@ -216,7 +216,8 @@ function workerCard(w, tokensPerS) {
       stat("Prefix hits", hits, null, w.prefix_queries ? `${fmtInt(w.prefix_hits)} of ${fmtInt(w.prefix_queries)} prompts` : "no prompt yet"),
       stat("Tokens/s", tokensPerS === null ? "–" : fmtRate(tokensPerS), null, `${fmtInt(w.tokens || 0)} streamed`),
     ]),
-    h("footer", "muted", [`${plural((w.dispatched || 0) + (w.decode_targeted || 0), "request")} · ${plural(w.refusals || 0, "refusal")} · ${plural(w.failures || 0, "failure")}`]),
+    h("footer", "muted", [`${plural((w.dispatched || 0) + (w.decode_targeted || 0), "request")} · ${plural(w.refusals || 0, "refusal")} · ${plural(w.failures || 0, "failure")}` +
+      (w.spec_draft_tokens ? ` · ${Math.round((100 * (w.spec_accepted_tokens || 0)) / w.spec_draft_tokens)}% of drafts accepted` : "")]),
   ]);
   card.dataset.node = w.node;
   card.dataset.role = w.role;
