@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from prometheus_client import values
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -69,8 +70,17 @@ def problems(dashboard: dict, names: dict[str, set[str]]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def names():
-    return exported()
+def names(tmp_path_factory):
+    # prometheus-client picks its value store when first imported: in-memory, or files
+    # under PROMETHEUS_MULTIPROC_DIR if that was set then (a test that loaded the gunicorn
+    # config sets it). Render the way this process's store is read: from memory, or from
+    # a fresh directory of files.
+    with pytest.MonkeyPatch.context() as mp:
+        if values.ValueClass is values.MutexValue:
+            mp.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+        else:
+            mp.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path_factory.mktemp("metrics")))
+        return exported()
 
 
 def test_the_exported_names_cover_the_edge_and_the_broker(names):
