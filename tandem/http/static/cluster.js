@@ -207,6 +207,7 @@ function workerCard(w, tokensPerS) {
     h("header", null, [
       h("strong", "node", [String(w.node)]),
       h("span", `role role-${w.role}`, [w.role]),
+      ...(w.device ? [h("span", "device", [String(w.device)])] : []),
       h("span", `state state-${w.state}`, [w.state]),
     ]),
     h("dl", null, [
