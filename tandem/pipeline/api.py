@@ -12,8 +12,6 @@ from typing import Callable
 
 from tandem.kvtypes import KVSnapshot, SamplingParams, TokenLogprob, Usage
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
 
 class EngineRefused(Exception):
     """A submit the engine will not queue (queue full, prompt too long, ...)."""
