@@ -24,8 +24,9 @@ FAST = [0, 6, 10, 16]  # nested array of objects, anyOf, $defs: the default suit
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    port = free_port_block(1)
-    s = Serve(["--model", str(tiny_model_dir), "--base-port", str(free_port_block(12)), "--port", str(port),
+    base = free_port_block(13)
+    port = base + 12  # from the same block: two separate picks can overlap
+    s = Serve(["--model", str(tiny_model_dir), "--base-port", str(base), "--port", str(port),
                "--served-model-name", "tiny"], tmp)
     s.url = f"http://127.0.0.1:{port}"
     try:
