@@ -18,7 +18,9 @@ from tests.http.schemas import SCHEMAS
 from tests.ops.test_serve import Serve, free_port_block, pids_in_session
 
 MESSAGES = [{"role": "user", "content": "Describe it as JSON."}]
-FAST = [0, 6, 10, 16]  # nested array of objects, anyOf, $defs: the default suite's share of the 20
+FAST = [0, 6, 10, 16]
+# Penalties too: their state (the generated tokens) must travel with a migrated request.
+PENALTIES = {"presence_penalty": 0.4, "frequency_penalty": 0.3, "extra_body": {"repetition_penalty": 1.1}}  # nested array of objects, anyOf, $defs: the default suite's share of the 20
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,8 @@ def _fmt(i: int) -> dict:
 
 
 def _ask(client, i: int, stream: bool, seed: int) -> tuple[str, str]:
-    args = dict(model="tiny", messages=MESSAGES, response_format=_fmt(i), max_tokens=400, temperature=0.9, seed=seed)
+    args = dict(model="tiny", messages=MESSAGES, response_format=_fmt(i), max_tokens=400, temperature=0.9, seed=seed,
+                **PENALTIES)
     if not stream:
         r = client.chat.completions.create(**args)
         return r.choices[0].message.content, r.choices[0].finish_reason
@@ -115,8 +118,8 @@ def _decode_pid(served) -> int:
                                    pytest.param(range(len(SCHEMAS)), id="twenty", marks=pytest.mark.slow)])
 def test_schemas_hold_when_the_decode_worker_dies_mid_stream(served, which):
     """All streams at once, the decode worker killed while every one is mid-stream: each
-    continues elsewhere and ends exactly as it did undisturbed (grammar and seeded
-    sampling resume where they were), valid against its schema."""
+    continues elsewhere and ends exactly as it did undisturbed (grammar, penalties and
+    seeded sampling resume where they were), valid against its schema."""
     client = _client(served)
     which = list(which)
     want = {i: _ask(client, i, False, seed=7) for i in which}
@@ -127,7 +130,8 @@ def test_schemas_hold_when_the_decode_worker_dies_mid_stream(served, which):
         text, finish = "", None
         try:
             for chunk in client.chat.completions.create(model="tiny", messages=MESSAGES, response_format=_fmt(i),
-                                                        max_tokens=400, temperature=0.9, seed=7, stream=True):
+                                                        max_tokens=400, temperature=0.9, seed=7, stream=True,
+                                                        **PENALTIES):
                 if chunk.choices:
                     text += chunk.choices[0].delta.content or ""
                     finish = chunk.choices[0].finish_reason or finish

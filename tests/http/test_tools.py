@@ -169,3 +169,31 @@ def test_parse_tools_defaults():
     assert (t.choice, t.parallel, [f["name"] for f in t.functions]) == ("auto", True, ["get_weather", "get_time"])
     assert t.grammar() is None
     assert parse_tools({"tool_choice": "none"}) is None
+
+
+NATIVE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_takes_tools_renders_them_itself(edge_tokenizer):
+    import copy
+
+    from tandem.http.tools import parse_message_tool_calls
+
+    tok = copy.copy(edge_tokenizer)
+    tok.hf = copy.copy(edge_tokenizer.hf)
+    tok.hf.chat_template = NATIVE_TEMPLATE
+    assert tok.template_takes_tools and not edge_tokenizer.template_takes_tools
+    calls = parse_message_tool_calls("messages[1]", [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}])
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    text = tok.render_chat(messages, parse_tools({"tools": TOOLS}))
+    assert "TOOLS: get_weather get_time" in text
+    assert 'CALL get_weather {"city": "Paris"}' in text  # arguments reach the template as an object
+    assert "<|im_start|>tool\nsunny" in text and "<tools>" not in text
+    assert "TOOLS:" not in tok.render_chat(messages, parse_tools({"tools": TOOLS, "tool_choice": "none"}))
