@@ -113,7 +113,8 @@ def main() -> int:
         f"server at every level), {args.max_tokens} new tokens, temperature 0, EOS suppressed. `half`: every other request "
         f"carries `response_format` json_schema `{json.dumps(SCHEMA)}` (strict), which cannot complete within the budget, "
         "so both workloads generate the same tokens. Levels alternate plain / half. 1-minute load average at start: "
-        f"{load0:.1f}.",
+        f"{load0:.1f}" + (" (other work shared the machine: single levels' tok/s move with its load, so read the "
+                          "CPU time per token)." if load0 > 1.0 else "."),
         "",
         f"**Median aggregate tok/s: plain {med['plain']:.1f}, half constrained {med['half']:.1f}: ratio {ratio:.2f}x.** "
         f"Median worker CPU time per generated token: plain {cpu['plain']:.2f} ms, half {cpu['half']:.2f} ms "
