@@ -187,7 +187,12 @@ class CompletionsResource:
         tools = job.tools is not None and job.tools.choice != "none"
         if job.kind != "chat" or (self.edge.reasoning is None and not tools):
             return None
-        return MessageShaper(self.edge.reasoning, job.thinking, tools)
+        # A grammar-forced choice is written in the grammar's (Hermes) format; otherwise the
+        # model writes its own, which mlx-lm knows how to parse for many families.
+        forced = job.tools is not None and job.tools.choice in ("required", "named")
+        call_format = None if forced else self.edge.tokenizer.call_format
+        tool_list = [{"type": "function", "function": f} for f in job.tools.functions] if tools else None
+        return MessageShaper(self.edge.reasoning, job.thinking, tools, call_format, tool_list)
 
     async def _collect(self, job: Job, choices: list[Choice], fmt: Formatter) -> dict:
         texts = {c.index: [] for c in choices}

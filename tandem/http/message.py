@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.http.markers import MarkerSplitter
-from tandem.http.tools import CallParser, ToolCall
+from tandem.http.tools import HERMES, CallFormat, CallParser, ToolCall
 
 
 @dataclass
@@ -23,11 +23,14 @@ class Parts:
 class MessageShaper:
     """``reasoning``: (start, end) markers, or None; ``thinking``: the prompt already
     opened the reasoning block (templates that end the generation prompt with it);
-    ``tools``: parse tool calls out of the content."""
+    ``tools``: parse tool calls out of the content (None: don't), in ``call_format``
+    (the model's own, else Hermes JSON); ``tool_list``: the request's tools, for parsers
+    that type arguments by their schema."""
 
-    def __init__(self, reasoning: tuple[str, str] | None, thinking: bool, tools: bool):
+    def __init__(self, reasoning: tuple[str, str] | None, thinking: bool, tools: bool,
+                 call_format: CallFormat | None = None, tool_list: list | None = None):
         self._think = MarkerSplitter(*reasoning, inside=thinking) if reasoning else None
-        self._calls = CallParser() if tools else None
+        self._calls = CallParser(call_format or HERMES, tool_list) if tools else None
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> Parts:

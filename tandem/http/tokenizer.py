@@ -39,6 +39,8 @@ class EdgeTokenizer:
     # token id -> raw bytes, when the tokenizer is byte-level BPE (exact incremental decoding)
     token_bytes: list[bytes | None] | None
     special_ids: frozenset[int]
+    # The model family's tool-call markers and parser (from mlx-lm), or None: Hermes JSON.
+    call_format: object = None
 
     # verbose=False: an over-long prompt is the edge's to refuse (context_length_exceeded);
     # transformers' own "sequence length is longer than" warning would only add noise.
@@ -126,7 +128,13 @@ def load_tokenizer(model_path: str | Path) -> EdgeTokenizer:
     context = config.get("max_position_embeddings") or getattr(hf, "model_max_length", None)
     if context is not None and context > 10**7:  # transformers' "no limit" sentinel
         context = None
+    call_format = None
+    if getattr(wrapper, "has_tool_calling", False) and wrapper.tool_call_start and wrapper.tool_call_end:
+        from tandem.http.tools import CallFormat
+
+        call_format = CallFormat(wrapper.tool_call_start, wrapper.tool_call_end, wrapper.tool_parser)
     return EdgeTokenizer(
+        call_format=call_format,
         hf=hf,
         eos_token_ids=frozenset(wrapper.eos_token_ids),
         context_length=context,

@@ -178,13 +178,47 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
+@dataclass(frozen=True)
+class CallFormat:
+    """A model family's tool-call markers and the parser of what lies between them
+    (mlx-lm's ``tool_parsers``: ``parse(text, tools)`` gives a call dict or a list)."""
+
+    start: str
+    end: str
+    parse: Any = None  # None: the Hermes JSON body
+
+    def calls(self, block: str, tools: list | None) -> list[ToolCall] | None:
+        if self.parse is None:
+            call = _call(block)
+            return None if call is None else [call]
+        try:
+            parsed = self.parse(block, tools)
+        except Exception:
+            return None
+        parsed = parsed if isinstance(parsed, list) else [parsed]
+        out = []
+        for c in parsed:
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+                return None
+            args = c.get("arguments", {})
+            out.append(ToolCall(new_call_id(), c["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        return out
+
+
+HERMES = CallFormat(CALL_START, CALL_END)
+
+
 @dataclass
 class CallParser:
     """One choice's text → content and completed tool calls, as it streams."""
 
-    splitter: MarkerSplitter = field(default_factory=lambda: MarkerSplitter(CALL_START, CALL_END))
+    format: CallFormat = HERMES
+    tools: list | None = None  # the request's tools, for parsers that type arguments by them
     calls: list[ToolCall] = field(default_factory=list)
     _block: str = ""
+
+    def __post_init__(self):
+        self.splitter = MarkerSplitter(self.format.start, self.format.end)
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         return self._take(self.splitter.feed(text))
@@ -192,7 +226,7 @@ class CallParser:
     def finish(self) -> tuple[str, list[ToolCall]]:
         content, calls = self._take(self.splitter.finish())
         if self._block:  # an unclosed block: it was text after all
-            content += CALL_START + self._block
+            content += self.format.start + self._block
             self._block = ""
         return content, calls
 
@@ -205,11 +239,11 @@ class CallParser:
             elif kind == "in":
                 self._block += text
             else:
-                call = _call(self._block)
-                if call is None:
-                    content += CALL_START + self._block + CALL_END
+                calls = self.format.calls(self._block, self.tools)
+                if calls is None:
+                    content += self.format.start + self._block + self.format.end
                 else:
-                    new.append(call)
+                    new.extend(calls)
                 self._block = ""
         self.calls.extend(new)
         return content, new

@@ -197,3 +197,33 @@ def test_a_template_that_takes_tools_renders_them_itself(edge_tokenizer):
     assert 'CALL get_weather {"city": "Paris"}' in text  # arguments reach the template as an object
     assert "<|im_start|>tool\nsunny" in text and "<tools>" not in text
     assert "TOOLS:" not in tok.render_chat(messages, parse_tools({"tools": TOOLS, "tool_choice": "none"}))
+
+
+def test_a_model_family_with_its_own_call_format_is_parsed_by_its_mlx_lm_parser(make_app, edge_tokenizer):
+    """Qwen3-Coder writes XML-ish calls; mlx-lm's parser for it (chosen by load_tokenizer
+    from the template) types the arguments by the tool's schema."""
+    import copy
+
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    from tandem.http.tools import CallFormat
+
+    tok = copy.copy(edge_tokenizer)
+    tok.call_format = CallFormat(qwen3_coder.tool_call_start, qwen3_coder.tool_call_end, qwen3_coder.parse_tool_call)
+    text = ("Checking.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+            "</tool_call>")
+    eos = min(tok.eos_token_ids)
+    fake = FakeBackend(lambda prompt: tok.encode(text) + [eos], eos=eos, chunk=2)
+    from tests.http.conftest import make_config
+    from tandem.http.app import create_app
+
+    app = create_app(make_config(), backend=fake, tokenizer=tok)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS}
+    _, whole = _chat(app, body)
+    msg = whole["choices"][0]["message"]
+    assert msg["content"] == "Checking." and whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+        [("get_weather", {"city": "Paris"})]
+    r, _ = _chat(app, {**body, "stream": True})
+    streamed = [tc for c in _stream_events(r) if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in streamed] == [("get_weather", {"city": "Paris"})]
