@@ -11,6 +11,10 @@ the tokens: what a KV handoff or a migration needs.
 (:meth:`advance`); the masks for a step are computed on this module's thread while the
 step's forward runs (:meth:`start_masks` returns a future the sampler waits on), so a
 batch with a constrained row pays for its mask only where it outlasts the forward.
+A grammar (or a penalty) needs each step's token on the host before the next step's
+mask, so a step holding such a row is read back before the next one is launched: on the
+CPU every step already is; on a GPU it gives up the one-step-deep pipelining for that
+batch while such a row is in it.
 A matcher is created the first time its sequence needs a mask, by replaying the
 tokens that sequence already generated: a sequence imported from a prefill worker or
 resumed after a migration continues the grammar exactly where it was.
