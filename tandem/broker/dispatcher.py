@@ -30,6 +30,7 @@ from tandem.wire.prefixes import prefix_hashes
 from tandem.wire.protocol import MAX_ATTEMPTS
 
 log = logging.getLogger("tandem.broker")
+UNKNOWN_STREAM = "the broker does not know this request (it restarted and lost it); retry"
 
 class Dispatcher(Admission, StreamTracking, Failover):
     def __init__(self, settings: BrokerSettings, *, to_worker, to_client, publish, clock=time.monotonic,
@@ -51,6 +52,9 @@ class Dispatcher(Admission, StreamTracking, Failover):
         self.jobs: dict[bytes, Job] = {}
         self.pending: dict[bytes, Job] = {}
         self.subscriptions: set[bytes] = set()
+        # Topics subscribed with no request behind them yet, and since when (tick() ends
+        # the ones no SUBMIT claims; see _end_unclaimed_streams).
+        self.unclaimed: dict[bytes, float] = {}
         self._order = 0
         self._probe_deadline = 0.0
         self._last_probe = -1e9
@@ -86,6 +90,7 @@ class Dispatcher(Admission, StreamTracking, Failover):
                   now + self.s.subscribe_timeout_s, self._order)
         job.wire_tail = tail
         self.jobs[rid] = job
+        self.unclaimed.pop(rid, None)
         self._set_state(job, J.WAITING_SUB)
         self.to_client(client, M.Accepted(rid, len(self.pending)))
         if rid in self.subscriptions:
@@ -94,11 +99,30 @@ class Dispatcher(Admission, StreamTracking, Failover):
     def subscribe(self, topic: bytes) -> None:
         self.subscriptions.add(topic)
         job = self.jobs.get(topic)
-        if job is not None and job.state == J.WAITING_SUB:
+        if job is None:
+            self.unclaimed.setdefault(topic, self.clock())
+        elif job.state == J.WAITING_SUB:
             self._subscribed(job)
 
     def unsubscribe(self, topic: bytes) -> None:
         self.subscriptions.discard(topic)
+        self.unclaimed.pop(topic, None)
+
+    def _end_unclaimed_streams(self, now: float) -> None:
+        """A client subscribes before it submits, so a subscription arrives a moment before
+        its request; one that no request claims within subscribe_timeout_s belongs to a
+        request this broker never saw: it restarted, and the client's SUB socket
+        resubscribed on reconnecting. End that stream now with an error, instead of
+        leaving the client to its idle timeout (the edge's request_timeout_s, minutes;
+        found by bench/chaos.py's broker restarts)."""
+        if not self.unclaimed:
+            return
+        for topic, since in list(self.unclaimed.items()):
+            if since + self.s.subscribe_timeout_s < now:
+                del self.unclaimed[topic]
+                if topic in self.subscriptions and topic not in self.jobs:
+                    self.counters["unknown_streams_ended"] += 1
+                    self.publish(M.TokenMessage(topic, 0, [], None, "error", None, UNKNOWN_STREAM))
 
     def _subscribed(self, job: Job) -> None:
         self._set_state(job, J.QUEUED)
@@ -335,5 +359,6 @@ class Dispatcher(Admission, StreamTracking, Failover):
         self._expire_queue(now)
         self._close_lost_finals(now)
         self._close_gaps(now)
+        self._end_unclaimed_streams(now)
         self.dispatch_pending()
         self._purge_finished(now)

@@ -188,6 +188,8 @@ class AsyncClient:
                         raise InvalidRequest(msg.message or "invalid request")
                     raise Busy(msg.reason, msg.retry_after_s, msg.message)
                 elif isinstance(msg, M.TokenMessage):
+                    if msg.seq != expected_seq and msg.error is not None and not msg.tokens:
+                        raise StreamError(msg.error)  # the broker ends a stream it cannot number
                     if msg.seq != expected_seq:
                         raise StreamError(f"token stream gap: expected message {expected_seq}, got {msg.seq}")
                     expected_seq += 1

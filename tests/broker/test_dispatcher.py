@@ -60,6 +60,30 @@ def test_dispatch_waits_for_subscription():
     assert ident == b"h0" and msg.mode == "hybrid" and msg.attempt == 1
 
 
+def test_a_subscription_no_request_claims_ends_with_an_error():
+    """After a broker restart, clients' SUB sockets resubscribe to requests the new broker
+    never saw: their streams end with an error after subscribe_timeout_s, not the client's
+    idle timeout (found by bench/chaos.py)."""
+    h = Harness(subscribe_timeout_s=5.0)
+    h.worker("h0", "hybrid")
+    lost, early = bytes(range(16)), bytes(range(1, 17))
+    h.d.subscribe(lost)
+    h.d.subscribe(early)
+    h.clock.t += 1.0
+    h.d.submit(b"c", M.Submit(early, [1, 2, 3], SamplingParams(max_tokens=8)))  # the usual order
+    h.clock.t += 3.5
+    h.d.tick()
+    assert h.pub == []  # within the window: a SUBMIT may still come
+    h.clock.t += 1.0
+    h.d.tick()
+    (msg,) = [m for m in h.pub if m.request_id == lost]
+    assert msg.finish_reason == "error" and "restarted" in msg.error
+    assert not [m for m in h.pub if m.request_id == early and m.error]
+    h.clock.t += 10
+    h.d.tick()
+    assert len([m for m in h.pub if m.request_id == lost]) == 1  # once
+
+
 def test_prefill_gets_decode_target():
     h = Harness()
     h.worker("p0", "prefill")

@@ -215,6 +215,39 @@ def test_broker_restart_workers_and_clients_reconnect(cluster):
     assert collect(c, [4, 5, 6], 5)[0] == reference_tokens([4, 5, 6], 5)
 
 
+def test_a_stream_the_restarted_broker_lost_ends_with_an_error_soon(cluster):
+    """The request in flight when its broker dies ends with a clean error within about
+    subscribe_timeout_s of the new broker, not after the client's idle timeout (found
+    by bench/chaos.py, where streams hung for the edge's whole request_timeout_s)."""
+    from tandem.wire.client import StreamError
+
+    cluster.start_broker()
+    worker = cluster.start_worker("hybrid", "--stub-step-ms", "50")
+    c = cluster.client(timeout_s=5.0, idle_timeout_s=120.0)
+    cluster.wait_workers(c, hybrid=1)
+    gen = c.generate([1, 2, 3], SamplingParams(max_tokens=100_000))
+    next(gen)
+    # The worker falls silent (as a prefill whose handoff the restart broke): no later
+    # token tells the client that its stream is gone.
+    worker.signal(signal.SIGSTOP)
+    try:
+        cluster.broker.kill()
+        cluster.start_broker("--config", str(_subscribe_timeout_config(cluster.tmp, 2.0)), reuse_ports=True)
+        t0 = time.monotonic()
+        with pytest.raises(StreamError, match="restarted"):
+            for _ in gen:
+                pass
+        assert time.monotonic() - t0 < 30  # the idle timeout is 120 s
+    finally:
+        worker.signal(signal.SIGCONT)
+
+
+def _subscribe_timeout_config(tmp, seconds: float):
+    path = tmp / "broker-subscribe.toml"
+    path.write_text(f"[broker]\nsubscribe_timeout_s = {seconds}\n")
+    return path
+
+
 def test_wrong_secret_worker_is_refused(cluster, tmp_path):
     cluster.start_broker()
     bad = tmp_path / "other.secret"
