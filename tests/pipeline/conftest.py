@@ -32,6 +32,25 @@ def oracle(model, prompt: list[int], max_tokens: int, eos=(EOS,)) -> list[int]:
     return out
 
 
+def continue_import(engine, snapshot, timeout: float = 30.0):
+    """Start ``engine``, import ``snapshot`` and run it to its end -> (its tokens, the final
+    event); the engine is stopped again."""
+    import queue
+
+    out: queue.Queue = queue.Queue()
+    engine.start()
+    try:
+        engine.import_kv(snapshot, out.put)
+        toks = []
+        while True:
+            ev = out.get(timeout=timeout)
+            toks += ev.tokens
+            if ev.finish_reason:
+                return toks, ev
+    finally:
+        engine.stop()
+
+
 def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 380) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

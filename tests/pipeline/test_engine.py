@@ -12,7 +12,7 @@ from tandem.kvtypes import SamplingParams
 from tandem.pipeline.api import EngineRefused, EngineRequest
 from tandem.pipeline.engine import Engine, _ranges, parse_cpus
 from tandem.pipeline.settings import EngineSettings
-from tests.pipeline.conftest import EOS, oracle, random_prompts
+from tests.pipeline.conftest import EOS, continue_import, oracle, random_prompts
 
 MAX_TOKENS = 16
 
@@ -154,19 +154,7 @@ def test_export_import_continues_token_identically(tiny):
     assert snap.keys[0].shape == (3, 2, 16, 16)
     assert all(c == 0 for c in src.pool.ref_count)
     for block_size in (16, 8):  # the decode side may page differently
-        dst = make(tiny, block_size=block_size)
-        out: queue.Queue = queue.Queue()
-        dst.start()
-        try:
-            dst.import_kv(snap, out.put)
-            toks = []
-            while True:
-                e = out.get(timeout=30)
-                toks += e.tokens
-                if e.finish_reason:
-                    break
-        finally:
-            dst.stop()
+        toks, e = continue_import(make(tiny, block_size=block_size), snap)
         assert expected[:1] + toks == expected
         assert e.usage.prompt_tokens == len(prompt) and e.usage.completion_tokens == len(expected) + (len(expected) < MAX_TOKENS)
 

@@ -22,7 +22,7 @@ from tandem.pipeline.runners.cpu.runner import CpuRunner
 from tandem.pipeline.settings import EngineSettings
 from tandem.pipeline.sequence import Row, Sequence
 from tandem.pipeline.speculation import SpecState, Speculator
-from tests.pipeline.conftest import EOS, oracle, random_prompts
+from tests.pipeline.conftest import EOS, continue_import, oracle, random_prompts
 from tests.pipeline.test_engine import CONFIGS, greedy, make
 
 MAX_TOKENS = 24
@@ -140,18 +140,7 @@ def test_export_import_with_speculation_continues_identically(tiny, twin):
     assert snap is not None and snap.num_computed == len(prompt)
     free_after(src)
     dst = spec_engine(tiny, MixedDrafter(twin, seed=1), block_size=8)
-    out: queue.Queue = queue.Queue()
-    dst.start()
-    try:
-        dst.import_kv(snap, out.put)
-        toks = []
-        while True:
-            e = out.get(timeout=30)
-            toks += e.tokens
-            if e.finish_reason:
-                break
-    finally:
-        dst.stop()
+    toks, _ = continue_import(dst, snap)
     assert first.tokens + toks == expected
     assert dst.stats().spec_draft_tokens > 0
     free_after(dst)
@@ -253,3 +242,25 @@ def test_draft_lengths_follow_acceptance_and_the_batch_width():
     # an expensive drafter needs a higher acceptance to be worth running
     costly = Speculator(ModelDrafter(None, 0.6), verify_cost=0.1)
     assert costly.lengths(_rows(costly, [0.5])) == [0] and costly.lengths(_rows(costly, [0.9])) != [0]
+
+
+def test_speculative_settings_build_the_drafter_they_name(tiny, tiny_model_dir):
+    from tandem.pipeline.settings import SpeculativeSettings
+    from tandem.pipeline.speculation import make_speculator
+
+    assert make_speculator(SpeculativeSettings(), tiny) is None
+    spec = make_speculator(SpeculativeSettings(mode="ngram", ngram_min=1, ngram_max=3, max_draft=6), tiny)
+    assert isinstance(spec.drafter, NgramDrafter) and (spec.drafter.min_n, spec.max_draft) == (1, 6)
+    spec = make_speculator(SpeculativeSettings(mode=f"draft:{tiny_model_dir}"), tiny, log=lambda m: None)
+    assert isinstance(spec.drafter, ModelDrafter) and spec.drafter.cost == pytest.approx(1.0, rel=0.05)
+    for bad in ("draft:", "draft", "medusa", "ngram:3"):
+        with pytest.raises(ValueError, match="off, ngram or draft:PATH"):
+            make_speculator(SpeculativeSettings(mode=bad), tiny)
+    with pytest.raises(ValueError, match="ngram_min"):
+        make_speculator(SpeculativeSettings(mode="ngram", ngram_min=4, ngram_max=2), tiny)
+
+    def other_vocab(x):  # a target whose vocabulary the draft model does not share
+        return mx.zeros((1, 1, 7))
+
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_speculator(SpeculativeSettings(mode=f"draft:{tiny_model_dir}"), other_vocab, log=lambda m: None)
