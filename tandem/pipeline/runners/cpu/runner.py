@@ -23,6 +23,12 @@ from tandem.pipeline.sequence import Row
 
 log = logging.getLogger("tandem.engine")
 
+# Most positions (rows x drafted tokens) one verification runs through the C step; past it
+# the mlx prefill path runs them, several decode steps' time per position. Plain decode
+# stops at native_decode.MAX_ROWS, where MKL on the dense weights catches up; here the
+# alternative is far slower, so a wide batch of drafted rows stays in C.
+VERIFY_MAX_POSITIONS = 4 * native_decode.MAX_ROWS
+
 
 class CpuLayerCache(PagedLayerCache):
     """A layer's paged cache with the host-side entry points the fused forward calls."""
@@ -103,7 +109,7 @@ class CpuRunner(PagedRunner):
         fast = self.fast
         return (fast is not None and fast.native is not None and self.use_mirror and self.store.dtype == mx.float32
                 and all(r.start > 0 and r.n == r.logits for r in rows)
-                and sum(r.n for r in rows) <= native_decode.MAX_ROWS)
+                and sum(r.n for r in rows) <= VERIFY_MAX_POSITIONS)
 
     def _verify_native(self, rows: list[Row], inputs) -> mx.array:
         """Every position of every row as a row of the C decode step, each writing its key
