@@ -264,3 +264,24 @@ def test_speculative_settings_build_the_drafter_they_name(tiny, tiny_model_dir):
 
     with pytest.raises(ValueError, match="tokenizer"):
         make_speculator(SpeculativeSettings(mode=f"draft:{tiny_model_dir}"), other_vocab, log=lambda m: None)
+
+
+class WrongDrafter(MixedDrafter):
+    """Always wrong: the model's own greedy continuation, each token shifted by one."""
+
+    def propose(self, seq, k):
+        return [(t + 1) % self.vocab for t in self.right.propose(seq, k)]
+
+
+def test_a_drafter_that_is_always_wrong_is_backed_off(tiny, twin):
+    """Alone, with the default policy: after a few rejected drafts a sequence drafts only a
+    probe token now and then, and its output is unchanged."""
+    prompt = random_prompts(1, 20, 20, seed=8)[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    want = make(tiny).generate_many([(prompt, sp)])
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS],
+                 speculator=Speculator(WrongDrafter(twin, seed=0, vocab=twin.args.vocab_size)))
+    assert eng.generate_many([(prompt, sp)]) == want
+    st = eng.stats()
+    assert st.spec_accepted_tokens == 0 and 0 < st.spec_draft_tokens < 40, st  # of 200 tokens
+    free_after(eng)
