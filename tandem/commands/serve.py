@@ -126,15 +126,15 @@ def build_specs(args, model: Path, secret: Path, gate: Path | None = None, gpus:
     worker = tandem + ["worker", "--broker-backend", addr["backend"], "--broker-stream", addr["stream_in"]] + common + model_args
     if args.parallel:
         worker += ["--parallel", str(args.parallel)]
-    if args.speculative:
-        worker += ["--speculative", args.speculative]
     specs = [ChildSpec("broker", tandem + ["broker", "--frontend", addr["frontend"], "--backend", addr["backend"],
                                            "--stream-in", addr["stream_in"], "--stream-out", addr["stream_out"],
                                            "--stats", addr["stats"]] + common)]
+    # Prefill workers never decode past the first token: only the others speculate.
+    spec = ["--speculative", args.speculative] if args.speculative else []
     if args.topology == "hybrid":
-        roles = {f"hybrid-{i}": ["--role", "hybrid"] for i in range(args.hybrid or max(1, len(gpus)))}
+        roles = {f"hybrid-{i}": ["--role", "hybrid"] + spec for i in range(args.hybrid or max(1, len(gpus)))}
     else:
-        roles = {f"decode-{i}": ["--role", "decode", "--kv-bind", f"tcp://127.0.0.1:{args.base_port + 10 + i}"]
+        roles = {f"decode-{i}": ["--role", "decode", "--kv-bind", f"tcp://127.0.0.1:{args.base_port + 10 + i}"] + spec
                  for i in range(args.decode)}
         roles.update({f"prefill-{i}": ["--role", "prefill"] for i in range(args.prefill)})
         # Workers that share this machine's cores: prefill first, as a hybrid worker's

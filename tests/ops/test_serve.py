@@ -321,3 +321,21 @@ def test_hybrid_serve_single_worker_sigkilled_mid_stream_continues_exactly(serve
     assert done["error"] is None, done["error"]
     assert done["text"] == reference["text"]
     s.wait_for("hybrid-0 was killed by signal 9", "restarting it (1/5)")
+
+
+def test_serve_hands_speculative_to_the_workers_that_decode(tmp_path):
+    import argparse
+
+    from tandem.commands import serve as serve_cmd
+
+    p = argparse.ArgumentParser()
+    serve_cmd.add_arguments(p)
+
+    def modes(argv):
+        specs, _ = serve_cmd.build_specs(p.parse_args(argv), tmp_path, tmp_path / "secret", None)
+        return {s.name: s.argv[s.argv.index("--speculative") + 1] if "--speculative" in s.argv else None
+                for s in specs if s.name.startswith(("prefill", "decode", "hybrid"))}
+
+    assert modes(["--speculative", "ngram"]) == {"decode-0": "ngram", "prefill-0": None}
+    assert modes(["--topology", "hybrid", "--speculative", "draft:/m"]) == {"hybrid-0": "draft:/m"}
+    assert set(modes([]).values()) == {None}
