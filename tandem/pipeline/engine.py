@@ -7,7 +7,9 @@ step N's sampled tokens, still on the device) while step N computes, then step N
 are read back and emitted, then step N+1 is queued with ``mx.async_eval``. A sequence
 that stopped at step N therefore computes one extra token in step N+1, which is dropped.
 On the CPU, where building a step can mean running it, step N is read back and emitted
-before step N+1 is scheduled.
+before step N+1 is scheduled. With a speculator, decode rows may carry drafts that the
+step verifies (see :mod:`tandem.pipeline.speculation`); such a step, and one whose rows
+may draft, is read back before the next is scheduled on every device.
 """
 
 from __future__ import annotations

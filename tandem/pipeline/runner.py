@@ -13,7 +13,7 @@ A step's life, as the engine drives it (see ``Engine._launch`` and ``Engine._rea
    queue as a captured graph, with no MLX launches; its sampled tokens come back as
    :class:`Tokens`. Otherwise ``sync()`` (captured steps in flight finish before MLX work
    touches the pools they wrote) and ``forward(rows, inputs)``, whose logits the engine
-   samples.
+   samples; a step whose rows verify drafts is such a forward with ``L = k + 1``.
 2. ``post_tokens(tokens)``: a step's sampled tokens may be posted for a faster read-back
    than MLX's own (a ticket, and an array to evaluate with the step); ``read_tokens`` reads
    them back, or None where the engine must read them MLX's way.
@@ -52,7 +52,10 @@ class ModelRunner(Protocol):
 
     def forward(self, rows: list[Row], inputs) -> mx.array:
         """Build the step's graph: ``inputs`` ``(B, L)`` token ids, each row's real tokens
-        first -> logits ``(B, V)`` at each row's last real token (not yet evaluated)."""
+        first -> logits at each row's last ``row.logits`` real positions, row by row
+        (not yet evaluated): ``(B, V)`` when every row wants one, as all do but a row that
+        verifies a draft (``row.draft``: its last token and the drafted ones, every
+        position's logits; see :mod:`tandem.pipeline.speculation`)."""
         ...
 
     def can_capture(self, rows: list[Row]) -> bool:
