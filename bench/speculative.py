@@ -20,11 +20,11 @@ for a model with random weights, where nothing predicts the text: ``recorded`` p
 the target's own greedy continuation (recorded from the plain run first) and ``wrong``
 proposes tokens that never match it. With those, the GPU session measures the cost of
 verifying k tokens against a decode step (``recorded``) and the policy's back-off
-(``wrong``) on the 8B shape (bench/gpu_serving.py ``make_model``):
+(``wrong``) on the 8B shape (random weights, bench/gpu_serving.py's checkpoint):
 
-    flock /tmp/tandem-bench.lock .venv/bin/python bench/speculative.py            # CPU, default model
-    python3 bench/gpu_serving.py --shape 8b --make-model /tmp/m8b ...              # once, to make the model
-    python3 bench/speculative.py --model /tmp/m8b --drafter recorded,wrong --workloads grounded --out /tmp/spec-gpu
+    flock /tmp/tandem-bench.lock .venv/bin/python bench/speculative.py --repeats 2     # CPU, default model
+    python3 bench/speculative.py --make-model /tmp/m8b --shape 8b --drafter recorded,wrong \
+        --workloads grounded,batch --max-tokens 256 --out $OUT/spec-gpu                 # GPU
 """
 
 from __future__ import annotations
@@ -181,6 +181,9 @@ def batch(engines: dict, prompts: list[list[int]], sp, clients: int, repeats: in
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (default: the default model)")
+    ap.add_argument("--make-model", type=Path, help="write bench/gpu_serving.py's random checkpoint of --shape here "
+                                                    "(unless it is there) and use it")
+    ap.add_argument("--shape", default="8b", help="with --make-model: 8b or tiny")
     ap.add_argument("--drafter", default="ngram", help="comma-separated: ngram, draft:PATH, recorded, wrong")
     ap.add_argument("--workloads", default="grounded,free,batch")
     ap.add_argument("--max-tokens", type=int, default=160)
@@ -188,6 +191,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     a = ap.parse_args(argv)
+    if a.make_model:
+        import gpu_serving
+
+        if not (a.make_model / "config.json").exists():
+            gpu_serving.make_model(a.make_model, a.shape, gpu_serving.default_tokenizer_dir())
+        a.model = str(a.make_model)
 
     import mlx.core as mx
 
