@@ -1,8 +1,13 @@
 """Load an mlx-lm model directory in the weight format that runs fastest here.
 
 On the CPU the quantized matmul kernel of ``mlx[cpu]`` runs at a few GFLOP/s while
-a dense fp32 matmul through MKL runs at ~150, so ``auto`` dequantizes quantized
-checkpoints to fp32 there (docs/cpu-performance.md has the measurements). On a GPU
+a dense fp32 matmul through MKL runs at ~150 (docs/cpu-performance.md has the
+measurements), so ``auto`` keeps a quantized checkpoint packed only where tandem's own
+4-bit kernels run it (a llama-family model the fused CPU forward supports, AVX-512):
+decode multiplies the codes directly and a prefill expands one matrix at a time into a
+reused buffer for BLAS, so the weights are resident once, as stored (a 4-bit 8B model
+fits a 24 GB machine; its dense fp32 copy would not). Elsewhere on the CPU ``auto``
+dequantizes to fp32. On a GPU
 ``auto`` loads a checkpoint as stored: the runner then chooses per layer and per device
 memory (on CUDA, tandem's 4-bit kernels read a quantized checkpoint at a quarter of the
 fp16 bytes, and a dense copy joins them only where memory allows:
@@ -73,7 +78,13 @@ def load_model(path: str | Path, weights: str = "auto", *, lazy: bool = False) -
     except (FileNotFoundError, ValueError, KeyError, RuntimeError, OSError) as exc:
         raise ModelError(f"cannot load the model in {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
-    if _is_quantized(model) and (weights == "dense" or (weights == "auto" and not _on_gpu())):
+    if weights == "auto" and _is_quantized(model) and not _on_gpu() and _runs_packed(model):
+        # The CPU's fused forward multiplies the packed codes directly (decode) and expands
+        # one matrix at a time into a reused buffer (prefill): no dense copy is made.
+        model._tandem_packed = PackedModules(model)
+        _cast_floating(model, mx.float32, keep_quantization=True)  # norms, biases: the C kernels' fp32
+        what = "quantized (packed, tandem's 4-bit kernels)"
+    elif _is_quantized(model) and (weights == "dense" or (weights == "auto" and not _on_gpu())):
         packed = _packed_weights(model)
         model = dequantize_model(model)
         # The 4-bit codes stay alongside the dense weights: the CPU decode step can multiply
@@ -98,22 +109,79 @@ def load_model(path: str | Path, weights: str = "auto", *, lazy: bool = False) -
     return loaded
 
 
+def _kernel_layout(m: nn.Module) -> bool:
+    """Whether a quantized module's layout is one tandem's 4-bit kernels read: 4- or 8-bit
+    affine codes with fp16 or fp32 scales and offsets."""
+    return (isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.bits in (4, 8)
+            and getattr(m, "mode", "affine") == "affine" and m.get("biases") is not None
+            and m.scales.dtype in (mx.float16, mx.float32))
+
+
+def _as_numpy(m: nn.Module) -> tuple:
+    import numpy as np
+
+    mx.eval(m.weight, m.scales, m.biases)
+    return (np.array(m.weight), np.array(m.scales.astype(mx.float32)), np.array(m.biases.astype(mx.float32)),
+            m.group_size, m.scales.dtype == mx.float16)
+
+
 def _packed_weights(model: nn.Module) -> dict:
     """name -> (weight, scales, biases, group_size, fp16 scales) of every 4- and 8-bit affine
     layer, as numpy."""
-    import numpy as np
+    return {name: _as_numpy(m) for name, m in model.named_modules() if _kernel_layout(m)}
 
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.bits in (4, 8) \
-                and getattr(m, "mode", "affine") == "affine" and m.get("biases") is not None:
-            mx.eval(m.weight, m.scales, m.biases)
-            fp16 = m.scales.dtype == mx.float16
-            if m.scales.dtype not in (mx.float16, mx.float32):
-                continue
-            out[name] = (np.array(m.weight), np.array(m.scales.astype(mx.float32)),
-                         np.array(m.biases.astype(mx.float32)), m.group_size, fp16)
-    return out
+
+class PackedModules:
+    """The packed weights of a model that stays quantized: what :func:`_packed_weights`
+    returns, read from the model's own modules one at a time when asked (so the kernels'
+    copy is made a matrix at a time, never the whole model twice), and ``dense(name)``:
+    a module's values as mlx dequantizes them, to check the kernels' expansion against."""
+
+    def __init__(self, model: nn.Module):
+        self._modules = {name: m for name, m in model.named_modules() if _kernel_layout(m)}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._modules
+
+    def __getitem__(self, name: str) -> tuple:
+        return _as_numpy(self._modules[name])
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def dense(self, name: str) -> mx.array:
+        m = self._modules[name]
+        return mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(mx.float32)
+
+
+def packed_only(model: nn.Module) -> bool:
+    """Whether ``model`` holds its projections only as packed codes (no dense copy)."""
+    return isinstance(getattr(model, "_tandem_packed", None), PackedModules)
+
+
+def dequantize_in_place(model: nn.Module) -> None:
+    """Turn a packed-only model into the dense fp32 model ``auto`` used to load, its packed
+    codes kept for the 4-bit decode step: for a runner that cannot run it packed (the C
+    kernels switched off)."""
+    from mlx_lm.utils import dequantize_model
+
+    packed = _packed_weights(model)
+    dequantize_model(model)
+    for attr in ("_tandem_native", "_tandem_fused"):  # built for the packed form
+        if hasattr(model, attr):
+            delattr(model, attr)
+    model._tandem_packed = packed
+    _cast_floating(model, dense_dtype())
+    mx.eval(model.parameters())
+
+
+def _runs_packed(model: nn.Module) -> bool:
+    """Whether the CPU runner can run ``model`` from its packed weights alone: the fused
+    forward supports it and tandem's 4-bit kernels build here."""
+    from tandem.kernels.cpu import q4_kernels
+    from tandem.pipeline.runners.cpu import fast_llama
+
+    return fast_llama.supports_packed(model) is None and q4_kernels.available()
 
 
 def _float_dtypes(model: nn.Module) -> set:
@@ -122,9 +190,14 @@ def _float_dtypes(model: nn.Module) -> set:
     return {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
 
 
-def _cast_floating(model: nn.Module, dtype: mx.Dtype) -> None:
+def _cast_floating(model: nn.Module, dtype: mx.Dtype, keep_quantization: bool = False) -> None:
+    """Cast every floating parameter to ``dtype``; with ``keep_quantization`` not the scales
+    and offsets of quantized layers (their precision is part of the values they give)."""
     from mlx.utils import tree_flatten, tree_unflatten
 
-    params = [(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype else v)
+    def cast(k: str) -> bool:
+        return not (keep_quantization and k.rsplit(".", 1)[-1] in ("scales", "biases"))
+
+    params = [(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and cast(k) else v)
               for k, v in tree_flatten(model.parameters())]
     model.update(tree_unflatten(params))

@@ -402,9 +402,18 @@ int q4_matmul(const q4mat *w, const float *x, long m, float *y, long threads) {
     return 0;
 }
 
-/* w as the fp32 values the kernel multiplies: (n, k) */
-int q4_expand(const q4mat *w, float *out) {
-    for (long r = 0; r < w->n; r++) expand_row(w, r, out + r * w->k);
+typedef struct { const q4mat *w; float *out; } ex_job;
+
+static void ex_part(void *arg, long part, long parts) {
+    const ex_job *j = arg;
+    const long n = j->w->n, r0 = n * part / parts, r1 = n * (part + 1) / parts;
+    for (long r = r0; r < r1; r++) expand_row(j->w, r, j->out + r * j->w->k);
+}
+
+/* w as the fp32 values the kernel multiplies: (n, k), rows split over the pool's threads */
+int q4_expand(const q4mat *w, float *out, long threads) {
+    ex_job j = {w, out};
+    run_job(ex_part, &j, threads);
     return 0;
 }
 

@@ -63,7 +63,7 @@ def _build() -> ctypes.CDLL:
         raise OSError("the CPU or compiler has no AVX-512F")
     P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     lib.q4_matmul.argtypes = [P, P, L, P, L]
-    lib.q4_expand.argtypes = [P, P]
+    lib.q4_expand.argtypes = [P, P, L]
     lib.q4_decode_step.argtypes = [P, L, P, P, P, L, L, L, L, L, L, P, P, P, P, P, P, L, F, F, P, L]
     lib.rope_cols.argtypes = [P, L, L, L, P, P, L]
     lib.silu_rows.argtypes = [P, L, L, P, L]
@@ -141,9 +141,13 @@ class Q4Matrix:
             return self.values16.nbytes
         return self.nib.nbytes + (self.lut.nbytes if self.lut is not None else self.dm.nbytes)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
     @classmethod
     def from_mlx(cls, weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int,
-                 round16: bool) -> "Q4Matrix":
+                 round16: bool, table: bool = True) -> "Q4Matrix":
         n = weight.shape[0]
         k = scales.shape[1] * group_size
         bits = weight.shape[1] * 32 // k
@@ -162,18 +166,26 @@ class Q4Matrix:
         codes[:, 1::2] = raw >> 4
         blocks = codes.reshape(n, k // 32, 2, 16)
         nib = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
-        return cls(nib, np.stack([d, m], axis=-1), round16)
+        return cls(nib, np.stack([d, m], axis=-1), round16, table=table)
 
     @classmethod
-    def stack(cls, parts: list["Q4Matrix"]) -> "Q4Matrix":
+    def stack(cls, parts: list["Q4Matrix"], table: bool = True) -> "Q4Matrix":
         assert len({(p.round16, p.bits) for p in parts}) == 1
+        if len(parts) == 1 and (parts[0].lut is not None) == (table and parts[0].round16 and parts[0].bits == 4):
+            return parts[0]
         return cls(np.concatenate([p.nib for p in parts]), np.concatenate([p.dm for p in parts]), parts[0].round16,
-                   parts[0].bits)
+                   parts[0].bits, table=table)
 
-    def expand(self) -> np.ndarray:
-        """The (n, k) float32 values the kernel multiplies."""
-        out = np.empty((self.n, self.k), np.float32)
-        _lib.q4_expand(ctypes.byref(self.c), out.ctypes.data)
+    def expand(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The (n, k) float32 values the kernel multiplies, on the kernels' threads; into
+        ``out`` (C-contiguous float32 of at least n * k values, its front reshaped) where
+        given, so a caller can reuse one buffer for many matrices."""
+        if out is None:
+            out = np.empty((self.n, self.k), np.float32)
+        else:
+            assert out.dtype == np.float32 and out.flags.c_contiguous and out.flags.writeable
+            out = out.reshape(-1)[: self.n * self.k].reshape(self.n, self.k)
+        _lib.q4_expand(ctypes.byref(self.c), out.ctypes.data, cpu_kernels.threads())
         return out
 
     def reference(self) -> np.ndarray:

@@ -66,6 +66,10 @@ _FAMILIES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"
 
 def supports(model) -> str | None:
     """None if :class:`FastLlama` can run ``model``, else why not."""
+    from tandem.pipeline.loader import packed_only
+
+    if packed_only(model):
+        return supports_packed(model)
     if type(model).__module__ not in _FAMILIES:
         return f"model class {type(model).__module__}.{type(model).__name__}"
     inner = getattr(model, "model", None)
@@ -84,6 +88,36 @@ def supports(model) -> str | None:
     if not _tied(model) and type(getattr(model, "lm_head", None)) is not nn.Linear:
         return "no plain vocabulary projection"
     return None
+
+
+def supports_packed(model) -> str | None:
+    """None if :class:`FastLlama` can run ``model`` from its 4-bit (or 8-bit) packed weights
+    alone, with no dense copy (every product through tandem's kernels), else why not."""
+    from tandem.pipeline.loader import _kernel_layout
+
+    if type(model).__module__ not in _FAMILIES:
+        return f"model class {type(model).__module__}.{type(model).__name__}"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers or not isinstance(getattr(inner, "embed_tokens", None), (nn.Embedding, nn.QuantizedEmbedding)):
+        return "no plain embedding / layers"
+    for layer in layers:
+        if getattr(layer, "use_sliding", False):
+            return "sliding-window layers"
+        if hasattr(layer.self_attn, "q_norm"):
+            return "per-head q/k norms"
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if type(lin) is not nn.QuantizedLinear or not _kernel_layout(lin):
+                return "projections that are not 4- or 8-bit affine layers"
+        if "bias" in attn.o_proj or any("bias" in m for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return "biased output or MLP projections"
+    head = inner.embed_tokens if _tied(model) else getattr(model, "lm_head", None)
+    if head is None or not _kernel_layout(head):
+        return "a vocabulary projection that is not 4- or 8-bit affine"
+    attn = layers[0].self_attn
+    why = _Decode(model, attn.n_heads, attn.n_kv_heads, attn.q_proj.weight.shape[0] // attn.n_heads).why
+    return why
 
 
 def _tied(model) -> bool:
@@ -260,21 +294,30 @@ class FastLlama:
         why = supports(model)
         if why is not None:
             raise ValueError(f"FastLlama cannot run this model: {why}")
+        from tandem.pipeline.loader import packed_only
+
         self.model = model
         self.inner = model.model
-        self.fused = fused_weights(model)
-        self.head = self.inner.embed_tokens.weight if _tied(model) else model.lm_head.weight
         self.left_below = LEFT_BELOW
-        # Row blocks of the vocabulary projection, views of the weight (rows are contiguous).
-        n = max(1, -(-self.head.shape[0] // HEAD_CHUNK_ROWS))
-        step = -(-self.head.shape[0] // n)
-        self.head_chunks = [self.head[i : i + step] for i in range(0, self.head.shape[0], step)]
-        # Evaluated here: a lazy slice belongs to this thread's stream, and the engine
-        # runs forwards on its own thread.
-        mx.eval(self.head_chunks)
+        # A packed-only model (the loader made no dense copy): every product goes through
+        # the 4-bit kernels, decode as one C step and everything else through the host
+        # layers (_layers_blas), each matrix expanded into one reused buffer for BLAS.
+        self.packed = packed_only(model)
+        self.fused = self.head = None
+        self.head_chunks = []
+        self._expanded: np.ndarray | None = None  # that buffer
+        if not self.packed:
+            self.fused = fused_weights(model)
+            self.head = self.inner.embed_tokens.weight if _tied(model) else model.lm_head.weight
+            # Row blocks of the vocabulary projection, views of the weight (rows are contiguous).
+            n = max(1, -(-self.head.shape[0] // HEAD_CHUNK_ROWS))
+            step = -(-self.head.shape[0] // n)
+            self.head_chunks = [self.head[i : i + step] for i in range(0, self.head.shape[0], step)]
+            # Evaluated here: a lazy slice belongs to this thread's stream, and the engine
+            # runs forwards on its own thread.
+            mx.eval(self.head_chunks)
         attn = self.inner.layers[0].self_attn
-        qkv_w = self.fused.layers[0][0]
-        D = qkv_w.shape[0] // (attn.n_heads + 2 * attn.n_kv_heads)
+        D = attn.q_proj.weight.shape[0] // attn.n_heads
         self.decode = _Decode(model, attn.n_heads, attn.n_kv_heads, D)
         # Decode attention over the runner's contiguous mirror in one C call per layer
         # (cpu_kernels); otherwise, or where the runner has no mirror, the mlx ops.
@@ -296,6 +339,8 @@ class FastLlama:
         self.native_why = "off"
         if native:
             self.native, self.native_why = native_decode.build(model, self.fused, self.head, _tied(model), self.decode)
+        if self.packed and (self.native is None or not self.prefill_kernels):
+            raise ValueError(f"FastLlama cannot run this packed model: {self.native_why}")
 
     def disable_native_kernels(self) -> None:
         """Decode and prefill through mlx/MKL only (``engine.native_kernels = false``)."""
@@ -314,12 +359,13 @@ class FastLlama:
         if last is not None:
             last = np.asarray(last).reshape(B, -1)  # (B,): one position a row
         blas = False
-        if L == 1 and self.native is not None and B <= native_decode.MAX_ROWS and hasattr(caches[0], "native_mirror"):
+        if (L == 1 and self.native is not None and (B <= native_decode.MAX_ROWS or self.packed)
+                and hasattr(caches[0], "native_mirror")):
             mirror = caches[0].native_mirror()
             if mirror is not None:
                 return self.native.step(inputs, mirror, *self.decode.tables(caches[0].offset, B))
         x = self.inner.embed_tokens(inputs).reshape(B * L, -1)
-        if L == 1 and B < self.left_below and self.decode.why is None:
+        if L == 1 and B < self.left_below and self.decode.why is None and not self.packed:
             x = self._decode_layers(x, caches, mask, max_q_start)
         else:
             self._cols = self._starts = None
@@ -331,8 +377,9 @@ class FastLlama:
                 # one from these offsets: additive_mask(offsets, L, K)).
                 self._starts = np.array(off, np.int32).reshape(B) if self.prefill_attention else None
                 # Host layers (token columns at any size) from BLAS_ROWS_FROM rows
-                blas = (self._starts is not None and self.prefill_sgemm is not None and B * L >= BLAS_ROWS_FROM
-                        and not hasattr(self.inner.layers[0].self_attn, "q_norm"))
+                blas = self.packed or (self._starts is not None and self.prefill_sgemm is not None
+                                       and B * L >= BLAS_ROWS_FROM
+                                       and not hasattr(self.inner.layers[0].self_attn, "q_norm"))
                 pos = (off[:, None] + mx.arange(L)[None, :]).reshape(-1)
                 cos, sin = _tables(self.decode.rope, pos, self.decode.D)
                 if B * L >= self.left_below and not blas:  # token rows: tables (tokens, D/2)
@@ -347,7 +394,7 @@ class FastLlama:
             x = x.reshape(B, L, -1)
             x = x[:, 0] if last is None else x[mx.arange(B)[:, None], mx.array(last)].reshape(-1, x.shape[-1])
         h = self.inner.norm(x)
-        if L > 1 and blas:
+        if blas:
             return mx.array(self._head_host(np.asarray(h)))
         B = h.shape[0]
         if B >= self.left_below:
@@ -391,6 +438,11 @@ class FastLlama:
     def _host_weights(self, i: int) -> tuple[np.ndarray, ...]:
         """Layer i's QKV, output, gate/up and down weights, QKV bias (or None) and norm
         weights as numpy views of the mlx arrays (no copies; made on first use)."""
+        if self._np_weights is None and self.packed:
+            nat = self.native
+            self._np_weights = [
+                (*nat.mats[4 * j : 4 * j + 4], None if nat._norms[3 * j] is None else nat._norms[3 * j][:, None],
+                 nat._norms[3 * j + 1], nat._norms[3 * j + 2]) for j in range(len(self.inner.layers))]
         if self._np_weights is None:
             self._np_weights = [
                 tuple(None if w is None else np.asarray(w) for w in (
@@ -405,7 +457,7 @@ class FastLlama:
         OpenBLAS on the kernels' pool and everything else in C; only the KV cache is
         mlx's. x (B*L, hidden) embedded tokens -> (B * m, hidden) hidden states of each
         row's ``last`` (B, m) tokens (position 0 without it)."""
-        xc = np.ascontiguousarray(np.asarray(x).T)  # the residual stream, (hidden, B*L)
+        xc = np.ascontiguousarray(np.asarray(x.astype(mx.float32)).T)  # the residual stream, (hidden, B*L)
         for i, (layer, cache) in enumerate(zip(self.inner.layers, caches)):
             self._layer_blas(layer, cache, xc, B, L, self._host_weights(i))
         pick = np.arange(B)[:, None] * L + (np.zeros((B, 1), np.int64) if last is None else np.asarray(last, np.int64))
@@ -418,8 +470,8 @@ class FastLlama:
         Hq, Hkv = attn.n_heads, attn.n_kv_heads
         qkv_w, o_w, gu_w, down_w, qkv_b, ln1, ln2 = weights
         D = qkv_w.shape[0] // (Hq + 2 * Hkv)
-        sg, eps = self.prefill_sgemm, self.decode.eps
-        qkv = q4_kernels.blas_rows(sg, qkv_w, q4_kernels.rms_norm_cols(xc, ln1, eps), False)  # (features, B*L)
+        eps, mul = self.decode.eps, self._product
+        qkv = mul(qkv_w, q4_kernels.rms_norm_cols(xc, ln1, eps))  # (features, B*L)
         if qkv_b is not None:
             qkv += qkv_b
         q4_kernels.rope_cols(qkv, Hq + Hkv, D, *self._cols)
@@ -433,9 +485,29 @@ class FastLlama:
             kv = np.ascontiguousarray(np.asarray(k)), np.ascontiguousarray(np.asarray(v))
         o = q4_kernels.prefill_attention(qkv[: Hq * D], *kv, self._starts, L, float(attn.scale),
                                          columns=True)  # (Hq*D, B*L)
-        q4_kernels.blas_rows(sg, o_w, o, False, add_to=xc)
-        gu = q4_kernels.blas_rows(sg, gu_w, q4_kernels.rms_norm_cols(xc, ln2, eps), False)
-        q4_kernels.blas_rows(sg, down_w, q4_kernels.silu_rows(gu), False, add_to=xc)
+        mul(o_w, o, add_to=xc)
+        gu = mul(gu_w, q4_kernels.rms_norm_cols(xc, ln2, eps))
+        mul(down_w, q4_kernels.silu_rows(gu), add_to=xc)
+
+    def _product(self, w, x: np.ndarray, add_to: np.ndarray | None = None) -> np.ndarray:
+        """w @ x for x (k, m) token columns -> (n, m), added into ``add_to`` where given.
+        A dense w goes to OpenBLAS as is. A packed w (Q4Matrix) is multiplied from its codes
+        below BLAS_ROWS_FROM columns (what the decode step does for that many rows), and
+        from there expanded into one buffer reused by every matrix (the largest matrix's
+        size) and multiplied by OpenBLAS: the same values as the dense weights, so the
+        same products, without a dense copy of the model resident."""
+        if isinstance(w, np.ndarray):
+            return q4_kernels.blas_rows(self.prefill_sgemm, w, x, False, add_to)
+        if x.shape[1] < BLAS_ROWS_FROM or self.prefill_sgemm is None:
+            y = w.matmul(np.ascontiguousarray(x.T)).T  # (n, m)
+            if add_to is None:
+                return np.ascontiguousarray(y)
+            add_to += y
+            return add_to
+        if self._expanded is None or self._expanded.size < w.n * w.k:
+            self._expanded = None
+            self._expanded = np.empty(max(m.n * m.k for m in self.native.mats), np.float32)
+        return q4_kernels.blas_rows(self.prefill_sgemm, w.expand(self._expanded), x, False, add_to)
 
     def _layer(self, layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start):
         attn, mlp = layer.self_attn, layer.mlp

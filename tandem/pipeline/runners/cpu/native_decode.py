@@ -27,6 +27,21 @@ log = logging.getLogger("tandem.engine")
 # measured faster than MKL on the dense weights (docs/cpu-performance.md).
 MAX_ROWS = 64
 
+# The fp16 value table (Q4Matrix's lut) doubles a 4-bit matrix's resident bytes (1 more
+# byte a weight) for a faster expansion; models with more layer weights than this go
+# without it, so a 4-bit 8B model stays resident at ~0.75 bytes a weight.
+TABLE_MAX_WEIGHTS = 1 << 30
+
+
+def _weights(model) -> int:
+    """The number of weights in the model's layer projections."""
+    n = 0
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            n += lin.weight.size * (32 // lin.bits if hasattr(lin, "bits") else 1)
+    return n
+
 
 class NativeDecode:
     def __init__(self, model, fused, head: mx.array, tied: bool, eps: float, Hq: int, Hkv: int, D: int):
@@ -35,37 +50,53 @@ class NativeDecode:
             raise ValueError("the model was not loaded from 4-bit weights")
         inner = model.model
 
+        table = _weights(model) <= TABLE_MAX_WEIGHTS
+        # A packed-only model (loader.PackedModules) has no dense weights: its matrices are
+        # checked against mlx's dequantization of its own modules, one at a time.
+        only = packed if fused is None else None
+
         def mat(name: str) -> q4_kernels.Q4Matrix:
             if name not in packed:
                 raise ValueError(f"no 4-bit weights for {name}")
             w, s, b, gs, fp16 = packed[name]
-            return q4_kernels.Q4Matrix.from_mlx(w, s, b, gs, fp16)
+            return q4_kernels.Q4Matrix.from_mlx(w, s, b, gs, fp16, table=table)
 
-        def checked(m: q4_kernels.Q4Matrix, dense: mx.array, name: str) -> q4_kernels.Q4Matrix:
+        def checked(m: q4_kernels.Q4Matrix, dense, name: str, parts: tuple[str, ...]) -> q4_kernels.Q4Matrix:
+            if only is not None:
+                dense = mx.concatenate([only.dense(n) for n in parts])
             mx.eval(dense)
             if dense.shape != (m.n, m.k) or not np.array_equal(m.expand(), np.asarray(dense)):
                 raise ValueError(f"the 4-bit weights of {name} do not expand to its dense weights")
             return m
 
+        def stacked(names: list[str], dense, name: str) -> q4_kernels.Q4Matrix:
+            return checked(q4_kernels.Q4Matrix.stack([mat(n) for n in names], table=table), dense, name, tuple(names))
+
         self.mats: list[q4_kernels.Q4Matrix] = []  # kept alive: the C structs point into them
         layers = []
         self._norms = []
-        for i, (layer, (qkv_w, qkv_b, gu_w)) in enumerate(zip(inner.layers, fused.layers)):
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, qkv_b, gu_w = fused.layers[i] if fused is not None else (None, None, None)
+            if fused is None and "bias" in attn.q_proj:
+                qkv_b = mx.concatenate([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
             p = f"model.layers.{i}."
-            qkv = checked(q4_kernels.Q4Matrix.stack([mat(p + f"self_attn.{n}_proj") for n in "qkv"]), qkv_w, p + "qkv")
-            o = checked(mat(p + "self_attn.o_proj"), layer.self_attn.o_proj.weight, p + "o_proj")
-            gu = checked(q4_kernels.Q4Matrix.stack([mat(p + "mlp.gate_proj"), mat(p + "mlp.up_proj")]), gu_w, p + "gate_up")
-            down = checked(mat(p + "mlp.down_proj"), layer.mlp.down_proj.weight, p + "down_proj")
-            bias = None if qkv_b is None else np.ascontiguousarray(np.array(qkv_b).reshape(-1), np.float32)
+            qkv = stacked([p + f"self_attn.{n}_proj" for n in "qkv"], qkv_w, p + "qkv")
+            o = stacked([p + "self_attn.o_proj"], None if fused is None else attn.o_proj.weight, p + "o_proj")
+            gu = stacked([p + "mlp.gate_proj", p + "mlp.up_proj"], gu_w, p + "gate_up")
+            down = stacked([p + "mlp.down_proj"], None if fused is None else mlp.down_proj.weight, p + "down_proj")
+            bias = None if qkv_b is None else np.ascontiguousarray(np.array(qkv_b.astype(mx.float32)).reshape(-1))
             ln1 = np.ascontiguousarray(np.array(layer.input_layernorm.weight), np.float32)
             ln2 = np.ascontiguousarray(np.array(layer.post_attention_layernorm.weight), np.float32)
             self.mats += [qkv, o, gu, down]
             self._norms += [bias, ln1, ln2]
             layers.append(q4_kernels.layer_struct(qkv, o, gu, down, bias, ln1, ln2))
         self.layers = q4_kernels.layers_array(layers)
-        self.head = checked(mat("model.embed_tokens" if tied else "lm_head"), head, "the vocabulary projection")
+        head_name = "model.embed_tokens" if tied else "lm_head"
+        self.head = stacked([head_name], head, "the vocabulary projection")
         self.norm_w = np.ascontiguousarray(np.array(inner.norm.weight), np.float32)
         self.embed = inner.embed_tokens
+        self.packed_only = fused is None
         self.eps = float(eps)
         self.scale = float(inner.layers[0].self_attn.scale)
         self.dims = (int(self.norm_w.shape[0]), Hq, Hkv, D, gu.n // 2)
@@ -77,7 +108,7 @@ class NativeDecode:
         (D/2, B, 1) RoPE tables -> logits (B, vocab). ``kvrow``: see ``q4_kernels.decode_step``."""
         kmir, vmir, lens, cap = mirror
         B = inputs.shape[0]
-        x = np.array(self.embed(inputs).reshape(B, -1), np.float32)
+        x = np.array(self.embed(inputs).reshape(B, -1).astype(mx.float32))
         c = np.ascontiguousarray(np.array(cos).reshape(-1, B).T)
         s = np.ascontiguousarray(np.array(sin).reshape(-1, B).T)
         logits = q4_kernels.decode_step(self.layers, self.head, self.norm_w, x, self.dims, c, s, kmir, vmir,

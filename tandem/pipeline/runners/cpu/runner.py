@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from tandem.kernels.cpu import cpu_math, q4_kernels
+from tandem.pipeline import loader
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.runners.cpu import fast_llama, native_decode
 from tandem.pipeline.runners.portable.paged import PagedLayerCache, PagedRunner, logit_positions
@@ -89,13 +90,24 @@ class CpuRunner(PagedRunner):
         self.native = native
         self._mirror_bufs: list[mx.array] | None = None  # see _fill_mirror_host
         self.fast = None
+        if loader.packed_only(model) and not (fast and native):
+            # Only tandem's kernels run the packed codes fast (mlx's quantized products run
+            # at a few GFLOP/s here): without them the model goes dense, as it used to load.
+            log.info("dequantizing the model to fp32: the fused forward or the C kernels are off")
+            loader.dequantize_in_place(model)
         if fast:
             why = fast_llama.supports(model)
             if why is None:
-                self.fast = fast_llama.FastLlama(model)
-                if not native:
-                    self.fast.disable_native_kernels()
-            else:
+                try:
+                    self.fast = fast_llama.FastLlama(model)
+                except ValueError as exc:  # a packed model whose codes the kernels turned down
+                    log.info("dequantizing the model to fp32: %s", exc)
+                    loader.dequantize_in_place(model)
+                    why = fast_llama.supports(model)
+                    self.fast = fast_llama.FastLlama(model) if why is None else None
+            if self.fast is not None and not native:
+                self.fast.disable_native_kernels()
+            if why is not None:
                 log.info("mlx-lm forward for this model (the fast CPU forward does not support %s)", why)
 
     def forward(self, rows: list[Row], inputs) -> mx.array:

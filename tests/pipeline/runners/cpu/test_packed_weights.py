@@ -1,0 +1,84 @@
+"""A 4-bit checkpoint loaded ``auto`` on the CPU stays packed (no dense copy of its
+projections) and gives the tokens the dense fp32 load gives at temperature 0: decode
+through the C step at any batch size, prefills of few tokens multiplied from the codes,
+larger ones through one reused expansion buffer and OpenBLAS."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+import pytest
+
+from tandem.kernels.cpu import q4_kernels
+from tandem.kvtypes import SamplingParams
+from tandem.pipeline import loader
+from tandem.pipeline.engine import Engine
+from tandem.pipeline.runners.cpu import fast_llama, native_decode
+from tandem.pipeline.settings import EngineSettings
+from tests.pipeline.conftest import EOS, random_prompts
+
+pytestmark = pytest.mark.skipif(not q4_kernels.available(), reason="no AVX-512 C kernels: auto dequantizes")
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_quantized_model_dir):
+    return loader.load_model(tiny_quantized_model_dir, "auto")
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_quantized_model_dir):
+    return loader.load_model(tiny_quantized_model_dir, "dense")
+
+
+def _engine(model, **kw) -> Engine:
+    return Engine(model, EngineSettings(kv_cache_budget="32MiB", **kw), model_id="q", eos_token_ids=[EOS])
+
+
+def _requests(n: int, lo: int, hi: int, seed: int):
+    prompts = random_prompts(n, lo, hi, seed=seed)
+    return [(p, SamplingParams(max_tokens=4 + 3 * (i % 4), ignore_eos=True)) for i, p in enumerate(prompts)]
+
+
+def test_auto_keeps_a_4_bit_checkpoint_packed(packed):
+    assert loader.packed_only(packed.model) and "packed" in packed.weights
+    layer = packed.model.model.layers[0]
+    assert type(layer.mlp.down_proj) is nn.QuantizedLinear  # no dense copy was made
+    fast = _engine(packed.model).runner.fast
+    assert fast is not None and fast.packed and fast.native is not None and fast.fused is None
+
+
+@pytest.mark.parametrize("n,lo,hi,batch", [(6, 2, 9, 3),     # prefills under BLAS_ROWS_FROM tokens: codes direct
+                                           (5, 40, 120, 4)])  # from it: expanded into the buffer, OpenBLAS
+def test_packed_and_dense_give_the_same_tokens(packed, dense, monkeypatch, n, lo, hi, batch):
+    expanded = []
+    real = q4_kernels.Q4Matrix.expand
+    monkeypatch.setattr(q4_kernels.Q4Matrix, "expand", lambda self, out=None: expanded.append(out is not None)
+                        or real(self, out))
+    reqs = _requests(n, lo, hi, seed=n + lo)
+    got = _engine(packed.model, max_batch_prefill=batch).generate_many(reqs)
+    assert any(expanded) == (lo * batch >= fast_llama.BLAS_ROWS_FROM)
+    assert got == _engine(dense.model, max_batch_prefill=batch).generate_many(reqs)
+
+
+def test_packed_decode_takes_the_c_step_beyond_the_dense_row_limit(packed, dense, monkeypatch):
+    monkeypatch.setattr(native_decode, "MAX_ROWS", 2)
+    calls = []
+    real = q4_kernels.decode_step
+    monkeypatch.setattr(q4_kernels, "decode_step", lambda *a, **kw: calls.append(a[3].shape[0]) or real(*a, **kw))
+    reqs = _requests(5, 3, 30, seed=4)
+    got = _engine(packed.model, max_batch_prefill=5).generate_many(reqs)
+    assert max(calls) > 2
+    assert got == _engine(dense.model, max_batch_prefill=5).generate_many(reqs)
+
+
+def test_without_the_decode_mirror_packed_decode_runs_on_the_host_layers(packed, dense):
+    reqs = _requests(4, 3, 40, seed=9)
+    got = _engine(packed.model, decode_mirror=False).generate_many(reqs)
+    assert got == _engine(dense.model).generate_many(reqs)
+
+
+def test_with_the_kernels_off_the_packed_model_goes_dense(tiny_quantized_model_dir, dense):
+    lm = loader.load_model(tiny_quantized_model_dir, "auto")
+    eng = _engine(lm.model, native_kernels=False)
+    assert not loader.packed_only(lm.model) and type(lm.model.model.layers[0].mlp.down_proj) is nn.Linear
+    reqs = _requests(3, 3, 20, seed=2)
+    assert eng.generate_many(reqs) == _engine(dense.model).generate_many(reqs)
