@@ -48,6 +48,7 @@ from pathlib import Path
 
 import tandem  # noqa: F401  (BLAS before mlx)
 from _common import bar_chart_svg  # noqa: E402  (bench/ is first on sys.path when run as a script)
+import llama_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -63,11 +64,12 @@ CORPUS = (
 # ---------------------------------------------------------------- processes -------------
 
 class Server:
-    def __init__(self, name: str, args: list[str], log: Path, env: dict):
+    def __init__(self, name: str, args: list[str], log: Path, env: dict, stdout_to_log: bool = False):
         self.name = name
         self.log = log
         self._err = open(log, "ab")
-        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._err, env=env, start_new_session=True)
+        self.p = subprocess.Popen(args, stdout=self._err if stdout_to_log else subprocess.PIPE, stderr=self._err,
+                                  env=env, start_new_session=True)
 
     def ready_line(self, timeout: float = 300.0) -> dict:
         deadline, buf = time.monotonic() + timeout, b""
@@ -200,6 +202,14 @@ def start_mlx_lm(model_dir: Path, tmp: Path, env: dict) -> tuple[list[Server], i
             "runpy.run_module('mlx_lm.server', run_name='__main__')")
     server = Server("mlx_lm.server", [sys.executable, "-c", code], tmp / "mlx_lm_server.log", env)
     wait_http(port, "/v1/models")
+    return [server], port
+
+
+def start_llama_server(tmp: Path, env: dict) -> tuple[list[Server], int]:
+    port = free_port()
+    server = Server("llama-server", llama_server.command(port, HOST, llama_server.gguf()), tmp / "llama_server.log",
+                    env, stdout_to_log=True)
+    wait_http(port, "/health")
     return [server], port
 
 
@@ -391,7 +401,22 @@ def sweep(name: str, port: int, model_id: str, bodies: list[dict], levels: list[
 
 # ---------------------------------------------------------------- report ----------------
 
-SERVERS = (("tandem", "#1f77b4"), ("mlx_lm.server", "#ff7f0e"))
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
+
+
+def server_names(results: dict) -> list[str]:
+    """The servers of a run in the order they ran (tandem's formats first)."""
+    names: list[str] = []
+    for row in results["rows"]:
+        if row["server"] not in names:
+            names.append(row["server"])
+    return names
+
+
+def reference(names: list[str]) -> tuple[str | None, list[str]]:
+    """The tandem row ratios are taken for (its first format) and the peers."""
+    ours = next((n for n in names if n.startswith("tandem")), None)
+    return ours, [n for n in names if not n.startswith("tandem")]
 
 
 def chart_names(out: Path) -> tuple[str, str]:
@@ -405,16 +430,19 @@ def plots(results: dict, out: Path) -> None:
     for row in results["rows"]:
         by.setdefault(row["clients"], {})[row["server"]] = row
     levels = sorted(by)
-    ran = [(name, color) for name, color in SERVERS if any(name in by[n] for n in levels)]
+    names = server_names(results)
+    ran = list(zip(names, COLORS))
     groups = [f"{n} client{'s' if n != 1 else ''}" for n in levels]
+    ours, peers = reference(names)
 
     def series(key: str) -> list[tuple[str, str, list[float | None]]]:
         return [(name, color, [by[n][name][key] if name in by[n] else None for n in levels]) for name, color in ran]
 
     ratios = []
     for n in levels:
-        a, b = by[n].get("tandem"), by[n].get("mlx_lm.server")
-        ratios.append(f"{a['tok_per_s'] / b['tok_per_s']:.2f}x" if a and b and b["tok_per_s"] else "")
+        a = by[n].get(ours)
+        ratios.append(" ".join(f"{a['tok_per_s'] / by[n][p]['tok_per_s']:.2f}x" for p in peers
+                               if a and p in by[n] and by[n][p]["tok_per_s"]))
     model = results["meta"]["model"]
     tok_svg, ttft_svg = chart_names(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -429,10 +457,11 @@ def report(results: dict, out: Path) -> str:
     by = {}
     for row in results["rows"]:
         by.setdefault(row["clients"], {})[row["server"]] = row
-    servers = [s for s in ("tandem", "mlx_lm.server") if any(s in v for v in by.values())]
+    servers = server_names(results)
+    ours, peers = reference(servers)
+    others = [s for s in servers if s != ours] if ours else []
     head = "| clients | " + " | ".join(f"{s} tok/s | {s} TTFT mean / p95 (s) | {s} ITL mean / p95 (ms) | {s} errors" for s in servers)
-    if len(servers) == 2:
-        head += " | tok/s ratio | TTFT p95 ratio"
+    head += "".join(f" | tok/s {ours} / {p} | TTFT p95 {ours} / {p}" for p in others)
     lines = [head + " |", "|" + "---|" * (head.count("|"))]
     for n in sorted(by):
         cells = [str(n)]
@@ -440,12 +469,18 @@ def report(results: dict, out: Path) -> str:
             r = by[n].get(s)
             cells += ["-"] * 4 if r is None else [f"{r['tok_per_s']:.1f}", f"{r['ttft_mean_s']:.2f} / {r['ttft_p95_s']:.2f}",
                                                   f"{r['itl_mean_ms']:.1f} / {r['itl_p95_ms']:.1f}", f"{r['errors']}/{r['requests']}"]
-        if len(servers) == 2 and all(s in by[n] for s in servers):
-            a, b = by[n]["tandem"], by[n]["mlx_lm.server"]
-            cells.append(f"{a['tok_per_s'] / b['tok_per_s']:.2f}x" if b["tok_per_s"] else "-")
-            cells.append(f"{a['ttft_p95_s'] / b['ttft_p95_s']:.2f}x" if b["ttft_p95_s"] else "-")
+        for p in others:
+            a, b = by[n].get(ours), by[n].get(p)
+            cells.append(f"{a['tok_per_s'] / b['tok_per_s']:.2f}x" if a and b and b["tok_per_s"] else "-")
+            cells.append(f"{a['ttft_p95_s'] / b['ttft_p95_s']:.2f}x" if a and b and b["ttft_p95_s"] else "-")
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
+    per_request = [f"{s} {1000 / by[1][s]['itl_mean_ms']:.0f}" for s in servers if 1 in by and s in by[1]
+                   and by[1][s]["itl_mean_ms"] == by[1][s]["itl_mean_ms"] and by[1][s]["itl_mean_ms"] > 0]
+    if per_request:
+        table += "\n\nPer-request decode speed at 1 client (1000 / ITL mean, tok/s): " + ", ".join(per_request) + "."
+    if meta_skipped := results["meta"].get("skipped"):
+        table += "\n\nNot run: " + "; ".join(meta_skipped) + "."
     cpu_rows = [r for n in sorted(by) for r in by[n].values() if r.get("cpu_s")]
     if cpu_rows:
         table += ("\n\nCPU seconds each process group used during the level (user + system, all threads and "
@@ -458,7 +493,7 @@ def report(results: dict, out: Path) -> str:
     stub = meta["engine"] == "stub"
     md = [
         "# Serving benchmark: the edge + broker path (model-free stub engine)" if stub
-        else "# Serving benchmark: tandem vs mlx_lm.server",
+        else "# Serving benchmark: tandem vs " + ", ".join(n for n in server_names(results) if not n.startswith("tandem")),
         "",
         f"Produced by `{meta['command']}` on {meta['date']} ({meta['machine']}).",
         "",
@@ -468,14 +503,17 @@ def report(results: dict, out: Path) -> str:
         (f"Tokenizer of `{meta['model']}`; the worker runs the model-free stub engine (tests/stub_engine.py), so this measures what the "
          f"edge, broker and wire add per token: at {meta.get('stub_step_ms')} ms per engine step the ceiling is "
          f"clients x {1000 / (meta.get('stub_step_ms') or 1):.0f} tok/s. " if stub else
-         f"Model `{meta['model']}` ({meta['weights']} weights for both servers, BLAS {meta['blas']}; on the CPU "
+         f"Model `{meta['model']}` (tandem --weights {meta['weights']}; mlx_lm.server on "
+         f"{'a dequantized fp32 copy' if 'dense' in meta['weights'].split(',') else 'the checkpoint as stored'}, "
+         f"BLAS {meta['blas']}; on the CPU "
          "tandem's decode multiplies the same values from the checkpoint's 4-bit codes, "
          "engine.native_kernels, and its prefill products run through "
-         f"{meta.get('prefill_blas', 'the same BLAS')}, docs/cpu-performance.md). ")
+         f"{meta.get('prefill_blas', 'the same BLAS')}, docs/cpu-performance.md; llama-server: llama.cpp built from the "
+         f"llama-cpp-python sdist, `{' '.join(llama_server.ARGS)}`, on the Q4_1 GGUF the default model is converted from). ")
         + "Chat prompts of "
         f"{meta['prompt_tokens']} tokens on average, {meta['max_tokens']} new tokens, temperature 0, EOS suppressed "
         f"(logit bias -100), {meta['rounds']} request(s) per client per level, every level's prompts new to the server, "
-        "streaming, the same client for both. "
+        "streaming, the same client for every server. "
         f"tandem: broker + {'one hybrid worker' if meta.get('topology', 'hybrid') == 'hybrid' else 'one prefill + one decode worker'} "
         f"(parallel {meta['parallel']}) + edge ({meta['edge_workers']} gunicorn worker(s)). "
         "The servers ran one after the other, never together. 1-minute load average when each started "
@@ -486,7 +524,7 @@ def report(results: dict, out: Path) -> str:
         "",
         "tok/s: generated tokens of successful requests / wall time of the level. TTFT: request sent to first content "
         "token. ITL: mean gap between streamed tokens per request (mean over requests) / p95 over all gaps. "
-        "Ratios are tandem / mlx_lm.server (higher tok/s is better, lower TTFT is better).",
+        "Ratios are the first tandem row over each other server (higher tok/s is better, lower TTFT is better).",
         "",
         table,
         "",
@@ -502,7 +540,9 @@ def report(results: dict, out: Path) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="mlx-lm model directory (default: tandem's default model)")
-    p.add_argument("--weights", choices=("dense", "quantized"), default="dense")
+    p.add_argument("--weights", default="dense",
+                   help="tandem's weight format(s), a comma list of auto, dense, quantized: tandem runs once per "
+                        "format, in this order (mlx_lm.server gets a dense copy where dense is listed)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--rounds", type=int, default=1, help="requests per client per level")
     p.add_argument("--prompt-tokens", type=int, default=170)
@@ -511,7 +551,10 @@ def main() -> int:
     p.add_argument("--edge-workers", type=int, default=1)
     p.add_argument("--topology", choices=("hybrid", "split"), default="hybrid",
                    help="tandem workers: one hybrid, or one prefill + one decode (KV handoff)")
-    p.add_argument("--servers", default="tandem,mlx_lm", help="comma list of tandem, mlx_lm")
+    p.add_argument("--servers", default="tandem,mlx_lm,llama", help="comma list of tandem, mlx_lm, llama "
+                   "(llama.cpp's llama-server, when built: --build-llama-server)")
+    p.add_argument("--build-llama-server", action="store_true",
+                   help="build llama-server from the llama-cpp-python sdist first if it is not built (~10 min)")
     p.add_argument("--engine", choices=("mlx", "stub"), default="mlx",
                    help="stub: a model-free engine (tests/stub_engine.py), to measure the edge+broker path alone (tandem only)")
     p.add_argument("--stub-step-ms", type=float, default=5.0, help="stub engine: time per step")
@@ -534,8 +577,20 @@ def main() -> int:
     model = resolve_model(args.model).resolve()
     levels = [int(x) for x in args.concurrency.split(",")]
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    formats = [w.strip() for w in args.weights.split(",") if w.strip()]
+    if unknown := [w for w in formats if w not in ("auto", "dense", "quantized")] or [
+            s for s in servers if s not in ("tandem", "mlx_lm", "llama")]:
+        raise SystemExit(f"unknown --weights or --servers entries: {', '.join(unknown)}")
     if args.engine == "stub":
         servers = [s for s in servers if s == "tandem"]
+    skipped = []
+    if "llama" in servers and llama_server.binary() is None:
+        if args.build_llama_server:
+            llama_server.build()
+        else:
+            print(llama_server.why_absent(), flush=True)
+            skipped.append(llama_server.why_absent())
+            servers.remove("llama")
     bodies, mean_len = build_bodies(model, args.prompt_tokens, args.max_tokens, sum(levels) * args.rounds + 1)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_ENGINE_MAX_QUEUE_DEPTH="1024")
     for name in ("PROMETHEUS_MULTIPROC_DIR", "TANDEM_CLUSTER_SECRET", "TANDEM_CLUSTER_SECRET_FILE"):
@@ -545,20 +600,30 @@ def main() -> int:
     load: dict[str, float] = {}
     print(f"model {model.name} ({args.weights}), prompts ~{mean_len} tokens, {args.max_tokens} new, levels {levels}", flush=True)
     try:
-        if "tandem" in servers:
-            load["tandem"] = os.getloadavg()[0]
-            procs, port = start_tandem(model, args.weights, args.parallel, args.edge_workers, tmp, env,
+        for fmt in formats if "tandem" in servers else []:
+            name = "tandem" if len(formats) == 1 else f"tandem ({fmt})"
+            load[name] = os.getloadavg()[0]
+            procs, port = start_tandem(model, fmt, args.parallel, args.edge_workers, tmp, env,
                                        args.engine, args.stub_step_ms, args.topology)
             try:
                 model_id = json.loads(asyncio.run(http_get(port, "/v1/models"))[1])["data"][0]["id"]
                 groups = {proc.name: proc.p.pid for proc in procs}  # each in its own session
-                rows += sweep("tandem", port, model_id, bodies, levels, args.rounds, args.max_tokens, args.timeout, groups)
+                rows += sweep(name, port, model_id, bodies, levels, args.rounds, args.max_tokens, args.timeout, groups)
             finally:
                 for proc in reversed(procs):
                     proc.stop()
+        if "llama" in servers:
+            load["llama-server"] = os.getloadavg()[0]
+            procs, port = start_llama_server(tmp, env)
+            try:
+                rows += sweep("llama-server", port, "default_model", bodies, levels, args.rounds, args.max_tokens,
+                              args.timeout, {proc.name: proc.p.pid for proc in procs})
+            finally:
+                for proc in procs:
+                    proc.stop()
         if "mlx_lm" in servers:
             load["mlx_lm.server"] = os.getloadavg()[0]
-            served = dense_copy(model, tmp / "dense") if args.weights == "dense" else model
+            served = dense_copy(model, tmp / "dense") if "dense" in formats else model
             procs, port = start_mlx_lm(served, tmp, env)
             try:
                 rows += sweep("mlx_lm.server", port, "default_model", bodies, levels, args.rounds, args.max_tokens,
@@ -583,6 +648,7 @@ def main() -> int:
             "parallel": args.parallel, "edge_workers": args.edge_workers, "topology": args.topology, "engine": args.engine,
             "stub_step_ms": args.stub_step_ms if args.engine == "stub" else None,
             "load_average_at_start": load,
+            "skipped": skipped,
         },
         "rows": rows,
     }

@@ -1,0 +1,167 @@
+"""Idle memory of `tandem serve`: PSS (and RSS) summed over its process group, per weight format.
+
+For each ``--weights`` format it starts ``tandem serve`` (``--topology``, default hybrid)
+in its own session on free loopback ports, waits for /ready, lets it settle, and reads
+/proc/PID/smaps_rollup of every process in the group: PSS counts a page shared by n
+processes as 1/n, so the sum is what the stack costs the machine. The formats run one
+after the other, in one run, so their ratio is side by side.
+
+    flock /tmp/tandem-bench.lock .venv/bin/python bench/memory.py --weights dense,auto
+
+Writes docs/benchmarks/memory.md and memory.json (``--out`` changes the stem). Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p .. p + n - 1 free on loopback now."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free loopback ports")
+
+
+def group_memory(pgid: int) -> dict:
+    """Per process of group ``pgid``: name, RSS and PSS in bytes (smaps_rollup)."""
+    procs = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:
+                continue
+            roll = Path(f"/proc/{entry}/smaps_rollup").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        kb = {line.split(":")[0]: int(line.split()[1]) for line in roll.splitlines()[1:] if line.split()[-1] == "kB"}
+        name = " ".join(c.decode(errors="replace") for c in cmd[2:5] if c)
+        procs.append({"pid": int(entry), "cmd": name, "rss": kb["Rss"] * 1024, "pss": kb["Pss"] * 1024})
+    return {"processes": sorted(procs, key=lambda p: -p["pss"]),
+            "pss": sum(p["pss"] for p in procs), "rss": sum(p["rss"] for p in procs)}
+
+
+def measure(weights: str, topology: str, model: str | None, settle: float, timeout: float) -> dict:
+    port, base = free_port_block(1), free_port_block(20)
+    state = Path(tempfile.mkdtemp(prefix="tandem-bench-memory-"))
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--topology", topology, "--weights", weights,
+           "--port", str(port), "--base-port", str(base), "--state-dir", str(state)]
+    if model:
+        cmd += ["--model", model]
+    log = open(state / "serve.log", "wb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_CLUSTER_SECRET")}
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if p.poll() is not None:
+                raise RuntimeError(f"tandem serve exited {p.returncode}: {(state / 'serve.log').read_text()[-1500:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tandem serve not ready after {timeout:.0f} s")
+            time.sleep(1)
+        time.sleep(settle)
+        out = group_memory(p.pid)
+        out["weights"] = next((line.split("weights ", 1)[1].split(", device")[0]
+                               for line in (state / "serve.log").read_text().splitlines() if "weights " in line
+                               and ", device" in line), weights)
+        return out
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
+        log.close()
+        subprocess.run(["rm", "-rf", str(state)], check=False)
+
+
+def report(results: dict) -> str:
+    meta, rows = results["meta"], results["rows"]
+    lines = ["# Idle memory of `tandem serve`", "",
+             f"`{meta['command']}` — {meta['date']}, {meta['machine']}, topology {meta['topology']}, "
+             f"model {meta['model']}, settled {meta['settle_s']:.0f} s after /ready.", "",
+             "| --weights | runs as | PSS total | RSS total | largest process (PSS) | processes |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        top = r["processes"][0]
+        lines.append(f"| {r['format']} | {r['weights']} | {r['pss'] / 2**30:.2f} GiB | {r['rss'] / 2**30:.2f} GiB | "
+                     f"{top['cmd']} {top['pss'] / 2**30:.2f} GiB | {len(r['processes'])} |")
+    if len(rows) > 1:
+        lines += ["", "PSS ratios against the first format: " + ", ".join(
+            f"{r['format']} {r['pss'] / rows[0]['pss']:.2f}x" for r in rows[1:])]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--weights", default="dense,auto", help="comma list of weight formats, run in this order")
+    p.add_argument("--topology", choices=("hybrid", "disaggregated"), default="hybrid")
+    p.add_argument("--model", help="mlx-lm model directory (default: tandem's default model)")
+    p.add_argument("--settle", type=float, default=5.0, help="seconds to wait after /ready before reading")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /ready")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "memory"))
+    args = p.parse_args()
+    rows = []
+    for fmt in [w.strip() for w in args.weights.split(",") if w.strip()]:
+        r = measure(fmt, args.topology, args.model, args.settle, args.timeout)
+        r["format"] = fmt
+        rows.append(r)
+        print(f"{fmt}: PSS {r['pss'] / 2**30:.2f} GiB over {len(r['processes'])} processes ({r['weights']})", flush=True)
+    results = {"meta": {"command": "python bench/memory.py " + " ".join(sys.argv[1:]),
+                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                        "topology": args.topology, "model": Path(args.model).name if args.model else "default",
+                        "settle_s": args.settle},
+               "rows": rows}
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    text = report(results)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
