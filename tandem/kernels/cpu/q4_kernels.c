@@ -733,7 +733,12 @@ typedef void (*sgemm64_fn)(int, int, int, long, long, long, float, const float *
                            float, float *, long);
 typedef void (*sgemm32_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
                            float, float *, int);
-typedef struct { void *fn; long ilp64; const float *w, *x; float *y; long n, k, m, xt, chunk; float beta; atomic_long next; } bl_job;
+typedef struct { void *fn; long ilp64; const float *w, *x; float *y; long n, k, m, xt, chunk; float beta; atomic_long next;
+                 const q4mat *q; int failed; } bl_job;
+
+/* Each thread's buffer for the expanded rows of a packed matrix (kept between calls). */
+static __thread float *bl_buf;
+static __thread long bl_cap;
 
 static void bl_part(void *arg, long part, long parts) {
     bl_job *j = arg;
@@ -742,12 +747,23 @@ static void bl_part(void *arg, long part, long parts) {
         const long lo = atomic_fetch_add(&j->next, j->chunk);
         if (lo >= j->n) return;
         const long rows = lo + j->chunk < j->n ? j->chunk : j->n - lo;
+        const float *w = j->w + lo * j->k;
+        if (j->q) {  /* a packed matrix: these rows expanded into this thread's buffer first */
+            if (bl_cap < rows * j->k) {
+                free(bl_buf);
+                bl_buf = malloc(sizeof(float) * rows * j->k);
+                bl_cap = bl_buf ? rows * j->k : 0;
+                if (!bl_buf) { j->failed = 1; return; }
+            }
+            for (long r = 0; r < rows; r++) expand_row(j->q, lo + r, bl_buf + r * j->k);
+            w = bl_buf;
+        }
         /* row-major, w rows [lo, lo + rows) (k wide) times x: (m, k) transposed or (k, m) */
         if (j->ilp64)
-            ((sgemm64_fn)j->fn)(101, 111, j->xt ? 112 : 111, rows, j->m, j->k, 1.0f, j->w + lo * j->k, j->k, j->x,
+            ((sgemm64_fn)j->fn)(101, 111, j->xt ? 112 : 111, rows, j->m, j->k, 1.0f, w, j->k, j->x,
                                 j->xt ? j->k : j->m, j->beta, j->y + lo * j->m, j->m);
         else
-            ((sgemm32_fn)j->fn)(101, 111, j->xt ? 112 : 111, (int)rows, (int)j->m, (int)j->k, 1.0f, j->w + lo * j->k,
+            ((sgemm32_fn)j->fn)(101, 111, j->xt ? 112 : 111, (int)rows, (int)j->m, (int)j->k, 1.0f, w,
                                 (int)j->k, j->x, (int)(j->xt ? j->k : j->m), j->beta, j->y + lo * j->m, (int)j->m);
     }
 }
@@ -760,9 +776,19 @@ static void bl_part(void *arg, long part, long parts) {
    the next block instead. */
 int blas_rows(void *fn, long ilp64, const float *w, long n, long k, const float *x, long m, long xt, float *y,
               float beta, long chunk, long threads) {
-    bl_job j = {fn, ilp64, w, x, y, n, k, m, xt, chunk, beta, 0};
+    bl_job j = {fn, ilp64, w, x, y, n, k, m, xt, chunk, beta, 0, NULL, 0};
     run_job(bl_part, &j, threads);
     return 0;
+}
+
+/* blas_rows for a packed w: each block of `chunk` rows is expanded (the values the 4-bit
+   kernels multiply) into the thread's own buffer and multiplied from there while it is
+   in cache, so no dense copy of w exists. Returns 0, or -1 without memory. */
+int q4_blas_rows(void *fn, long ilp64, const q4mat *w, const float *x, long m, long xt, float *y, float beta,
+                 long chunk, long threads) {
+    bl_job j = {fn, ilp64, NULL, x, y, w->n, w->k, m, xt, chunk, beta, 0, w, 0};
+    run_job(bl_part, &j, threads);
+    return j.failed ? -1 : 0;
 }
 
 /* RMSNorm of each column (token) of x (n, t): out = x * w / sqrt(mean(x^2) + eps), 16

@@ -71,12 +71,13 @@ def _build() -> ctypes.CDLL:
     lib.silu_cols.argtypes = [P, L, L, P, L]
     lib.prefill_attention.argtypes = [P, P, P, P, P, L, L, L, L, L, L, F, L, L, L, L, L]
     lib.blas_rows.argtypes = [P, L, P, L, L, P, L, L, P, F, L, L]
+    lib.q4_blas_rows.argtypes = [P, L, P, P, L, L, P, F, L, L]
     lib.rms_norm_cols.argtypes = [P, P, P, L, L, F, L]
     lib.mirror_flush.argtypes = [P, P, P, P, L, P, P, L, L, L, L]
     lib.mirror_fill.argtypes = [P, P, P, P, L, P, L, L, L, L, L, L, L]
     lib.prefill_kv.argtypes = [P, P, L, P, P, P, P, L, L, P, L, L, L, L, L, P, P, L]
     for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_decode_step, lib.rope_cols, lib.silu_rows, lib.rope_rows,
-               lib.silu_cols, lib.prefill_attention, lib.blas_rows, lib.rms_norm_cols, lib.prefill_kv, lib.mirror_fill, lib.mirror_flush):
+               lib.silu_cols, lib.prefill_attention, lib.blas_rows, lib.q4_blas_rows, lib.rms_norm_cols, lib.prefill_kv, lib.mirror_fill, lib.mirror_flush):
         fn.restype = ctypes.c_int
     return lib
 
@@ -333,14 +334,23 @@ def prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, starts: np.nd
 BLAS_BLOCKS = 1
 
 
-def blas_rows(sgemm: tuple[int, bool], w: np.ndarray, x: np.ndarray, transposed: bool,
+# A packed matrix's rows go to blas_rows in blocks of at most this many bytes expanded,
+# so each block is multiplied while it is still in the core's cache.
+PACKED_BLOCK_BYTES = 1 << 20
+
+
+def blas_rows(sgemm: tuple[int, bool], w, x: np.ndarray, transposed: bool,
               add_to: np.ndarray | None = None) -> np.ndarray:
     """w (n, k) @ x.T for x (m, k) (``transposed``), else w @ x for x (k, m) -> (n, m),
     through ``sgemm`` (an address and whether it takes 64-bit sizes, from
     :func:`tandem._blas.openblas_sgemm`), one single-threaded call per pool thread on
     blocks of w's rows taken as threads get free. With ``add_to`` (n, m) the product is
-    added to it in place (and it is returned)."""
-    assert w.dtype == x.dtype == np.float32 and w.flags.c_contiguous and x.flags.c_contiguous
+    added to it in place (and it is returned). w is a float32 array, or a
+    :class:`Q4Matrix`, whose blocks of rows are expanded into a buffer of each thread
+    just before their call (the same values, so the same product, and no dense copy)."""
+    packed = isinstance(w, Q4Matrix)
+    assert x.dtype == np.float32 and x.flags.c_contiguous
+    assert packed or (w.dtype == np.float32 and w.flags.c_contiguous)
     n, k = w.shape
     m = x.shape[0] if transposed else x.shape[1]
     assert (x.shape[1] if transposed else x.shape[0]) == k
@@ -351,6 +361,12 @@ def blas_rows(sgemm: tuple[int, bool], w: np.ndarray, x: np.ndarray, transposed:
         y, beta = add_to, 1.0
     threads = cpu_kernels.threads()
     chunk = max(16, -(-n // (BLAS_BLOCKS * threads) // 16) * 16)
+    if packed:
+        chunk = min(chunk, max(16, PACKED_BLOCK_BYTES // (4 * k) // 16 * 16))
+        if _lib.q4_blas_rows(sgemm[0], int(sgemm[1]), ctypes.byref(w.c), x.ctypes.data, m, int(transposed),
+                             y.ctypes.data, beta, chunk, threads):
+            raise MemoryError("blas_rows: no memory for the expanded rows")
+        return y
     _lib.blas_rows(sgemm[0], int(sgemm[1]), w.ctypes.data, n, k, x.ctypes.data, m, int(transposed), y.ctypes.data,
                    beta, chunk, threads)
     return y

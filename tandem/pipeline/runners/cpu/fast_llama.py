@@ -301,11 +301,10 @@ class FastLlama:
         self.left_below = LEFT_BELOW
         # A packed-only model (the loader made no dense copy): every product goes through
         # the 4-bit kernels, decode as one C step and everything else through the host
-        # layers (_layers_blas), each matrix expanded into one reused buffer for BLAS.
+        # layers (_layers_blas), blocks of rows expanded into cache-sized buffers for BLAS.
         self.packed = packed_only(model)
         self.fused = self.head = None
         self.head_chunks = []
-        self._expanded: np.ndarray | None = None  # that buffer
         if not self.packed:
             self.fused = fused_weights(model)
             self.head = self.inner.embed_tokens.weight if _tied(model) else model.lm_head.weight
@@ -493,21 +492,16 @@ class FastLlama:
         """w @ x for x (k, m) token columns -> (n, m), added into ``add_to`` where given.
         A dense w goes to OpenBLAS as is. A packed w (Q4Matrix) is multiplied from its codes
         below BLAS_ROWS_FROM columns (what the decode step does for that many rows), and
-        from there expanded into one buffer reused by every matrix (the largest matrix's
-        size) and multiplied by OpenBLAS: the same values as the dense weights, so the
-        same products, without a dense copy of the model resident."""
-        if isinstance(w, np.ndarray):
+        from there by OpenBLAS a block of rows at a time, each expanded into a cache-sized
+        buffer of the thread just before (q4_kernels.blas_rows): the same values as the
+        dense weights, so the same products, without a dense copy of the model resident."""
+        if isinstance(w, np.ndarray) or (x.shape[1] >= BLAS_ROWS_FROM and self.prefill_sgemm is not None):
             return q4_kernels.blas_rows(self.prefill_sgemm, w, x, False, add_to)
-        if x.shape[1] < BLAS_ROWS_FROM or self.prefill_sgemm is None:
-            y = w.matmul(np.ascontiguousarray(x.T)).T  # (n, m)
-            if add_to is None:
-                return np.ascontiguousarray(y)
-            add_to += y
-            return add_to
-        if self._expanded is None or self._expanded.size < w.n * w.k:
-            self._expanded = None
-            self._expanded = np.empty(max(m.n * m.k for m in self.native.mats), np.float32)
-        return q4_kernels.blas_rows(self.prefill_sgemm, w.expand(self._expanded), x, False, add_to)
+        y = w.matmul(np.ascontiguousarray(x.T)).T  # (n, m)
+        if add_to is None:
+            return np.ascontiguousarray(y)
+        add_to += y
+        return add_to
 
     def _layer(self, layer, cache, x, B, L, qkv_w, qkv_b, gu_w, mask, max_q_start):
         attn, mlp = layer.self_attn, layer.mlp

@@ -1,7 +1,7 @@
 """A 4-bit checkpoint loaded ``auto`` on the CPU stays packed (no dense copy of its
 projections) and gives the tokens the dense fp32 load gives at temperature 0: decode
 through the C step at any batch size, prefills of few tokens multiplied from the codes,
-larger ones through one reused expansion buffer and OpenBLAS."""
+larger ones through OpenBLAS a block of expanded rows at a time."""
 
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ def test_auto_keeps_a_4_bit_checkpoint_packed(packed):
                                            (5, 40, 120, 4)])  # from it: expanded into the buffer, OpenBLAS
 def test_packed_and_dense_give_the_same_tokens(packed, dense, monkeypatch, n, lo, hi, batch):
     expanded = []
-    real = q4_kernels.Q4Matrix.expand
-    monkeypatch.setattr(q4_kernels.Q4Matrix, "expand", lambda self, out=None: expanded.append(out is not None)
-                        or real(self, out))
+    real = q4_kernels.blas_rows
+    monkeypatch.setattr(q4_kernels, "blas_rows", lambda sg, w, *a, **kw: expanded.append(
+        isinstance(w, q4_kernels.Q4Matrix)) or real(sg, w, *a, **kw))
     reqs = _requests(n, lo, hi, seed=n + lo)
     got = _engine(packed.model, max_batch_prefill=batch).generate_many(reqs)
     assert any(expanded) == (lo * batch >= fast_llama.BLAS_ROWS_FROM)
@@ -82,3 +82,29 @@ def test_with_the_kernels_off_the_packed_model_goes_dense(tiny_quantized_model_d
     assert not loader.packed_only(lm.model) and type(lm.model.model.layers[0].mlp.down_proj) is nn.Linear
     reqs = _requests(3, 3, 20, seed=2)
     assert eng.generate_many(reqs) == _engine(dense.model).generate_many(reqs)
+
+
+@pytest.mark.parametrize("bits,table", [(4, True), (4, False), (8, True)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_blas_rows_of_a_packed_matrix_is_the_product_of_its_values(bits, table, transposed, monkeypatch):
+    import mlx.core as mx
+    import numpy as np
+
+    from tandem import _blas
+
+    sgemm = _blas.openblas_sgemm()
+    if sgemm is None:
+        pytest.skip("no OpenBLAS sgemm")
+    rng = np.random.default_rng(bits)
+    wq, s, b = mx.quantize(mx.array(rng.normal(size=(200, 320)).astype(np.float16)), group_size=64, bits=bits)
+    m = q4_kernels.Q4Matrix.from_mlx(np.array(wq), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)),
+                                     64, True, table=table)
+    monkeypatch.setattr(q4_kernels, "PACKED_BLOCK_BYTES", 16 * 320 * 4)  # many blocks of 16 rows, a short last one
+    x = rng.normal(size=(70, 320) if transposed else (320, 70)).astype(np.float32)
+    dense = m.expand()
+    want = q4_kernels.blas_rows(sgemm, dense, x, transposed)
+    # the values are the same; OpenBLAS may order a block's sums by its row count
+    np.testing.assert_allclose(q4_kernels.blas_rows(sgemm, m, x, transposed), want, rtol=1e-5, atol=1e-4)
+    acc = np.ones_like(want)
+    q4_kernels.blas_rows(sgemm, m, x, transposed, add_to=acc)
+    np.testing.assert_allclose(acc, want + 1, rtol=1e-5, atol=1e-4)
