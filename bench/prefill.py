@@ -6,7 +6,8 @@ Runs :class:`~tandem.pipeline.runners.cpu.fast_llama.FastLlama` on ``--rows`` pr
 new tokens each over mlx-lm KV caches that already hold ``--prefix`` tokens (the serving
 bench's chat prompts: ~170 tokens of which the first 16-token block is prefix-cached),
 alternating between the prefill products through mlx (MKL) and through numpy's OpenBLAS
-on the kernels' pool (``q4_kernels.blas_rows``), and reports min and median per path and
+on the kernels' pool (``q4_kernels.blas_rows``) on the dense fp32 weights (and with
+``--packed`` on the packed 4-bit weights auto loads), and reports min and median per path and
 how far their logits are apart. ``--gemm`` also times each product shape alone through
 both paths (and MKL called directly, without mlx). With ``--out DIR`` writes
 ``DIR/prefill-<rows>x<tokens>.md`` and ``.json``.
@@ -96,14 +97,24 @@ def main() -> int:
                          "keeps the default")
     ap.add_argument("--blocks", default=None, help="comma list: also alternate q4_kernels.BLAS_BLOCKS values")
     ap.add_argument("--gemm", action="store_true", help="also time each product shape alone")
+    ap.add_argument("--packed", action="store_true",
+                    help="also alternate the model loaded auto (packed 4-bit weights, no dense copy)")
     ap.add_argument("--out", default=None, help="a folder: writes prefill-<rows>x<tokens>.md and .json there")
     args = ap.parse_args()
 
     from tandem.pipeline import model_store
     from tandem.pipeline.loader import load_model
 
-    lm = load_model(model_store.resolve_model(args.model))
+    path = model_store.resolve_model(args.model)
+    lm = load_model(path, "dense")
     fast = fast_llama.FastLlama(lm.model)
+    packed = None
+    if args.packed:
+        packed_lm = load_model(path, "auto")
+        packed = fast_llama.FastLlama(packed_lm.model)
+        if not packed.packed:
+            print(f"--packed: auto loads this model as {packed_lm.weights}, not packed")
+            return 1
     sg = fast.prefill_sgemm
     default_left = fast.left_below
     if sg is None:
@@ -111,24 +122,30 @@ def main() -> int:
         return 1
     rng = np.random.default_rng(0)
     tokens = rng.integers(100, 40000, (args.rows, args.prefix + args.tokens)).astype(np.int32)
-    paths = {"mlx (MKL)": (None, None), "OpenBLAS on the pool": (sg, None)}
+    paths = {"mlx (MKL)": (fast, None, None), "OpenBLAS on the pool": (fast, sg, None)}
     for b in (args.blocks.split(",") if args.blocks else []):
-        paths[f"OpenBLAS, {b} blocks per thread"] = (sg, int(b))
+        paths[f"OpenBLAS, {b} blocks per thread"] = (fast, sg, int(b))
+    if packed is not None:
+        paths["packed 4-bit weights (no dense copy)"] = (packed, packed.prefill_sgemm, None)
     times = {k: [] for k in paths}
     logits = {}
     default_blocks = q4_kernels.BLAS_BLOCKS
     for r in range(args.repeats + 1):
-        for name, (s, blocks) in paths.items():
-            fast.prefill_sgemm = s
-            fast.left_below = (args.left_below or default_left) if s is not None else default_left
+        for name, (f, s, blocks) in paths.items():
+            if f is fast:
+                fast.prefill_sgemm = s
+                fast.left_below = (args.left_below or default_left) if s is not None else default_left
             q4_kernels.BLAS_BLOCKS = blocks or default_blocks
             time.sleep(0.25)
-            logits[name], t = _forward(fast, tokens, args.prefix)
+            logits[name], t = _forward(f, tokens, args.prefix)
             if r:  # the first round warms up
                 times[name].append(t * 1e3)
     a, b = list(logits.values())[:2]
     diff = float(np.abs(a - b).max())
     same = float(np.mean(a.argmax(-1) == b.argmax(-1)))
+    if packed is not None:  # against the dense weights through the same OpenBLAS path
+        p = logits["packed 4-bit weights (no dense copy)"]
+        packed_diff = float(np.abs(p - b).max())
     M = args.rows * args.tokens
     lines = [f"# Prefill forward, {args.rows} x {args.tokens} new tokens over a {args.prefix}-token prefix "
              f"({M} rows), min / median of {args.repeats} alternating rounds", "",
@@ -137,6 +154,11 @@ def main() -> int:
     for name, ts in times.items():
         lines.append(f"| {name} | {min(ts):.1f} | {statistics.median(ts):.1f} | {statistics.median(ts) / base:.3f}x |")
     lines += ["", f"Logits: max abs difference {diff:.3g}, same argmax {same:.3f}."]
+    if packed is not None:
+        ratio = statistics.median(times["packed 4-bit weights (no dense copy)"]) / statistics.median(
+            times["OpenBLAS on the pool"])
+        lines += [f"Packed against dense through OpenBLAS: {ratio:.3f}x the median time, logits max abs "
+                  f"difference {packed_diff:.3g}."]
     result = {"rows": args.rows, "tokens": args.tokens, "prefix": args.prefix, "times_ms": times,
               "logits_max_abs_diff": diff, "same_argmax": same}
     if args.gemm:

@@ -24,6 +24,13 @@ matmuls dominate (docs/cpu-performance.md has the measurements):
   becomes a multiply by cos/sin tables made once per step from the model's own RoPE
   module (so any RoPE variant it applies the same way gives the same numbers).
 
+* **Packed models.** A model the loader kept as its 4-bit codes (``auto`` on the CPU,
+  :func:`supports_packed`) has no dense weights at all: its decode steps are the C step
+  of :mod:`native_decode` at any batch size, and everything else (prefills, verified
+  drafts beyond the C step's rows, decode without a mirror) runs on the host layers,
+  whose products read the codes (few columns) or expand a cache-sized block of rows at
+  a time for OpenBLAS (``q4_kernels.blas_rows``), the values identical to the dense ones.
+
 The model object is otherwise untouched; :func:`supports` says why a model cannot take
 this path, and then the runner uses mlx-lm's own forward.
 """
