@@ -49,6 +49,11 @@ def stream(
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
+    from tandem.pipeline.loader import dequantize_in_place, packed_only
+
+    if packed_only(loaded.model):  # mlx-lm's forward runs here: dense fp32 is its fast form on the CPU
+        dequantize_in_place(loaded.model)
+
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(temp=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
