@@ -1,8 +1,8 @@
-"""Idle memory of `tandem serve`: PSS (and RSS) summed over its process group, per weight format.
+"""Idle memory of `tandem serve`: PSS (and RSS) summed over its process tree, per weight format.
 
 For each ``--weights`` format it starts ``tandem serve`` (``--topology``, default hybrid)
 in its own session on free loopback ports, waits for /ready, lets it settle, and reads
-/proc/PID/smaps_rollup of every process in the group: PSS counts a page shared by n
+/proc/PID/smaps_rollup of it and every descendant: PSS counts a page shared by n
 processes as 1/n, so the sum is what the stack costs the machine. The formats run one
 after the other, in one run, so their ratio is side by side.
 
@@ -52,16 +52,30 @@ def free_port_block(n: int) -> int:
     raise RuntimeError("no block of free loopback ports")
 
 
-def group_memory(pgid: int) -> dict:
-    """Per process of group ``pgid``: name, RSS and PSS in bytes (smaps_rollup)."""
-    procs = []
+def _tree(root: int) -> set[int]:
+    """``root`` and every live descendant (serve starts its children in their own sessions,
+    so a process group would miss them)."""
+    parent = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:
+        if entry.isdigit():
+            try:
+                parent[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
                 continue
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, pp in parent.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return tree
+
+
+def tree_memory(root: int) -> dict:
+    """Per process of ``root``'s tree: name, RSS and PSS in bytes (smaps_rollup)."""
+    procs = []
+    for pid in _tree(root):
+        entry = str(pid)
+        try:
             roll = Path(f"/proc/{entry}/smaps_rollup").read_text()
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -98,7 +112,7 @@ def measure(weights: str, topology: str, model: str | None, settle: float, timeo
                 raise TimeoutError(f"tandem serve not ready after {timeout:.0f} s")
             time.sleep(1)
         time.sleep(settle)
-        out = group_memory(p.pid)
+        out = tree_memory(p.pid)
         out["weights"] = next((line.split("weights ", 1)[1].split(", device")[0]
                                for line in (state / "serve.log").read_text().splitlines() if "weights " in line
                                and ", device" in line), weights)
