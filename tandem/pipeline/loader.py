@@ -149,9 +149,14 @@ class PackedModules:
     def __len__(self) -> int:
         return len(self._modules)
 
-    def dense(self, name: str) -> mx.array:
+    def dense(self, name: str, rows=None) -> mx.array:
+        """Module ``name``'s values as mlx dequantizes them (only ``rows``, where given)."""
         m = self._modules[name]
-        return mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(mx.float32)
+        w, s, b = m.weight, m.scales, m.biases
+        if rows is not None:
+            idx = mx.array(rows)
+            w, s, b = w[idx], s[idx], b[idx]
+        return mx.dequantize(w, s, b, m.group_size, m.bits).astype(mx.float32)
 
 
 def packed_only(model: nn.Module) -> bool:

@@ -27,6 +27,9 @@ log = logging.getLogger("tandem.engine")
 # measured faster than MKL on the dense weights (docs/cpu-performance.md).
 MAX_ROWS = 64
 
+# Rows of each matrix of a packed-only model checked against mlx's dequantization.
+CHECK_ROWS = 256
+
 # The fp16 value table (Q4Matrix's lut) doubles a 4-bit matrix's resident bytes (1 more
 # byte a weight) for a faster expansion; models with more layer weights than this go
 # without it, so a 4-bit 8B model stays resident at ~0.75 bytes a weight.
@@ -51,19 +54,27 @@ class NativeDecode:
         inner = model.model
 
         table = _weights(model) <= TABLE_MAX_WEIGHTS
-        # A packed-only model (loader.PackedModules) has no dense weights: its matrices are
-        # checked against mlx's dequantization of its own modules, one at a time.
+        # A packed-only model (loader.PackedModules) has no dense weights: each matrix is
+        # checked against mlx's dequantization of its own module, on CHECK_ROWS rows spread
+        # over it (a layout or rounding mismatch shows in every row; all rows of an 8B model
+        # cost minutes of startup and a dense matrix's memory each).
         only = packed if fused is None else None
 
         def mat(name: str) -> q4_kernels.Q4Matrix:
             if name not in packed:
                 raise ValueError(f"no 4-bit weights for {name}")
             w, s, b, gs, fp16 = packed[name]
-            return q4_kernels.Q4Matrix.from_mlx(w, s, b, gs, fp16, table=table)
+            m = q4_kernels.Q4Matrix.from_mlx(w, s, b, gs, fp16, table=table)
+            if only is not None:
+                rows = np.unique(np.linspace(0, m.n - 1, min(m.n, CHECK_ROWS)).astype(np.int64))
+                part = q4_kernels.Q4Matrix(m.nib[rows], m.dm[rows], m.round16, m.bits, table=m.lut is not None)
+                if not np.array_equal(part.expand(), np.asarray(only.dense(name, rows))):
+                    raise ValueError(f"the 4-bit weights of {name} do not expand to mlx's dequantized values")
+            return m
 
         def checked(m: q4_kernels.Q4Matrix, dense, name: str, parts: tuple[str, ...]) -> q4_kernels.Q4Matrix:
-            if only is not None:
-                dense = mx.concatenate([only.dense(n) for n in parts])
+            if only is not None:  # checked in mat()
+                return m
             mx.eval(dense)
             if dense.shape != (m.n, m.k) or not np.array_equal(m.expand(), np.asarray(dense)):
                 raise ValueError(f"the 4-bit weights of {name} do not expand to its dense weights")

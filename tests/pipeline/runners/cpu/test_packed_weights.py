@@ -108,3 +108,13 @@ def test_blas_rows_of_a_packed_matrix_is_the_product_of_its_values(bits, table, 
     acc = np.ones_like(want)
     q4_kernels.blas_rows(sgemm, m, x, transposed, add_to=acc)
     np.testing.assert_allclose(acc, want + 1, rtol=1e-5, atol=1e-4)
+
+
+def test_codes_that_do_not_expand_to_mlx_values_send_the_model_dense(tiny_quantized_model_dir, dense, monkeypatch):
+    lm = loader.load_model(tiny_quantized_model_dir, "auto")
+    real = loader.PackedModules.dense
+    monkeypatch.setattr(loader.PackedModules, "dense", lambda self, name, rows=None: real(self, name, rows) * 1.01)
+    eng = _engine(lm.model)
+    assert not loader.packed_only(lm.model) and eng.runner.fast.native is not None  # dense, and its own check passed
+    reqs = _requests(3, 3, 20, seed=3)
+    assert eng.generate_many(reqs) == _engine(dense.model).generate_many(reqs)
