@@ -121,7 +121,8 @@ def _as_numpy(m: nn.Module) -> tuple:
     import numpy as np
 
     mx.eval(m.weight, m.scales, m.biases)
-    return (np.array(m.weight), np.array(m.scales.astype(mx.float32)), np.array(m.biases.astype(mx.float32)),
+    # Widened in numpy: an mlx astype would leave its result's memory in mlx's cache.
+    return (np.array(m.weight), np.array(m.scales).astype(np.float32), np.array(m.biases).astype(np.float32),
             m.group_size, m.scales.dtype == mx.float16)
 
 

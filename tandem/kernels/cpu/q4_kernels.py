@@ -128,8 +128,9 @@ class Q4Matrix:
             codes16 = np.arange(16, dtype=np.float32)
             t = (self.dm[:, :, :1] * codes16).astype(np.float16).astype(np.float32) + self.dm[:, :, 1:]
             self.lut = np.ascontiguousarray(t.astype(np.float16).view(np.uint16))  # (n, k/32, 16)
-        elif self.round16:
+        elif self.round16 and bits == 8:
             # 8-bit codes take 256 values per block: the fp16 values themselves (2 bytes per weight).
+            # (4-bit codes without the table are expanded from d and m block by block.)
             self.values16 = np.ascontiguousarray(self.reference().astype(np.float16).view(np.uint16))
         data = self.values16 if self.values16 is not None else self.nib
         self.c = _Mat(data.ctypes.data, self.dm.ctypes.data, None if self.lut is None else self.lut.ctypes.data,

@@ -111,6 +111,7 @@ class NativeDecode:
         self.eps = float(eps)
         self.scale = float(inner.layers[0].self_attn.scale)
         self.dims = (int(self.norm_w.shape[0]), Hq, Hkv, D, gu.n // 2)
+        mx.clear_cache()  # the checks' transient mlx arrays
         if qkv.n != (Hq + 2 * Hkv) * D:
             raise ValueError("value heads of another size than the query and key heads")
 

@@ -118,3 +118,15 @@ def test_codes_that_do_not_expand_to_mlx_values_send_the_model_dense(tiny_quanti
     assert not loader.packed_only(lm.model) and eng.runner.fast.native is not None  # dense, and its own check passed
     reqs = _requests(3, 3, 20, seed=3)
     assert eng.generate_many(reqs) == _engine(dense.model).generate_many(reqs)
+
+
+def test_without_the_table_a_4_bit_matrix_holds_three_quarters_of_a_byte_a_weight():
+    import mlx.core as mx
+    import numpy as np
+
+    wq, s, b = mx.quantize(mx.array(np.random.default_rng(0).normal(size=(64, 256)).astype(np.float16)), 64, 4)
+    args = (np.array(wq), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32)), 64, True)
+    lean, tabled = (q4_kernels.Q4Matrix.from_mlx(*args, table=t) for t in (False, True))
+    assert lean.nbytes == 64 * 256 * 3 // 4 and lean.values16 is None and lean.lut is None
+    assert tabled.nbytes == 64 * 256 * 3 // 2  # codes and the fp16 table of 16 values per 32 weights
+    assert np.array_equal(lean.expand(), tabled.expand())
