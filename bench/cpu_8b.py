@@ -25,13 +25,10 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import tandem  # noqa: F401  (BLAS before mlx)
@@ -95,40 +92,6 @@ def packed_bytes(config: dict) -> tuple[int, int]:
     return weights, int(weights * 0.75)
 
 
-def serve(model: Path, state: Path, timeout: float) -> tuple[subprocess.Popen, int]:
-    port, base = memory.free_port_block(1), memory.free_port_block(20)
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--topology", "hybrid", "--model", str(model), "--port",
-           str(port), "--base-port", str(base), "--state-dir", str(state), "--startup-timeout", str(timeout)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_CLUSTER_SECRET")}
-    p = subprocess.Popen(cmd, stdout=open(state / "serve.log", "wb"), stderr=subprocess.STDOUT,
-                         start_new_session=True, env=env)
-    deadline = time.monotonic() + timeout
-    while True:
-        if p.poll() is not None:
-            raise RuntimeError(f"tandem serve exited {p.returncode}: {(state / 'serve.log').read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return p, port
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not ready after {timeout:.0f} s: {(state / 'serve.log').read_text()[-2000:]}")
-        time.sleep(2)
-
-
-def stop(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait(10)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
@@ -152,7 +115,7 @@ def main() -> int:
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         print(f"checkpoint {size / 1e9:.2f} GB written in {time.perf_counter() - t0:.0f} s", flush=True)
         t0 = time.perf_counter()
-        p, port = serve(model, state, args.timeout)
+        p, port = memory.start_serve(["--topology", "hybrid", "--model", str(model)], state, args.timeout)
         startup = time.perf_counter() - t0
         try:
             mem = memory.tree_memory(p.pid)
@@ -172,7 +135,7 @@ def main() -> int:
                 print(f"  TTFT {s.ttft:.2f} s, {s.tokens} tokens, decode {samples[-1]['decode_tok_s']:.2f} tok/s",
                       flush=True)
         finally:
-            stop(p)
+            memory.stop_serve(p)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -87,48 +88,60 @@ def tree_memory(root: int) -> dict:
             "pss": sum(p["pss"] for p in procs), "rss": sum(p["rss"] for p in procs)}
 
 
-def measure(weights: str, topology: str, model: str | None, settle: float, timeout: float) -> dict:
+def start_serve(extra: list[str], state: Path, timeout: float) -> tuple[subprocess.Popen, int]:
+    """``tandem serve`` with ``extra`` arguments on free loopback ports, its own state dir
+    and log (``state/serve.log``), once /ready answers -> (process, HTTP port)."""
     port, base = free_port_block(1), free_port_block(20)
-    state = Path(tempfile.mkdtemp(prefix="tandem-bench-memory-"))
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--topology", topology, "--weights", weights,
-           "--port", str(port), "--base-port", str(base), "--state-dir", str(state)]
-    if model:
-        cmd += ["--model", model]
-    log = open(state / "serve.log", "wb")
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", *extra, "--port", str(port), "--base-port", str(base),
+           "--state-dir", str(state), "--startup-timeout", str(timeout)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_CLUSTER_SECRET")}
-    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    with open(state / "serve.log", "wb") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    deadline = time.monotonic() + timeout
+    while True:
+        if p.poll() is not None:
+            raise RuntimeError(f"tandem serve exited {p.returncode}: {(state / 'serve.log').read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+                if r.status == 200:
+                    return p, port
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop_serve(p)
+            raise TimeoutError(f"tandem serve not ready after {timeout:.0f} s: {(state / 'serve.log').read_text()[-2000:]}")
+        time.sleep(1)
+
+
+def stop_serve(p: subprocess.Popen) -> None:
+    """SIGTERM (serve drains and stops its children), SIGKILL after a minute."""
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if p.poll() is not None:
-                raise RuntimeError(f"tandem serve exited {p.returncode}: {(state / 'serve.log').read_text()[-1500:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"tandem serve not ready after {timeout:.0f} s")
-            time.sleep(1)
-        time.sleep(settle)
-        out = tree_memory(p.pid)
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(10)
+
+
+def measure(weights: str, topology: str, model: str | None, settle: float, timeout: float) -> dict:
+    state = Path(tempfile.mkdtemp(prefix="tandem-bench-memory-"))
+    try:
+        p, _ = start_serve(["--topology", topology, "--weights", weights] + (["--model", model] if model else []),
+                           state, timeout)
+        try:
+            time.sleep(settle)
+            out = tree_memory(p.pid)
+        finally:
+            stop_serve(p)
         out["weights"] = next((line.split("weights ", 1)[1].split(", device")[0]
                                for line in (state / "serve.log").read_text().splitlines() if "weights " in line
                                and ", device" in line), weights)
         return out
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(10)
-        log.close()
-        subprocess.run(["rm", "-rf", str(state)], check=False)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def report(results: dict) -> str:
