@@ -53,16 +53,24 @@ def test_dense_matches_mlx_lm_on_dequantized_weights(tiny_quantized_model_dir, t
     assert generate_tokens(loaded, prompt, max_tokens=32) == mlx_lm_tokens(model, tokenizer, prompt, 32)
 
 
-@pytest.mark.parametrize("gpu", [False, True])
-def test_auto_dequantizes_on_the_cpu_and_keeps_a_quantized_checkpoint_on_a_gpu(tiny_quantized_model_dir, monkeypatch, gpu):
+@pytest.mark.parametrize("gpu,kernels", [(False, False), (False, True), (True, False)])
+def test_auto_keeps_a_quantized_checkpoint_where_kernels_run_it(tiny_quantized_model_dir, monkeypatch, gpu, kernels):
     """On a GPU the runner picks the format per device memory (the CUDA 4-bit kernels read
-    the checkpoint as stored); dequantizing it at load made a 4-bit 8B checkpoint run dense."""
+    the checkpoint as stored); on the CPU tandem's 4-bit kernels run it packed, and without
+    them it is dequantized (mlx's quantized CPU products are slow)."""
+    from tandem.kernels.cpu import q4_kernels
     from tandem.pipeline import loader
 
+    if kernels and not q4_kernels.available():
+        pytest.skip("no AVX-512 C kernels here")
     monkeypatch.setattr(loader, "_on_gpu", lambda: gpu)
+    monkeypatch.setattr(q4_kernels, "available", lambda: kernels)
     loaded = load_model(tiny_quantized_model_dir, "auto", lazy=True)
     quantized = any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.model.named_modules())
-    assert quantized is gpu and (loaded.weights == "quantized") is gpu
+    assert quantized is (gpu or kernels)
+    assert loaded.weights == ("quantized" if gpu else "quantized (packed, tandem's 4-bit kernels)" if kernels
+                              else "dense-float32 (dequantized)")
+    assert loader.packed_only(loaded.model) is (kernels and not gpu)
 
 
 def test_seeded_sampling_is_reproducible(tiny_model_dir):
