@@ -6,7 +6,7 @@ in its own session on free loopback ports, waits for /ready, lets it settle, and
 processes as 1/n, so the sum is what the stack costs the machine. The formats run one
 after the other, in one run, so their ratio is side by side.
 
-    flock /tmp/tandem-bench.lock .venv/bin/python bench/memory.py --weights dense,auto
+    flock /tmp/tandem-bench.lock .venv/bin/python bench/memory.py --weights dense,auto --llama-server
 
 Writes docs/benchmarks/memory.md and memory.json (``--out`` changes the stem). Loopback only.
 """
@@ -144,12 +144,47 @@ def measure(weights: str, topology: str, model: str | None, settle: float, timeo
         shutil.rmtree(state, ignore_errors=True)
 
 
+def measure_llama_server(settle: float, timeout: float) -> dict:
+    """The same reading for llama.cpp's llama-server (bench/llama_server.py: its serving
+    bench's arguments, the default model's GGUF), idle after /health answers."""
+    import llama_server
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    state = Path(tempfile.mkdtemp(prefix="tandem-bench-memory-"))
+    try:
+        with open(state / "llama.log", "wb") as log:
+            p = subprocess.Popen(llama_server.command(port, "127.0.0.1", llama_server.gguf()), stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if p.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"llama-server did not come up: {(state / 'llama.log').read_text()[-1500:]}")
+                time.sleep(1)
+            time.sleep(settle)
+            out = tree_memory(p.pid)
+        finally:
+            stop_serve(p)
+        out["weights"] = "Q4_1 GGUF, " + " ".join(llama_server.ARGS)
+        return out
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
 def report(results: dict) -> str:
     meta, rows = results["meta"], results["rows"]
     lines = ["# Idle memory of `tandem serve`", "",
              f"`{meta['command']}` — {meta['date']}, {meta['machine']}, topology {meta['topology']}, "
              f"model {meta['model']}, settled {meta['settle_s']:.0f} s after /ready.", "",
-             "| --weights | runs as | PSS total | RSS total | largest process (PSS) | processes |",
+             "| server | runs as | PSS total | RSS total | largest process (PSS) | processes |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         top = r["processes"][0]
@@ -166,13 +201,25 @@ def main() -> int:
     p.add_argument("--weights", default="dense,auto", help="comma list of weight formats, run in this order")
     p.add_argument("--topology", choices=("hybrid", "disaggregated"), default="hybrid")
     p.add_argument("--model", help="mlx-lm model directory (default: tandem's default model)")
+    p.add_argument("--llama-server", action="store_true",
+                   help="also llama.cpp's llama-server on the default model's GGUF, where built (bench/serving.py "
+                        "--build-llama-server)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds to wait after /ready before reading")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /ready")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "memory"))
     args = p.parse_args()
     rows = []
-    for fmt in [w.strip() for w in args.weights.split(",") if w.strip()]:
-        r = measure(fmt, args.topology, args.model, args.settle, args.timeout)
+    import llama_server
+
+    formats = [w.strip() for w in args.weights.split(",") if w.strip()]
+    if args.llama_server:
+        if llama_server.binary() is None:
+            print(llama_server.why_absent(), flush=True)
+        else:
+            formats.append("llama-server")
+    for fmt in formats:
+        r = (measure_llama_server(args.settle, args.timeout) if fmt == "llama-server"
+             else measure(fmt, args.topology, args.model, args.settle, args.timeout))
         r["format"] = fmt
         rows.append(r)
         print(f"{fmt}: PSS {r['pss'] / 2**30:.2f} GiB over {len(r['processes'])} processes ({r['weights']})", flush=True)
