@@ -335,9 +335,12 @@ def prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, starts: np.nd
 BLAS_BLOCKS = 1
 
 
-# A packed matrix's rows go to blas_rows in blocks of at most this many bytes expanded,
-# so each block is multiplied while it is still in the core's cache.
-PACKED_BLOCK_BYTES = 1 << 20
+# A packed matrix's rows go to blas_rows in blocks of at most this many bytes expanded
+# (each thread's buffer), multiplied while still in cache. Each call repacks the
+# activations, so small blocks cost more than the expansion saves: 4 x 170-token prefills
+# (bench/prefill.py, one alternating run) took 1.07x the dense path's median with 1 MiB
+# blocks and 0.79-1.0x with 16 MiB (for the default model: the dense path's one block a thread).
+PACKED_BLOCK_BYTES = 16 << 20
 
 
 def blas_rows(sgemm: tuple[int, bool], w, x: np.ndarray, transposed: bool,
