@@ -40,7 +40,7 @@ def _lib_from(path: Path, profile: bool):
     src = ("#define Q4_PROF 1\n" if profile else "") + cpu_kernels._SOURCE + path.read_text()
     lib = cpu_kernels.build_library("q4_kernels_prof" if profile else "q4_kernels_ab", src)
     P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-    lib.q4_decode_step.argtypes = [P, L, P, P, P, L, L, L, L, L, L, P, P, P, P, P, L, F, F, P, L]
+    lib.q4_decode_step.argtypes = q4_kernels._lib.q4_decode_step.argtypes  # the module's own signature
     lib.q4_decode_step.restype = ctypes.c_int
     if profile:
         lib.q4_prof_read.argtypes = [P]
