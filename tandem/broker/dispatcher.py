@@ -152,7 +152,7 @@ class Dispatcher(Admission, StreamTracking, Failover):
                 # The same identity announcing itself again lost whatever it held.
                 self._worker_lost(w, "worker re-registered")
             w = self.registry.register(identity, name=msg.node_id, role=msg.role, model_id=msg.model,
-                                       capacity=msg.capacity, kv_addr=msg.kv_address or "")
+                                       capacity=msg.capacity, kv_addr=msg.kv_address or "", incarnation=msg.incarnation)
             w.device = msg.device or ""
             w.load = Load(0, 0, msg.total_blocks, msg.total_blocks, msg.block_size)
             log.info("worker %s registered as %s (capacity %d)", msg.node_id, w.node_id, msg.capacity)

@@ -66,6 +66,7 @@ class Worker:
     kv_addr: str  # where a decode/hybrid worker accepts KV handoffs ('' for prefill)
     node_id: str  # stable redacted id, e.g. decode-1
     device: str = ""  # where its engine runs, as it says ("cpu", "gpu 1")
+    incarnation: int | None = None  # its process's READY nonce: another one means it restarted
     expiry: float = 0.0
     state: str = UP
     stream_ok: bool = False  # its PUB reaches our XSUB (proved by a stream ping)
@@ -124,11 +125,17 @@ class Registry:
         self.entry_pool = [w for w in ws if w.prefills]
         self.decode_pool = [w for w in ws if w.role == "decode" and w.kv_addr]
 
-    def register(self, identity: bytes, *, name: str, role: str, model_id: str, capacity: int, kv_addr: str) -> Worker:
+    def register(self, identity: bytes, *, name: str, role: str, model_id: str, capacity: int, kv_addr: str,
+                 incarnation: int | None = None) -> Worker:
         old = self.workers.get(identity)
         if old is not None:
             # A worker re-announcing itself (restart of the broker or of the worker under
-            # the same identity): keep its counters, refresh everything it told us.
+            # the same identity): keep its counters, refresh everything it told us. Another
+            # process under the same name (its supervisor restarted it faster than its
+            # heartbeats could expire) counts as a failure, as an expiry would have.
+            if incarnation is not None and old.incarnation is not None and incarnation != old.incarnation:
+                old.failures += 1
+            old.incarnation = incarnation
             old.role, old.model_id, old.capacity, old.kv_addr = role, model_id, capacity, kv_addr
             old.state = UP
             old.stream_ok = False
@@ -141,7 +148,8 @@ class Registry:
             node_id = f"{role}-{self._counters[role]}"
             self._counters[role] += 1
             self._node_ids[key] = node_id
-        w = Worker(identity=identity, name=name, role=role, model_id=model_id, capacity=capacity, kv_addr=kv_addr, node_id=node_id)
+        w = Worker(identity=identity, name=name, role=role, model_id=model_id, capacity=capacity, kv_addr=kv_addr, node_id=node_id,
+                   incarnation=incarnation)
         self.workers[identity] = w
         self.touch(w)
         self._repool()

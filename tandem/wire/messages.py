@@ -124,6 +124,8 @@ class Ready:
     block_size: int = w(S.Int(1, P.MAX_BLOCK_SIZE), 16)
     total_blocks: int = w(S.COUNT, 0)
     device: str | None = w(S.Opt(S.Str(64)), None)  # where its engine runs: "cpu", "gpu", "gpu 1" (CUDA_VISIBLE_DEVICES)
+    # Drawn once per process: a READY under a known identity with another one is a restart.
+    incarnation: int | None = w(S.Opt(S.Int(0, (1 << 63) - 1)), None)
 
 
 @message(MsgType.HEARTBEAT)

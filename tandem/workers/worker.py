@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import signal
 import socket
 import threading
@@ -73,6 +74,7 @@ class Worker(KVHandoffs, Health):
         self.model_id = model_id
         self.heartbeat_s = heartbeat_s
         self._ready_at = float("-inf")  # when READY last went out
+        self.incarnation = secrets.randbits(63)  # this process's, in every READY
         self.allowlist = set(decode_allowlist)
         self.capacity = settings.capacity or capacity
         self.block_size, self.total_blocks = block_size, total_blocks
@@ -202,7 +204,7 @@ class Worker(KVHandoffs, Health):
     def _ready(self) -> None:
         self._ready_at = time.monotonic()
         self._send(M.Ready(self.node_id, self.role, self.model_id, self.capacity, self.kv_address,
-                           self.block_size, self.total_blocks, device_name()))
+                           self.block_size, self.total_blocks, device_name(), self.incarnation))
 
     def run(self) -> None:
         if self._timeline is not None:

@@ -513,6 +513,22 @@ def test_each_worker_s_device_reaches_stats():
     assert {r["node"]: r["device"] for r in snapshot(h.d)["workers"]} == {"decode-0": "gpu 1", "prefill-0": ""}
 
 
+def test_a_worker_restarted_under_its_name_counts_as_a_failure():
+    """A supervisor can restart a worker faster than its heartbeats expire: its READY comes
+    from the same identity with another incarnation, which the stats count as a failure
+    (what an operator's console and dashboards watch); a repeated READY does not."""
+    from tandem.broker.stats import snapshot
+
+    h = Harness()
+    ready = lambda inc: M.Ready("d0", "decode", "m", 4, "tcp://127.0.0.1:5600", 16, 100, "cpu", inc)  # noqa: E731
+    h.d.worker_message(b"d0", ready(7))
+    h.d.worker_message(b"d0", ready(7))
+    assert snapshot(h.d)["workers"][0]["failures"] == 0
+    h.d.worker_message(b"d0", ready(8))
+    row = snapshot(h.d)["workers"][0]
+    assert row["failures"] == 1 and row["state"] != "down" and len(snapshot(h.d)["workers"]) == 1
+
+
 def test_streamed_tokens_count_for_the_worker_that_made_them():
     from tandem.broker.stats import snapshot
 
