@@ -109,14 +109,6 @@ def load_model(path: str | Path, weights: str = "auto", *, lazy: bool = False) -
     return loaded
 
 
-def _kernel_layout(m: nn.Module) -> bool:
-    """Whether a quantized module's layout is one tandem's 4-bit kernels read: 4- or 8-bit
-    affine codes with fp16 or fp32 scales and offsets."""
-    return (isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.bits in (4, 8)
-            and getattr(m, "mode", "affine") == "affine" and m.get("biases") is not None
-            and m.scales.dtype in (mx.float16, mx.float32))
-
-
 def _as_numpy(m: nn.Module) -> tuple:
     import numpy as np
 
@@ -129,7 +121,9 @@ def _as_numpy(m: nn.Module) -> tuple:
 def _packed_weights(model: nn.Module) -> dict:
     """name -> (weight, scales, biases, group_size, fp16 scales) of every 4- and 8-bit affine
     layer, as numpy."""
-    return {name: _as_numpy(m) for name, m in model.named_modules() if _kernel_layout(m)}
+    from tandem.pipeline.runners.cpu.fast_llama import kernel_layout
+
+    return {name: _as_numpy(m) for name, m in model.named_modules() if kernel_layout(m)}
 
 
 class PackedModules:
@@ -138,8 +132,12 @@ class PackedModules:
     copy is made a matrix at a time, never the whole model twice), and ``dense(name)``:
     a module's values as mlx dequantizes them, to check the kernels' expansion against."""
 
+    packed_only = True  # what fast_llama.packed_only looks for
+
     def __init__(self, model: nn.Module):
-        self._modules = {name: m for name, m in model.named_modules() if _kernel_layout(m)}
+        from tandem.pipeline.runners.cpu.fast_llama import kernel_layout
+
+        self._modules = {name: m for name, m in model.named_modules() if kernel_layout(m)}
 
     def __contains__(self, name: str) -> bool:
         return name in self._modules
@@ -162,7 +160,9 @@ class PackedModules:
 
 def packed_only(model: nn.Module) -> bool:
     """Whether ``model`` holds its projections only as packed codes (no dense copy)."""
-    return isinstance(getattr(model, "_tandem_packed", None), PackedModules)
+    from tandem.pipeline.runners.cpu.fast_llama import packed_only as check
+
+    return check(model)
 
 
 def dequantize_in_place(model: nn.Module) -> None:

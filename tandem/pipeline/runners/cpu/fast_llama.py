@@ -73,8 +73,6 @@ _FAMILIES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"
 
 def supports(model) -> str | None:
     """None if :class:`FastLlama` can run ``model``, else why not."""
-    from tandem.pipeline.loader import packed_only
-
     if packed_only(model):
         return supports_packed(model)
     if type(model).__module__ not in _FAMILIES:
@@ -97,10 +95,22 @@ def supports(model) -> str | None:
     return None
 
 
+def kernel_layout(m) -> bool:
+    """Whether a quantized module's layout is one tandem's 4-bit kernels read: 4- or 8-bit
+    affine codes with fp16 or fp32 scales and offsets."""
+    return (isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.bits in (4, 8)
+            and getattr(m, "mode", "affine") == "affine" and m.get("biases") is not None
+            and m.scales.dtype in (mx.float16, mx.float32))
+
+
+def packed_only(model) -> bool:
+    """Whether the loader kept ``model`` as packed codes only (loader.PackedModules)."""
+    return getattr(getattr(model, "_tandem_packed", None), "packed_only", False) is True
+
+
 def supports_packed(model) -> str | None:
     """None if :class:`FastLlama` can run ``model`` from its 4-bit (or 8-bit) packed weights
     alone, with no dense copy (every product through tandem's kernels), else why not."""
-    from tandem.pipeline.loader import _kernel_layout
 
     if type(model).__module__ not in _FAMILIES:
         return f"model class {type(model).__module__}.{type(model).__name__}"
@@ -115,12 +125,12 @@ def supports_packed(model) -> str | None:
             return "per-head q/k norms"
         attn, mlp = layer.self_attn, layer.mlp
         for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            if type(lin) is not nn.QuantizedLinear or not _kernel_layout(lin):
+            if type(lin) is not nn.QuantizedLinear or not kernel_layout(lin):
                 return "projections that are not 4- or 8-bit affine layers"
         if "bias" in attn.o_proj or any("bias" in m for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
             return "biased output or MLP projections"
     head = inner.embed_tokens if _tied(model) else getattr(model, "lm_head", None)
-    if head is None or not _kernel_layout(head):
+    if head is None or not kernel_layout(head):
         return "a vocabulary projection that is not 4- or 8-bit affine"
     attn = layers[0].self_attn
     why = _Decode(model, attn.n_heads, attn.n_kv_heads, attn.q_proj.weight.shape[0] // attn.n_heads).why
@@ -301,8 +311,6 @@ class FastLlama:
         why = supports(model)
         if why is not None:
             raise ValueError(f"FastLlama cannot run this model: {why}")
-        from tandem.pipeline.loader import packed_only
-
         self.model = model
         self.inner = model.model
         self.left_below = LEFT_BELOW
