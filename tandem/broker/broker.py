@@ -60,6 +60,7 @@ class Broker:
         self.ctx = ctx or zmq.Context.instance()
         self._stop = threading.Event()
         self._outbox: list = []
+        self._version_warned = float("-inf")  # when a node of another version was last reported
         self.last_loop = time.monotonic()  # the loop's liveness (systemd watchdog)
         # How long each poll round that had work took, from poll's return to the last send:
         # the latency the broker itself adds to any message in that round.
@@ -228,7 +229,13 @@ class Broker:
     # ---- handlers ---------------------------------------------------------------------------
     def _malformed(self, exc: WireError) -> None:
         self.dispatcher.counters["bad_messages"] += 1
-        log.debug("dropped a malformed message: %s", exc)
+        now = time.monotonic()
+        if exc.reason == "version" and now - self._version_warned >= 60.0:
+            # A node of another tandem version is never served: say so where operators look.
+            self._version_warned = now
+            log.warning("dropped a message from a node of another version (%s)", exc)
+        else:
+            log.debug("dropped a malformed message: %s", exc)
 
     def _decode(self, head: bytes):
         try:

@@ -4,6 +4,7 @@ the wrong shape or content are counted and dropped, and the loop keeps serving."
 from __future__ import annotations
 
 import threading
+import logging
 import time
 
 import pytest
@@ -49,8 +50,9 @@ def _stats(stats_sock) -> dict:
     return codec.decode(stats_sock.recv_multipart()).stats
 
 
-def test_malformed_messages_are_counted_and_the_loop_keeps_serving(broker):
+def test_malformed_messages_are_counted_and_the_loop_keeps_serving(broker, caplog):
     b, sock = broker
+    caplog.set_level(logging.WARNING, logger="tandem.broker")
     client = sock(zmq.DEALER, "frontend")
     worker = sock(zmq.DEALER, "backend", identity=b"w0")
     pub = sock(zmq.PUB, "stream_in")
@@ -76,6 +78,8 @@ def test_malformed_messages_are_counted_and_the_loop_keeps_serving(broker):
         assert time.monotonic() < deadline, c
         time.sleep(0.05)
     assert c["bad_messages"] == 5 and c["bad_stream_messages"] == 2 and not c.get("submitted")
+    # A node of another version is named where operators look, once (not each message).
+    assert [r.levelname for r in caplog.records if "another version" in r.getMessage()] == ["WARNING"]
     # Still serving: a worker registers, and a request is dispatched to it and streamed back.
     worker.send(codec.encode(M.Ready("w0", "hybrid", "m", 4, None, 16, 100))[0])
     deadline = time.monotonic() + 5
