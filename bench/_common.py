@@ -134,3 +134,23 @@ class Patches:
                 setattr(obj, name, old)
             else:
                 delattr(obj, name)
+
+
+async def http_body_chunks(reader, headers: dict):
+    """An HTTP response's body from an asyncio stream, piece by piece: chunked transfer
+    decoding (a connection that closes inside the body raises, rather than reading as a
+    complete one), else ``content-length`` bytes, else everything to EOF."""
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            line = await reader.readline()
+            if not line:
+                raise ConnectionResetError("connection closed inside a chunked body")
+            size = int(line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                return
+            data = await reader.readexactly(size)
+            await reader.readexactly(2)
+            yield data
+    else:
+        n = int(headers.get("content-length", "-1"))
+        yield await (reader.readexactly(n) if n >= 0 else reader.read())

@@ -48,7 +48,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import ROOT, machine  # noqa: F401  (puts the repository first on sys.path)
+from _common import ROOT, http_body_chunks, machine  # noqa: F401  (puts the repository first on sys.path)
 from chaos_stack import HOST, Stack, resume_all, rss_mb, send_signal
 
 WORDS = ("river valley farmers forests marshes stone walls fields villages market towns roads canals merchants "
@@ -139,23 +139,6 @@ async def _read_head(reader) -> tuple[int, dict]:
     return int(status_line.split()[1]), headers
 
 
-async def _chunks(reader, headers: dict):
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        while True:
-            line = await reader.readline()
-            if not line:
-                raise ConnectionResetError("connection closed inside a chunked body")
-            size = int(line.split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                return
-            data = await reader.readexactly(size)
-            await reader.readexactly(2)
-            yield data
-    else:
-        n = int(headers.get("content-length", "-1"))
-        yield await (reader.readexactly(n) if n >= 0 else reader.read())
-
-
 async def send(port: int, spec: Spec, *, stream: bool, abort_after: int | None, slow: bool) -> Outcome:
     """Send one catalogue request and classify how it ended (before the reference check)."""
     body = dict(spec.body, stream=stream)
@@ -176,7 +159,7 @@ async def send(port: int, spec: Spec, *, stream: bool, abort_after: int | None, 
         async with asyncio.timeout(DEADLINE_S):
             status, headers = await _read_head(reader)
             if status != 200 or not stream:
-                raw = b"".join([c async for c in _chunks(reader, headers)])
+                raw = b"".join([c async for c in http_body_chunks(reader, headers)])
                 obj = json.loads(raw) if raw else None
                 if status != 200:
                     out.kind = "failed_clean" if _is_openai_error(obj) and status in (429, 500, 502, 503, 504) else "unclean"
@@ -188,7 +171,7 @@ async def send(port: int, spec: Spec, *, stream: bool, abort_after: int | None, 
                 out.kind = "exact"  # provisional: checked against the reference later
                 return out
             buf, events, finished = b"", 0, set()
-            async for data in _chunks(reader, headers):
+            async for data in http_body_chunks(reader, headers):
                 buf += data
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
@@ -286,7 +269,7 @@ async def garbage_http(port: int, rng: random.Random) -> tuple[str, str]:
             pass  # the edge may refuse an oversized body before reading it all
         async with asyncio.timeout(15):
             status, headers = await _read_head(reader)
-            raw = b"".join([c async for c in _chunks(reader, headers)])
+            raw = b"".join([c async for c in http_body_chunks(reader, headers)])
         clean = status in ok and _is_openai_error(json.loads(raw))
         return ("clean" if clean else "unclean"), f"HTTP {status}: {raw[:160]!r}"
     except TimeoutError:

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import tandem  # noqa: F401  (BLAS before mlx)
-from _common import bar_chart_svg  # noqa: E402  (bench/ is first on sys.path when run as a script)
+from _common import bar_chart_svg, http_body_chunks  # noqa: E402  (bench/ is first on sys.path when run as a script)
 import llama_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,21 +236,6 @@ async def http_get(port: int, path: str) -> tuple[int, bytes]:
     return int(head.split()[1]), body
 
 
-async def _body_chunks(reader, headers: dict):
-    """Yield raw body bytes: chunked transfer decoding, or read to EOF."""
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        while True:
-            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                return
-            data = await reader.readexactly(size)
-            await reader.readexactly(2)
-            yield data
-    else:
-        while data := await reader.read(65536):
-            yield data
-
-
 async def stream_chat(port: int, body: dict, timeout: float) -> Sample:
     payload = json.dumps(body).encode()
     t0 = time.perf_counter()
@@ -270,10 +255,10 @@ async def stream_chat(port: int, body: dict, timeout: float) -> Sample:
                 headers[k.strip().lower()] = v.strip()
             status = int(status_line.split()[1])
             if status != 200:
-                rest = b"".join([c async for c in _body_chunks(reader, headers)])
+                rest = b"".join([c async for c in http_body_chunks(reader, headers)])
                 return Sample(False, error=f"HTTP {status}: {rest[:200]!r}")
             buf, last, first, stamps, usage, done = b"", None, None, [], None, False
-            async for data in _body_chunks(reader, headers):
+            async for data in http_body_chunks(reader, headers):
                 buf += data
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)

@@ -1,4 +1,4 @@
-"""bench/_common.py's grouped-bar SVG: one bar per value, heights proportional to the values."""
+"""bench/_common.py: the grouped-bar SVG (one bar per value, heights proportional to the values) and the HTTP body reader."""
 
 import importlib.util
 import math
@@ -77,3 +77,25 @@ def test_patches_put_back_own_attributes_and_delete_the_ones_a_class_showed():
     assert eng.read_back() == "own" and holder.async_eval is len
     patches.undo()  # a second undo has nothing left to put back
     assert eng.read_back() == "own"
+
+
+def _body(raw: bytes, headers: dict) -> bytes:
+    import asyncio
+
+    async def run():
+        reader = asyncio.StreamReader()
+        reader.feed_data(raw)
+        reader.feed_eof()
+        return b"".join([c async for c in bench_common.http_body_chunks(reader, headers)])
+
+    return asyncio.run(run())
+
+
+def test_http_body_chunks_decodes_chunked_sized_and_to_eof_bodies_and_refuses_a_cut_one():
+    import pytest
+
+    assert _body(b"3\r\nabc\r\n2;x=1\r\nde\r\n0\r\n\r\n", {"transfer-encoding": "chunked"}) == b"abcde"
+    assert _body(b"hello, and more", {"content-length": "5"}) == b"hello"
+    assert _body(b"to the end", {}) == b"to the end"
+    with pytest.raises(ConnectionResetError, match="inside a chunked body"):
+        _body(b"3\r\nabc\r\n", {"transfer-encoding": "chunked"})  # closed before the last chunk
