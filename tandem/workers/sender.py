@@ -19,7 +19,7 @@ import zmq
 from tandem.kvtypes import KVSnapshot
 from tandem.wire import messages as M
 from tandem.wire.kvchannel import SendArena
-from tandem.wire.kvframes import KVOptions, iter_snapshot_messages
+from tandem.wire.kvframes import KVOptions, iter_snapshot_messages, part_messages
 from tandem.wire.settings import TransferSettings
 from tandem.workers.handoff import ARENA_BYTES, KVPeer, Outgoing
 
@@ -72,11 +72,12 @@ class AdaptiveSelector:
 
 @dataclass
 class _Transfer:
-    started: float
+    started: float  # when what is left to send after the prefill was queued
     nbytes: int
     strategy: str
     address: str
     decode_node: str
+    next_index: int = 0  # streamed: the next chunk's number
 
 
 class HandoffSender:
@@ -111,20 +112,64 @@ class HandoffSender:
             self.poller.register(peer.sock, zmq.POLLIN)
         return peer
 
-    def _options(self, address: str, nbytes: int) -> KVOptions:
+    def choose(self, address: str, nbytes: int, *, streaming: bool) -> str:
+        """The strategy of one handoff, picked when its prefill is dispatched: ``streaming``
+        when the prompt spans several prefill chunks, so its KV can be sent as they are
+        written (the Streamed strategy then sends during the prefill)."""
         t = self.transfer
-        strategy = self.selector.choose(address, nbytes) if t.strategy == "adaptive" else t.strategy
+        return self.selector.choose(address, nbytes, streaming=streaming) if t.strategy == "adaptive" else t.strategy
+
+    def _options(self, strategy: str) -> KVOptions:
+        t = self.transfer
         return KVOptions(compression=t.compression, quantization=t.quantization, strategy=strategy,
                          blocks_per_chunk=t.blocks_per_chunk, connections=t.connections)
 
-    def start(self, snap: KVSnapshot, *, attempt: int, decode_node: str, address: str, stream_seq: int, priority: int) -> None:
-        options = self._options(address, snap.nbytes)
+    def start(self, snap: KVSnapshot, *, attempt: int, decode_node: str, address: str, stream_seq: int, priority: int,
+              strategy: str | None = None) -> None:
+        """Send a whole snapshot (after the prefill), with ``strategy`` (None: choose now)."""
+        options = self._options(strategy or self.choose(address, snap.nbytes, streaming=False))
         per_conn = iter_snapshot_messages(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt)
         now = time.monotonic()
         self._transfers[snap.request_id] = _Transfer(now, snap.nbytes, options.strategy, address, decode_node)
         for i, msgs in enumerate(per_conn):
             out = Outgoing(snap.request_id, attempt, decode_node, msgs, now + self.timeout_s, nbytes=snap.nbytes, started=now)
             self._peer(address, i).queue(out)
+
+    def stream(self, part: KVSnapshot, *, final: bool, attempt: int, decode_node: str, address: str, stream_seq: int,
+               priority: int) -> None:
+        """Send one part of a streamed export (kvframes.part_messages) on the peer's first
+        connection: the first opens the transfer, each further one extends it (and its
+        deadline), the final one carries the sampled token and completes it. A part for a
+        transfer that failed meanwhile is dropped (its failure was reported)."""
+        rid, now = part.request_id, time.monotonic()
+        t = self._transfers.get(rid)
+        opening = t is None
+        if opening:
+            if part.first_block:
+                return  # its opening part failed and was forgotten
+            t = self._transfers[rid] = _Transfer(now, 0, "streamed", address, decode_node)
+        msgs, n = part_messages(part, self._options("streamed"), first_index=t.next_index, with_header=opening,
+                                final=final, stream_seq=stream_seq, priority=priority, attempt=attempt)
+        t.next_index += n
+        t.nbytes += part.nbytes
+        if final:
+            t.started = now  # the selector compares what each strategy leaves after the prefill
+        if opening:
+            self._peer(address, 0).queue(Outgoing(rid, attempt, decode_node, msgs, now + self.timeout_s, started=now))
+        else:
+            peer = self.peers.get((address, 0))
+            if peer is not None:
+                peer.extend(rid, msgs, now + self.timeout_s)
+
+    def cancel(self, rid: bytes, why: str) -> None:
+        """Abandon a transfer and tell the decode side (a streamed one is open there
+        before the prefill ends)."""
+        t = self._transfers.pop(rid, None)
+        if t is not None:
+            for (address, _), peer in self.peers.items():
+                if address == t.address:
+                    peer.cancel(rid, why)
+        self.forget(rid)
 
     def forget(self, rid: bytes) -> None:
         self._transfers.pop(rid, None)
