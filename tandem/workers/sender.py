@@ -78,6 +78,7 @@ class _Transfer:
     address: str
     decode_node: str
     next_index: int = 0  # streamed: the next chunk's number
+    parts: int = 1  # streamed: parts sent (more than one: sent during the prefill)
 
 
 class HandoffSender:
@@ -151,6 +152,7 @@ class HandoffSender:
         msgs, n = part_messages(part, self._options("streamed"), first_index=t.next_index, with_header=opening,
                                 final=final, stream_seq=stream_seq, priority=priority, attempt=attempt)
         t.next_index += n
+        t.parts += not opening
         t.nbytes += part.nbytes
         if final:
             t.started = now  # the selector compares what each strategy leaves after the prefill
@@ -207,7 +209,8 @@ class HandoffSender:
         self.counters["handoffs"] += 1
         self.counters["handoff_bytes"] += t.nbytes
         self.counters["handoff_ms"] += secs * 1000
-        log.debug("handoff %s: %d KV bytes to %s in %.2f ms (%s)", rid.hex(), t.nbytes, t.decode_node, secs * 1000, t.strategy)
+        log.debug("handoff %s: %d KV bytes to %s in %.2f ms (%s, %d parts)", rid.hex(), t.nbytes, t.decode_node, secs * 1000,
+                  t.strategy, t.parts)
 
     def _failed(self, rid: bytes, why: str) -> str:
         self.forget(rid)
