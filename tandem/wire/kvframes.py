@@ -129,22 +129,20 @@ def iter_snapshot_messages(
     return [messages(ranges, start) for ranges, start in zip(plans, starts)]
 
 
-def part_messages(
-    snap: KVSnapshot, options: KVOptions, *, first_index: int, with_header: bool, final: bool,
-    stream_seq: int = 0, priority: int = 0, attempt: int = 0,
-) -> tuple[Iterator, int]:
+def part_messages(snap: KVSnapshot, options: KVOptions, *, first_index: int, header: KVHeader | None) -> tuple[Iterator, int]:
     """One part of a KV export streamed while its prompt is prefilled (blocks
-    ``[snap.first_block, ...)``): a header when it opens the transfer (not final: more
-    follows) or ends it (final: with the sampled token), then the part's blocks in chunks
-    of ``options.blocks_per_chunk``, numbered from ``first_index``; produced lazily.
-    Returns the messages and how many chunks they hold."""
+    ``[snap.first_block, ...)``): ``header`` first when given (the one that opens the
+    transfer, not final, or the final one with the sampled token), then the part's blocks
+    in chunks of ``options.blocks_per_chunk``, numbered from ``first_index``; produced
+    lazily. Returns the messages and how many chunks they hold."""
     n = snap.keys[0].shape[0] if snap.keys else 0
     step = max(1, options.blocks_per_chunk)
     starts = range(0, n, step)
+    final = header is not None and header.final
 
     def messages():
-        if with_header or final:
-            yield make_header(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt, final=final)
+        if header is not None:
+            yield header
         for i, b in enumerate(starts):
             e = min(b + step, n)
             yield encode_blocks(snap.request_id, snap.dtype, [k[b:e] for k in snap.keys], [v[b:e] for v in snap.values],

@@ -8,8 +8,10 @@ responder per connecting peer. The KV itself is framed by :mod:`tandem.wire.kvfr
 the dispatch attempt the decode side publishes under.
 
 Both sides bound what a handoff may hold and for how long: a prefill worker drops a
-snapshot that is not acknowledged within the transfer timeout, and a decode worker drops
-a partial transfer after the same time, so no KV stays pinned by a peer that died. Nothing here blocks: a dead decode peer must
+snapshot that is not acknowledged within the transfer timeout of its last part, and a
+decode worker drops a partial transfer that heard nothing for the same time (a streamed
+transfer's sender keeps it alive while its prefill computes), so no KV stays pinned by a
+peer that died. Nothing here blocks: a dead decode peer must
 not stop a prefill worker's heartbeats. This is the one KV-handoff implementation: the
 worker, the tests and bench/kv_transfer.py all move KV through it.
 """
@@ -243,6 +245,7 @@ class KVIngest:
                     return []
                 inc.header = inc.assembler.header
                 inc.peers.add(peer)
+                inc.deadline = time.monotonic() + self.timeout_s  # a streamed transfer's keep-alive, or its end
                 return self._maybe_complete(peer, inc)
             try:
                 assembler = KVAssembler(msg)
