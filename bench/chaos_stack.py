@@ -1,12 +1,19 @@
-"""The chaos run's cluster: the whole stack on loopback under one supervisor, with every
-broker link of every process through a proxy the run can cut.
+"""The chaos run's cluster: the whole stack under one supervisor, with links the run can cut.
 
 Processes: broker, 2 prefill + 2 decode workers, the edge (gunicorn arbiter + 2 workers),
 each started with the same argv as ``tandem serve`` would give it, restarted by
-:class:`tandem.supervisor.Supervisor` when it dies. Each worker reaches the broker's
-backend and stream sockets, and the edge its frontend and stream, through a TCP proxy of
-its own (:class:`Link`), so "cut the link of decode-1" drops exactly that process's
-connections and refuses new ones until it is restored, as a pulled cable would.
+:class:`tandem.supervisor.Supervisor` when it dies.
+
+On loopback (the default) each worker reaches the broker's backend and stream sockets,
+the edge its frontend and stream, and the prefill workers each decode worker's KV ingest,
+through a TCP proxy of its own (:class:`Link`): "cut the link of decode-1" drops exactly
+those connections (the peers see a reset) and refuses new ones until it is restored.
+
+Across hosts (``cluster``: a :class:`tests.ops.netns.Cluster` with one network namespace
+per process and one for the client) every process binds its own host's address and
+connects to the others directly; a cut is a :class:`RouteCut`, packets between two hosts
+dropped both ways, so connections stall silently as on a failed path instead of being
+reset, and a whole host can lose its cable.
 """
 
 from __future__ import annotations
@@ -30,6 +37,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+class RouteCut:
+    """The path between two hosts of a namespace cluster, cuttable like a :class:`Link`."""
+
+    def __init__(self, cluster, a: str, b: str):
+        self.cluster, self.a, self.b = cluster, a, b
+        self.name = f"{a}<->{b}"
+        self._cut = False
+
+    async def up(self) -> None:
+        if self._cut:
+            await asyncio.to_thread(self.cluster.restore_route, self.a, self.b)
+            self._cut = False
+
+    async def cut(self) -> None:
+        await asyncio.to_thread(self.cluster.cut_route, self.a, self.b)
+        self._cut = True
+
+    @property
+    def is_cut(self) -> bool:
+        return self._cut
 
 
 class Link:
@@ -122,49 +151,101 @@ class Stack:
     the broker's stats)."""
 
     WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+    PREFILLS = ("prefill-0", "prefill-1")
+    DECODES = ("decode-0", "decode-1")
+    HOSTS = ("broker", *WORKERS, "edge")
 
-    def __init__(self, tmp: Path, model: Path, *, log, decode_kv_budget: str = "1MiB", transfer_timeout_s: float = 4.0):
+    def __init__(self, tmp: Path, model: Path, *, log, cluster=None, decode_kv_budget: str = "1MiB",
+                 transfer_timeout_s: float = 4.0):
         self.tmp = tmp
         self.model = model
+        self.cluster = cluster
         self.secret = tmp / "cluster.secret"
         self.secret.write_text(os.urandom(32).hex())
         self.secret.chmod(0o600)
-        self.ports = {k: free_port() for k in ("frontend", "backend", "stream_in", "stream_out", "stats")}
-        self.http_port = free_port()
-        self.kv_ports = {f"decode-{i}": free_port() for i in range(2)}
-        self.links: dict[str, list[Link]] = {}
-        for name in self.WORKERS:
-            self.links[name] = [Link(name, self.ports["backend"]), Link(name, self.ports["stream_in"])]
-        self.links["edge"] = [Link("edge", self.ports["frontend"]), Link("edge", self.ports["stream_out"])]
+        keys = ("frontend", "backend", "stream_in", "stream_out", "stats")
+        # links[name]: what "cut name's links" cuts; kv_links[key]: a KV path into a decode
+        # worker (loopback: key is the decode worker; across hosts: "prefill-i>decode-j").
+        self.links: dict[str, list] = {}
+        self.kv_links: dict[str, list] = {}
+        if cluster is None:
+            self.host = dict.fromkeys(self.HOSTS, HOST)
+            self.ports = {k: free_port() for k in keys}
+            self.http_port = free_port()
+            self.kv_ports = {d: free_port() for d in self.DECODES}
+            for name in self.WORKERS:
+                self.links[name] = [Link(name, self.ports["backend"]), Link(name, self.ports["stream_in"])]
+            self.links["edge"] = [Link("edge", self.ports["frontend"]), Link("edge", self.ports["stream_out"])]
+            for d in self.DECODES:
+                self.kv_links[d] = [Link(d, self.kv_ports[d])]
+            # Where each process connects: its own proxies (and a decode worker advertises its KV proxy).
+            self.connect = {name: {"backend": links[0].port, "stream_in": links[1].port} for name, links in self.links.items()
+                            if name != "edge"}
+            self.connect["edge"] = {"frontend": self.links["edge"][0].port, "stream_out": self.links["edge"][1].port}
+            self.kv_advertise = {d: f"tcp://{HOST}:{self.kv_links[d][0].port}" for d in self.DECODES}
+        else:
+            self.host = {name: cluster.address[name] for name in self.HOSTS}
+            self.ports = {k: 5555 + i for i, k in enumerate(keys)}
+            self.http_port = 8000
+            self.kv_ports = dict.fromkeys(self.DECODES, 5600)
+            for name in (*self.WORKERS, "edge"):
+                self.links[name] = [RouteCut(cluster, name, "broker")]
+            for p in self.PREFILLS:
+                for d in self.DECODES:
+                    self.kv_links[f"{p}>{d}"] = [RouteCut(cluster, p, d)]
+            self.connect = {name: self.ports for name in (*self.WORKERS, "edge")}
+            self.kv_advertise = {}
         common, decode = write_configs(tmp, decode_kv_budget=decode_kv_budget, transfer_timeout_s=transfer_timeout_s)
         self.sup = Supervisor(self._specs(common, decode), max_restarts=10_000, restart_window_s=60.0, out=log)
 
+    @property
+    def http(self) -> tuple[str, int]:
+        return self.host["edge"], self.http_port
+
     def addr(self, key: str) -> str:
-        return f"tcp://{HOST}:{self.ports[key]}"
+        return f"tcp://{self.host['broker']}:{self.ports[key]}"
+
+    def zmq_targets(self) -> list[tuple[str, int]]:
+        """Every ZeroMQ socket a hostile peer can reach: the broker's and the KV ingests."""
+        return [(self.host["broker"], p) for p in self.ports.values()] + [(self.host[d], p) for d, p in self.kv_ports.items()]
+
+    def kv_links_into(self, decode: str) -> list:
+        return [link for key, links in self.kv_links.items() if key.split(">")[-1] == decode for link in links]
+
+    def _on_host(self, name: str, argv: list[str]) -> list[str]:
+        return argv if self.cluster is None else ["ip", "netns", "exec", self.cluster.hosts[name], *argv]
 
     def _specs(self, common: Path, decode: Path) -> list[ChildSpec]:
         py = [sys.executable, "-m", "tandem.cli"]
         sec = ["--cluster-secret-file", str(self.secret)]
-        specs = [ChildSpec("broker", py + ["broker", "--config", str(common), *sec] + sum(
-            (["--" + k.replace("_", "-"), self.addr(k)] for k in self.ports), []), stop_grace_s=5.0)]
+        broker = self.host["broker"]
+        specs = [ChildSpec("broker", self._on_host("broker", py + ["broker", "--config", str(common), *sec] + sum(
+            (["--" + k.replace("_", "-"), self.addr(k)] for k in self.ports), [])), stop_grace_s=5.0)]
         for name in self.WORKERS:
             role = name.split("-")[0]
-            back, stream = self.links[name]
+            ports = self.connect[name]
             argv = py + ["worker", "--role", role, "--name", name, "--model", str(self.model), *sec,
                          "--config", str(decode if role == "decode" else common),
-                         "--broker-backend", f"tcp://{HOST}:{back.port}", "--broker-stream", f"tcp://{HOST}:{stream.port}"]
+                         "--broker-backend", f"tcp://{broker}:{ports['backend']}",
+                         "--broker-stream", f"tcp://{broker}:{ports['stream_in']}"]
             if role == "decode":
-                argv += ["--kv-bind", f"tcp://{HOST}:{self.kv_ports[name]}"]
-            specs.append(ChildSpec(name, argv, stop_grace_s=5.0))
-        front, stream = self.links["edge"]
-        specs.append(ChildSpec("edge", py + ["edge", "--config", str(common), "--bind", f"{HOST}:{self.http_port}",
-                                             "--model", str(self.model), *sec, "--broker", f"tcp://{HOST}:{front.port}",
-                                             "--broker-stream", f"tcp://{HOST}:{stream.port}"], stop_grace_s=8.0))
+                argv += ["--kv-bind", f"tcp://{self.host[name]}:{self.kv_ports[name]}"]
+                if name in self.kv_advertise:
+                    argv += ["--kv-advertise", self.kv_advertise[name]]
+            specs.append(ChildSpec(name, self._on_host(name, argv), stop_grace_s=5.0))
+        ports = self.connect["edge"]
+        specs.append(ChildSpec("edge", self._on_host("edge", py + [
+            "edge", "--config", str(common), "--bind", f"{self.host['edge']}:{self.http_port}", "--model", str(self.model),
+            *sec, "--broker", f"tcp://{broker}:{ports['frontend']}", "--broker-stream", f"tcp://{broker}:{ports['stream_out']}"]),
+            stop_grace_s=8.0))
         return specs
 
+    def all_links(self) -> list:
+        return [link for group in (self.links, self.kv_links) for links in group.values() for link in links]
+
     async def start(self, timeout_s: float = 300.0) -> None:
-        for links in self.links.values():
-            for link in links:
+        for link in self.all_links():
+            if isinstance(link, Link):
                 await link.up()
         deadline = time.monotonic() + timeout_s
         for child in self.sup.children:
@@ -207,7 +288,7 @@ class Stack:
 
     def http_ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{HOST}:{self.http_port}/ready", timeout=3) as r:
+            with urllib.request.urlopen(f"http://{self.host['edge']}:{self.http_port}/ready", timeout=3) as r:
                 return r.status == 200
         except OSError:
             return False

@@ -7,6 +7,7 @@ is routed to or from the machine's real network.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -75,6 +76,32 @@ class Cluster:
         """Unplug a host's cable: its processes live on but reach nobody."""
         _ip("-n", self.hosts[name], "link", "set", "eth0", "down")
 
+    def plug(self, name: str) -> None:
+        """Put back the cable :meth:`cut` pulled."""
+        _ip("-n", self.hosts[name], "link", "set", "eth0", "up")
+
+    def cut_route(self, a: str, b: str) -> None:
+        """Drop every packet between hosts ``a`` and ``b`` (a blackhole route on each side),
+        while each keeps its other links: a failed path between two hosts. Connections
+        between them are not reset; they stall until restored or timed out."""
+        _ip("-n", self.hosts[a], "route", "replace", "blackhole", f"{self.address[b]}/32")
+        _ip("-n", self.hosts[b], "route", "replace", "blackhole", f"{self.address[a]}/32")
+
+    def restore_route(self, a: str, b: str) -> None:
+        _ip("-n", self.hosts[a], "route", "del", "blackhole", f"{self.address[b]}/32", check=False)
+        _ip("-n", self.hosts[b], "route", "del", "blackhole", f"{self.address[a]}/32", check=False)
+
+    def enter(self, name: str) -> None:
+        """Move the calling thread (and the threads and processes it starts from now on)
+        into host ``name``'s network namespace; ``ip netns exec`` still reaches the others."""
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        fd = os.open(f"/var/run/netns/{self.hosts[name]}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                raise OSError(ctypes.get_errno(), f"setns into {self.hosts[name]} failed")
+        finally:
+            os.close(fd)
+
     def popen(self, name: str, argv: list[str], **kwargs) -> subprocess.Popen:
         return subprocess.Popen(["ip", "netns", "exec", self.hosts[name], *argv], **kwargs)
 
@@ -85,6 +112,8 @@ class Cluster:
         for ns in reversed(self._made):
             pids = _ip("netns", "pids", ns, check=False).stdout.split()
             for pid in pids:
+                if pid == str(os.getpid()):
+                    continue  # a process that entered a host itself (enter())
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                 except (ProcessLookupError, ValueError):
