@@ -3,19 +3,25 @@ for lost, repeated or reordered tokens, hung requests or processes, leaked KV bl
 growing memory.
 
     .venv/bin/python bench/chaos.py --minutes 30 --seed 1 --out docs/benchmarks
+    .venv/bin/python bench/chaos.py --netns --minutes 30 --seed 1 --out docs/benchmarks   (root)
 
 The stack (bench/chaos_stack.py): broker, 2 prefill + 2 decode workers, the edge with 2
-gunicorn workers, supervised and restarted as ``tandem serve`` does, every broker link
-through a cuttable proxy. Before any fault, every request of a seeded catalogue (chat and
+gunicorn workers, supervised and restarted as ``tandem serve`` does. On loopback every
+broker link and each decode worker's KV ingest goes through a cuttable proxy; with
+``--netns`` every process (and this client) is on a host of its own, a network namespace,
+and a cut drops the packets between two hosts, so connections stall rather than reset
+(tests/ops/netns.py builds the hosts). Before any fault, every request of a seeded catalogue (chat and
 completions; temperature 0 and seeded temperature 0.8; n 1-2; stop strings; logprobs;
 short, shared-prefix and long prompts that park in chunked prefill) runs once on the
 undisturbed stack: its texts are the reference. Then, for ``--minutes``, client loops send
 catalogue requests (streaming or not, some read slowly, some abort at a random point)
 while a fault loop SIGKILLs or SIGSTOPs (1-8 s) a random process of a random role,
-restarts the broker, cuts a process's broker links for seconds, fills the decode workers'
-KV until they refuse, and plays the named scenarios (abort during KV wait, decode refusing
-before admission, prefill death mid-transfer, transfer timeout, broker restart
-mid-handoff); garbage and oversized HTTP and hostile ZeroMQ peers arrive throughout.
+restarts the broker, cuts a process's broker links or a prefill -> decode KV path for
+seconds (across hosts also a whole host's cable), fills the decode workers' KV until they
+refuse, and plays the named scenarios (abort during KV wait, decode refusing before
+admission, prefill death mid-transfer, transfer timeout, KV link cut mid-transfer, broker
+restart mid-handoff); garbage and oversized HTTP and hostile ZeroMQ peers arrive
+throughout.
 
 Every request ends in one class: ``exact`` (every choice's text equals the reference),
 ``failed_clean`` (an HTTP error or an SSE error event with an OpenAI error body, and what
@@ -23,7 +29,10 @@ streamed before it a prefix of the reference), ``aborted`` (by this client; what
 a prefix), ``severed`` (the connection dropped without an error while the edge process
 serving it was being killed: nothing could have answered), ``unclean`` (anything else),
 or ``hung`` (open past its deadline). Text that is not a prefix of its reference counts
-its tokens as lost (the reference's rest) and duplicated (the output's rest). At the end
+its tokens as lost (the reference's rest) and duplicated (the output's rest). Requests
+with logprobs are also checked token by token: the (token, logprob) sequence streamed
+must be the reference's (or a prefix of it), logprobs equal up to float rounding, so a
+token lost, repeated or reordered shows even where the text would hide it. At the end
 the faults stop, every stopped process resumes, links come back, and the run waits for
 the broker to see every worker with all KV blocks free; blocks still in use are
 ``leaked_blocks``. ``rss_growth_mb`` is the largest resident-memory growth of any
@@ -49,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _common import ROOT, http_body_chunks, machine  # noqa: F401  (puts the repository first on sys.path)
-from chaos_stack import HOST, Stack, resume_all, rss_mb, send_signal
+from chaos_stack import Stack, resume_all, rss_mb, send_signal
 
 WORDS = ("river valley farmers forests marshes stone walls fields villages market towns roads canals merchants "
          "grain wool timber salt coast floods monasteries harvests engineers railways barges quick brown fox").split()
@@ -66,6 +75,7 @@ class Spec:
     path: str
     body: dict
     ref: list[str] | None = None  # one text per choice, from the undisturbed run
+    ref_tokens: list[list[tuple[bytes, float]]] | None = None  # with logprobs: (token, logprob) per choice
     long: bool = False
 
 
@@ -117,6 +127,7 @@ class Outcome:
     spec: int
     kind: str  # exact | failed_clean | aborted | severed | unclean | hung | mismatch
     texts: list[str] = field(default_factory=list)
+    tokens: list[list[tuple[bytes, float]]] | None = None  # when the request asked for logprobs
     detail: str = ""
     t0: float = 0.0
     t1: float = 0.0
@@ -126,6 +137,27 @@ class Outcome:
 def _is_openai_error(obj) -> bool:
     return (isinstance(obj, dict) and isinstance(obj.get("error"), dict)
             and isinstance(obj["error"].get("message"), str) and "type" in obj["error"])
+
+
+def _token_key(label: str) -> bytes:
+    """A completions logprobs token label as bytes (``bytes:\\xe2`` names a partial character)."""
+    if label.startswith("bytes:"):
+        return bytes(int(h, 16) for h in label[len("bytes:"):].split("\\x")[1:])
+    return label.encode()
+
+
+def _logprob_tokens(lp) -> list[tuple[bytes, float]]:
+    """(token bytes, logprob) of each token of a choice's ``logprobs`` (chat or completions shape)."""
+    if not lp:
+        return []
+    if "content" in lp:
+        return [(bytes(t["bytes"]), float(t["logprob"])) for t in lp["content"] or []]
+    return [(_token_key(t), float(v)) for t, v in zip(lp["tokens"], lp["token_logprobs"])]
+
+
+def wants_logprobs(body: dict) -> bool:
+    lp = body.get("logprobs")
+    return lp is True or (type(lp) is int and "prompt" in body)
 
 
 async def _read_head(reader) -> tuple[int, dict]:
@@ -139,21 +171,24 @@ async def _read_head(reader) -> tuple[int, dict]:
     return int(status_line.split()[1]), headers
 
 
-async def send(port: int, spec: Spec, *, stream: bool, abort_after: int | None, slow: bool) -> Outcome:
+async def send(http: tuple[str, int], spec: Spec, *, stream: bool, abort_after: int | None, slow: bool) -> Outcome:
     """Send one catalogue request and classify how it ended (before the reference check)."""
     body = dict(spec.body, stream=stream)
     n = body.get("n", 1)
     payload = json.dumps(body).encode()
     out = Outcome(spec.key, "unclean", [""] * n, t0=time.monotonic(), stream=stream)
+    if wants_logprobs(body):
+        out.tokens = [[] for _ in range(n)]
+    host, port = http
     try:
-        reader, writer = await asyncio.open_connection(HOST, port, limit=1 << 22)
+        reader, writer = await asyncio.open_connection(host, port, limit=1 << 22)
     except OSError as exc:
         out.detail = f"connect: {exc}"
         out.kind = "refused"
         out.t1 = time.monotonic()
         return out
     try:
-        writer.write(f"POST {spec.path} HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+        writer.write(f"POST {spec.path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
         await writer.drain()
         async with asyncio.timeout(DEADLINE_S):
@@ -168,6 +203,8 @@ async def send(port: int, spec: Spec, *, stream: bool, abort_after: int | None, 
                 for choice in obj["choices"]:
                     msg = choice.get("message")
                     out.texts[choice["index"]] = msg["content"] if msg is not None else choice["text"]
+                    if out.tokens is not None:
+                        out.tokens[choice["index"]] = _logprob_tokens(choice.get("logprobs"))
                 out.kind = "exact"  # provisional: checked against the reference later
                 return out
             buf, events, finished = b"", 0, set()
@@ -192,11 +229,14 @@ async def send(port: int, spec: Spec, *, stream: bool, abort_after: int | None, 
                         for choice in chunk.get("choices") or []:
                             i = choice["index"]
                             piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
-                            if piece:
+                            toks = _logprob_tokens(choice.get("logprobs")) if out.tokens is not None else []
+                            if piece or toks:
                                 if i in finished:
                                     out.detail = f"choice {i} got text after its finish_reason"
                                     return out
-                                out.texts[i] += piece
+                                out.texts[i] += piece or ""
+                                if toks:
+                                    out.tokens[i] += toks
                             if choice.get("finish_reason"):
                                 finished.add(i)
                         events += 1
@@ -224,6 +264,36 @@ async def send(port: int, spec: Spec, *, stream: bool, abort_after: int | None, 
         writer.transport.abort()
 
 
+LOGPROB_TOLERANCE = 1e-3  # the same token scored in another batch may differ in float rounding, not more
+
+
+def token_diff(got, ref, *, complete: bool, ids: dict[bytes, int] | None = None) -> tuple[list[str], int, int, float]:
+    """Compare per-choice (token bytes, logprob) sequences with the reference's: each must
+    equal it (``complete``) or be a prefix of it, token by token, with logprobs within
+    :data:`LOGPROB_TOLERANCE`. Returns (problems, tokens lost, tokens duplicated, the
+    largest logprob difference among matching tokens)."""
+    if got is None or ref is None:
+        return [], 0, 0, 0.0
+    problems, lost, dup, worst = [], 0, 0, 0.0
+    name = (lambda t: f"{ids.get(t[0], '?')}:{t[0]!r}") if ids else (lambda t: repr(t[0]))
+    for i, (g, r) in enumerate(zip(got, ref)):
+        common = 0
+        while common < min(len(g), len(r)) and g[common][0] == r[common][0]:
+            common += 1
+        for k, ((_, a), (_, b)) in enumerate(zip(g[:common], r[:common])):
+            diff = abs(a - b) if a != b else 0.0  # equal infinities match
+            worst = max(worst, diff)
+            if diff > LOGPROB_TOLERANCE:
+                problems.append(f"choice {i} token {k} ({name(g[k])}): logprob {a} want {b}")
+                break
+        if common < len(g) or (complete and common < len(r)):
+            lost += len(r) - common
+            dup += len(g) - common
+            problems.append(f"choice {i} token {common}: got {[name(t) for t in g[common:common + 3]]} "
+                            f"want {[name(t) for t in r[common:common + 3]]} ({len(g)} vs {len(r)} tokens)")
+    return problems, lost, dup, worst
+
+
 # ---------------------------------------------------------------- hostile input ---------
 
 GARBAGE = [
@@ -241,11 +311,12 @@ BAD_BODIES = [  # (body, statuses that count as a clean answer)
 ]
 
 
-async def garbage_http(port: int, rng: random.Random) -> tuple[str, str]:
+async def garbage_http(http: tuple[str, int], rng: random.Random) -> tuple[str, str]:
     """One hostile HTTP exchange; returns (kind, detail): clean when the edge answered an
     error body of OpenAI's shape (or closed on bytes that are not HTTP)."""
+    host, port = http
     try:
-        reader, writer = await asyncio.open_connection(HOST, port)
+        reader, writer = await asyncio.open_connection(host, port)
     except OSError as exc:
         return "severed", f"connect: {exc}"
     try:
@@ -260,7 +331,7 @@ async def garbage_http(port: int, rng: random.Random) -> tuple[str, str]:
                 return "unclean", f"no answer within 15 s to garbage {junk[:60]!r}"
             return "clean", "raw garbage"
         body, ok = rng.choice(BAD_BODIES)
-        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
         writer.write(body)
         try:
@@ -289,19 +360,18 @@ def hostile_zmq(stack: Stack, rng: random.Random) -> str:
 
     from tandem.wire.sockets import make_socket
 
-    ports = list(stack.ports.values()) + list(stack.kv_ports.values())
-    port = rng.choice(ports)
+    host, port = rng.choice(stack.zmq_targets())
     how = rng.choice(("plain", "wrong-key", "tcp"))
     if how == "tcp":
         try:
-            with _socket.create_connection((HOST, port), timeout=2) as s:
+            with _socket.create_connection((host, port), timeout=2) as s:
                 s.sendall(os.urandom(rng.randint(1, 4096)))
         except OSError:
             pass
         return f"tcp:{port}"
     ctx = zmq.Context.instance()
     security = os.urandom(32).hex().encode() if how == "wrong-key" else None
-    sock = make_socket(ctx, zmq.DEALER, connect=f"tcp://{HOST}:{port}", security=security)
+    sock = make_socket(ctx, zmq.DEALER, connect=f"tcp://{host}:{port}", security=security)
     try:
         for _ in range(3):
             sock.send_multipart([os.urandom(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))], zmq.NOBLOCK)
@@ -336,6 +406,7 @@ class Run:
         self.hostile_examples: list[str] = []
         self.reference_failures: list[str] = []
         self.stopped: set[int] = set()
+        self.unplugged: set[str] = set()
         self.edge_kills: list[float] = []  # times an edge process was killed (severed streams are excused near them)
         self.rss: dict[int, list[tuple[float, str, float]]] = {}
         self.t_start = 0.0
@@ -352,7 +423,7 @@ class Run:
             async with sem:
                 if spec.body.get("stop") == ["__STOP_FROM_REFERENCE__"]:
                     plain = Spec(spec.key, spec.path, {k: v for k, v in spec.body.items() if k != "stop"})
-                    o = await send(self.stack.http_port, plain, stream=False, abort_after=None, slow=False)
+                    o = await send(self.stack.http, plain, stream=False, abort_after=None, slow=False)
                     text = o.texts[0] if o.kind == "exact" else ""
                     piece = text[len(text) // 2: len(text) // 2 + 3] if len(text) >= 6 else ""
                     if piece.strip():
@@ -360,19 +431,20 @@ class Run:
                     else:
                         del spec.body["stop"]
                 for _ in range(3):
-                    o = await send(self.stack.http_port, spec, stream=False, abort_after=None, slow=False)
+                    o = await send(self.stack.http, spec, stream=False, abort_after=None, slow=False)
                     if o.kind == "exact":
-                        spec.ref = o.texts
+                        spec.ref, spec.ref_tokens = o.texts, o.tokens
                         return
                 self.reference_failures.append(f"spec {spec.key}: {o.kind} {o.detail[:300]}")
 
         await asyncio.gather(*(one(s) for s in self.specs.values()))
         self.catalogue = [s for s in self.catalogue if s.ref is not None]
         self.fill = [s for s in self.fill if s.ref is not None]
-        # The same requests streamed must give the same texts (checked undisturbed).
-        for spec in self.catalogue[:8]:
-            o = await send(self.stack.http_port, spec, stream=True, abort_after=None, slow=False)
-            if o.kind != "exact" or o.texts != spec.ref:
+        # The same requests streamed must give the same texts and tokens (checked undisturbed).
+        with_logprobs = [s for s in self.catalogue if s.ref_tokens is not None]
+        for spec in self.catalogue[:8] + with_logprobs[:4]:
+            o = await send(self.stack.http, spec, stream=True, abort_after=None, slow=False)
+            if o.kind != "exact" or o.texts != spec.ref or token_diff(o.tokens, spec.ref_tokens, complete=True)[0]:
                 self.reference_failures.append(f"spec {spec.key} streamed: {o.kind} {o.detail[:200]} {o.texts!r} vs {spec.ref!r}")
 
     # ------------------------------------------------------------ load
@@ -380,7 +452,7 @@ class Run:
         stream = kw.pop("stream", rng.random() < 0.6)
         abort_after = kw.pop("abort_after", rng.randint(1, 8) if stream and rng.random() < 0.12 else None)
         slow = kw.pop("slow", stream and rng.random() < 0.1)
-        o = await send(self.stack.http_port, spec, stream=stream, abort_after=abort_after, slow=slow)
+        o = await send(self.stack.http, spec, stream=stream, abort_after=abort_after, slow=slow)
         self.outcomes.append(o)
         if scenario:
             self.scenario_of[id(o)] = scenario
@@ -397,7 +469,7 @@ class Run:
         while not self.stop_event.is_set():
             await asyncio.sleep(rng.uniform(0.5, 3.0))
             if rng.random() < 0.6:
-                kind, detail = await garbage_http(self.stack.http_port, rng)
+                kind, detail = await garbage_http(self.stack.http, rng)
                 self.hostile[f"http_{kind}"] += 1
                 if kind == "unclean":
                     self.log(f"chaos | garbage HTTP got an unclean answer: {detail}")
@@ -437,16 +509,30 @@ class Run:
             send_signal(pid, signal.SIGCONT)
             self.stopped.discard(pid)
 
-    async def cut(self, name: str, seconds: float) -> None:
-        links = self.stack.links[name]
+    async def cut(self, name: str, seconds: float, links: list | None = None, kind: str = "cut_link") -> None:
+        """Cut ``links`` (default: ``name``'s broker links) for ``seconds``."""
+        links = self.stack.links[name] if links is None else links
         if any(link.is_cut for link in links):
             return
-        self.fault("cut_link", name, seconds=round(seconds, 1))
+        self.fault(kind, name, seconds=round(seconds, 1))
         for link in links:
             await link.cut()
         await asyncio.sleep(seconds)
         for link in links:
             await link.up()
+
+    async def unplug(self, host: str, seconds: float) -> None:
+        """Across hosts: a host loses its cable (every link of it at once)."""
+        if host in self.unplugged:
+            return
+        self.unplugged.add(host)
+        self.fault("unplug", host, seconds=round(seconds, 1))
+        try:
+            await asyncio.to_thread(self.stack.cluster.cut, host)
+            await asyncio.sleep(seconds)
+        finally:
+            await asyncio.to_thread(self.stack.cluster.plug, host)
+            self.unplugged.discard(host)
 
     async def long_requests(self, rng: random.Random, scenario: str, count: int = 3, stream: bool = True) -> list[asyncio.Task]:
         longs = [s for s in self.catalogue if s.long] or self.catalogue
@@ -500,6 +586,13 @@ class Run:
             await asyncio.sleep(rng.uniform(0.2, 1.0))
             await asyncio.gather(*(self.pause(d, 5.5) for d in decodes))
             await asyncio.gather(*tasks)
+        elif name == "kv_link_cut_mid_transfer":
+            # Prefill -> decode KV paths into one decode worker fail while handoffs are in flight.
+            tasks = await self.long_requests(rng, name)
+            await asyncio.sleep(rng.uniform(0.1, 1.5))
+            decode = rng.choice(decodes)
+            await self.cut(decode, rng.uniform(2.0, 8.0), self.stack.kv_links_into(decode), kind="cut_kv")
+            await asyncio.gather(*tasks)
         elif name == "broker_restart_mid_handoff":
             tasks = await self.long_requests(rng, name)
             await asyncio.sleep(rng.uniform(0.3, 2.0))
@@ -507,7 +600,7 @@ class Run:
             await asyncio.gather(*tasks)
 
     SCENARIOS = ("abort_during_kv_wait", "decode_refuses_before_admission", "prefill_death_mid_transfer",
-                 "transfer_timeout", "broker_restart_mid_handoff")
+                 "transfer_timeout", "kv_link_cut_mid_transfer", "broker_restart_mid_handoff")
     ROLES = ("broker", "prefill-0", "prefill-1", "decode-0", "decode-1", "edge", "edge-arbiter", "edge-worker", "edge-worker")
 
     async def fault_loop(self) -> None:
@@ -517,8 +610,8 @@ class Run:
             await asyncio.sleep(rng.expovariate(1.0 / self.fault_every_s))
             if self.stop_event.is_set():
                 break
-            kind = rng.choices(("kill", "stop", "broker_restart", "cut", "kv_fill", "scenario"),
-                               weights=(24, 30, 5, 18, 5, 18))[0]
+            kind = rng.choices(("kill", "stop", "broker_restart", "cut", "cut_kv", "unplug", "kv_fill", "scenario"),
+                               weights=(24, 30, 5, 14, 6, 6 if self.stack.cluster else 0, 5, 18))[0]
             target = rng.choice(self.ROLES)
             if kind == "kill":
                 # The -0 workers are never killed, so their memory is watched over the whole run.
@@ -537,6 +630,12 @@ class Run:
             elif kind == "cut":
                 name = rng.choice(list(self.stack.links))
                 background.add(asyncio.create_task(self.cut(name, rng.uniform(1.0, 8.0))))
+            elif kind == "cut_kv":
+                key = rng.choice(list(self.stack.kv_links))
+                background.add(asyncio.create_task(self.cut(key, rng.uniform(1.0, 8.0), self.stack.kv_links[key], kind="cut_kv")))
+            elif kind == "unplug":
+                host = rng.choice(self.stack.HOSTS)
+                background.add(asyncio.create_task(self.unplug(host, rng.uniform(1.0, 8.0))))
             elif kind == "kv_fill":
                 self.fault("kv_fill", "decode")
                 for s in self.fill:
@@ -573,9 +672,13 @@ class Run:
             if len(after) < 6 or samples[-1][0] - start < min_span_s:
                 continue
             first = sorted(after[:3])[1]
+            mid = sorted(after[len(after) // 2 - 1: len(after) // 2 + 2])[1]
             last = sorted(after[-3:])[1]
+            # The second half's growth tells a leak (it keeps growing) from pools and caches
+            # that fill once (growth in the first half only).
             rows.append({"pid": pid, "name": samples[0][1], "span_s": round(samples[-1][0] - start),
-                         "rss_mb_start": round(first, 1), "rss_mb_end": round(last, 1), "growth_mb": round(last - first, 1)})
+                         "rss_mb_start": round(first, 1), "rss_mb_mid": round(mid, 1), "rss_mb_end": round(last, 1),
+                         "growth_mb": round(last - first, 1), "second_half_growth_mb": round(last - mid, 1)})
         return max((r["growth_mb"] for r in rows), default=float("nan")), rows
 
     # ------------------------------------------------------------ verdicts
@@ -585,6 +688,11 @@ class Run:
         examples: dict[str, list[str]] = {}
         per_scenario: dict[str, Counter] = {}
         errors: Counter = Counter()
+        tokens_checked = token_requests = 0
+        worst_logprob = 0.0
+        ids: dict[bytes, int] = {}
+        for i in range(len(tok.hf)):
+            ids.setdefault(tok.raw_bytes(i), i)
 
         def ntok(text: str) -> int:
             return len(tok.encode(text)) if text else 0
@@ -592,7 +700,19 @@ class Run:
         for o in self.outcomes:
             kind = o.kind
             spec = self.specs.get(o.spec)
-            if spec is not None and spec.ref is not None:
+            if spec is not None and spec.ref_tokens is not None and o.tokens is not None:
+                # Token granularity: the (token, logprob) sequence streamed is the reference's,
+                # or a prefix of it for a request that ended early.
+                problems, t_lost, t_dup, worst = token_diff(o.tokens, spec.ref_tokens, complete=kind == "exact", ids=ids)
+                token_requests += 1
+                tokens_checked += sum(map(len, o.tokens))
+                worst_logprob = max(worst_logprob, worst)
+                if problems:
+                    lost += t_lost
+                    duplicated += t_dup
+                    kind = "mismatch"
+                    examples.setdefault("token_mismatch", []).extend(f"spec {o.spec} {p}" for p in problems)
+            if spec is not None and spec.ref is not None and kind != "mismatch":
                 for i, text in enumerate(o.texts):
                     ref = spec.ref[i]
                     if text == ref:
@@ -616,7 +736,8 @@ class Run:
             counts[kind] += 1
             if (sc := self.scenario_of.get(id(o))) is not None:
                 per_scenario.setdefault(sc, Counter())[kind] += 1
-        return {"counts": counts, "lost": lost, "duplicated": duplicated,
+        return {"counts": counts, "lost": lost, "duplicated": duplicated, "token_requests": token_requests,
+                "tokens_checked": tokens_checked, "logprob_max_abs_diff": worst_logprob,
                 "examples": {k: v[:5] for k, v in examples.items()}, "errors": dict(errors.most_common(8)),
                 "per_scenario": {k: dict(v) for k, v in per_scenario.items()}}
 
@@ -633,7 +754,27 @@ async def settle(stack: Stack, timeout_s: float) -> tuple[bool, dict]:
     return False, st
 
 
-async def chaos(args, tmp: Path, log) -> dict:
+def decode_kv_budget(model: Path, tokens: int = 2048) -> str:
+    """A decode worker's KV pool for ``tokens`` tokens (float32 KV, as on the CPU): a burst
+    of :func:`kv_fill_specs` fills it, whatever the model."""
+    c = json.loads((model / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+    return f"{-(-tokens * per_token // 1024)}KiB"
+
+
+def commit() -> str:
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return head + ("+changes" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+async def chaos(args, tmp: Path, log, cluster=None) -> dict:
     from tandem.http.tokenizer import load_tokenizer
 
     model = Path(args.model) if args.model else None
@@ -649,7 +790,7 @@ async def chaos(args, tmp: Path, log) -> dict:
             restarts[line.split("|", 1)[1].split()[0]] += 1
         log(line)
 
-    stack = Stack(tmp, model, log=log_and_count)
+    stack = Stack(tmp, model, log=log_and_count, cluster=cluster, decode_kv_budget=decode_kv_budget(model))
     specs = catalogue(args.seed, args.catalogue)
     fill = kv_fill_specs(args.seed, 6)
     for spec in specs + fill:
@@ -678,10 +819,9 @@ async def chaos(args, tmp: Path, log) -> dict:
         say("load and faults stop; waiting for open requests (each has its deadline)")
         await asyncio.gather(*load, return_exceptions=True)
         resume_all(list(run.stopped))
-        for links in stack.links.values():
-            for link in links:
-                if link.is_cut:
-                    await link.up()
+        for link in stack.all_links():
+            if link.is_cut:
+                await link.up()
         settled, final_stats = await settle(stack, 90)
         hung_processes = []
         if not settled:
@@ -729,6 +869,7 @@ async def chaos(args, tmp: Path, log) -> dict:
             "hostile": dict(run.hostile),
             "hostile_unclean_examples": run.hostile_examples[:5],
             "rss_growth_mb": None if growth != growth else round(growth, 1),
+            "rss_second_half_growth_mb": max((r["second_half_growth_mb"] for r in rss_rows), default=None),
             "rss": rss_rows,
             "restarts": dict(restarts),
             "examples": verdict["examples"],
@@ -736,7 +877,13 @@ async def chaos(args, tmp: Path, log) -> dict:
             "minutes": round(duration / 60, 1),
             "seed": args.seed,
             "stack_up_s": round(up_s, 1),
-            "model": str(args.model or "tests/tiny_model.py (random weights, 2 layers)"),
+            "model": Path(args.model).name if args.model else "tests/tiny_model.py (random weights, 2 layers)",
+            "network": "netns" if cluster is not None else "loopback",
+            "commit": commit(),
+            "command": "bench/chaos.py " + " ".join(sys.argv[1:]),
+            "token_requests": verdict["token_requests"],
+            "tokens_checked": verdict["tokens_checked"],
+            "logprob_max_abs_diff": verdict["logprob_max_abs_diff"],
             "machine": machine(),
         }
         return result
@@ -748,29 +895,37 @@ async def chaos(args, tmp: Path, log) -> dict:
         await asyncio.to_thread(stack.stop)
 
 
-async def chaos_until_signalled(args, tmp: Path, log) -> dict:
+async def chaos_until_signalled(args, tmp: Path, log, cluster=None) -> dict:
     """:func:`chaos`, cancelled by SIGTERM or SIGINT so its cleanup runs (a process it
     left stopped would otherwise outlive it)."""
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
-    return await chaos(args, tmp, log)
+    return await chaos(args, tmp, log, cluster)
 
 
-def report(r: dict, command: str) -> str:
-    """The markdown page for docs/benchmarks/chaos.md."""
-    ok = not (r["lost_tokens"] or r["duplicated_tokens"] or r["hung"] or r["leaked_blocks"] or r["unclean"])
+VARIANTS = {"loopback": "chaos.json", "netns": "chaos-netns.json"}
+WHERE = {
+    "loopback": "The whole stack on loopback (broker, 2 prefill + 2 decode workers, the edge with 2 gunicorn workers, "
+                "supervised as `tandem serve` does); every broker link and each decode worker's KV ingest through a "
+                "proxy the run cuts (the peers see resets).",
+    "netns": "The same stack across seven hosts (network namespaces joined by a bridge: broker, each worker, the edge, "
+             "the client); a cut drops every packet between two hosts (broker links, or one prefill -> decode KV "
+             "path), so connections stall instead of being reset, and an unplug takes a host's cable away.",
+}
+
+
+def report_section(r: dict) -> list[str]:
+    """One run's part of docs/benchmarks/chaos.md."""
+    ok = not (r["lost_tokens"] or r["duplicated_tokens"] or r["hung"] or r["leaked_blocks"] or r["unclean"] or r["mismatched"])
     lines = [
-        "# Chaos and soak",
+        f"## {r['network']}: `{r['command']}`",
         "",
-        f"`{command}` ({r['minutes']} min of faults, seed {r['seed']}, {r['machine']['when']}, "
-        f"{r['machine']['cpus']} cores shared with other work, load average {r['machine']['load_avg_1m']:.1f}; "
-        f"model: {r['model']}).",
+        f"{r['minutes']} min of faults, seed {r['seed']}, model {r['model']}, commit {r['commit']}, {r['machine']['when']}, "
+        f"{r['machine']['cpus']} cores shared with other work (load average {r['machine']['load_avg_1m']:.1f} at the end).",
         "",
-        "The whole stack on loopback (broker, 2 prefill + 2 decode workers, the edge with 2 gunicorn workers, "
-        "supervised as `tandem serve` does) under mixed load while a seeded schedule kills, freezes, restarts and "
-        "cuts it; bench/chaos.py's docstring says what each check means. Verdict: "
+        WHERE[r["network"]] + " Verdict: "
         + ("**nothing lost, repeated, hung or leaked**." if ok else "**invariants broken** (see below)."),
         "",
         "| figure | value |",
@@ -778,15 +933,15 @@ def report(r: dict, command: str) -> str:
     ]
     for key in ("requests", "completed_exact", "failed_clean", "aborted", "severed_by_edge_kill",
                 "refused_while_edge_restarts", "unclean", "mismatched", "lost_tokens", "duplicated_tokens", "hung",
-                "leaked_blocks", "faults", "rss_growth_mb"):
+                "leaked_blocks", "faults", "rss_growth_mb", "rss_second_half_growth_mb", "token_requests", "tokens_checked",
+                "logprob_max_abs_diff"):
         lines.append(f"| `{key}` | {r[key]} |")
     lines.append(f"| after the faults, catalogue requests answered exactly | {r['after_chaos_exact']} of {r['after_chaos_requests']} |")
-    lines += ["", "## Faults", "", "| kind | count |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in sorted(r["fault_kinds"].items())]
-    lines += ["", "Signals by target (SIGKILL, SIGSTOP, SIGTERM): "
+    lines += ["", "Faults: " + ", ".join(f"{k} {v}" for k, v in sorted(r["fault_kinds"].items())) + ". "
+              "Signals by target (SIGKILL, SIGSTOP, SIGTERM): "
               + ", ".join(f"{k} {v}" for k, v in sorted(r["fault_targets"].items()))
               + ". Restarts by the supervisor (a process that died): " + ", ".join(f"{k} {v}" for k, v in r["restarts"].items()) + "."]
-    lines += ["", "## Named scenarios", "", "| scenario | runs | outcomes of its requests |", "|---|---|---|"]
+    lines += ["", "| scenario | runs | outcomes of its requests |", "|---|---|---|"]
     for name in Run.SCENARIOS + ("kv_fill",):
         outcomes = r["scenario_outcomes"].get(name, {})
         runs = r["scenarios"].get(name, r["fault_kinds"].get("kv_fill", 0) if name == "kv_fill" else 0)
@@ -794,18 +949,36 @@ def report(r: dict, command: str) -> str:
     if r["scenario_evidence"]:
         lines += ["", "Decode refusals seen in the broker's counters during decode_refuses_before_admission: "
                   f"{r['scenario_evidence'].get('decode_refuses_before_admission', 0)} of its runs."]
-    lines += ["", "## Clean errors clients saw", ""]
+    lines += ["", "Clean errors clients saw:", ""]
     lines += [f"- {v} x {k}" for k, v in r["clean_errors"].items()] or ["- none"]
-    lines += ["", "## Hostile input", "", ", ".join(f"{k} {v}" for k, v in sorted(r["hostile"].items())) + "."]
-    lines += ["", "## Resident memory (processes that lived long enough to measure)", "",
-              "| process | measured for s | RSS start MB | RSS end MB | growth MB |", "|---|---|---|---|---|"]
-    lines += [f"| {x['name']} (pid {x['pid']}) | {x['span_s']} | {x['rss_mb_start']} | {x['rss_mb_end']} | {x['growth_mb']} |"
-              for x in r["rss"]]
+    lines += ["", "Hostile input: " + ", ".join(f"{k} {v}" for k, v in sorted(r["hostile"].items())) + "."]
+    lines += ["", "| process (lived long enough to measure) | measured for s | RSS start MB | mid MB | end MB | growth MB |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {x['name']} (pid {x['pid']}) | {x['span_s']} | {x['rss_mb_start']} | {x['rss_mb_mid']} | {x['rss_mb_end']} "
+              f"| {x['growth_mb']} |" for x in r["rss"]]
     if r["reference_failures"]:
-        lines += ["", "## Catalogue requests the undisturbed stack failed", ""] + [f"- {x}" for x in r["reference_failures"]]
+        lines += ["", "Catalogue requests the undisturbed stack failed:", ""] + [f"- {x}" for x in r["reference_failures"]]
     if r["examples"]:
-        lines += ["", "## Examples of broken invariants", ""] + [f"- {k}: {v}" for k, vs in r["examples"].items() for v in vs]
-    return "\n".join(lines) + "\n"
+        lines += ["", "Examples of broken invariants:", ""] + [f"- {k}: {v}" for k, vs in r["examples"].items() for v in vs]
+    return lines + [""]
+
+
+NOTES = "<!-- notes: kept when bench/chaos.py rewrites this page -->"
+
+
+def report(out: Path) -> str:
+    """docs/benchmarks/chaos.md from the runs' JSON files there; what the page has below
+    :data:`NOTES` (written by hand) is kept."""
+    lines = ["# Chaos and soak", "",
+             "bench/chaos.py runs the whole stack under mixed load while a seeded schedule kills, freezes, restarts "
+             "and cuts it; its docstring says what each check means. One section per network variant.", ""]
+    for variant, name in VARIANTS.items():
+        if (out / name).exists():
+            lines += report_section(json.loads((out / name).read_text()))
+    page = out / "chaos.md"
+    old = page.read_text() if page.exists() else ""
+    lines += [NOTES + old.partition(NOTES)[2].rstrip(), ""]
+    return "\n".join(lines)
 
 
 def say(text: str) -> None:
@@ -817,30 +990,44 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--model", help="mlx-lm model directory (default: the test suite's tiny random model)")
+    ap.add_argument("--netns", action="store_true", help="every process on a host of its own (network namespaces; root)")
     ap.add_argument("--clients", type=int, default=4, help="concurrent client loops")
     ap.add_argument("--catalogue", type=int, default=24, help="distinct requests in the reference catalogue")
     ap.add_argument("--fault-every", type=float, default=4.0, help="mean seconds between faults")
     ap.add_argument("--log", default="/tmp/tandem-chaos.log", help="every process's output and every fault")
-    ap.add_argument("--out", help="directory to write chaos.md and chaos.json into (docs/benchmarks)")
+    ap.add_argument("--out", help="directory to write chaos.md and the run's JSON into (docs/benchmarks)")
     args = ap.parse_args()
+    cluster = None
+    if args.netns:
+        sys.path.insert(0, str(ROOT))
+        from tests.ops.netns import Cluster, namespaces_available
+
+        if reason := namespaces_available():
+            print(f"chaos: --netns cannot run here: {reason}", file=sys.stderr)
+            return 2
+        cluster = Cluster([*Stack.HOSTS, "client"], subnet_id=78).__enter__()
+        cluster.enter("client")  # this process is the client host; ip netns exec starts the others
     logf = open(args.log, "w")
 
     def log(line: str) -> None:
         logf.write(f"{time.strftime('%H:%M:%S')} {line}\n")
         logf.flush()
 
-    with tempfile.TemporaryDirectory(prefix="tandem-chaos-") as tmp:
-        try:
-            result = asyncio.run(chaos_until_signalled(args, Path(tmp), log))
-        except asyncio.CancelledError:
-            print("chaos: interrupted; the stack is stopped", file=sys.stderr)
-            return 1
+    try:
+        with tempfile.TemporaryDirectory(prefix="tandem-chaos-") as tmp:
+            result = asyncio.run(chaos_until_signalled(args, Path(tmp), log, cluster))
+    except asyncio.CancelledError:
+        print("chaos: interrupted; the stack is stopped", file=sys.stderr)
+        return 1
+    finally:
+        if cluster is not None:
+            cluster.close()
     logf.close()
     if args.out:
-        command = "bench/chaos.py " + " ".join(sys.argv[1:])
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "chaos.json").write_text(json.dumps(result, indent=1) + "\n")
-        (Path(args.out) / "chaos.md").write_text(report(result, command))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / VARIANTS[result["network"]]).write_text(json.dumps(result, indent=1) + "\n")
+        (out / "chaos.md").write_text(report(out))
     print(json.dumps(result), flush=True)
     bad = (result["lost_tokens"] or result["duplicated_tokens"] or result["hung"] or result["leaked_blocks"]
            or result["reference_failures"])

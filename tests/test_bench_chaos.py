@@ -1,0 +1,46 @@
+"""bench/chaos.py's token-level check: a streamed (token, logprob) sequence against the
+undisturbed run's, for both OpenAI logprobs shapes."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))  # chaos.py imports its neighbours (_common, chaos_stack)
+_spec = importlib.util.spec_from_file_location("chaos", BENCH / "chaos.py")
+chaos = sys.modules["chaos"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(chaos)
+
+REF = [[(b"a", -0.1), (b"b", -0.2), (b"c", -0.3)]]
+
+
+def test_a_complete_answer_must_equal_the_reference_token_by_token():
+    assert chaos.token_diff(REF, REF, complete=True)[0] == []
+    problems, lost, dup, _ = chaos.token_diff([[(b"a", -0.1), (b"c", -0.3), (b"b", -0.2)]], REF, complete=True)
+    assert problems and (lost, dup) == (2, 2)  # reordered
+    problems, lost, dup, _ = chaos.token_diff([[(b"a", -0.1), (b"b", -0.2), (b"b", -0.2), (b"c", -0.3)]], REF, complete=True)
+    assert problems and (lost, dup) == (1, 2)  # repeated
+    problems, lost, dup, _ = chaos.token_diff([[(b"a", -0.1), (b"c", -0.3)]], REF, complete=True)
+    assert problems and (lost, dup) == (2, 1)  # lost
+
+
+def test_an_answer_that_ended_early_may_be_a_prefix_only_if_incomplete():
+    assert chaos.token_diff([REF[0][:2]], REF, complete=False)[0] == []
+    assert chaos.token_diff([REF[0][:2]], REF, complete=True)[0] != []
+
+
+def test_logprobs_must_match_within_rounding():
+    near = [[(b"a", -0.1 + 1e-5), (b"b", -0.2), (b"c", -0.3)]]
+    problems, _, _, worst = chaos.token_diff(near, REF, complete=True)
+    assert problems == [] and 0 < worst < chaos.LOGPROB_TOLERANCE
+    far = [[(b"a", -0.1), (b"b", -0.9), (b"c", -0.3)]]
+    assert "logprob" in chaos.token_diff(far, REF, complete=True)[0][0]
+
+
+def test_both_logprobs_shapes_read_as_token_bytes():
+    chat = {"content": [{"token": "é", "logprob": -1.0, "bytes": [195, 169], "top_logprobs": []},
+                        {"token": "bytes:\\xe2", "logprob": -2.0, "bytes": [226], "top_logprobs": []}]}
+    assert chaos._logprob_tokens(chat) == [("é".encode(), -1.0), (b"\xe2", -2.0)]
+    completions = {"tokens": ["é", "bytes:\\xe2\\x80"], "token_logprobs": [-1.0, -2.0], "top_logprobs": [{}, {}], "text_offset": [0, 1]}
+    assert chaos._logprob_tokens(completions) == [("é".encode(), -1.0), (b"\xe2\x80", -2.0)]
+    assert chaos._logprob_tokens(None) == []
