@@ -91,6 +91,12 @@ class KVSnapshot:
     ``num_blocks = ceil(num_computed / block_size)``; slots past ``num_computed`` in the
     last block are undefined. ``dtype`` names the element type; ``bfloat16`` arrays
     travel as ``uint16`` views because numpy has no bfloat16.
+
+    A KV export streamed while its prompt is prefilled comes in parts: each holds only
+    blocks ``[first_block, first_block + len(keys[0]))`` (the blocks before went out in
+    earlier parts) and already has the final geometry (``num_computed`` = the whole
+    prompt); the last part carries the sampled token. A snapshot an engine imports is
+    always whole (``first_block`` 0).
     """
 
     request_id: bytes
@@ -108,6 +114,7 @@ class KVSnapshot:
     sampling: SamplingParams
     num_generated: int = 0
     num_cached_prompt_tokens: int = 0
+    first_block: int = 0
 
     @property
     def nbytes(self) -> int:

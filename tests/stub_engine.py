@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -54,13 +55,23 @@ class _Seq:
     prompt_len: int
     generated: int = 0
     out: list[int] = field(default_factory=list)
+    computed: int = 0  # stream_kv: prompt tokens prefilled (one chunk a step)
+    exported: int = 0  # stream_kv: leading blocks handed out in parts
 
 
 class StubEngine:
     BLOCK = 16
 
-    def __init__(self, *, parallel: int = 64, max_queue: int = 256, step_s: float = 0.0, total_blocks: int = 4096, model_id: str = "stub"):
+    def __init__(self, *, parallel: int = 64, max_queue: int = 256, step_s: float = 0.0, total_blocks: int = 4096,
+                 model_id: str = "stub", prefill_chunk: int = 0):
         self.parallel, self.max_queue, self.step_s = parallel, max_queue, step_s
+        # prefill_chunk > 0: a prompt longer than that is prefilled a chunk a step, and a
+        # request with stream_kv hands out each chunk's completed blocks (TokenEvent.kv_part),
+        # as the real engine does; the worker reads the chunk size from ``settings``.
+        if prefill_chunk:
+            self.settings = SimpleNamespace(prefill_chunk_size=prefill_chunk, block_size=self.BLOCK)
+        self.prefill_chunk = prefill_chunk
+        self.bytes_per_block = 2 * self.BLOCK * self.BLOCK * 4
         self.total_blocks, self.model_id = total_blocks, model_id
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: list[_Seq] = []
@@ -155,6 +166,16 @@ class StubEngine:
         self._steps += 1
         done = []
         for rid, s in list(self._running.items()):
+            if self.prefill_chunk and s.generated == 0 and s.computed + self.prefill_chunk < s.prompt_len:
+                s.computed += self.prefill_chunk  # a chunk of a long prompt: no token yet
+                full = s.computed // self.BLOCK
+                if s.req.stream_kv and full > s.exported:
+                    kv = _encode_kv(s.tokens[: s.prompt_len], self.BLOCK)[s.exported:full]
+                    part = KVSnapshot(rid, self.model_id, self.BLOCK, 1, 1, self.BLOCK, "float32", list(s.tokens),
+                                      s.prompt_len, s.prompt_len, [kv], [kv.copy()], s.req.sampling, first_block=s.exported)
+                    s.exported = full
+                    s.req.on_event(TokenEvent(rid, [], kv_part=part))
+                continue
             tok = next_token(s.tokens)
             s.tokens.append(tok)
             s.generated += 1
@@ -165,10 +186,10 @@ class StubEngine:
             elif s.generated >= sp.max_tokens:
                 finish = "length"
             if s.req.export_after_prefill and finish is None:
+                kv = _encode_kv(s.tokens[:-1], self.BLOCK)[s.exported:]
                 snap = KVSnapshot(rid, self.model_id, self.BLOCK, 1, 1, self.BLOCK, "float32",
-                                  list(s.tokens), len(s.tokens) - 1, s.prompt_len,
-                                  [_encode_kv(s.tokens[:-1], self.BLOCK)], [_encode_kv(s.tokens[:-1], self.BLOCK)],
-                                  sp, num_generated=s.generated)
+                                  list(s.tokens), len(s.tokens) - 1, s.prompt_len, [kv], [kv.copy()],
+                                  sp, num_generated=s.generated, first_block=s.exported)
                 # As the engine does: the first token, then the KV in a final event without tokens.
                 s.req.on_event(TokenEvent(rid, [tok], usage=self._usage(s)))
                 s.req.on_event(TokenEvent(rid, [], usage=self._usage(s), snapshot=snap))
@@ -207,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--stub-step-ms", type=float, default=0.0)
+    p.add_argument("--stub-prefill-chunk", type=int, default=0, help="prompt tokens prefilled a step (0: a whole prompt)")
     ours, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
 
     def build_engine(cfg, args, log):
         eng = StubEngine(parallel=cfg.engine.parallel, max_queue=cfg.engine.max_queue_depth,
-                         step_s=ours.stub_step_ms / 1000)
+                         step_s=ours.stub_step_ms / 1000, prefill_chunk=ours.stub_prefill_chunk)
         return eng, eng.model_id
 
     worker.build_engine = build_engine

@@ -34,6 +34,9 @@ class TokenEvent:
     error: str | None = None
     # Set on the final event of a request submitted with export_after_prefill=True.
     snapshot: KVSnapshot | None = None
+    # stream_kv: the blocks one prefill chunk completed, while later chunks still run
+    # (a part: see KVSnapshot.first_block); the final event's snapshot holds the rest.
+    kv_part: KVSnapshot | None = None
 
 
 @dataclass
@@ -46,6 +49,9 @@ class EngineRequest:
     # Prefill role: prefill, sample the first token, then finish with a KVSnapshot
     # (finish_reason None unless the first token already ended the request) and free the blocks.
     export_after_prefill: bool = False
+    # With export_after_prefill: hand out each prefill chunk's completed blocks as it
+    # finishes (TokenEvent.kv_part), so they travel while the next chunk computes.
+    stream_kv: bool = False
 
 
 @dataclass

@@ -204,7 +204,8 @@ class Engine:
         if sp.seed is None:
             sp = replace(sp, seed=random.getrandbits(63))
         seq = Sequence(req.request_id, prompt, len(prompt), sp, req.on_event, priority=req.priority,
-                       export_after_prefill=req.export_after_prefill, stop_ids=self._stop_ids(sp))
+                       export_after_prefill=req.export_after_prefill, stop_ids=self._stop_ids(sp),
+                       stream_kv=req.export_after_prefill and req.stream_kv and self.store is not None)
         self._inbox.put(("submit", seq))
 
     def abort(self, request_id: bytes) -> None:
@@ -537,9 +538,12 @@ class Engine:
             lps = sampled.logprobs.tolist() if sampled.logprobs is not None else None
             top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
             top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        parts: list[Sequence] = []  # streamed exports: prompts whose chunk completed blocks
         for r in plan.rows:
             if not r.samples:  # a sampling row registers below, once its token is in
                 self.scheduler.register_full_blocks(r.seq)
+                if r.seq.stream_kv and r.seq.status is Status.RUNNING:
+                    parts.append(r.seq)
         offset = 0
         for i in samplers:
             row = plan.rows[i]
@@ -589,6 +593,8 @@ class Engine:
                 self._emit(seq, TokenEvent(seq.request_id, out, logprobs, usage=usage))
                 if seq.hold:
                     holds.append(seq)
+        for seq in parts:
+            self._export_part(seq)
         # Every first token of the step is out before the first export starts.
         for seq in holds:
             self._export(seq)
@@ -596,17 +602,39 @@ class Engine:
 
     def _export(self, seq: Sequence) -> None:
         """End a prefill-role sequence with its KV: a final event with no tokens and the
-        snapshot. Its first token went out in an event before (with those of the whole
-        step): the export (2-3 ms per 256-token prompt on the CPU, one after another for a
-        batch's prompts) is not on the way to the client."""
+        snapshot (with ``stream_kv``, of the blocks no part carried). Its first token went
+        out in an event before (with those of the whole step): the export (2-3 ms per
+        256-token prompt on the CPU, one after another for a batch's prompts) is not on
+        the way to the client."""
         nb = self.pool.blocks_for(seq.num_computed)
+        first = seq.kv_exported if seq.stream_kv else 0
         self.runner.flush()
-        keys, values = self.store.export_blocks(seq.block_ids[:nb])
-        sh = self.shape
-        snap = KVSnapshot(seq.request_id, self.model_id, self.pool.block_size, sh.num_layers, sh.n_kv_heads, sh.head_dim,
-                          dtype_name(sh.dtype), list(seq.tokens), seq.num_computed, seq.prompt_len, keys, values,
-                          seq.sampling, seq.num_generated, seq.num_cached_prompt)
+        keys, values = self.store.export_blocks(seq.block_ids[first:nb])
+        snap = self._snapshot(seq, keys, values, list(seq.tokens), seq.num_computed, seq.num_generated, first)
         self._finish(seq, None, snapshot=snap)
+
+    def _export_part(self, seq: Sequence) -> None:
+        """``stream_kv``: hand out the prompt blocks a chunk completed, before the next
+        chunk's launch overwrites what the store arrays hold (this step was read back
+        first, see _tick). The copy is the one _export would make at the end anyway; the
+        worker sends the part while the next chunk computes, so only the last chunk's
+        blocks are left to move once the first token is out."""
+        full = min(seq.num_computed, seq.prompt_len) // self.pool.block_size
+        if full <= seq.kv_exported:
+            return
+        self.runner.flush()
+        keys, values = self.store.export_blocks(seq.block_ids[seq.kv_exported:full])
+        # The final geometry already: the whole prompt is computed before the token is sampled.
+        snap = self._snapshot(seq, keys, values, list(seq.tokens[: seq.prompt_len]), seq.prompt_len, 0, seq.kv_exported)
+        seq.kv_exported = full
+        self._emit(seq, TokenEvent(seq.request_id, [], kv_part=snap))
+
+    def _snapshot(self, seq: Sequence, keys, values, tokens: list[int], num_computed: int, num_generated: int,
+                  first_block: int) -> KVSnapshot:
+        sh = self.shape
+        return KVSnapshot(seq.request_id, self.model_id, self.pool.block_size, sh.num_layers, sh.n_kv_heads, sh.head_dim,
+                          dtype_name(sh.dtype), tokens, num_computed, seq.prompt_len, keys, values,
+                          seq.sampling, num_generated, seq.num_cached_prompt, first_block)
 
     def _finish(self, seq: Sequence, reason: str | None, *, last=(), logprobs=None, error=None, snapshot=None) -> None:
         if seq.status is Status.FINISHED:
@@ -687,6 +715,8 @@ class Engine:
             problems.append("layer/head shape differs")
         if snap.dtype != dtype_name(sh.dtype):
             problems.append(f"KV dtype {snap.dtype} != this engine's {dtype_name(sh.dtype)}")
+        if snap.first_block:
+            problems.append("a part of a streamed export, not a whole snapshot")
         if not 0 < snap.num_computed < len(snap.tokens):
             problems.append("num_computed must be between 1 and len(tokens) - 1")
         if len(snap.keys) != sh.num_layers or len(snap.values) != sh.num_layers:
@@ -701,8 +731,9 @@ class Engine:
 
 
 def _exports(plan: Plan) -> bool:
-    """Whether a step ends with a KV export (a prefill worker's prompt got its first token)."""
-    return any(r.samples and r.seq.export_after_prefill for r in plan.rows)
+    """Whether a step ends with a KV export (a prefill worker's prompt got its first token,
+    or a chunk of a prompt whose KV streams completed blocks)."""
+    return any((r.samples and r.seq.export_after_prefill) or r.seq.stream_kv for r in plan.rows)
 
 
 def _verifies(plan: Plan) -> bool:

@@ -30,6 +30,8 @@ class Sequence:
     priority: int = 0
     arrival: int = 0
     export_after_prefill: bool = False
+    stream_kv: bool = False  # with export_after_prefill: export blocks chunk by chunk
+    kv_exported: int = 0  # stream_kv: leading blocks already handed out in parts
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose KV is in the blocks (or queued to be written)
     num_generated: int = 0  # sampled tokens read back

@@ -44,7 +44,8 @@ class KVOptions:
     connections: int = 2  # layer_parallel
 
 
-def make_header(snap: KVSnapshot, options: KVOptions, *, stream_seq: int = 0, priority: int = 0, attempt: int = 0) -> KVHeader:
+def make_header(snap: KVSnapshot, options: KVOptions, *, stream_seq: int = 0, priority: int = 0, attempt: int = 0,
+                final: bool = True) -> KVHeader:
     return KVHeader(
         request_id=snap.request_id, model=snap.model_id, block_size=snap.block_size,
         num_layers=snap.num_layers, num_kv_heads=snap.num_kv_heads, head_dim=snap.head_dim,
@@ -53,7 +54,7 @@ def make_header(snap: KVSnapshot, options: KVOptions, *, stream_seq: int = 0, pr
         num_cached_prompt_tokens=snap.num_cached_prompt_tokens,
         num_blocks=math.ceil(snap.num_computed / snap.block_size),
         compression=options.compression, quantization=options.quantization, strategy=options.strategy,
-        stream_seq=stream_seq, priority=priority, attempt=attempt,
+        stream_seq=stream_seq, priority=priority, attempt=attempt, final=final,
     )
 
 
@@ -126,6 +127,28 @@ def iter_snapshot_messages(
             yield encode_chunk(snap, layers, blocks, options, first_index + i, i == len(ranges) - 1)
 
     return [messages(ranges, start) for ranges, start in zip(plans, starts)]
+
+
+def part_messages(snap: KVSnapshot, options: KVOptions, *, first_index: int, header: KVHeader | None) -> tuple[Iterator, int]:
+    """One part of a KV export streamed while its prompt is prefilled (blocks
+    ``[snap.first_block, ...)``): ``header`` first when given (the one that opens the
+    transfer, not final, or the final one with the sampled token), then the part's blocks
+    in chunks of ``options.blocks_per_chunk``, numbered from ``first_index``; produced
+    lazily. Returns the messages and how many chunks they hold."""
+    n = snap.keys[0].shape[0] if snap.keys else 0
+    step = max(1, options.blocks_per_chunk)
+    starts = range(0, n, step)
+    final = header is not None and header.final
+
+    def messages():
+        if header is not None:
+            yield header
+        for i, b in enumerate(starts):
+            e = min(b + step, n)
+            yield encode_blocks(snap.request_id, snap.dtype, [k[b:e] for k in snap.keys], [v[b:e] for v in snap.values],
+                                0, snap.first_block + b, options, first_index + i, final and e == n)
+
+    return messages(), len(starts)
 
 
 class KVAssembler:

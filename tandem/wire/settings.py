@@ -13,8 +13,8 @@ class SecuritySettings:
 
 @dataclass
 class TransferSettings:
-    strategy: str = field(default="adaptive", metadata={"choices": ("adaptive", "full", "streamed", "layer_parallel"), "help": "how KV travels from prefill to decode"})
+    strategy: str = field(default="adaptive", metadata={"choices": ("adaptive", "full", "streamed", "layer_parallel"), "help": "how KV travels from prefill to decode (streamed: during the prefill, for a prompt of several prefill chunks; adaptive tries each and keeps what leaves the least after the prefill)"})
     compression: str = field(default="none", metadata={"choices": ("none", "lz4"), "help": "compress KV frames"})
     quantization: str = field(default="none", metadata={"choices": ("none", "int8", "int4"), "help": "quantize K/V for transfer (int8: |error| <= absmax/254 per block and head)"})
-    blocks_per_chunk: int = field(default=64, metadata={"min": 1, "max": 1 << 20, "help": "streamed: KV blocks per chunk (a prefill chunk's worth)"})
+    blocks_per_chunk: int = field(default=64, metadata={"min": 1, "max": 1 << 20, "help": "streamed: KV blocks per chunk message (a prompt of several prefill chunks sends each chunk's blocks while the next one computes)"})
     connections: int = field(default=2, metadata={"min": 1, "max": 16, "help": "layer_parallel: connections per decode peer"})

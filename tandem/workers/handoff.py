@@ -8,14 +8,17 @@ responder per connecting peer. The KV itself is framed by :mod:`tandem.wire.kvfr
 the dispatch attempt the decode side publishes under.
 
 Both sides bound what a handoff may hold and for how long: a prefill worker drops a
-snapshot that is not acknowledged within the transfer timeout, and a decode worker drops
-a partial transfer after the same time, so no KV stays pinned by a peer that died. Nothing here blocks: a dead decode peer must
+snapshot that is not acknowledged within the transfer timeout of its last part, and a
+decode worker drops a partial transfer that heard nothing for the same time (a streamed
+transfer's sender keeps it alive while its prefill computes), so no KV stays pinned by a
+peer that died. Nothing here blocks: a dead decode peer must
 not stop a prefill worker's heartbeats. This is the one KV-handoff implementation: the
 worker, the tests and bench/kv_transfer.py all move KV through it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -77,6 +80,19 @@ class KVPeer:
         self.pending[out.request_id] = out
         self.flush()
 
+    def extend(self, request_id: bytes, messages, deadline: float) -> bool:
+        """More messages for a transfer already queued (a streamed export's next part), with
+        a new deadline: the transfer is alive while its parts keep coming. False when it is
+        gone (failed, refused or expired: that outcome was reported)."""
+        out = self.pending.get(request_id)
+        if out is None:
+            return False
+        out.messages = messages if out.sent else itertools.chain(out.messages, messages)
+        out.sent = False
+        out.deadline = deadline
+        self.flush()
+        return True
+
     def flush(self) -> None:
         if self.channel is None:
             return
@@ -101,6 +117,18 @@ class KVPeer:
                     self.failed = "KV connection congested"
                 out.sent = True
                 out.messages = iter(())  # the snapshot can go as soon as libzmq has the frames
+
+    def cancel(self, request_id: bytes, why: str) -> None:
+        """Abandon a transfer: a streamed one already open on the decode side is told so
+        (KVRefuse from this side), which frees its place there at once, not at its timeout."""
+        out = self.pending.pop(request_id, None)
+        if out is None or self.channel is None or self.failed:
+            return
+        try:
+            send_records(self.sock, self.channel, codec.encode(M.KVRefuse(request_id, "invalid", why[:1000])),
+                         self._arena, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.failed = "KV connection congested"  # the sealed counter moved: this connection is spent
 
     def on_message(self, frames) -> list[tuple[bytes, object]]:
         """Handle one message from the decode worker; returns [(request_id, KVAck|KVRefuse)]."""
@@ -175,6 +203,7 @@ class KVIngest:
         self._channels: dict[bytes, object] = {}
         self._partial: dict[bytes, Incoming] = {}
         self._refused: dict[bytes, float] = {}  # so the other connections of a refused transfer are ignored
+        self._cancelled: list[Incoming] = []  # abandoned by their senders; expire() reports them
         self.rejected = 0
         self.bytes_in = 0
 
@@ -216,6 +245,7 @@ class KVIngest:
                     return []
                 inc.header = inc.assembler.header
                 inc.peers.add(peer)
+                inc.deadline = time.monotonic() + self.timeout_s  # a streamed transfer's keep-alive, or its end
                 return self._maybe_complete(peer, inc)
             try:
                 assembler = KVAssembler(msg)
@@ -224,6 +254,12 @@ class KVIngest:
                 return []
             self._partial[rid] = Incoming(msg, assembler, time.monotonic() + self.timeout_s, {peer})
             return [(peer, msg.attempt, msg, None)] + self._maybe_complete(peer, self._partial[rid])
+        if isinstance(msg, M.KVRefuse):  # the sender abandons the transfer (its request ended or went)
+            inc = self._partial.get(rid)
+            if inc is not None and peer in inc.peers:
+                del self._partial[rid]
+                self._cancelled.append(inc)
+            return []
         if isinstance(msg, M.KVChunk):
             inc = self._partial.get(rid)
             if inc is None or peer not in inc.peers:
@@ -234,6 +270,9 @@ class KVIngest:
                 self.refuse(peer, rid, "invalid", str(exc))
                 return []
             self.bytes_in += sum(len(codec.as_buffer(f)) for f in msg.frames)
+            # A transfer that makes progress lives on: a streamed one lasts as long as its
+            # prompt's prefill, and each chunk can only bring cells not seen before.
+            inc.deadline = time.monotonic() + self.timeout_s
             return self._maybe_complete(peer, inc)
         return []
 
@@ -298,9 +337,12 @@ class KVIngest:
             pass
 
     def expire(self, now: float) -> list[Incoming]:
+        """Partial transfers dropped: past their deadline, or abandoned by their sender."""
         gone = [inc for inc in self._partial.values() if inc.deadline < now]
         for inc in gone:
             del self._partial[inc.header.request_id]
+        gone += self._cancelled
+        self._cancelled = []
         for rid in [r for r, t in self._refused.items() if t < now]:
             del self._refused[rid]
         return gone

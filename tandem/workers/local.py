@@ -17,3 +17,6 @@ class Local:
     decode_node: str | None = None
     decode_address: str | None = None
     handing_off: bool = False
+    strategy: str | None = None  # prefill: the handoff's, when chosen at dispatch
+    stream_kv: bool = False  # prefill: the KV streams to the decode worker during the prefill
+    kv_failed: str | None = None  # stream_kv: why the transfer failed before the first token was out

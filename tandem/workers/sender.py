@@ -11,6 +11,7 @@ failed (refused, broken channel, no acknowledgement in time).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import zmq
 from tandem.kvtypes import KVSnapshot
 from tandem.wire import messages as M
 from tandem.wire.kvchannel import SendArena
-from tandem.wire.kvframes import KVOptions, iter_snapshot_messages
+from tandem.wire.kvframes import KVOptions, iter_snapshot_messages, make_header, part_messages
 from tandem.wire.settings import TransferSettings
 from tandem.workers.handoff import ARENA_BYTES, KVPeer, Outgoing
 
@@ -30,7 +31,9 @@ class AdaptiveSelector:
     """Picks a strategy per decode peer from measured throughput.
 
     Small transfers go Full (one round trip beats any overlap). For larger ones every
-    candidate is tried once per peer, then the best EWMA of achieved GB/s wins, with one
+    candidate (Streamed too, for a prompt of several prefill chunks) is tried once per
+    peer, then the best EWMA of bytes over the time from the prefill's end to the decode
+    side's acknowledgement wins (what the handoff adds to the request), with one
     exploratory pick of the least recently tried candidate every ``explore_every``
     transfers so a changed link or load is noticed."""
 
@@ -65,18 +68,23 @@ class AdaptiveSelector:
         self._gbps[(peer, strategy)] = gbps if old is None else old + self.alpha * (gbps - old)
 
     def bandwidth(self, peer: str) -> float | None:
-        """The best measured GB/s to ``peer`` (for stats), or None before any large transfer."""
-        rates = [v for (p, _), v in self._gbps.items() if p == peer]
+        """The best measured GB/s to ``peer`` (for stats), or None before any large transfer.
+        Streamed's rate is not one: its bytes over the time left after the prefill."""
+        rates = [v for (p, s), v in self._gbps.items() if p == peer and s != "streamed"]
         return max(rates) if rates else None
 
 
 @dataclass
 class _Transfer:
-    started: float
+    started: float  # when what is left to send after the prefill was queued
     nbytes: int
     strategy: str
     address: str
     decode_node: str
+    next_index: int = 0  # streamed: the next chunk's number
+    parts: int = 1  # streamed: parts sent (more than one: sent during the prefill)
+    header: M.KVHeader | None = None  # streamed, until the final part: the opening header
+    last_sent: float = 0.0  # streamed: when the decode side last heard of this transfer
 
 
 class HandoffSender:
@@ -111,20 +119,84 @@ class HandoffSender:
             self.poller.register(peer.sock, zmq.POLLIN)
         return peer
 
-    def _options(self, address: str, nbytes: int) -> KVOptions:
+    def choose(self, address: str, nbytes: int, *, streaming: bool) -> str:
+        """The strategy of one handoff, picked when its prefill is dispatched: ``streaming``
+        when the prompt spans several prefill chunks, so its KV can be sent as they are
+        written (the Streamed strategy then sends during the prefill)."""
         t = self.transfer
-        strategy = self.selector.choose(address, nbytes) if t.strategy == "adaptive" else t.strategy
+        return self.selector.choose(address, nbytes, streaming=streaming) if t.strategy == "adaptive" else t.strategy
+
+    def _options(self, strategy: str) -> KVOptions:
+        t = self.transfer
         return KVOptions(compression=t.compression, quantization=t.quantization, strategy=strategy,
                          blocks_per_chunk=t.blocks_per_chunk, connections=t.connections)
 
-    def start(self, snap: KVSnapshot, *, attempt: int, decode_node: str, address: str, stream_seq: int, priority: int) -> None:
-        options = self._options(address, snap.nbytes)
+    def start(self, snap: KVSnapshot, *, attempt: int, decode_node: str, address: str, stream_seq: int, priority: int,
+              strategy: str | None = None) -> None:
+        """Send a whole snapshot (after the prefill), with ``strategy`` (None: choose now)."""
+        options = self._options(strategy or self.choose(address, snap.nbytes, streaming=False))
         per_conn = iter_snapshot_messages(snap, options, stream_seq=stream_seq, priority=priority, attempt=attempt)
         now = time.monotonic()
         self._transfers[snap.request_id] = _Transfer(now, snap.nbytes, options.strategy, address, decode_node)
         for i, msgs in enumerate(per_conn):
             out = Outgoing(snap.request_id, attempt, decode_node, msgs, now + self.timeout_s, nbytes=snap.nbytes, started=now)
             self._peer(address, i).queue(out)
+
+    def stream(self, part: KVSnapshot, *, final: bool, attempt: int, decode_node: str, address: str, stream_seq: int,
+               priority: int) -> None:
+        """Send one part of a streamed export (kvframes.part_messages) on the peer's first
+        connection: the first opens the transfer, each further one extends it, the final
+        one carries the sampled token and completes it. Until the final part the transfer
+        has no deadline here (the prefill is computing; aborts and ended requests cancel
+        it) and :meth:`expired` keeps it alive on the decode side; after the final part
+        the decode side has the transfer timeout to acknowledge it, as for the others. A
+        part for a transfer that failed meanwhile is dropped (its failure was reported)."""
+        rid, now = part.request_id, time.monotonic()
+        t = self._transfers.get(rid)
+        opening = t is None
+        if opening:
+            if part.first_block:
+                return  # its opening part failed and was forgotten
+            t = self._transfers[rid] = _Transfer(now, 0, "streamed", address, decode_node)
+        options = self._options("streamed")
+        header = None
+        if opening or final:
+            header = make_header(part, options, stream_seq=stream_seq, priority=priority, attempt=attempt, final=final)
+        msgs, n = part_messages(part, options, first_index=t.next_index, header=header)
+        t.next_index += n
+        t.parts += not opening
+        t.nbytes += part.nbytes
+        t.header = None if final else (header or t.header)
+        t.last_sent = now
+        if final:
+            t.started = now  # the selector compares what each strategy leaves after the prefill
+        deadline = now + self.timeout_s if final else math.inf
+        if opening:
+            self._peer(address, 0).queue(Outgoing(rid, attempt, decode_node, msgs, deadline, started=now))
+        else:
+            peer = self.peers.get((address, 0))
+            if peer is not None:
+                peer.extend(rid, msgs, deadline)
+
+    def _keep_alive(self, now: float) -> None:
+        """A streamed transfer whose prefill computes a chunk for longer than the decode
+        side's timeout (a large model on the CPU) must not be dropped there: its opening
+        header again, a quarter of the timeout after the last message, says it lives."""
+        for rid, t in self._transfers.items():
+            if t.header is not None and now - t.last_sent >= self.timeout_s / 4:
+                peer = self.peers.get((t.address, 0))
+                if peer is not None and peer.extend(rid, iter([t.header]), math.inf):
+                    t.last_sent = now
+
+    def cancel(self, rid: bytes, why: str) -> None:
+        """Abandon a transfer and tell the decode side (a streamed one is open there
+        before the prefill ends)."""
+        t = self._transfers.pop(rid, None)
+        if t is not None:
+            for (address, _), peer in self.peers.items():
+                if address == t.address:
+                    peer.cancel(rid, why)
+        self.forget(rid)
 
     def forget(self, rid: bytes) -> None:
         self._transfers.pop(rid, None)
@@ -146,6 +218,7 @@ class HandoffSender:
         return out
 
     def expired(self, now: float) -> list[tuple[bytes, str]]:
+        self._keep_alive(now)
         out = []
         for peer in list(self.peers.values()):
             for o in peer.expired(now):
@@ -162,7 +235,8 @@ class HandoffSender:
         self.counters["handoffs"] += 1
         self.counters["handoff_bytes"] += t.nbytes
         self.counters["handoff_ms"] += secs * 1000
-        log.debug("handoff %s: %d KV bytes to %s in %.2f ms (%s)", rid.hex(), t.nbytes, t.decode_node, secs * 1000, t.strategy)
+        log.debug("handoff %s: %d KV bytes to %s in %.2f ms (%s, %d parts)", rid.hex(), t.nbytes, t.decode_node, secs * 1000,
+                  t.strategy, t.parts)
 
     def _failed(self, rid: bytes, why: str) -> str:
         self.forget(rid)

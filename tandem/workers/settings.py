@@ -13,7 +13,7 @@ class WorkerSettings:
     drain_grace_s: float = field(default=30.0, metadata={"min": 0, "help": "seconds SIGTERM waits for in-flight requests"})
     name: str = field(default="", metadata={"help": "this worker's node id (default: role-host-pid)"})
     capacity: int = field(default=0, metadata={"min": 0, "help": "requests the broker may give this worker at once; 0 = engine parallel + queue depth"})
-    transfer_timeout_s: float = field(default=10.0, metadata={"min": 0.05, "help": "a KV handoff not acknowledged by then is abandoned and its KV released, on both sides"})
+    transfer_timeout_s: float = field(default=10.0, metadata={"min": 0.05, "help": "a KV handoff not acknowledged this long after its last part, or (decode side) a partial transfer that heard nothing for this long, is abandoned and its KV released, on both sides (a transfer streamed while its prompt is prefilled is kept alive meanwhile)"})
     stall_timeout_s: float = field(default=30.0, metadata={"min": 0.1, "help": "stop heartbeating (so the broker moves our requests) if the engine makes no progress for this long while it has work"})
     cpu_gate: str = field(default="", metadata={"help": "a lock file shared by a prefill and a decode worker on the same cores: no decode step starts while a prefill runs (the hybrid scheduler's prefill-first); empty = off"})
     cpu_gate_max_wait_ms: int = field(default=10_000, metadata={"min": 1, "help": "cpu_gate: longest a decode step waits for prefills; then it runs alongside them (keep it under stall_timeout_s)"})

@@ -18,16 +18,47 @@ log = logging.getLogger("tandem.worker")
 
 class KVHandoffs:
     # ---- prefill side ---------------------------------------------------------------------
+    def _plan_handoff(self, local: Local) -> bool:
+        """At dispatch: a prompt of several prefill chunks gets its strategy now, and with
+        Streamed its KV goes to the decode worker chunk by chunk while the prefill runs, so
+        only the last chunk's blocks are left to move once the first token is out (a long
+        prompt's handoff hides behind its own prefill). Returns whether it streams."""
+        settings = getattr(self.engine, "settings", None)
+        chunk = getattr(settings, "prefill_chunk_size", 0)
+        if not chunk or local.prompt_len <= chunk or self.sender is None:
+            return False  # one chunk: nothing to overlap; the strategy is chosen at the handoff
+        nbytes = -(-local.prompt_len // settings.block_size) * getattr(self.engine, "bytes_per_block", 0)
+        local.strategy = self.sender.choose(local.decode_address, nbytes, streaming=True)
+        local.stream_kv = local.strategy == "streamed"
+        return local.stream_kv
+
+    def _stream_part(self, local: Local, part) -> None:
+        if local.kv_failed is None:
+            self.sender.stream(part, final=False, attempt=local.attempt, decode_node=local.decode_node or "",
+                               address=local.decode_address, stream_seq=local.seq, priority=local.priority)
+
     def _hand_off(self, local: Local, snap) -> None:
         local.handing_off = True
-        self.sender.start(snap, attempt=local.attempt, decode_node=local.decode_node or "",
-                          address=local.decode_address, stream_seq=local.seq, priority=local.priority)
+        if local.kv_failed is not None:
+            self._handoff_outcomes([(local.request_id, local.kv_failed)])
+        elif local.stream_kv:
+            self.sender.stream(snap, final=True, attempt=local.attempt, decode_node=local.decode_node or "",
+                               address=local.decode_address, stream_seq=local.seq, priority=local.priority)
+        else:
+            self.sender.start(snap, attempt=local.attempt, decode_node=local.decode_node or "",
+                              address=local.decode_address, stream_seq=local.seq, priority=local.priority,
+                              strategy=local.strategy)
 
     def _handoff_outcomes(self, outcomes) -> None:
         for rid, failure in outcomes:
+            local = self.local.get(rid)
+            if local is not None and local.stream_kv and not local.handing_off:
+                # Streamed and still prefilling: the failure is reported once the first token is
+                # out (_hand_off), so the broker blames the decode target and continues from it.
+                local.kv_failed = local.kv_failed or failure
+                continue
             if self.gate is not None:
                 self.gate.prompt_done(rid)
-            local = self.local.get(rid)
             if local is None or not local.handing_off:
                 continue
             del self.local[rid]
@@ -67,6 +98,7 @@ class KVHandoffs:
             if local is None or local.attempt != attempt:
                 self.kv_in.refuse(peer, rid, "invalid", "request was aborted")
                 continue
+            local.seq = header.stream_seq  # the final header's: after the first token
             try:
                 self.engine.import_kv(snap, self._callback(attempt), priority=header.priority)
             except (EngineRefused, ValueError) as exc:

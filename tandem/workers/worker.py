@@ -346,7 +346,8 @@ class Worker(KVHandoffs, Health):
         self.local[rid] = local
         try:
             self.engine.submit(EngineRequest(rid, list(prompt), sampling, self._callback(local.attempt, export),
-                                             local.priority, export_after_prefill=export))
+                                             local.priority, export_after_prefill=export,
+                                             stream_kv=export and self._plan_handoff(local)))
         except EngineRefused as exc:
             del self.local[rid]
             self.counters["refused"] += 1
@@ -372,7 +373,7 @@ class Worker(KVHandoffs, Health):
         if self.kv_in is not None:
             self.kv_in.discard(rid)
         if self.sender is not None:
-            self.sender.forget(rid)
+            self.sender.cancel(rid, "request was aborted")
 
     # ---- engine events ------------------------------------------------------------------------
     def _drain_events(self) -> None:
@@ -391,6 +392,9 @@ class Worker(KVHandoffs, Health):
                 if self.gate is not None:
                     self.gate.prompt_done(ev.request_id)  # no handoff will follow
                 continue  # aborted here, or an older attempt's leftovers
+            if ev.kv_part is not None:
+                self._stream_part(local, ev.kv_part)
+                continue
             if ev.snapshot is not None and ev.finish_reason is None and ev.error is None:
                 if ev.tokens:  # the engine sends the first token in an event before this one
                     self._publish(local, ev.tokens, ev.logprobs, usage=ev.usage)
@@ -403,6 +407,8 @@ class Worker(KVHandoffs, Health):
                 self._publish(local, ev.tokens, ev.logprobs, finish, ev.usage, ev.error)
             if done:
                 del self.local[ev.request_id]
+                if local.stream_kv:  # ended at its first token (or failed) with its KV half sent
+                    self.sender.cancel(ev.request_id, "request ended on the prefill worker")
                 if ev.error and ev.finish_reason in (None, "error"):
                     self._send(M.Failed(ev.request_id, ev.error[:1000], retryable=False))
                 else:

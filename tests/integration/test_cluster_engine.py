@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import signal
 
 import pytest
@@ -172,3 +173,30 @@ def test_layer_parallel_lz4_handoff_is_exact(cluster, tiny_model_dir):
     assert first.usage is not None and 0 < first.usage.cached_prompt_tokens < len(prompts[0])
     assert evs[-1].usage.cached_prompt_tokens == first.usage.cached_prompt_tokens
     wait_clean(c, timeout=20)
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_long_prompts_streamed_during_their_prefill_are_exact(cluster, tiny_model_dir, compression):
+    """Prompts of several prefill chunks (32 tokens here) with the Streamed strategy: each
+    chunk's KV goes to the decode worker while the next computes; disaggregated == one
+    in-process engine, token for token, and nothing is held anywhere afterwards."""
+    cluster.heartbeat_ms = 1000
+    cluster.env["TANDEM_ENGINE_PREFILL_CHUNK_SIZE"] = "32"
+    cluster.start_broker()
+    procs = [cluster.start_worker("prefill", "--kv-strategy", "streamed", "--kv-compression", compression,
+                                  engine="mlx", model=tiny_model_dir, wait=False),
+             cluster.start_worker("decode", engine="mlx", model=tiny_model_dir, wait=False)]
+    for p in procs:
+        p.wait_ready(120)
+    c = cluster.client(timeout_s=60)
+    cluster.wait_workers(c, prefill=1, decode=1, timeout=120)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (70, 129, 200, 257)]
+    got = _run_all(cluster, prompts)
+    st = wait_clean(c, timeout=20)
+    assert st["counters"]["handoffs"] == 4 and st["counters"].get("migrations", 0) == 0
+    # A prompt of C chunks goes in C parts: C - 1 while it is prefilled, then the final one.
+    parts = sorted(int(n) for n in re.findall(r"handoff \w+: \d+ KV bytes .*\(streamed, (\d+) parts\)", procs[0].log.read_text()))
+    assert parts == [3, 5, 7, 9], parts
+    single = _single_process(tiny_model_dir, [(p, _sampling()) for p in prompts])
+    assert got == single

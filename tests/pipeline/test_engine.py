@@ -159,6 +159,57 @@ def test_export_import_continues_token_identically(tiny):
         assert e.usage.prompt_tokens == len(prompt) and e.usage.completion_tokens == len(expected) + (len(expected) < MAX_TOKENS)
 
 
+def test_a_streamed_export_is_the_whole_export_in_parts(tiny):
+    """stream_kv: each prefill chunk's completed blocks come out as a part before the first
+    token; the parts and the final event's blocks, joined, are bit for bit the export of
+    the same prompt in one piece, with the same token state; and the import continues
+    exactly. A prefix-cache hit's blocks go out in the first part."""
+    import dataclasses
+
+    import numpy as np
+
+    prompt = random_prompts(1, 150, 150, seed=21)[0]  # 10 blocks of 16, 5 chunks of 32
+    expected = oracle(tiny, prompt, MAX_TOKENS)
+
+    def export(stream: bool, eng, p=prompt):
+        events: queue.Queue = queue.Queue()
+        eng.submit(EngineRequest(os.urandom(16), p, greedy(), events.put, export_after_prefill=True, stream_kv=stream))
+        evs = [events.get(timeout=30)]
+        while evs[-1].snapshot is None:
+            evs.append(events.get(timeout=30))
+        return evs
+
+    whole_engine, streamed_engine = make(tiny, prefill_chunk_size=32), make(tiny, prefill_chunk_size=32)
+    whole_engine.start()
+    streamed_engine.start()
+    try:
+        (first, whole), evs = export(False, whole_engine), export(True, streamed_engine)
+        # The first 9 blocks are in the prefix cache now; 106 more tokens are 4 chunks.
+        again = export(True, streamed_engine, prompt + random_prompts(1, 100, 100, seed=22)[0])
+    finally:
+        whole_engine.stop()
+        streamed_engine.stop()
+    parts, token, final = evs[:-2], evs[-2], evs[-1]
+    assert [p.kv_part.first_block for p in parts] == [0, 2, 4, 6]  # chunks end at 32, 64, 96, 128 tokens
+    assert all(p.tokens == [] and p.snapshot is None for p in parts) and token.tokens == first.tokens == expected[:1]
+    assert all(p.kv_part.num_computed == len(prompt) and p.kv_part.tokens == prompt for p in parts)
+    assert final.snapshot.first_block == 8 and final.kv_part is None
+    pieces = [p.kv_part for p in parts] + [final.snapshot]
+    joined = dataclasses.replace(final.snapshot, first_block=0,
+                                 keys=[np.concatenate(k) for k in zip(*(p.keys for p in pieces))],
+                                 values=[np.concatenate(v) for v in zip(*(p.values for p in pieces))])
+    ref = whole.snapshot
+    assert joined.tokens == ref.tokens and joined.num_computed == ref.num_computed and joined.first_block == 0
+    for a, b in zip(joined.keys + joined.values, ref.keys + ref.values):
+        assert np.array_equal(a, b)
+    cached = [e.kv_part for e in again if e.kv_part is not None]
+    assert [c.first_block for c in cached] == [0, 11, 13] and cached[0].keys[0].shape[0] == 11
+    assert again[-1].snapshot.first_block == 15 and again[-1].snapshot.keys[0].shape[0] == 1
+    assert all(c == 0 for c in streamed_engine.pool.ref_count)
+    toks, _ = continue_import(make(tiny), joined)
+    assert expected[:1] + toks == expected
+
+
 def test_seeded_sampling_is_reproducible_regardless_of_batch_mates(tiny):
     prompt = random_prompts(1, 20, 20, seed=12)[0]
     sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, min_p=0.01, seed=1234, max_tokens=24, ignore_eos=True)

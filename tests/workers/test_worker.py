@@ -76,9 +76,10 @@ def env():
     workers = []
 
     def start(engine, **kw):
-        settings = WorkerSettings(role=kw.pop("role", "hybrid"), name="w-test", **kw)
+        transfer = kw.pop("transfer", None)
+        settings = WorkerSettings(role=kw.pop("role", "hybrid"), name=kw.pop("name", "w-test"), **kw)
         w = Worker(engine, settings=settings, backend=broker.backend_addr, stream_in=broker.xsub_addr,
-                   secret=secret, model_id="stub", heartbeat_s=0.05, capacity=4, ctx=ctx)
+                   secret=secret, model_id="stub", heartbeat_s=0.05, capacity=4, ctx=ctx, transfer=transfer)
         t = threading.Thread(target=w.run, daemon=True)
         t.start()
         workers.append((w, t))
@@ -405,3 +406,92 @@ def test_a_prefill_worker_publishes_first_tokens_from_the_engine_thread(tmp_path
     finally:
         sub.close(0)
         ctx.destroy(0)
+
+
+# ---- KV streamed while the prompt is prefilled ------------------------------------------
+
+def _streaming_pair(broker, start, *, prefill_step_s=0.05, decode_engine=None, **decode_kw):
+    """A decode worker and a prefill worker whose stub prefills 16 tokens a step and
+    streams each chunk's KV; the broker's next message goes to the prefill worker."""
+    from tandem.wire.settings import TransferSettings
+
+    d = start(decode_engine or StubEngine(), role="decode", name="d-test", **decode_kw)
+    p = start(StubEngine(prefill_chunk=16, step_s=prefill_step_s), role="prefill", name="p-test",
+              transfer=TransferSettings(strategy="streamed"))
+    for _ in range(2):
+        broker.recv(want=M.Ready)
+        broker.wait_stream()
+    broker.identity = b"p-test"
+    return p, d
+
+
+def _until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_streamed_handoff_opens_during_the_prefill_and_continues_exactly(env):
+    broker, start = env
+    p, d = _streaming_pair(broker, start)
+    headers = []
+    decoded = d.kv_in.on_decoded
+    d.kv_in.on_decoded = lambda peer, msg: (headers.append(msg.final) if isinstance(msg, M.KVHeader) else None,
+                                            decoded(peer, msg))[1]
+    rid, prompt = os.urandom(16), list(range(3, 83))  # 80 tokens: 5 chunks, 5 blocks
+    broker.send(M.Dispatch(rid, "prefill", prompt, SamplingParams(max_tokens=6), decode_node="d-test",
+                           decode_address=d.kv_address, attempt=1))
+    msgs = broker.tokens(timeout=5)
+    assert [t for _, m in msgs for t in m.tokens] == reference_tokens(prompt, 6)
+    assert {a for a, _ in msgs} == {1} and [m.seq for _, m in msgs] == list(range(len(msgs)))
+    assert headers == [False, True]  # opened by the first part, completed by the final one
+    dones = [broker.recv(want=M.Done), broker.recv(want=M.Done)]  # the prefill's (handed to) and the decode's
+    assert {x.request_id for x in dones} == {rid} and {x.handed_to for x in dones} == {"d-test", None}
+    _until(lambda: not p.local and not d.local and d.kv_in.partial == 0)
+    assert p.sender.counters["handoffs"] == 1 and not p.sender._transfers
+
+
+def test_an_abort_during_a_streamed_transfer_frees_both_sides_at_once(env):
+    broker, start = env
+    p, d = _streaming_pair(broker, start, prefill_step_s=0.3)  # transfer_timeout_s stays 10 s
+    rid = os.urandom(16)
+    broker.send(M.Dispatch(rid, "prefill", list(range(3, 83)), SamplingParams(max_tokens=6), decode_node="d-test",
+                           decode_address=d.kv_address, attempt=1))
+    _until(lambda: d.kv_in.partial == 1 and rid in d.local)  # a part is there, the prefill goes on
+    broker.send(M.Abort(rid))
+    _until(lambda: d.kv_in.partial == 0 and not d.local and not p.local, timeout=2)
+    _until(lambda: p.engine.stats().running == 0, timeout=2)
+    assert not p.sender._transfers and broker.tokens(timeout=0.5) == []
+
+
+def test_a_prefill_that_dies_mid_transfer_leaves_nothing_held_on_the_decode_side(env):
+    broker, start = env
+    p, d = _streaming_pair(broker, start, prefill_step_s=0.3, transfer_timeout_s=0.5)
+    rid = os.urandom(16)
+    broker.send(M.Dispatch(rid, "prefill", list(range(3, 83)), SamplingParams(max_tokens=6), decode_node="d-test",
+                           decode_address=d.kv_address, attempt=1))
+    _until(lambda: d.kv_in.partial == 1 and rid in d.local)
+    p.stop()  # its sockets close without a word to the decode worker
+    _until(lambda: d.kv_in.partial == 0 and not d.local, timeout=3)
+
+
+class FullEngine(StubEngine):
+    def can_accept(self, n_tokens: int) -> bool:
+        return False
+
+
+def test_a_decode_worker_that_refuses_a_stream_is_reported_after_the_first_token(env):
+    """The refusal comes while the prompt is still prefilled: the prefill finishes, its
+    first token goes out, then the broker hears of the refusal (it continues the request
+    elsewhere from that token, excluding that decode worker)."""
+    broker, start = env
+    p, d = _streaming_pair(broker, start, decode_engine=FullEngine())
+    rid, prompt = os.urandom(16), list(range(3, 83))
+    broker.send(M.Dispatch(rid, "prefill", prompt, SamplingParams(max_tokens=6), decode_node="d-test",
+                           decode_address=d.kv_address, attempt=1))
+    refused = broker.recv(want=M.Refused, timeout=5)
+    assert refused.request_id == rid and "full" in refused.message
+    first = broker.tokens(timeout=0.5)
+    assert [m.tokens for _, m in first] == [reference_tokens(prompt, 1)]
+    _until(lambda: not p.local and not d.local and d.kv_in.partial == 0 and not p.sender._transfers)
