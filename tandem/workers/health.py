@@ -31,10 +31,13 @@ class Health:
         return not self.stalled and time.monotonic() - self.last_loop < max(5.0, 5 * self.heartbeat_s)
 
     def _engine_progressing(self, now: float, stats) -> bool:
-        busy = stats.running + stats.waiting > 0 or bool(self.local)
+        busy = stats.running + stats.waiting > 0 or any(not x.receiving for x in self.local.values())
         # The stall clock runs only while there is work: an idle engine takes no steps, so
         # without the reset the first request after an idle spell longer than the timeout
-        # was flagged at the next heartbeat, before its first step could finish.
+        # was flagged at the next heartbeat, before its first step could finish. A place
+        # held for KV still arriving is no work for the engine: a transfer streamed while
+        # its prompt is prefilled lasts as long as that prefill (a 4,096-token prompt on a
+        # loaded CPU took over 30 s, and the idle decode worker declared itself stalled).
         if stats.steps != self._last_steps or not busy:
             self._last_steps = stats.steps
             self._last_progress = now

@@ -20,3 +20,4 @@ class Local:
     strategy: str | None = None  # prefill: the handoff's, when chosen at dispatch
     stream_kv: bool = False  # prefill: the KV streams to the decode worker during the prefill
     kv_failed: str | None = None  # stream_kv: why the transfer failed before the first token was out
+    receiving: bool = False  # decode: a place held for KV still arriving (the engine has nothing yet)

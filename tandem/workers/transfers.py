@@ -92,13 +92,15 @@ class KVHandoffs:
                     continue
                 self.kv_in.reply(peer, M.KVAck(rid, complete=False))
                 # Hold the place now so capacity counts the transfer in flight.
-                self.local[rid] = Local(rid, attempt, header.stream_seq, "run", header.prompt_len, header.priority)
+                self.local[rid] = Local(rid, attempt, header.stream_seq, "run", header.prompt_len, header.priority,
+                                        receiving=True)
                 continue
             local = self.local.get(rid)
             if local is None or local.attempt != attempt:
                 self.kv_in.refuse(peer, rid, "invalid", "request was aborted")
                 continue
             local.seq = header.stream_seq  # the final header's: after the first token
+            local.receiving = False
             try:
                 self.engine.import_kv(snap, self._callback(attempt), priority=header.priority)
             except (EngineRefused, ValueError) as exc:

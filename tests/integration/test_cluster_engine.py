@@ -142,17 +142,22 @@ def test_decode_sigkill_mid_stream_real_engine_exact(cluster, tiny_model_dir, sp
     assert toks == single
 
 
-def test_layer_parallel_lz4_handoff_is_exact(cluster, tiny_model_dir):
-    """Two connections per handoff (one per layer half), LZ4 frames: still bit-exact KV."""
+def _prefill_decode_pair(cluster, model_dir, *prefill_flags):
+    """A broker, one prefill worker (with ``prefill_flags``) and one decode worker, ready."""
     cluster.heartbeat_ms = 1000
     cluster.start_broker()
-    procs = [cluster.start_worker("prefill", "--kv-strategy", "layer_parallel", "--kv-compression", "lz4",
-                                  engine="mlx", model=tiny_model_dir, wait=False),
-             cluster.start_worker("decode", engine="mlx", model=tiny_model_dir, wait=False)]
+    procs = [cluster.start_worker("prefill", *prefill_flags, engine="mlx", model=model_dir, wait=False),
+             cluster.start_worker("decode", engine="mlx", model=model_dir, wait=False)]
     for p in procs:
         p.wait_ready(120)
     c = cluster.client(timeout_s=60)
     cluster.wait_workers(c, prefill=1, decode=1, timeout=120)
+    return procs, c
+
+
+def test_layer_parallel_lz4_handoff_is_exact(cluster, tiny_model_dir):
+    """Two connections per handoff (one per layer half), LZ4 frames: still bit-exact KV."""
+    _, c = _prefill_decode_pair(cluster, tiny_model_dir, "--kv-strategy", "layer_parallel", "--kv-compression", "lz4")
     prompts = _prompts()[:4]
     got = _run_all(cluster, prompts)
     st = wait_clean(c, timeout=20)
@@ -180,16 +185,8 @@ def test_long_prompts_streamed_during_their_prefill_are_exact(cluster, tiny_mode
     """Prompts of several prefill chunks (32 tokens here) with the Streamed strategy: each
     chunk's KV goes to the decode worker while the next computes; disaggregated == one
     in-process engine, token for token, and nothing is held anywhere afterwards."""
-    cluster.heartbeat_ms = 1000
     cluster.env["TANDEM_ENGINE_PREFILL_CHUNK_SIZE"] = "32"
-    cluster.start_broker()
-    procs = [cluster.start_worker("prefill", "--kv-strategy", "streamed", "--kv-compression", compression,
-                                  engine="mlx", model=tiny_model_dir, wait=False),
-             cluster.start_worker("decode", engine="mlx", model=tiny_model_dir, wait=False)]
-    for p in procs:
-        p.wait_ready(120)
-    c = cluster.client(timeout_s=60)
-    cluster.wait_workers(c, prefill=1, decode=1, timeout=120)
+    procs, c = _prefill_decode_pair(cluster, tiny_model_dir, "--kv-strategy", "streamed", "--kv-compression", compression)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (70, 129, 200, 257)]
     got = _run_all(cluster, prompts)

@@ -495,3 +495,18 @@ def test_a_decode_worker_that_refuses_a_stream_is_reported_after_the_first_token
     first = broker.tokens(timeout=0.5)
     assert [m.tokens for _, m in first] == [reference_tokens(prompt, 1)]
     _until(lambda: not p.local and not d.local and d.kv_in.partial == 0 and not p.sender._transfers)
+
+
+def test_a_decode_worker_receiving_a_long_stream_is_not_stalled(env):
+    """The place a decode worker holds while a prompt's KV streams in is no work for its
+    engine: a prefill longer than stall_timeout_s must not make it stop heartbeating."""
+    broker, start = env
+    p, d = _streaming_pair(broker, start, prefill_step_s=0.3, stall_timeout_s=0.2)
+    rid, prompt = os.urandom(16), list(range(3, 83))
+    broker.send(M.Dispatch(rid, "prefill", prompt, SamplingParams(max_tokens=6), decode_node="d-test",
+                           decode_address=d.kv_address, attempt=1))
+    _until(lambda: d.kv_in.partial == 1 and rid in d.local)
+    time.sleep(0.6)  # three stall timeouts with nothing for the engine to do
+    assert not d.stalled and d.kv_in.partial == 1
+    msgs = broker.tokens(timeout=5)
+    assert [t for _, m in msgs for t in m.tokens] == reference_tokens(prompt, 6) and not d.stalled
