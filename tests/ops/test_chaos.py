@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("variant", ["loopback", "netns"])
 def test_two_minute_chaos_run_loses_nothing(variant):
     argv = ["--minutes", "2", "--seed", "3"]
