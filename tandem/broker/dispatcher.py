@@ -306,6 +306,7 @@ class Dispatcher(Admission, StreamTracking, Failover):
         if w is None:
             return False
         job.attempt += 1
+        job.resumed_from = len(job.generated)
         self._hold(job, w, prefill=True)
         self.to_worker(w.identity, M.Resume(job.request_id, job.prompt, list(job.generated), job.next_seq,
                                             self._remaining(job), job.priority, job.model, job.attempt))

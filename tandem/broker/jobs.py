@@ -33,6 +33,7 @@ class Job:
     migrations: int = 0
     excluded: set = field(default_factory=set)  # workers that refused or failed it
     resume: bool = False  # next dispatch continues from prompt + generated
+    resumed_from: int = 0  # tokens generated before its last Resume (a resumed worker counts only its own)
     failed_over: bool = False  # its worker failed: it waits (failover_wait_s) for one that can continue it
     dispatched_at: float = 0.0
     first_token_at: float | None = None

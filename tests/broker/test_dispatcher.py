@@ -589,3 +589,33 @@ def test_dispatch_from_the_submit_bytes_equals_the_dispatch_message():
     assert first_raw.decode_address and first_raw.mode == "prefill"
     assert len(raw) == len(plain) >= 2
     assert raw == plain
+
+
+@pytest.mark.parametrize("arrived", [[14, 15, 16, 17], [14]])
+def test_lost_final_of_a_resumed_request_checks_its_token_count(arrived):
+    # Found by bench/chaos.py: a migrated request whose last messages (and final) were
+    # lost in transit ended "length" with tokens missing, because the broker skipped the
+    # count check for any migrated request. A resumed worker counts its own tokens only.
+    h = Harness(heartbeat_interval_ms=100, heartbeat_liveness=3)
+    h0 = h.worker("h0", "hybrid")
+    h1 = h.worker("h1", "hybrid")
+    (rid,) = h.submit(max_tokens=7)
+    job = h.d.jobs[rid]
+    (first, _), = h.dispatches()
+    h.d.stream(job, 1, M.TokenMessage(rid, 0, [11, 12, 13]))
+    h.clock.t += 0.35
+    other = h1 if first == h0 else h0
+    h.d.worker_message(other, M.Heartbeat(other.decode()))
+    h.d.tick()  # the first worker went silent: the request resumes on the other
+    (ident, res), = [(i, m) for i, m in h.dispatches() if isinstance(m, M.Resume)]
+    assert ident == other and res.generated == [11, 12, 13]
+    h.d.stream(job, 2, M.TokenMessage(rid, 1, arrived))
+    h.d.worker_message(other, M.Done(rid, "length", M.Usage(6, 4)))  # 4 tokens of its own
+    h.clock.t += 10
+    h.d.tick()
+    last = h.pub[-1]
+    if len(arrived) == 4:
+        assert last.finish_reason == "length" and last.error is None
+    else:
+        assert last.error and "lost in transit" in last.error
+    assert rid not in h.d.jobs
