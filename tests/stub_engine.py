@@ -33,11 +33,22 @@ VOCAB = 50_000
 _MOD = (1 << 61) - 1
 
 
-def next_token(history: list[int]) -> int:
-    h = 1469598103934665603
+_SEED = 1469598103934665603
+
+
+def _fold(h: int, t: int) -> int:
+    return (h * 1000003 + t + 1) % _MOD
+
+
+def _hash(history: list[int]) -> int:
+    h = _SEED
     for t in history:
-        h = (h * 1000003 + t + 1) % _MOD
-    return h % VOCAB
+        h = _fold(h, t)
+    return h
+
+
+def next_token(history: list[int]) -> int:
+    return _hash(history) % VOCAB
 
 
 def reference_tokens(prompt: list[int], max_tokens: int) -> list[int]:
@@ -57,6 +68,9 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     computed: int = 0  # stream_kv: prompt tokens prefilled (one chunk a step)
     exported: int = 0  # stream_kv: leading blocks handed out in parts
+    # The rolling hash of ``tokens``, kept up to date: hashing the whole history each
+    # step made a long stream's steps cost O(length) (the stub, not the path measured).
+    h: int | None = None
 
 
 class StubEngine:
@@ -176,8 +190,11 @@ class StubEngine:
                     s.exported = full
                     s.req.on_event(TokenEvent(rid, [], kv_part=part))
                 continue
-            tok = next_token(s.tokens)
+            if s.h is None:
+                s.h = _hash(s.tokens)
+            tok = s.h % VOCAB
             s.tokens.append(tok)
+            s.h = _fold(s.h, tok)
             s.generated += 1
             sp = s.req.sampling
             finish = None

@@ -26,7 +26,8 @@ from tandem.broker.stats import snapshot
 from tandem.broker.throughput import ThroughputLog
 from tandem.wire import messages as M
 from tandem.wire.errors import WireError
-from tandem.wire.protocol import ATTEMPT_TOPIC_BYTES, REQUEST_ID_BYTES, STREAM_PING_TOPIC
+from tandem.wire.codec import batch_headers, stream_entry
+from tandem.wire.protocol import CLIENT_STREAM_BYTES, REQUEST_ID_BYTES, STREAM_BATCH_TOPIC, STREAM_PING_TOPIC
 from tandem.wire.sockets import bound_endpoint, make_socket
 
 log = logging.getLogger("tandem.broker")
@@ -44,6 +45,7 @@ _recv_frame = zmq.backend.Socket.recv
 # frame; a long-running broker allocates a few objects per message and frees them at
 # once (reference counting), so collect far less often.
 GC_THRESHOLD0 = 50_000
+_EMPTY_BATCH = F.encode(M.TokenBatch([]))
 
 
 def _discard_rest(sock: zmq.Socket, frame) -> None:
@@ -60,6 +62,7 @@ class Broker:
         self.ctx = ctx or zmq.Context.instance()
         self._stop = threading.Event()
         self._outbox: list = []
+        self._batches: dict[bytes, list[bytes]] = {}  # client stream topic -> packed entries of this round
         self._version_warned = float("-inf")  # when a node of another version was last reported
         self.last_loop = time.monotonic()  # the loop's liveness (systemd watchdog)
         # How long each poll round that had work took, from poll's return to the last send:
@@ -97,10 +100,22 @@ class Broker:
     def _to_client(self, identity: bytes, msg) -> None:
         self._outbox.append((self.frontend, (identity, F.encode(msg))))
 
-    def _publish(self, msg: M.TokenMessage) -> None:
-        self._outbox.append((self.stream_out, (msg.request_id, F.encode(msg))))
+    def _publish(self, msg: M.TokenMessage, job=None) -> None:
+        """A stream message the broker writes (a patched final, an error end): to its
+        client's stream in that client's next batch, or on the request's own topic."""
+        job = job or self.dispatcher.jobs.get(msg.request_id)
+        if job is not None and job.stream is not None:
+            self._batches.setdefault(job.stream, []).append(stream_entry(0, msg))
+        else:
+            self._outbox.append((self.stream_out, (msg.request_id, F.encode(msg))))
 
     def _flush(self) -> None:
+        if self._batches:
+            # One message per client stream per round, holding every entry for that client.
+            batches, self._batches = self._batches, {}
+            for topic, entries in batches.items():
+                for head in batch_headers(entries) if entries else (_EMPTY_BATCH,):
+                    self._outbox.append((self.stream_out, (topic, head)))
         out, self._outbox = self._outbox, []
         for sock, frames in out:
             # Every frame here is a small header or identity: copied sends (zero-copy
@@ -252,7 +267,7 @@ class Broker:
             return
         cls = type(msg)
         if cls is M.Submit:
-            self.dispatcher.submit(identity, msg, F.submit_tail(head))
+            self.dispatcher.submit(identity, msg, F.submit_tail(head, msg.stream))
         elif cls is M.Abort:
             self.dispatcher.abort(msg.request_id)
         elif cls is M.StatsRequest:
@@ -279,35 +294,47 @@ class Broker:
 
     def _on_stream_out(self, event: bytes) -> None:
         # XPUB_VERBOSE: b"\x01" + topic on every subscribe, b"\x00" + topic on the last unsubscribe.
-        if len(event) != 1 + REQUEST_ID_BYTES:
+        if len(event) not in (1 + REQUEST_ID_BYTES, 1 + CLIENT_STREAM_BYTES):
             return
         if event[0] == 1:
             self.dispatcher.subscribe(event[1:])
+            if len(event) == 1 + CLIENT_STREAM_BYTES:
+                # A client stream (re)subscribed: say so on it (an empty batch). After a
+                # broker restart this is how a client learns that the requests it had in
+                # flight may be unknown here (tandem.wire.client: it falls back to their
+                # own topics, which the unclaimed-stream check ends if they are).
+                self._batches.setdefault(event[1:], [])
         elif event[0] == 0:
             self.dispatcher.unsubscribe(event[1:])
 
     def _on_stream_in(self, topic: bytes, head: bytes) -> None:
         d = self.dispatcher
-        if len(topic) != ATTEMPT_TOPIC_BYTES:
-            d.counters["bad_stream_messages"] += 1
+        if topic != STREAM_BATCH_TOPIC:
+            if topic == STREAM_PING_TOPIC:
+                d.stream_ping(head)
+            else:
+                d.counters["bad_stream_messages"] += 1
             return
-        if topic == STREAM_PING_TOPIC:
-            d.stream_ping(head)
-            return
-        rid = topic[:16]
         try:
-            msg = F.decode_tokens(rid, head)
+            raws, entries = F.decode_batch(head)
         except WireError:
             d.counters["bad_stream_messages"] += 1
             return
-        job = d.jobs.get(rid)
-        self._pass_on(rid, d.stream(job, topic[16], msg, head), msg, head)
-        for attempt, held, held_head in d.take_ready(job):
-            self._pass_on(rid, d.stream(job, attempt, held, held_head), held, held_head)
+        jobs = d.jobs
+        for raw, (attempt, msg) in zip(raws, entries):
+            job = jobs.get(msg.request_id)
+            self._pass_on(job, d.stream(job, attempt, msg, raw), msg, raw)
+            if job is not None and job.ahead:
+                for held_attempt, held, held_raw in d.take_ready(job):
+                    self._pass_on(job, d.stream(job, held_attempt, held, held_raw), held, held_raw)
 
-    def _pass_on(self, rid: bytes, verdict: str, msg: M.TokenMessage, head: bytes) -> None:
+    def _pass_on(self, job, verdict: str, msg: M.TokenMessage, raw) -> None:
         if verdict == "forward":
-            # The worker's header goes out as it came: validated, not re-encoded.
-            self._outbox.append((self.stream_out, (rid, head)))
+            stream = job.stream if job is not None else None
+            if stream is not None:
+                # The worker's entry goes out as it came: validated, not re-built.
+                self._batches.setdefault(stream, []).append(F.pack_entry(raw))
+            else:
+                self._outbox.append((self.stream_out, (msg.request_id, F.encode(msg))))
         elif verdict == "patched":
-            self._publish(msg)
+            self._publish(msg, job)

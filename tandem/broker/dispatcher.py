@@ -27,7 +27,7 @@ from tandem.broker.strategies import Selector
 from tandem.broker.streams import StreamTracking
 from tandem.wire import messages as M
 from tandem.wire.prefixes import prefix_hashes
-from tandem.wire.protocol import MAX_ATTEMPTS
+from tandem.wire.protocol import CLIENT_STREAM_BYTES, MAX_ATTEMPTS
 
 log = logging.getLogger("tandem.broker")
 UNKNOWN_STREAM = "the broker does not know this request (it restarted and lost it); retry"
@@ -55,6 +55,8 @@ class Dispatcher(Admission, StreamTracking, Failover):
         # Topics subscribed with no request behind them yet, and since when (tick() ends
         # the ones no SUBMIT claims; see _end_unclaimed_streams).
         self.unclaimed: dict[bytes, float] = {}
+        # Jobs accepted before their client's stream topic was seen subscribed, by topic.
+        self.awaiting_stream: dict[bytes, list[Job]] = {}
         self._order = 0
         self._probe_deadline = 0.0
         self._last_probe = -1e9
@@ -89,15 +91,25 @@ class Dispatcher(Admission, StreamTracking, Failover):
         job = Job(rid, client, msg.prompt, msg.sampling, msg.priority, msg.model, now,
                   now + self.s.subscribe_timeout_s, self._order)
         job.wire_tail = tail
+        job.stream = msg.stream
         self.jobs[rid] = job
         self.unclaimed.pop(rid, None)
         self._set_state(job, J.WAITING_SUB)
         self.to_client(client, M.Accepted(rid, len(self.pending)))
-        if rid in self.subscriptions:
+        topic = msg.stream or rid
+        if topic in self.subscriptions:
             self._subscribed(job)
+        elif msg.stream is not None:
+            self.awaiting_stream.setdefault(msg.stream, []).append(job)
 
     def subscribe(self, topic: bytes) -> None:
         self.subscriptions.add(topic)
+        if len(topic) == CLIENT_STREAM_BYTES:
+            # A client's stream: every request of that client waiting for it may go.
+            for job in self.awaiting_stream.pop(topic, ()):
+                if job.state == J.WAITING_SUB:
+                    self._subscribed(job)
+            return
         job = self.jobs.get(topic)
         if job is None:
             self.unclaimed.setdefault(topic, self.clock())
@@ -107,6 +119,7 @@ class Dispatcher(Admission, StreamTracking, Failover):
     def unsubscribe(self, topic: bytes) -> None:
         self.subscriptions.discard(topic)
         self.unclaimed.pop(topic, None)
+        self.awaiting_stream.pop(topic, None)  # (its jobs' subscribe deadline refuses them)
 
     def _end_unclaimed_streams(self, now: float) -> None:
         """A client subscribes before it submits, so a subscription arrives a moment before
@@ -361,5 +374,12 @@ class Dispatcher(Admission, StreamTracking, Failover):
         self._close_lost_finals(now)
         self._close_gaps(now)
         self._end_unclaimed_streams(now)
+        if self.awaiting_stream:
+            # Forget refused jobs of streams never subscribed (a client that named a topic
+            # it did not subscribe to would otherwise grow its list for good).
+            for topic, waiting in list(self.awaiting_stream.items()):
+                waiting[:] = [j for j in waiting if j.state == J.WAITING_SUB]
+                if not waiting:
+                    del self.awaiting_stream[topic]
         self.dispatch_pending()
         self._purge_finished(now)

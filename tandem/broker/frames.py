@@ -18,15 +18,17 @@ import msgpack
 
 from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
-from tandem.wire.messages import REGISTRY, KVChunk, TokenMessage
+from tandem.wire.messages import REGISTRY, KVChunk, TokenBatch, TokenMessage
 
 _VERSION = P.PROTOCOL_VERSION
 _MAGIC = P.MAGIC
 _MAX_HEADER = P.MAX_HEADER_BYTES
 _TOKENS = int(P.MsgType.TOKENS)
+_BATCH = int(P.MsgType.TOKEN_BATCH)
 _unpack_tokens = TokenMessage.unpack_fields
+_unpack_batch = TokenBatch.unpack_fields
 # Type code -> (class, compiled unpacker) for what travels as a plain message.
-_PLAIN = {int(t): (cls, cls.unpack_fields) for t, cls in REGISTRY.items() if cls is not TokenMessage}
+_PLAIN = {int(t): (cls, cls.unpack_fields) for t, cls in REGISTRY.items() if cls not in (TokenMessage, TokenBatch)}
 _PREFIX = {cls: P.header_prefix(t) for t, cls in REGISTRY.items()}
 # The codec's msgpack limits. They are passed as literal keywords below (a **dict costs
 # a quarter of a microsecond per call); str/bin lengths are left at unpackb's default,
@@ -60,8 +62,8 @@ def decode(head: bytes):
         _check_prefix(head)  # raises the precise error
     entry = _PLAIN.get(head[3])
     if entry is None:
-        if head[3] == _TOKENS:
-            raise WireError("message type TOKENS does not travel as a plain message", "type")
+        if head[3] in (_TOKENS, _BATCH):
+            raise WireError(f"message type {P.MsgType(head[3]).name} does not travel as a plain message", "type")
         raise WireError(f"unknown message type {head[3]}", "type")
     cls, unpack = entry
     if len(head) > _MAX_HEADER:
@@ -98,6 +100,30 @@ def decode_tokens(rid: bytes, head: bytes) -> TokenMessage:
     return msg
 
 
+def decode_batch(head: bytes) -> tuple[list, list]:
+    """A TOKEN_BATCH header frame -> (its entries as msgpack decoded them, the same entries
+    as ``(attempt, TokenMessage)``): the first to forward without re-checking, the second
+    to judge."""
+    if head[:2] != _MAGIC or len(head) < P.PREFIX_LEN or head[2] != _VERSION:
+        _check_prefix(head)  # raises the precise error
+    if head[3] != _BATCH:
+        raise WireError("token batch frame is not a TOKEN_BATCH message", "type")
+    if len(head) > _MAX_HEADER:
+        raise WireError(f"header of {len(head)} bytes exceeds {_MAX_HEADER}", "size")
+    try:
+        body = _unpackb(head[4:], raw=False, strict_map_key=True, max_array_len=_MAX_ARRAY, max_map_len=_MAX_MAP,
+                        max_ext_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"TokenBatch: undecodable msgpack ({type(exc).__name__})") from None
+    entries = _unpack_batch(body).entries  # (checks the body's shape first)
+    return body[0], entries
+
+
+def pack_entry(raw: list) -> bytes:
+    """A decoded stream entry, packed again (:func:`tandem.wire.codec.batch_headers` joins them)."""
+    return _pack(raw)
+
+
 def encode(msg) -> bytes:
     """The header frame of a message without payload frames (what the broker sends)."""
     return _PREFIX[type(msg)] + _pack(msg.pack_fields(msg))
@@ -105,20 +131,24 @@ def encode(msg) -> bytes:
 
 # DISPATCH carries SUBMIT's prompt, sampling, priority and model unchanged, in the same
 # order: [id, mode, prompt, sampling, priority, model, node, address, attempt] against
-# SUBMIT's [id, prompt, sampling, priority, model]. So the broker sends those four values
+# SUBMIT's [id, prompt, sampling, priority, model, stream]. So the broker sends those four values
 # as the bytes it received and checked in full (decode() refuses trailing bytes), instead
 # of re-encoding a prompt of up to 128k tokens on every dispatch.
-_SUBMIT_LEAD = b"\x95\xc4\x10"  # fixarray of 5, bin8 of 16: the request id
+_SUBMIT_LEAD = b"\x96\xc4\x10"  # fixarray of 6, bin8 of 16: the request id
 _SUBMIT_TAIL_AT = P.PREFIX_LEN + len(_SUBMIT_LEAD) + P.REQUEST_ID_BYTES
 _DISPATCH_LEAD = P.header_prefix(P.MsgType.DISPATCH) + b"\x99\xc4\x10"  # fixarray of 9, bin8 of 16
 
 
-def submit_tail(head: bytes) -> bytes | None:
+def submit_tail(head: bytes, stream: bytes | None) -> bytes | None:
     """The encoded prompt, sampling, priority and model of a SUBMIT header that
-    :func:`decode` accepted, or None if its array is not laid out the common way."""
+    :func:`decode` accepted (its ``stream`` given), or None if its array is not laid out
+    the common way."""
     if head[P.PREFIX_LEN:_SUBMIT_TAIL_AT - P.REQUEST_ID_BYTES] != _SUBMIT_LEAD:
         return None
-    return head[_SUBMIT_TAIL_AT:]
+    last = _pack(stream)  # the last field, encoded the common way (or not: then None)
+    if not head.endswith(last):
+        return None
+    return head[_SUBMIT_TAIL_AT:len(head) - len(last)]
 
 
 def encode_dispatch(rid: bytes, mode: str, tail: bytes, node: str | None, address: str | None, attempt: int) -> bytes:

@@ -42,13 +42,16 @@ class Job:
     worker_done: object = None  # a DONE that arrived before the final stream message
     worker_done_at: float | None = None
     # Stream messages that arrived ahead of a missing one (seq -> (attempt, message, raw
-    # header)): a prefill worker's first token and the decode worker's next ones reach
+    # entry)): a prefill worker's first token and the decode worker's next ones reach
     # the broker over different connections, so they can arrive out of order.
     ahead: dict | None = None
     ahead_since: float = 0.0
     # SUBMIT's encoded prompt, sampling, priority and model (frames.submit_tail): a
     # DISPATCH repeats them as received instead of encoding them again.
     wire_tail: bytes | None = None
+    # The client's stream topic (SUBMIT's ``stream``): its tokens go there, batched with
+    # the client's other requests'; None: on the topic ``request_id``, one message each.
+    stream: bytes | None = None
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.generated),

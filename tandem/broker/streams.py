@@ -21,10 +21,12 @@ MAX_AHEAD = 16
 
 
 class StreamTracking:
-    def stream(self, job: Job | None, attempt: int, msg: M.TokenMessage, head: bytes = b"") -> str:
-        """Judge one worker token message. Returns 'forward', 'patched', 'held' (it came
-        ahead of a missing one: :meth:`take_ready` hands it back once that one arrives)
-        or 'drop'."""
+    def stream(self, job: Job | None, attempt: int, msg: M.TokenMessage, raw=None) -> str:
+        """Judge one worker token message (an entry of a worker's TOKEN_BATCH; ``raw``: the
+        entry as received, kept with a held one). Returns 'forward', 'patched', 'held' (it
+        came ahead of a missing one: :meth:`take_ready` hands it back once that one
+        arrives) or 'drop'. Each entry is judged on its own: a gap in one request's
+        stream holds or ends that stream only."""
         if job is None:
             return "forward"  # not ours (a broker restart lost the record): pass it through
         if job.state == J.FINISHED or attempt != job.attempt:
@@ -41,7 +43,7 @@ class StreamTracking:
             if len(job.ahead) >= MAX_AHEAD:
                 self._gap(job)
                 return "drop"
-            job.ahead[msg.seq] = (attempt, msg, head)
+            job.ahead[msg.seq] = (attempt, msg, raw)
             self.counters["reordered_stream_messages"] += 1
             return "held"
         job.next_seq += 1
@@ -73,7 +75,7 @@ class StreamTracking:
         self._maybe_forget(job)
         return "forward"
 
-    def take_ready(self, job: Job | None) -> list[tuple[int, M.TokenMessage, bytes]]:
+    def take_ready(self, job: Job | None) -> list[tuple[int, M.TokenMessage, object]]:
         """Held messages that are next in line now, in order (to pass to :meth:`stream`)."""
         if job is None or not job.ahead or job.next_seq not in job.ahead:
             return []

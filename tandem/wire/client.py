@@ -1,12 +1,21 @@
 """The broker client: submit token ids, stream tokens back (asyncio and synchronous).
 
 One process needs one client: a DEALER to the broker's frontend for control messages
-and ONE SUB to its XPUB for every stream of this process, demultiplexed by request id
-into per-request queues. The client subscribes to a request's topic before it submits
-it; the broker dispatches only after its XPUB has seen that subscription, so the first
-token cannot be lost. Sequence numbers are checked: a gap ends the stream with
-:class:`StreamError` instead of silently dropping text. Closing or cancelling the
-generator sends ABORT, which reaches the worker and frees the request's KV.
+and ONE SUB to its XPUB for every stream of this process. The SUB subscribes once, at
+start, to this client's own stream topic, which every SUBMIT names: the broker sends all
+of this client's tokens there, many requests' in one TOKEN_BATCH, demultiplexed here by
+request id into per-request queues (one message per engine step, not per request per
+step). The broker dispatches a request only after its XPUB has seen that subscription,
+so the first token cannot be lost. Sequence numbers are checked per request: a gap ends
+that stream with :class:`StreamError` instead of silently dropping text. Closing or
+cancelling the generator sends ABORT, which reaches the worker and frees the request's
+KV.
+
+A restarted broker knows none of the requests in flight. When the stream subscription
+is announced again (the broker answers each with an empty batch), the client subscribes
+to each in-flight request's own topic too: a worker still streaming a request reaches it
+there, and the broker ends with an error each such stream that no request of its own
+claims (:meth:`Dispatcher._end_unclaimed_streams`).
 """
 
 from __future__ import annotations
@@ -70,6 +79,9 @@ class AsyncClient:
         self.timeout_s = timeout_s
         self.idle_timeout_s = idle_timeout_s
         self._queues: dict[bytes, asyncio.Queue] = {}
+        self._topic = os.urandom(P.CLIENT_STREAM_BYTES)  # this client's stream
+        self._notices = 0  # empty batches seen: the broker (re)announcing our stream
+        self._fallback: set[bytes] = set()  # request topics subscribed after a broker restart
         self._stats_waiters: deque[asyncio.Future] = deque()
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
@@ -82,6 +94,7 @@ class AsyncClient:
         # LINGER 0 everywhere: a client must never block its process's exit.
         self._dealer = make_socket(self._ctx, zmq.DEALER, connect=self.frontend, security=self.secret)
         self._sub = make_socket(self._ctx, zmq.SUB, connect=self.stream, security=self.secret, hwm=100_000)
+        self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         self._tasks = [asyncio.create_task(self._read_control()), asyncio.create_task(self._read_streams())]
 
     async def close(self) -> None:
@@ -128,15 +141,42 @@ class AsyncClient:
                 q.put_nowait(msg)
 
     async def _read_streams(self) -> None:
+        # Woken once, then everything waiting is taken without another await: a future
+        # and an event-loop round per message were the larger part of this client's CPU.
+        drain = zmq.Socket.shadow(self._sub.underlying)
         while True:
             frames = await self._sub.recv_multipart(copy=True)
-            try:
-                msg = codec.decode_tokens(frames)
-            except WireError:
-                continue
-            q = self._queues.get(msg.request_id)
+            while True:
+                self._on_stream(frames)
+                try:
+                    frames = drain.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+
+    def _on_stream(self, frames) -> None:
+        try:
+            if len(frames) == 2 and len(frames[0]) == P.CLIENT_STREAM_BYTES:
+                msgs = [msg for _, msg in codec.decode_batch(frames)]
+                if not msgs:
+                    self._announced()
+            else:
+                msgs = [codec.decode_tokens(frames)]
+        except WireError:
+            return
+        queues = self._queues
+        for msg in msgs:
+            q = queues.get(msg.request_id)
             if q is not None:
                 q.put_nowait(msg)
+
+    def _announced(self) -> None:
+        """The broker saw our stream subscription. Again after the first time: it may have
+        restarted and lost the requests in flight (see the module docstring)."""
+        self._notices += 1
+        if self._notices > 1:
+            for rid in self._queues.keys() - self._fallback:
+                self._sub.setsockopt(zmq.SUBSCRIBE, rid)
+                self._fallback.add(rid)
 
     # ---- requests -----------------------------------------------------------------------
     def _send(self, msg) -> None:
@@ -157,10 +197,9 @@ class AsyncClient:
             raise ValueError("request_id is already streaming in this client")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
-        self._sub.setsockopt(zmq.SUBSCRIBE, rid)
         finished = False
         try:
-            self._send(M.Submit(rid, list(prompt_tokens), sampling, priority, model))
+            self._send(M.Submit(rid, list(prompt_tokens), sampling, priority, model, self._topic))
             accepted = False
             expected_seq = 0
             loop = asyncio.get_running_loop()
@@ -168,8 +207,12 @@ class AsyncClient:
             while True:
                 wait = deadline - loop.time()
                 try:
-                    msg = await asyncio.wait_for(q.get(), max(0.0, wait))
-                except asyncio.TimeoutError:
+                    if q.empty():
+                        async with asyncio.timeout(max(0.0, wait)):  # (no task per message, as wait_for makes)
+                            msg = await q.get()
+                    else:
+                        msg = q.get_nowait()
+                except TimeoutError:
                     if expected_seq == 0 and not accepted:
                         raise Unavailable(f"broker at {self.frontend} did not answer within {self.timeout_s:.1f}s") from None
                     raise StreamError(f"no tokens for {self.idle_timeout_s:.0f}s; the cluster lost the request") from None
@@ -208,7 +251,9 @@ class AsyncClient:
             self._queues.pop(rid, None)
             if self._ctx is not None:
                 try:
-                    self._sub.setsockopt(zmq.UNSUBSCRIBE, rid)
+                    if rid in self._fallback:
+                        self._fallback.discard(rid)
+                        self._sub.setsockopt(zmq.UNSUBSCRIBE, rid)
                     if not finished:
                         self._send(M.Abort(rid))
                 except zmq.ZMQError:

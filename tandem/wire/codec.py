@@ -3,7 +3,8 @@
 Layout of one message: ``[header, *payload]`` where ``header = b"TD" + version + type +
 msgpack(fields as an array)``. A ROUTER sees ``[identity, header, *payload]`` (peers are
 DEALERs and send no empty delimiter); use :func:`split_route` / :func:`route`. A token
-stream message is ``[request_id (topic), header]``.
+stream message is ``[request_id (topic), header]``; a batch of them ``[topic, header]``
+with the topic a worker's P.STREAM_BATCH_TOPIC or a client's stream topic.
 
 :func:`decode` and :func:`decode_tokens` take frames from the network and raise only
 :class:`WireError`: every frame count, size, type and bound is checked before anything
@@ -19,7 +20,7 @@ import zmq
 
 from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
-from tandem.wire.messages import REGISTRY, KVChunk, Message, TokenMessage
+from tandem.wire.messages import REGISTRY, KVChunk, Message, TokenBatch, TokenMessage
 
 # Below this, copying into a zmq message is cheaper than pinning the Python buffer.
 ZERO_COPY_THRESHOLD = 64 * 1024
@@ -90,7 +91,7 @@ def decode(frames: Sequence) -> Message:
         raise WireError(f"{len(frames)} frames; a message has 1 to {P.MAX_FRAMES}", "frames")
     msg_type = peek_type(frames[0])
     cls = REGISTRY.get(msg_type)
-    if cls is None or cls is TokenMessage:
+    if cls is None or cls is TokenMessage or cls is TokenBatch:
         raise WireError(f"message type {msg_type.name} does not travel as a plain message", "type")
     msg = _decode_body(cls, as_buffer(frames[0]))
     payload = frames[1:]
@@ -137,6 +138,52 @@ def decode_tokens(frames: Sequence) -> TokenMessage:
     if msg.logprobs is not None and len(msg.logprobs) != len(msg.tokens):
         raise WireError("logprobs must have one entry per token")
     return msg
+
+
+_pack_entry = msgpack.Packer(use_bin_type=True).pack
+_BATCH_PREFIX = P.header_prefix(P.MsgType.TOKEN_BATCH) + b"\x91"  # the header's array of one field: the entries
+# What one batch may hold: the decoder's bounds, with room for the array headers.
+_BATCH_BYTES = P.MAX_HEADER_BYTES - 64
+
+
+def stream_entry(attempt: int, msg: TokenMessage) -> bytes:
+    """One request's entry of a TOKEN_BATCH, packed (:func:`batch_headers` joins them)."""
+    return _pack_entry([msg.request_id, attempt, *msg.pack_fields(msg)])
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def batch_headers(entries: list[bytes]) -> list[bytes]:
+    """TOKEN_BATCH header frames holding ``entries`` (packed by :func:`stream_entry`), in
+    order, each within the decoder's entry count and header size bounds. A msgpack array
+    is its header followed by its items' encodings, so entries are joined, not re-encoded."""
+    out, start, size = [], 0, 0
+    for i, e in enumerate(entries):
+        if i - start == P.MAX_STREAM_ENTRIES or (size + len(e) > _BATCH_BYTES and i > start):
+            out.append(_BATCH_PREFIX + _array_header(i - start) + b"".join(entries[start:i]))
+            start, size = i, 0
+        size += len(e)
+    if start < len(entries):
+        out.append(_BATCH_PREFIX + _array_header(len(entries) - start) + b"".join(entries[start:]))
+    return out
+
+
+def decode_batch(frames: Sequence) -> list[tuple[int, TokenMessage]]:
+    """``[topic, header]`` of a TOKEN_BATCH -> its ``(attempt, TokenMessage)`` entries."""
+    if len(frames) != 2:
+        raise WireError(f"a token batch has 2 frames, got {len(frames)}", "frames")
+    topic = as_buffer(frames[0])
+    if len(topic) not in (P.CLIENT_STREAM_BYTES, len(P.STREAM_BATCH_TOPIC)):
+        raise WireError(f"a token batch's topic has {P.CLIENT_STREAM_BYTES} bytes, got {len(topic)}")
+    if peek_type(frames[1]) != P.MsgType.TOKEN_BATCH:
+        raise WireError("token batch frame is not a TOKEN_BATCH message", "type")
+    return _decode_body(TokenBatch, as_buffer(frames[1])).entries
 
 
 def split_route(frames: Sequence) -> tuple[bytes, list]:

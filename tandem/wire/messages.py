@@ -48,13 +48,18 @@ def message(msg_type: MsgType):
 
 @message(MsgType.SUBMIT)
 class Submit:
-    """Client -> broker: run this prompt. The client subscribes to ``request_id`` first."""
+    """Client -> broker: run this prompt. The client subscribes to ``stream`` (or
+    ``request_id``) first."""
 
     request_id: bytes = w(S.REQUEST_ID)
     prompt: list[int] = w(S.PROMPT)
     sampling: SamplingParams = w(S.Sampling())
     priority: int = w(S.PRIORITY, 0)
     model: str = w(S.MODEL, "")
+    # The client's own stream topic (P.CLIENT_STREAM_BYTES), subscribed before this SUBMIT:
+    # the tokens come there in TOKEN_BATCHes. None: on the topic ``request_id``, one
+    # TOKENS message each (protocol v5).
+    stream: bytes | None = w(S.Opt(S.Bytes(P.CLIENT_STREAM_BYTES)), None)
 
 
 @message(MsgType.ACCEPTED)
@@ -293,6 +298,18 @@ class TokenMessage:
     finish_reason: str | None = w(S.Opt(S.Str(16, P.FINISH_REASONS)), None)
     usage: Usage | None = w(S.Opt(S.UsageSpec()), None)
     error: str | None = w(S.Opt(S.TEXT), None)
+
+
+@message(MsgType.TOKEN_BATCH)
+class TokenBatch:
+    """Many requests' stream messages in one (protocol v5): worker -> broker on
+    P.STREAM_BATCH_TOPIC, every request's tokens of an engine step; broker -> client on
+    the client's stream topic. Each entry is ``(attempt, TokenMessage)`` and is judged
+    exactly as a TOKENS message of its own would be (sequence number, attempt, bounds);
+    clients see attempt 0."""
+
+    entries: list = w(S.List(S.StreamEntry(TokenMessage.unpack_fields, TokenMessage.pack_fields, len(TokenMessage.SPECS)), P.MAX_STREAM_ENTRIES),
+                      default_factory=list)
 
 
 Message = Any  # any registered message dataclass

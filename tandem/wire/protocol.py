@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Every header frame starts with these 4 bytes: magic, version, message type.
 MAGIC = b"TD"
@@ -22,6 +22,13 @@ REQUEST_ID_BYTES = 16  # fixed: SUB matches topics by prefix, so ids must not pr
 # but which is still talking) are dropped instead of corrupting the stream.
 ATTEMPT_TOPIC_BYTES = REQUEST_ID_BYTES + 1
 STREAM_PING_TOPIC = b"\x00" * REQUEST_ID_BYTES + b"\xff"  # worker -> broker: "my PUB reaches you", payload = node id
+# Worker -> broker: a TOKEN_BATCH, every request's tokens of one engine step in one message
+# (each entry names its request and attempt). Protocol v5.
+STREAM_BATCH_TOPIC = b"\x00" * REQUEST_ID_BYTES + b"\xfe"
+# A client process's own stream topic: it subscribes once, names it in each SUBMIT, and the
+# broker sends that client's tokens there as TOKEN_BATCHes. One byte longer than a request
+# id, so neither kind of topic is a prefix of the other kind. Protocol v5.
+CLIENT_STREAM_BYTES = REQUEST_ID_BYTES + 1
 NODE_ID_MAX_CHARS = 64
 MODEL_MAX_CHARS = 256
 ADDRESS_MAX_CHARS = 256
@@ -39,6 +46,7 @@ MAX_GRAMMAR_CHARS = 1 << 20  # a request's grammar (llguidance JSON: a schema or
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_TOKENS_PER_STREAM_MESSAGE = 4096
+MAX_STREAM_ENTRIES = 4096  # requests in one TOKEN_BATCH (the header size bound applies too)
 MAX_PREFIX_HASHES = 256  # heartbeat's bounded list of recent full-block hashes
 MAX_HELD_REQUESTS = 4096  # request ids a heartbeat may list
 MAX_PRIORITY = 1000  # priority in [-MAX_PRIORITY, MAX_PRIORITY]
@@ -105,6 +113,7 @@ class MsgType(IntEnum):
     KV_REFUSE = 35
     # token stream (PUB/XSUB/XPUB/SUB)
     TOKENS = 48
+    TOKEN_BATCH = 49  # protocol v5
     # cluster handshake and sealed frames (tandem/wire/handshake.py, sealed.py)
     HELLO = 64
     CHALLENGE = 65

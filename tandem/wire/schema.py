@@ -468,6 +468,51 @@ def _pack_logprobs(items) -> list:
     return _LOGPROBS.pack(items)
 
 
+class StreamEntry(Spec):
+    """One request's share of a TOKEN_BATCH: ``[request_id, attempt, *TokenMessage fields]``,
+    unpacked to ``(attempt, TokenMessage)`` by ``unpack_tokens`` (the message's own compiled
+    unpacker, so an entry is held to exactly a TOKENS message's checks)."""
+
+    _ID = Bytes(P.REQUEST_ID_BYTES)
+    _ATTEMPT = Int(0, P.MAX_ATTEMPTS)
+
+    def __init__(self, unpack_tokens, pack_tokens, n_fields: int):
+        self.unpack_tokens, self.pack_tokens, self.n = unpack_tokens, pack_tokens, 2 + n_fields
+        _GLOBALS["_stream_entry"] = self  # (one instance: TokenBatch's) for compiled packers
+
+    def pack_src(self, src):
+        return f"_stream_entry.pack({src})"
+
+    def pack(self, value):
+        attempt, msg = value
+        return [bytes(msg.request_id), int(attempt), *self.pack_tokens(msg)]
+
+    def unpack(self, value, name):
+        if type(value) is not list or len(value) != self.n:
+            raise _fail(name, f"expected a {self.n}-element stream entry")
+        rid = self._ID.unpack(value[0], name)
+        attempt = self._ATTEMPT.unpack(value[1], name)
+        msg = self.unpack_tokens(value[2:])
+        msg.request_id = rid
+        if msg.logprobs is not None and len(msg.logprobs) != len(msg.tokens):
+            raise _fail(name, "logprobs must have one entry per token")
+        return attempt, msg
+
+    def gen(self, g, src, name, ind):
+        g.put(ind, f"if type({src}) is not list or len({src}) != {self.n}:")
+        g.fail(ind + 1, name, f'"expected a {self.n}-element stream entry"')
+        rid, attempt, msg = g.var(), g.var(), g.var()
+        g.put(ind, f"{rid} = {src}[0]")
+        self._ID.gen(g, rid, name, ind)
+        g.put(ind, f"{attempt} = {src}[1]")
+        self._ATTEMPT.gen(g, attempt, name, ind)
+        g.put(ind, f"{msg} = {g.const(self.unpack_tokens)}({src}[2:])")
+        g.put(ind, f"{msg}.request_id = {rid}")
+        g.put(ind, f"if {msg}.logprobs is not None and len({msg}.logprobs) != len({msg}.tokens):")
+        g.fail(ind + 1, name, '"logprobs must have one entry per token"')
+        return f"({attempt}, {msg})"
+
+
 class AnyData(Spec):
     """Free-form stats: msgpack maps/lists/scalars; the frame-size bound limits it."""
 

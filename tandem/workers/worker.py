@@ -87,6 +87,7 @@ class Worker(KVHandoffs, Health):
         self._pub_ctx = priority.context_keeping_priority() if self.role == "prefill" else self.ctx
         self.pub = make_socket(self._pub_ctx, zmq.PUB, connect=stream_in, security=secret, hwm=100_000)
         self._pub_lock = threading.Lock()  # the IO thread and (first tokens) the engine thread
+        self._batch: list[bytes] = []  # stream entries to send (codec.stream_entry), under _pub_lock
         self.kv_in: KVIngest | None = None
         self.kv_address: str | None = None
         if self.role == "decode":
@@ -190,6 +191,7 @@ class Worker(KVHandoffs, Health):
         if local is None or local.attempt != attempt or local.handing_off:
             return False
         self._publish(local, ev.tokens, ev.logprobs, usage=ev.usage)
+        self._flush_batch()
         return True
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -273,14 +275,26 @@ class Worker(KVHandoffs, Health):
             log.warning("broker pipe full; dropped %s", type(msg).__name__)
 
     def _publish(self, local: Local, tokens, logprobs=None, finish=None, usage=None, error=None) -> None:
-        # Numbered and sent under one lock: with a prefill worker's engine thread publishing
+        """Number a request's stream message and add it to the batch that
+        :meth:`_flush_batch` sends: every request's tokens of an engine step travel in one
+        message (per-message costs in this thread, the broker and the clients were most
+        of the token path's CPU)."""
+        # Numbered and queued under one lock: with a prefill worker's engine thread publishing
         # first tokens too, a request's numbers must go out once each and in order.
         with self._pub_lock:
             msg = M.TokenMessage(local.request_id, local.seq, list(tokens), logprobs, finish, usage, error)
             local.seq += 1
-            self.pub.send_multipart([local.request_id + bytes((local.attempt,)), codec.pack_header(msg)])
+            self._batch.append(codec.stream_entry(local.attempt, msg))
         if self._timeline is not None:
             self.mark("publish", local.request_id, seq=msg.seq, tokens=len(msg.tokens))
+
+    def _flush_batch(self) -> None:
+        """Send what :meth:`_publish` queued, in order, as TOKEN_BATCH messages."""
+        with self._pub_lock:
+            if self._batch:
+                for head in codec.batch_headers(self._batch):
+                    self.pub.send_multipart([P.STREAM_BATCH_TOPIC, head])
+                self._batch = []
 
     def _pub_send(self, frames) -> None:
         with self._pub_lock:
@@ -380,7 +394,7 @@ class Worker(KVHandoffs, Health):
         # Handoffs start after every first token of this batch is out: starting one queues
         # and seals megabytes of KV on this thread, which delayed the next prompt's first
         # token by milliseconds per handoff (timeline: event -> publish 8 ms vs 1 ms hybrid).
-        handoffs = []
+        handoffs, outcomes = [], []
         while True:
             try:
                 attempt, ev = self._events.get_nowait()
@@ -401,6 +415,8 @@ class Worker(KVHandoffs, Health):
                 local.handing_off = True  # (aborts in between are seen below)
                 handoffs.append((local, ev.snapshot))
                 continue
+            if len(self._batch) >= P.MAX_STREAM_ENTRIES:
+                self._flush_batch()  # (a long drain: its first tokens need not wait for the rest)
             done = ev.finish_reason is not None or ev.error is not None
             if ev.tokens or done:
                 finish = ev.finish_reason if ev.finish_reason else ("error" if ev.error else None)
@@ -410,9 +426,14 @@ class Worker(KVHandoffs, Health):
                 if local.stream_kv:  # ended at its first token (or failed) with its KV half sent
                     self.sender.cancel(ev.request_id, "request ended on the prefill worker")
                 if ev.error and ev.finish_reason in (None, "error"):
-                    self._send(M.Failed(ev.request_id, ev.error[:1000], retryable=False))
+                    outcomes.append(M.Failed(ev.request_id, ev.error[:1000], retryable=False))
                 else:
-                    self._send(M.Done(ev.request_id, finish, ev.usage, None))
+                    outcomes.append(M.Done(ev.request_id, finish, ev.usage, None))
+        # The final stream messages first: a DONE ahead of its request's last tokens makes
+        # the broker wait for them (it cannot tell a lost message from a late one).
+        self._flush_batch()
+        for msg in outcomes:
+            self._send(msg)
         for local, snap in handoffs:
             if self.local.get(local.request_id) is local:
                 self._hand_off(local, snap)

@@ -15,7 +15,7 @@ from tandem.broker.settings import BrokerSettings
 from tandem.kvtypes import SamplingParams
 from tandem.wire import codec
 from tandem.wire import messages as M
-from tandem.wire.protocol import STREAM_PING_TOPIC
+from tandem.wire.protocol import CLIENT_STREAM_BYTES, STREAM_BATCH_TOPIC, STREAM_PING_TOPIC
 from tandem.wire.sockets import make_socket
 
 ANY = "tcp://127.0.0.1:*"
@@ -93,6 +93,62 @@ def test_malformed_messages_are_counted_and_the_loop_keeps_serving(broker, caplo
     assert worker.poll(5000)
     msg = codec.decode(worker.recv_multipart())
     assert isinstance(msg, M.Dispatch) and msg.request_id == rid and msg.prompt == [1, 2, 3]
-    pub.send_multipart([rid + bytes((msg.attempt,)), codec.pack_header(M.TokenMessage(rid, 0, [5], None, "length", M.Usage(3, 1)))])
+    _batch(pub, (msg.attempt, M.TokenMessage(rid, 0, [5], None, "length", M.Usage(3, 1))))
     assert sub.poll(5000)
     assert codec.decode_tokens(sub.recv_multipart()).tokens == [5]
+
+
+def _batch(pub, *entries) -> None:
+    for head in codec.batch_headers([codec.stream_entry(a, m) for a, m in entries]):
+        pub.send_multipart([STREAM_BATCH_TOPIC, head])
+
+
+def _register(worker, pub, stats) -> None:
+    worker.send(codec.encode(M.Ready("w0", "hybrid", "m", 16, None, 16, 100))[0])
+    deadline = time.monotonic() + 5
+    while _stats(stats)["ready"]["hybrid"] < 1:
+        pub.send_multipart([STREAM_PING_TOPIC, b"w0"])
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_batch_is_judged_entry_by_entry_and_regrouped_per_client(broker):
+    """One worker batch holds entries for two clients: one on its stream topic, one on a
+    request's own topic. A gap in one request's entry holds that request only; the others
+    go out at once, the stream client's in one batch, in order."""
+    b, sock = broker
+    client, worker = sock(zmq.DEALER, "frontend"), sock(zmq.DEALER, "backend", identity=b"w0")
+    pub, stats = sock(zmq.PUB, "stream_in"), sock(zmq.DEALER, "stats")
+    streamed, plain = sock(zmq.SUB, "stream_out"), sock(zmq.SUB, "stream_out")
+    time.sleep(0.3)
+    _register(worker, pub, stats)
+    topic = b"S" * CLIENT_STREAM_BYTES
+    streamed.setsockopt(zmq.SUBSCRIBE, topic)
+    assert streamed.poll(5000)  # the broker announces a stream it sees subscribed: an empty batch
+    assert codec.decode_batch(streamed.recv_multipart()) == []
+    r1, r2, r3 = b"1" * 16, b"2" * 16, b"3" * 16
+    plain.setsockopt(zmq.SUBSCRIBE, r3)
+    time.sleep(0.2)
+    for rid, stream in ((r1, topic), (r2, topic), (r3, None)):
+        client.send(codec.encode(M.Submit(rid, [1, 2], SamplingParams(max_tokens=2), stream=stream))[0])
+    attempts = {}
+    while len(attempts) < 3:
+        assert worker.poll(5000)
+        msg = codec.decode(worker.recv_multipart())
+        if isinstance(msg, M.Dispatch):
+            attempts[msg.request_id] = msg.attempt
+    usage = M.Usage(2, 2)
+    _batch(pub, (attempts[r1], M.TokenMessage(r1, 0, [5])), (attempts[r2], M.TokenMessage(r2, 1, [6], None, "length", usage)),
+           (attempts[r3], M.TokenMessage(r3, 0, [7])), (attempts[r1], M.TokenMessage(r1, 1, [8], None, "length", usage)))
+    assert streamed.poll(5000)
+    got = codec.decode_batch(streamed.recv_multipart())
+    assert [(m.request_id, m.seq, m.tokens) for _, m in got] == [(r1, 0, [5]), (r1, 1, [8])]
+    assert plain.poll(5000)
+    assert codec.decode_tokens(plain.recv_multipart()).tokens == [7]
+    _batch(pub, (attempts[r2], M.TokenMessage(r2, 0, [9])), (attempts[r3] + 1, M.TokenMessage(r3, 1, [1])))
+    assert streamed.poll(5000)
+    got = codec.decode_batch(streamed.recv_multipart())
+    assert [(m.request_id, m.seq, m.tokens, m.finish_reason) for _, m in got] == [(r2, 0, [9], None), (r2, 1, [6], "length")]
+    assert not plain.poll(300)  # another attempt's entry: dropped
+    c = _stats(stats)["counters"]
+    assert c["reordered_stream_messages"] == 1 and c["stale_stream_messages"] == 1 and c["completed"] == 2

@@ -23,8 +23,9 @@ class FakeBroker:
         self.addrs = (self.front.getsockopt_string(zmq.LAST_ENDPOINT), self.xpub.getsockopt_string(zmq.LAST_ENDPOINT))
 
     async def submit(self):
-        """Wait for the subscription and the submit (either order); returns (client, Submit)."""
-        sub, got = None, None
+        """Wait for the subscription (once per client) and the submit (either order);
+        returns (client, Submit)."""
+        sub, got = getattr(self, "topic", None), None
         loop = asyncio.get_running_loop()
         while sub is None or got is None:
             if self.xpub.poll(0):
@@ -37,7 +38,8 @@ class FakeBroker:
                 if isinstance(msg, M.Submit):
                     got = (ident, msg)
             await asyncio.sleep(0.005)
-        assert sub == got[1].request_id  # subscribed to exactly its request id
+        assert sub == got[1].stream  # subscribed to exactly the stream it names
+        self.topic = sub
         return got
 
     async def next_control(self, timeout=2.0):
@@ -51,8 +53,9 @@ class FakeBroker:
     def reply(self, ident, msg):
         self.front.send_multipart([ident, *codec.encode(msg)])
 
-    def publish(self, msg):
-        self.xpub.send_multipart(codec.encode_tokens(msg))
+    def publish(self, *msgs):
+        """One batch on the client's stream topic holding ``msgs``."""
+        self.xpub.send_multipart([self.topic, codec.pack_header(M.TokenBatch([(0, m) for m in msgs]))])
 
 
 @pytest.fixture
@@ -160,3 +163,67 @@ def test_error_message_raises_stream_error_after_tokens(fake):
             return await b.next_control(timeout=0.3)
 
     assert run(main()) is None
+
+
+def test_one_batch_feeds_many_streams_and_a_gap_ends_only_its_own(fake):
+    """Entries of several requests in one batch reach their own streams, in order; a gap
+    in one request's entries ends that stream and no other."""
+    b, secret = fake
+
+    async def main():
+        async with AsyncClient(*b.addrs, secret=secret) as ac:
+            async def consume(prompt):
+                got = []
+                try:
+                    async for ev in ac.generate(prompt, SamplingParams()):
+                        got.append(ev.tokens)
+                except StreamError as exc:
+                    return got, str(exc)
+                return got, None
+            tasks, rids = [], []
+            for i in range(3):
+                tasks.append(asyncio.ensure_future(consume([i + 1])))
+                ident, sub = await b.submit()
+                b.reply(ident, M.Accepted(sub.request_id))
+                rids.append(sub.request_id)
+            a, g, c = rids
+            b.publish(M.TokenMessage(a, 0, [1]), M.TokenMessage(g, 0, [2]), M.TokenMessage(c, 0, [3]),
+                      M.TokenMessage(a, 1, [4]), M.TokenMessage(g, 2, [5]), M.TokenMessage(c, 1, [6], None, "stop"))
+            b.publish(M.TokenMessage(a, 2, [7], None, "length"))
+            return await asyncio.gather(*tasks)
+
+    (ga, ea), (gg, eg), (gc, ec) = run(main())
+    assert (ga, ea) == ([[1], [4], [7]], None)
+    assert gg == [[2]] and "gap" in eg
+    assert (gc, ec) == ([[3], [6]], None)
+
+
+def test_a_stream_announced_again_falls_back_to_the_request_topics(fake):
+    """A second announcement of the client's stream (its SUB reconnected, perhaps to a
+    restarted broker that lost the request) makes the client listen on the request's own
+    topic as well, where a broker ends a stream it does not know."""
+    b, secret = fake
+
+    async def main():
+        async with AsyncClient(*b.addrs, secret=secret) as ac:
+            task = asyncio.ensure_future(_drain(ac))
+            ident, sub = await b.submit()
+            b.reply(ident, M.Accepted(sub.request_id))
+            b.publish()  # the announcement when the stream was first seen
+            b.publish(M.TokenMessage(sub.request_id, 0, [5]))
+            await asyncio.sleep(0.05)
+            b.publish()  # seen again
+            for _ in range(400):
+                if b.xpub.poll(0):
+                    ev = b.xpub.recv()
+                    if ev == b"\x01" + sub.request_id:
+                        break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError("the client did not subscribe to the request's topic")
+            b.xpub.send_multipart(codec.encode_tokens(M.TokenMessage(sub.request_id, 1, [], None, "error", None,
+                                                                     "the broker restarted and lost it")))
+            with pytest.raises(StreamError, match="restarted"):
+                await task
+
+    run(main())

@@ -580,7 +580,7 @@ def test_dispatch_from_the_submit_bytes_equals_the_dispatch_message():
         rid = bytes(range(16))
         sub = M.Submit(rid, [5, 6, 7, 8, 9], SamplingParams(temperature=0.5, seed=3, max_tokens=9), priority=2, model="m")
         h.d.subscribe(rid)
-        h.d.submit(b"c", sub, F.submit_tail(codec.encode(sub)[0]) if raw else None)
+        h.d.submit(b"c", sub, F.submit_tail(codec.encode(sub)[0], sub.stream) if raw else None)
         first = (out or h.dispatches())[-1][1]
         h.d.worker_message(b"p0", M.Refused(rid, "at_capacity", "decode full", 0.0))
         return out if raw else h.dispatches(), first

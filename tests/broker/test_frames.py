@@ -14,7 +14,7 @@ from tandem.wire import protocol as P
 from tandem.wire.errors import WireError
 from tandem.wire.messages import KVChunk, REGISTRY
 from tests.wire import fuzz_inputs as FI
-from tests.wire.samples import all_messages, token_messages
+from tests.wire.samples import STREAM, all_messages, token_batches, token_messages
 
 
 def _verdict(fn, *args):
@@ -29,6 +29,33 @@ def _same_verdict(head: bytes) -> None:
     generic = _verdict(codec.decode, [head])
     compiled = _verdict(F.decode, head)
     assert compiled == generic, (head[:80], generic, compiled)
+
+
+def _same_batch_verdict(head: bytes) -> None:
+    generic = _verdict(codec.decode_batch, [STREAM, head])
+    compiled = _verdict(lambda h: F.decode_batch(h)[1], head)
+    assert compiled == generic, (head[:80], generic, compiled)
+
+
+@pytest.mark.parametrize("batch", token_batches(), ids=lambda b: str(len(b.entries)))
+def test_token_batches_match(batch):
+    head = codec.pack_header(batch)
+    assert F.encode(batch) == head
+    raws, entries = F.decode_batch(head)
+    assert entries == codec.decode_batch([STREAM, head]) == batch.entries
+    # Forwarded entries (packed again as decoded) make the same batch.
+    assert codec.batch_headers([F.pack_entry(r) for r in raws]) == ([head] if raws else [])
+
+
+def test_each_bound_of_a_batch_entry_is_enforced_by_both():
+    head = codec.pack_header(token_batches()[0])
+    body = msgpack.unpackb(head[P.PREFIX_LEN:])
+    for e in range(len(body[0])):
+        for i in range(len(body[0][e])):
+            for bad in (-1, (1 << 64) - 1, "x" * 2000, 1.5, None, True, [], b"\0" * 17, [[]], {"k": 1}):
+                copy = [[list(x) for x in body[0]]]
+                copy[0][e][i] = bad
+                _same_batch_verdict(head[: P.PREFIX_LEN] + msgpack.packb(copy, use_bin_type=True))
 
 
 def _same_token_verdict(rid: bytes, head: bytes) -> None:
@@ -86,7 +113,7 @@ def test_framing_errors():
 
 
 def test_every_plain_message_type_has_a_compiled_decoder():
-    assert set(F._PLAIN) == {int(t) for t, cls in REGISTRY.items() if cls.__name__ != "TokenMessage"}
+    assert set(F._PLAIN) == {int(t) for t, cls in REGISTRY.items() if cls.__name__ not in ("TokenMessage", "TokenBatch")}
 
 
 def _fuzz(n: int, seed: int) -> None:
@@ -95,9 +122,10 @@ def _fuzz(n: int, seed: int) -> None:
         frames = rng.choice([FI.structured, FI.mutated, FI.garbage])(rng)
         if not frames:
             continue
-        head = bytes(frames[-1] if len(frames) == 2 and len(frames[0]) == 16 else frames[0])
+        head = bytes(frames[-1] if len(frames) == 2 and len(frames[0]) in (16, 17) else frames[0])
         _same_verdict(head)
         _same_token_verdict(b"r" * 16, head)
+        _same_batch_verdict(bytes(frames[-1]) if len(frames) == 2 else head)
 
 
 def test_fuzzed_input_gets_the_same_verdict():
@@ -115,7 +143,7 @@ def test_dispatch_spliced_from_the_submit_bytes_equals_the_encoded_dispatch(subm
     from tandem.wire import messages as M
 
     head = codec.encode(submit)[0]
-    tail = F.submit_tail(head)
+    tail = F.submit_tail(head, submit.stream)
     assert tail is not None
     for mode, node, address, attempt in (("hybrid", None, None, 1), ("prefill", "decode-a", "tcp://127.0.0.1:7001", 3),
                                          ("decode", None, None, P.MAX_ATTEMPTS)):
@@ -132,6 +160,6 @@ def test_a_submit_laid_out_another_way_is_not_spliced():
     submit = next(m for m in all_messages() if isinstance(m, M.Submit))
     body = msgpack.unpackb(codec.encode(submit)[0][P.PREFIX_LEN:])
     # The same values with a 16-bit array length: valid, decodes to the same message.
-    head = codec.encode(submit)[0][:P.PREFIX_LEN] + b"\xdc\x00\x05" + b"".join(msgpack.packb(v, use_bin_type=True) for v in body)
+    head = codec.encode(submit)[0][:P.PREFIX_LEN] + b"\xdc\x00\x06" + b"".join(msgpack.packb(v, use_bin_type=True) for v in body)
     assert F.decode(head) == submit
-    assert F.submit_tail(head) is None
+    assert F.submit_tail(head, submit.stream) is None

@@ -8,10 +8,11 @@ import msgpack
 
 from tandem.wire import codec, protocol as P
 from tandem.wire.messages import REGISTRY
-from tests.wire.samples import all_messages, token_messages
+from tests.wire.samples import STREAM, all_messages, token_batches, token_messages
 
 VALID = [codec.encode(m) for m in all_messages()]
 VALID_TOKENS = [codec.encode_tokens(m) for m in token_messages()]
+VALID_BATCHES = [[STREAM, codec.pack_header(b)] for b in token_batches()]
 
 _INTERESTING_INTS = [0, 1, -1, 2**7, 2**8, 2**15, 2**16, 2**31 - 1, 2**31, 2**32, 2**63 - 1, -(2**63), 2**64 - 1, P.MAX_TOKEN_ID + 1]
 _INTERESTING_FLOATS = [0.0, -0.0, 1.5, -1.0, float("nan"), float("inf"), float("-inf"), 1e308, -1e-308]
@@ -42,9 +43,15 @@ def random_value(rng: random.Random, depth: int = 0):
 
 def structured(rng: random.Random) -> list:
     """A valid message with a few fields replaced by random values (deep validator coverage)."""
-    frames = [bytes(f) if not isinstance(f, bytes) else f for f in rng.choice(VALID)]
+    frames = [bytes(f) if not isinstance(f, bytes) else f for f in rng.choice(VALID + VALID_BATCHES)]
+    topic = frames[:-1] if len(frames[0]) == len(STREAM) else []  # a batch: [topic, header]
+    frames = frames[len(topic):]
     head = frames[0]
     body = msgpack.unpackb(head[P.PREFIX_LEN:])
+    if topic and body[0] and rng.random() < 0.7:  # inside one entry of a batch
+        entry = rng.choice(body[0])
+        entry[rng.randrange(len(entry))] = random_value(rng)
+        return [*topic, head[: P.PREFIX_LEN] + msgpack.packb(body, use_bin_type=True)]
     for _ in range(rng.randrange(1, 3)):
         if body and rng.random() < 0.9:
             body[rng.randrange(len(body))] = random_value(rng)
@@ -58,12 +65,12 @@ def structured(rng: random.Random) -> list:
         packed = msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError):  # the generator made something msgpack cannot hold
         packed = b"\xc1"
-    return [head[: P.PREFIX_LEN] + packed, *frames[1:]]
+    return [*topic, head[: P.PREFIX_LEN] + packed, *frames[1:]]
 
 
 def mutated(rng: random.Random, source: list | None = None) -> list:
     """A valid message with bytes flipped, inserted, deleted, or frames dropped/duplicated."""
-    frames = [bytearray(bytes(f)) for f in (source or rng.choice(VALID + VALID_TOKENS))]
+    frames = [bytearray(bytes(f)) for f in (source or rng.choice(VALID + VALID_TOKENS + VALID_BATCHES))]
     for _ in range(rng.randrange(1, 4)):
         op = rng.randrange(6)
         f = frames[rng.randrange(len(frames))] if frames else None

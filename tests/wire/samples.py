@@ -6,6 +6,8 @@ from tandem.kvtypes import SamplingParams, TokenLogprob, Usage
 from tandem.wire import messages as M
 
 RID = bytes(range(16))
+RID2 = bytes(range(16, 32))
+STREAM = bytes(range(100, 117))  # a client's stream topic
 SAMPLING = SamplingParams(
     temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=(1 << 64) - 1, max_tokens=128,
     stop_token_ids=[2, 3], logit_bias={5: -100.0, 7: 2.5}, logprobs=5, ignore_eos=True,
@@ -18,6 +20,7 @@ def all_messages() -> list:
     return [
         M.Submit(RID, [1, 2, 3], SAMPLING, priority=-3, model="smollm2"),
         M.Submit(RID, [0], SamplingParams()),
+        M.Submit(RID, [4, 5], SamplingParams(), stream=STREAM),
         M.Accepted(RID, queue_depth=7),
         M.Refused(RID, "busy", "queue full (1024 waiting)", 2.5),
         M.Abort(RID),
@@ -47,4 +50,16 @@ def token_messages() -> list:
         M.TokenMessage(RID, 0, [1, 2, 3]),
         M.TokenMessage(RID, 7, [9], [TokenLogprob(9, -0.25, [(9, -0.25), (4, -3.0)])], "stop", Usage(3, 8, 0)),
         M.TokenMessage(RID, 8, [], None, "error", None, "decode worker lost; no migration left"),
+    ]
+
+
+def token_batches() -> list:
+    """TOKEN_BATCHes: one of every token message above (under attempts 0-2), two requests
+    interleaved, and an empty one (the broker's stream announcement)."""
+    singles = token_messages()
+    return [
+        M.TokenBatch([(i, m) for i, m in enumerate(singles)]),
+        M.TokenBatch([(1, M.TokenMessage(RID, 3, [7])), (5, M.TokenMessage(RID2, 0, [8, 9])),
+                      (1, M.TokenMessage(RID, 4, [], None, "length", Usage(3, 2, 0)))]),
+        M.TokenBatch([]),
     ]

@@ -8,7 +8,7 @@ import pytest
 from tandem.wire import codec, protocol as P
 from tandem.wire import messages as M
 from tandem.wire.errors import WireError
-from tests.wire.samples import RID, all_messages, token_messages
+from tests.wire.samples import RID, STREAM, all_messages, token_batches, token_messages
 
 
 def _same(a, b):
@@ -19,7 +19,7 @@ def _same(a, b):
 
 
 def test_every_message_type_has_a_sample():
-    covered = {type(m) for m in all_messages() + token_messages()}
+    covered = {type(m) for m in all_messages() + token_messages() + token_batches()}
     assert covered == set(M.REGISTRY.values())
 
 
@@ -122,6 +122,45 @@ def test_token_stream_errors():
     bad = M.TokenMessage(RID, 1, [1, 2], msg.logprobs)  # one logprob for two tokens
     with pytest.raises(WireError, match="one entry per token"):
         codec.decode_tokens(codec.encode_tokens(bad))
+
+
+@pytest.mark.parametrize("batch", token_batches(), ids=lambda b: str(len(b.entries)))
+def test_token_batch_round_trip(batch):
+    head = codec.pack_header(batch)
+    # Entries packed one by one and joined are the same bytes as the batch encoded whole.
+    assert codec.batch_headers([codec.stream_entry(a, m) for a, m in batch.entries]) == ([head] if batch.entries else [])
+    assert codec.decode_batch([STREAM, head]) == batch.entries
+    assert codec.decode_batch([P.STREAM_BATCH_TOPIC, head]) == batch.entries
+    with pytest.raises(WireError, match="plain message"):
+        codec.decode([head])
+
+
+def test_batches_split_at_the_entry_and_size_bounds():
+    entries = [codec.stream_entry(1, M.TokenMessage(RID, i, [i % 1000])) for i in range(P.MAX_STREAM_ENTRIES + 5)]
+    heads = codec.batch_headers(entries)
+    assert [len(codec.decode_batch([STREAM, h])) for h in heads] == [P.MAX_STREAM_ENTRIES, 5]
+    assert [m.seq for h in heads for _, m in codec.decode_batch([STREAM, h])] == list(range(P.MAX_STREAM_ENTRIES + 5))
+    big = [codec.stream_entry(0, M.TokenMessage(RID, i, [P.MAX_TOKEN_ID] * P.MAX_TOKENS_PER_STREAM_MESSAGE)) for i in range(400)]
+    heads = codec.batch_headers(big)
+    assert len(heads) > 1 and all(len(h) <= P.MAX_HEADER_BYTES for h in heads)
+    assert [m.seq for h in heads for _, m in codec.decode_batch([STREAM, h])] == list(range(400))
+
+
+def test_token_batch_errors():
+    head = codec.pack_header(token_batches()[1])
+    with pytest.raises(WireError):
+        codec.decode_batch([RID, head])  # a request's topic, not a stream's
+    with pytest.raises(WireError):
+        codec.decode_batch([STREAM])
+    with pytest.raises(WireError, match="TOKEN_BATCH"):
+        codec.decode_batch([STREAM, codec.encode_tokens(token_messages()[0])[1]])
+    entry = [RID, 0, 0, [1], None, None, None, None]
+    for bad in ([b"short", *entry[1:]], [RID, P.MAX_ATTEMPTS + 1, *entry[2:]], entry[:-1], [*entry, None],
+                [RID, 0, -1, *entry[3:]], [RID, 0, 0, [1, 2], [[1, -0.5, []]], None, None, None], "entry"):
+        with pytest.raises(WireError):
+            codec.decode_batch([STREAM, _header(P.MsgType.TOKEN_BATCH, [[entry, bad]])])
+    with pytest.raises(WireError):
+        codec.decode_batch([STREAM, _header(P.MsgType.TOKEN_BATCH, [[entry] * (P.MAX_STREAM_ENTRIES + 1)])])
 
 
 def test_large_frames_go_zero_copy_and_are_tracked():

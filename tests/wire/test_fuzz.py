@@ -42,6 +42,8 @@ def _expect_wire_error_only(fn, frames):
 def decode_any(frames):
     if len(frames) == 2 and len(frames[0]) == 16:
         _expect_wire_error_only(codec.decode_tokens, frames)
+    if len(frames) == 2 and len(frames[0]) == 17:
+        _expect_wire_error_only(codec.decode_batch, frames)
     _expect_wire_error_only(codec.decode, frames)
 
 

@@ -14,7 +14,7 @@ from tandem.kvtypes import SamplingParams
 from tandem.pipeline.api import EngineStats
 from tandem.wire import codec
 from tandem.wire import messages as M
-from tandem.wire.protocol import STREAM_PING_TOPIC
+from tandem.wire.protocol import STREAM_BATCH_TOPIC, STREAM_PING_TOPIC
 from tandem.workers.settings import WorkerSettings
 from tests.stub_engine import StubEngine, reference_tokens
 from tandem.workers.worker import Worker
@@ -61,10 +61,11 @@ class FakeBroker:
                 topic, body = self.xsub.recv_multipart()
                 if topic == STREAM_PING_TOPIC:
                     continue
-                msg = codec.decode_tokens([topic[:16], body])
-                out.append((topic[16], msg))
-                if msg.finish_reason or msg.error:
-                    return out
+                assert topic == STREAM_BATCH_TOPIC
+                for attempt, msg in codec.decode_batch([topic, body]):
+                    out.append((attempt, msg))
+                    if msg.finish_reason or msg.error:
+                        return out
         return out
 
 
@@ -368,8 +369,9 @@ def test_a_prefill_worker_publishes_first_tokens_from_the_engine_thread(tmp_path
         assert w._events.empty()  # nothing for the IO thread to publish
         assert sub.poll(5000)
         topic, head = sub.recv_multipart()
-        msg = codec.decode_tokens([topic[:16], head])
-        assert topic == rid + bytes((2,)) and (msg.seq, msg.tokens, msg.usage.completion_tokens) == (0, [7], 1)
+        [(attempt, msg)] = codec.decode_batch([topic, head])
+        assert (topic, attempt, msg.request_id) == (STREAM_BATCH_TOPIC, 2, rid)
+        assert (msg.seq, msg.tokens, msg.usage.completion_tokens) == (0, [7], 1)
         assert w.gate.held  # the prompt keeps the cores until its handoff
         on_event(TokenEvent(rid, [], snapshot=object()))
         w._drain_events()
