@@ -67,8 +67,8 @@ def bench_decisions(n: int) -> dict:
 
 
 def bench_codec(n: int) -> dict:
-    """The broker's per-request codec work (decode SUBMIT, DONE and the final token
-    message; encode ACCEPTED and DISPATCH), through the generic codec
+    """The broker's per-request codec work (decode SUBMIT, DONE and a batch holding the
+    final token message; encode ACCEPTED and DISPATCH), through the generic codec
     (tandem.wire.codec) and through the broker's compiled one (tandem.broker.frames),
     alternating in one run: microseconds per request, best of 5 passes."""
     from tandem.broker import frames as F
@@ -81,15 +81,16 @@ def bench_codec(n: int) -> dict:
     sp = SamplingParams(temperature=0.7, top_p=0.9, seed=7, max_tokens=64)
     submit = codec.encode(M.Submit(rid, list(range(1, 65)), sp))[0]
     done = codec.encode(M.Done(rid, "length", Usage(64, 1)))[0]
-    tokens = codec.encode_tokens(M.TokenMessage(rid, 0, [7], None, "length", Usage(64, 1)))[1]
+    tokens = codec.batch_headers([codec.stream_entry(1, M.TokenMessage(rid, 0, [7], None, "length", Usage(64, 1)))])[0]
+    topic = b"\x00" * 17
     dispatch = M.Dispatch(rid, "hybrid", list(range(1, 65)), sp, 0, "", None, None, 1)
 
     def generic():
-        codec.decode([submit]), codec.decode([done]), codec.decode_tokens([rid, tokens])
+        codec.decode([submit]), codec.decode([done]), codec.decode_batch([topic, tokens])
         codec.encode(M.Accepted(rid, 3)), codec.encode(dispatch)
 
     def compiled():
-        F.decode(submit), F.decode(done), F.decode_tokens(rid, tokens)
+        F.decode(submit), F.decode(done), F.decode_batch(tokens)
         F.encode(M.Accepted(rid, 3)), F.encode(dispatch)
 
     best = {"generic": float("inf"), "compiled": float("inf")}
@@ -170,13 +171,14 @@ def _template(head: bytes, placeholder: bytes) -> tuple[bytes, bytes]:
 
 def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str, raw: bool = False) -> None:
     """A protocol-speaking worker with no engine and no threads: every DISPATCH is answered
-    at once with a final one-token stream message and DONE. Runs in its own process until
+    at once with a final one-token stream entry and DONE, the entries of one poll round in
+    one TOKEN_BATCH (as a worker batches an engine step's). Runs in its own process until
     killed. ``raw``: the peer is the pass-through forwarder, which hands over the client's
-    SUBMIT as it came; the same two replies go out (token on the request's topic, DONE)."""
+    SUBMIT as it came; the same replies go out."""
     import msgpack
     import zmq
 
-    from tandem.wire.protocol import STREAM_PING_TOPIC
+    from tandem.wire.protocol import STREAM_BATCH_TOPIC, STREAM_PING_TOPIC
     from tandem.kvtypes import Usage
     from tandem.wire import codec
     from tandem.wire import messages as M
@@ -193,14 +195,16 @@ def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str, raw: bo
     d.send_multipart(ready)
     dispatch_type = int(P.MsgType.DISPATCH)
     placeholder = bytes(range(100, 116))
-    replies: dict[int, tuple[bytes, bytes, bytes]] = {}  # prompt length -> (token header, DONE prefix, suffix)
+    replies: dict[int, tuple[bytes, bytes, bytes]] = {}  # prompt length -> (stream entry after the attempt, DONE prefix, suffix)
+    pack = msgpack.Packer(use_bin_type=True).pack
 
     def reply_for(n: int):
         r = replies.get(n)
         if r is None:
             usage = Usage(n, 1)
-            tok = codec.pack_header(M.TokenMessage(placeholder, 0, [7], None, "length", usage))
-            r = replies[n] = (tok, *_template(codec.pack_header(M.Done(placeholder, "length", usage)), placeholder))
+            entry = codec.stream_entry(0, M.TokenMessage(placeholder, 0, [7], None, "length", usage))
+            tail = entry[entry.index(placeholder) + len(placeholder) + 1:]  # after [.., rid, attempt 0
+            r = replies[n] = (tail, *_template(codec.pack_header(M.Done(placeholder, "length", usage)), placeholder))
         return r
 
     next_hb = 0.0
@@ -220,7 +224,7 @@ def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str, raw: bo
                 break
             if raw:
                 rid = head[_RID_AT:_RID_AT + 16]
-                out.append((rid + b"\x01", *reply_for(4), rid))
+                out.append((1, *reply_for(4), rid))
                 continue
             if head[3] != dispatch_type:
                 msg = codec.decode([head])
@@ -229,35 +233,46 @@ def _lean_worker(backend: str, stream_in: str, secret: bytes, name: str, raw: bo
                 continue
             body = msgpack.unpackb(head[4:])
             rid = body[0]
-            out.append((rid + bytes((body[8],)), *reply_for(len(body[2])), rid))
-        for topic, tok, pre, post, rid in out:
-            send(pub, topic, MORE)
-            send(pub, tok, NOBLOCK)
-        for topic, tok, pre, post, rid in out:
+            out.append((body[8], *reply_for(len(body[2])), rid))
+        if not out:
+            continue
+        entries = [b"\x98\xc4\x10" + rid + pack(attempt) + tail for attempt, tail, pre, post, rid in out]
+        for batch in codec.batch_headers(entries):
+            send(pub, STREAM_BATCH_TOPIC, MORE)
+            send(pub, batch, NOBLOCK)
+        for attempt, tail, pre, post, rid in out:
             send(d, pre + rid + post, NOBLOCK)
 
 
 def _lean_client(frontend: str, stream_out: str, secret: bytes, *, seconds: float, rate: float | None, window: int,
-                 linger: float = 10.0) -> dict:
-    """A client on raw sockets in one thread: subscribe, SUBMIT, read the final token,
-    unsubscribe. ``rate`` set: open loop at that rate (latency from just before the
-    subscription to the final token's arrival); None: closed loop, ``window`` in flight."""
+                 linger: float = 10.0, raw: bool = False) -> dict:
+    """A client on raw sockets in one thread, as the wire client does it: one stream topic
+    subscribed at the start, then SUBMIT naming it and the final token read from the
+    batches that come there. ``rate`` set: open loop at that rate (latency from the
+    SUBMIT to the final token's arrival); None: closed loop, ``window`` in flight.
+    ``raw``: against the pass-through forwarder, which passes the workers' batches on
+    under their own topic."""
+    import msgpack
     import zmq
 
     from tandem.kvtypes import SamplingParams
     from tandem.wire import codec
     from tandem.wire import messages as M
+    from tandem.wire.protocol import CLIENT_STREAM_BYTES, STREAM_BATCH_TOPIC
     from tandem.wire.sockets import make_socket
 
     gc.disable()  # no reference cycles here: no collector pauses inside measured latencies
     send, recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
-    setsockopt = zmq.backend.Socket.set
-    NOBLOCK, SUBSCRIBE, UNSUBSCRIBE = int(zmq.NOBLOCK), int(zmq.SUBSCRIBE), int(zmq.UNSUBSCRIBE)
+    NOBLOCK = int(zmq.NOBLOCK)
+    unpackb = msgpack.unpackb
     ctx = zmq.Context()
     dealer = make_socket(ctx, zmq.DEALER, connect=frontend, security=secret, hwm=1_000_000)
     sub = make_socket(ctx, zmq.SUB, connect=stream_out, security=secret, hwm=1_000_000)
     placeholder = bytes(range(100, 116))
-    pre, post = _template(codec.pack_header(M.Submit(placeholder, [1, 2, 3, 4], SamplingParams(max_tokens=1))), placeholder)
+    stream = os.urandom(CLIENT_STREAM_BYTES)
+    sub.setsockopt(zmq.SUBSCRIBE, STREAM_BATCH_TOPIC if raw else stream)
+    pre, post = _template(codec.pack_header(M.Submit(placeholder, [1, 2, 3, 4], SamplingParams(max_tokens=1), stream=stream)),
+                          placeholder)
     prefix = os.urandom(8)
     counter = int.from_bytes(os.urandom(4), "little") << 24
     clock = time.perf_counter
@@ -283,7 +298,6 @@ def _lean_client(frontend: str, stream_out: str, secret: bytes, *, seconds: floa
                 counter += 1
                 rid = prefix + counter.to_bytes(8, "little")
                 sent[rid] = clock()
-                setsockopt(sub, SUBSCRIBE, rid)
                 send(dealer, pre + rid + post, NOBLOCK)
             issued += max(0, want)
             # Open loop: sleep in poll until the next request is due. Whole milliseconds,
@@ -302,17 +316,16 @@ def _lean_client(frontend: str, stream_out: str, secret: bytes, *, seconds: floa
                 break
         while True:
             try:
-                rid = recv(sub, NOBLOCK)
+                recv(sub, NOBLOCK)  # the topic
             except zmq.Again:
                 break
-            recv(sub, 0)  # the header (every message here is [topic, header])
-            t = sent.pop(rid, None)
-            if t is not None:
-                now = clock()
-                lat.append(now - t)
-                done += 1
-                in_window += now <= end
-                setsockopt(sub, UNSUBSCRIBE, rid)
+            now = clock()
+            for entry in unpackb(recv(sub, 0)[4:])[0]:  # every message here is [topic, TOKEN_BATCH]
+                t = sent.pop(entry[0], None)
+                if t is not None:
+                    lat.append(now - t)
+                    done += 1
+                    in_window += now <= end
     dealer.close(0)
     sub.close(0)
     ctx.term()
@@ -370,7 +383,7 @@ def _forwarder(spec: dict) -> None:
                 elif s is be:
                     recv(s, 0)  # READY / HEARTBEAT / DONE
                 elif s is xs:
-                    send(xp, first[:16], MORE)  # the broker, too, strips the attempt byte
+                    send(xp, first, MORE)
                     send(xp, recv(s, 0), NOBLOCK)
                 # (the XPUB's subscriptions: consumed, as the broker consumes them)
 
@@ -399,11 +412,13 @@ def _lean_client_run(spec: dict) -> None:
         print(json.dumps({"event": event, **kw}), flush=True)
 
     linger = 1.0 if spec.get("raw") else 10.0
-    _lean_client(fe, so, secret, seconds=1.0, rate=None, window=64, linger=linger)  # warm-up
+    raw = bool(spec.get("raw"))
+    _lean_client(fe, so, secret, seconds=1.0, rate=None, window=64, linger=linger, raw=raw)  # warm-up
     say("cap_start")
-    say("cap", **_lean_client(fe, so, secret, seconds=spec["seconds"], rate=None, window=spec["concurrency"], linger=linger))
+    say("cap", **_lean_client(fe, so, secret, seconds=spec["seconds"], rate=None, window=spec["concurrency"], linger=linger,
+                              raw=raw))
     say("lat_start")
-    lat = _lean_client(fe, so, secret, seconds=spec["seconds"], rate=spec["rate"], window=0, linger=linger)
+    lat = _lean_client(fe, so, secret, seconds=spec["seconds"], rate=spec["rate"], window=0, linger=linger, raw=raw)
     if cl is not None:
         # The broker's own view: how long its busy poll rounds took, i.e. what it added
         # to the messages in them, apart from scheduling delays outside it.
@@ -628,11 +643,12 @@ def main() -> int:
                   f"closed-loop rate ×{ratio('capacity', 'per_s'):.2f}, broker CPU per request "
                   f"×{ratio('capacity', 'broker_cpu_us'):.2f}, open-loop p50 ×{ratio('latency', 'p50_ms'):.2f}, "
                   f"p99 ×{ratio('latency', 'p99_ms'):.2f}.")
-    md.append("\nLatency is subscribe + submit → final token at the client. The forwarder rows run the same "
+    md.append("\nLatency is submit → final token at the client (which subscribed once, to its stream topic; the "
+              "workers send each poll round's tokens in one TOKEN_BATCH, protocol v5). The forwarder rows run the same "
               "client and worker processes against a forwarder process with the same CURVE sockets and the same "
               "messages (SUBMIT → worker with an ACCEPTED back, worker PUB → XSUB → XPUB → client SUB, the worker's "
-              "DONE and the client's subscriptions read and dropped) that decodes and decides nothing, so the difference is what the broker adds: message validation, routing, "
-              "progress tracking, the subscription confirmation and its CURVE sockets. The full-stack rows add "
+              "DONE and the client's subscription read and dropped) that decodes and decides nothing, so the difference is what the broker adds: message validation, routing, "
+              "progress tracking per entry, regrouping per client, the subscription confirmation and its CURVE sockets. The full-stack rows add "
               "the asyncio client and the worker's engine thread (per-request Python on both ends). "
               "Broker CPU is read from /proc for the broker process during the closed-loop run; requests/s per "
               "idle core is 1 / that CPU time. Each tree's rows run its own broker, raw-socket client and workers "

@@ -1,11 +1,13 @@
 """The broker process: poll -> route -> purge expired -> heartbeat, on five sockets.
 
 ``frontend`` (ROUTER) takes clients and the edge; ``backend`` (ROUTER) takes workers;
-``stream_in`` (XSUB) receives every worker's token messages and ``stream_out`` (XPUB)
-fans them out to subscribed clients: proxying by hand instead of ``zmq.proxy`` is what
-lets the broker see each request's progress (for migration) and each subscription
-(XPUB_VERBOSE, so it dispatches only after the client's SUB is in place and the first
-token cannot be dropped). ``stats`` (ROUTER) answers StatsRequest.
+``stream_in`` (XSUB) receives every worker's token batches (one per engine step) and
+``stream_out`` (XPUB) sends each client its entries of a poll round in one batch on the
+client's stream topic (per request on the request's topic for a SUBMIT without one):
+proxying by hand instead of ``zmq.proxy`` is what lets the broker see each request's
+progress (for migration) and each subscription (XPUB_VERBOSE, so it dispatches only
+after the client's SUB is in place and the first token cannot be dropped). ``stats``
+(ROUTER) answers StatsRequest.
 """
 
 from __future__ import annotations

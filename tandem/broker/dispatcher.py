@@ -218,6 +218,12 @@ class Dispatcher(Admission, StreamTracking, Failover):
         if w.identity not in job.holders:
             return  # a late DONE from an attempt we gave up on
         self._unhold(job, w)
+        if w.saturated:
+            # It refused work, and has now finished some: it has room again. (Left for its
+            # next heartbeat, a worker refusing a burst stood idle for up to a heartbeat
+            # interval: one-token requests through one worker ran at a few hundred a second.)
+            w.saturated = False
+            self.dispatch_pending()
         if msg.handed_to is not None:
             job.dispatched_at = self.clock()  # the decode worker's heartbeats get their grace too
             self.counters["handoffs"] += 1

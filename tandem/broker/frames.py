@@ -25,7 +25,6 @@ _MAGIC = P.MAGIC
 _MAX_HEADER = P.MAX_HEADER_BYTES
 _TOKENS = int(P.MsgType.TOKENS)
 _BATCH = int(P.MsgType.TOKEN_BATCH)
-_unpack_tokens = TokenMessage.unpack_fields
 _unpack_batch = TokenBatch.unpack_fields
 # Type code -> (class, compiled unpacker) for what travels as a plain message.
 _PLAIN = {int(t): (cls, cls.unpack_fields) for t, cls in REGISTRY.items() if cls not in (TokenMessage, TokenBatch)}
@@ -77,26 +76,6 @@ def decode(head: bytes):
     msg = unpack(body)
     if cls is KVChunk:
         msg.frames = []
-    return msg
-
-
-def decode_tokens(rid: bytes, head: bytes) -> TokenMessage:
-    """A token stream message's header frame, for request ``rid`` (its 16-byte topic)."""
-    if head[:2] != _MAGIC or len(head) < P.PREFIX_LEN or head[2] != _VERSION:
-        _check_prefix(head)  # raises the precise error
-    if head[3] != _TOKENS:
-        raise WireError("token stream frame is not a TOKENS message", "type")
-    if len(head) > _MAX_HEADER:
-        raise WireError(f"header of {len(head)} bytes exceeds {_MAX_HEADER}", "size")
-    try:
-        body = _unpackb(head[4:], raw=False, strict_map_key=True, max_array_len=_MAX_ARRAY, max_map_len=_MAX_MAP,
-                        max_ext_len=0)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise WireError(f"TokenMessage: undecodable msgpack ({type(exc).__name__})") from None
-    msg = _unpack_tokens(body)
-    msg.request_id = rid
-    if msg.logprobs is not None and len(msg.logprobs) != len(msg.tokens):
-        raise WireError("logprobs must have one entry per token")
     return msg
 
 

@@ -16,14 +16,11 @@ MAGIC = b"TD"
 PREFIX_LEN = 4
 
 REQUEST_ID_BYTES = 16  # fixed: SUB matches topics by prefix, so ids must not prefix each other
-# Workers publish on a 17-byte topic: the 16-byte request id and the dispatch attempt.
-# The broker strips the attempt before forwarding, so clients see the plain request id;
-# tokens from an attempt the broker has already given up on (a worker it declared dead
-# but which is still talking) are dropped instead of corrupting the stream.
-ATTEMPT_TOPIC_BYTES = REQUEST_ID_BYTES + 1
 STREAM_PING_TOPIC = b"\x00" * REQUEST_ID_BYTES + b"\xff"  # worker -> broker: "my PUB reaches you", payload = node id
-# Worker -> broker: a TOKEN_BATCH, every request's tokens of one engine step in one message
-# (each entry names its request and attempt). Protocol v5.
+# Worker -> broker: a TOKEN_BATCH, every request's tokens of one engine step in one message.
+# Each entry names its request and the dispatch attempt: entries of an attempt the broker
+# has already given up on (a worker it declared dead but which is still talking) are
+# dropped instead of corrupting the stream. Protocol v5.
 STREAM_BATCH_TOPIC = b"\x00" * REQUEST_ID_BYTES + b"\xfe"
 # A client process's own stream topic: it subscribes once, names it in each SUBMIT, and the
 # broker sends that client's tokens there as TOKEN_BATCHes. One byte longer than a request

@@ -404,6 +404,46 @@ def test_worker_refusal_does_not_spin():
     assert len(h.dispatches()) == 2
 
 
+def test_a_refusing_worker_that_finishes_a_request_takes_work_again():
+    h = Harness()
+    w = h.worker("h0", "hybrid")
+    done, refused = h.submit(2)
+    h.d.worker_message(w, M.Refused(refused, "at_capacity", "engine queue full", 1.0))
+    assert len(h.dispatches()) == 2 and h.d.jobs[refused].state == J.QUEUED
+    h.d.worker_message(w, M.Done(done, "length", M.Usage(3, 8)))  # room again, before any heartbeat
+    (ident, msg) = h.dispatches()[-1]
+    assert len(h.dispatches()) == 3 and ident == w and msg.request_id == refused
+
+
+def test_requests_naming_a_client_stream_wait_for_that_subscription_only():
+    """A client's stream topic is subscribed once: every request naming it waits for it,
+    then all go; a later request goes at once. A request's own topic does not count."""
+    h = Harness()
+    h.worker("h0", "hybrid", capacity=8)
+    topic = b"s" * 17
+    rids = [bytes([i]) * 16 for i in range(3)]
+    h.d.subscribe(rids[0])  # its own topic: not what it named
+    for rid in rids[:2]:
+        h.d.submit(b"c", M.Submit(rid, [1, 2], SamplingParams(max_tokens=2), stream=topic))
+    assert h.dispatches() == [] and all(h.d.jobs[r].state == J.WAITING_SUB for r in rids[:2])
+    h.d.subscribe(topic)
+    assert [m.request_id for _, m in h.dispatches()] == rids[:2]
+    h.d.submit(b"c", M.Submit(rids[2], [1, 2], SamplingParams(max_tokens=2), stream=topic))
+    assert [m.request_id for _, m in h.dispatches()] == rids
+    assert not h.d.awaiting_stream and topic not in h.d.unclaimed  # no request-less stream to end
+
+
+def test_requests_naming_a_stream_never_subscribed_are_refused_and_forgotten():
+    h = Harness(subscribe_timeout_s=1.0)
+    h.worker("h0", "hybrid")
+    rid = b"r" * 16
+    h.d.submit(b"c", M.Submit(rid, [1, 2], SamplingParams(max_tokens=2), stream=b"s" * 17))
+    h.clock.t += 2.0
+    h.d.tick()
+    assert isinstance(h.to_c[-1][1], M.Refused) and h.to_c[-1][1].reason == "invalid"
+    assert not h.d.awaiting_stream and rid not in h.d.jobs
+
+
 def test_request_missing_from_heartbeats_is_moved_on():
     h = Harness(heartbeat_interval_ms=100)
     a = h.worker("a", "hybrid")
