@@ -71,6 +71,21 @@ class StreamEvent:
     error: str | None
 
 
+async def _read_all(sock: zmq.asyncio.Socket, handle) -> None:
+    """Hand every message of ``sock`` to ``handle``, for ever: woken once, then everything
+    waiting is taken without another await (a future and an event-loop round per message
+    were the larger part of this client's CPU)."""
+    drain = zmq.Socket.shadow(sock.underlying)
+    while True:
+        frames = await sock.recv_multipart(copy=True)
+        while True:
+            handle(frames)
+            try:
+                frames = drain.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+
+
 class AsyncClient:
     def __init__(self, broker_frontend: str, broker_stream: str, *, secret: bytes | None, timeout_s: float = 10.0,
                  idle_timeout_s: float = STREAM_IDLE_TIMEOUT_S):
@@ -123,35 +138,26 @@ class AsyncClient:
 
     # ---- readers: one task per socket ---------------------------------------------------
     async def _read_control(self) -> None:
-        while True:
-            frames = await self._dealer.recv_multipart(copy=True)
-            try:
-                msg = codec.decode(frames)
-            except WireError:
-                continue
-            if isinstance(msg, M.StatsReply):
-                while self._stats_waiters:
-                    fut = self._stats_waiters.popleft()
-                    if not fut.done():
-                        fut.set_result(msg.stats)
-                        break
-                continue
-            q = self._queues.get(getattr(msg, "request_id", b""))
-            if q is not None:
-                q.put_nowait(msg)
+        await _read_all(self._dealer, self._on_control)
+
+    def _on_control(self, frames) -> None:
+        try:
+            msg = codec.decode(frames)
+        except WireError:
+            return
+        if isinstance(msg, M.StatsReply):
+            while self._stats_waiters:
+                fut = self._stats_waiters.popleft()
+                if not fut.done():
+                    fut.set_result(msg.stats)
+                    break
+            return
+        q = self._queues.get(getattr(msg, "request_id", b""))
+        if q is not None:
+            q.put_nowait(msg)
 
     async def _read_streams(self) -> None:
-        # Woken once, then everything waiting is taken without another await: a future
-        # and an event-loop round per message were the larger part of this client's CPU.
-        drain = zmq.Socket.shadow(self._sub.underlying)
-        while True:
-            frames = await self._sub.recv_multipart(copy=True)
-            while True:
-                self._on_stream(frames)
-                try:
-                    frames = drain.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+        await _read_all(self._sub, self._on_stream)
 
     def _on_stream(self, frames) -> None:
         try:
