@@ -174,6 +174,11 @@ def _draw(logits: mx.array, params: list[SamplingParams], indices: list[int]) ->
     if (min_p > 0).any():
         keep = keep & (probs >= mx.array(min_p)[:, None] * probs[:, :1])
     keep = keep | (rank == 0)  # the most likely token always stays eligible
+    # The noise belongs to token ids, not to ranks: tokens with equal logits (common in a
+    # quantized model's tail) come out of argsort in an order that varies with the batch's
+    # shape, and rank-indexed noise then picked a different token for the same seed after
+    # a resume or in another batch (found by bench/chaos.py).
     noise = mx.stack([mx.random.gumbel((V,), key=step_key(p.seed, p.seed_offset + i)) for p, i in zip(params, indices)])
+    noise = mx.take_along_axis(noise, order, axis=-1)
     choice = mx.argmax(mx.where(keep, sorted_logits + noise, -mx.inf), axis=-1)
     return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(mx.int32)
