@@ -81,12 +81,7 @@ def test_malformed_messages_are_counted_and_the_loop_keeps_serving(broker, caplo
     # A node of another version is named where operators look, once (not each message).
     assert [r.levelname for r in caplog.records if "another version" in r.getMessage()] == ["WARNING"]
     # Still serving: a worker registers, and a request is dispatched to it and streamed back.
-    worker.send(codec.encode(M.Ready("w0", "hybrid", "m", 4, None, 16, 100))[0])
-    deadline = time.monotonic() + 5
-    while _stats(stats)["ready"]["hybrid"] < 1:
-        pub.send_multipart([STREAM_PING_TOPIC, b"w0"])
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _register(worker, pub, stats)
     rid = b"q" * 16
     sub.setsockopt(zmq.SUBSCRIBE, rid)
     client.send(codec.encode(M.Submit(rid, [1, 2, 3], SamplingParams(max_tokens=1)))[0])
