@@ -154,3 +154,16 @@ async def http_body_chunks(reader, headers: dict):
     else:
         n = int(headers.get("content-length", "-1"))
         yield await (reader.readexactly(n) if n >= 0 else reader.read())
+
+
+async def sse_data(reader, headers: dict):
+    """The ``data:`` payloads of a server-sent-events body (:func:`http_body_chunks`), one
+    per line as each event completes, ``b"[DONE]"`` included."""
+    buf = b""
+    async for data in http_body_chunks(reader, headers):
+        buf += data
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: "):
+                    yield line[6:]

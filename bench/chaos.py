@@ -57,7 +57,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import ROOT, http_body_chunks, machine  # noqa: F401  (puts the repository first on sys.path)
+from _common import ROOT, http_body_chunks, machine, sse_data  # noqa: F401  (puts the repository first on sys.path)
 from chaos_stack import Stack, resume_all, rss_mb, send_signal
 
 WORDS = ("river valley farmers forests marshes stone walls fields villages market towns roads canals merchants "
@@ -207,44 +207,38 @@ async def send(http: tuple[str, int], spec: Spec, *, stream: bool, abort_after: 
                         out.tokens[choice["index"]] = _logprob_tokens(choice.get("logprobs"))
                 out.kind = "exact"  # provisional: checked against the reference later
                 return out
-            buf, events, finished = b"", 0, set()
-            async for data in http_body_chunks(reader, headers):
-                buf += data
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data: "):
-                            continue
-                        if line[6:] == b"[DONE]":
-                            if len(finished) != n:
-                                out.detail = f"[DONE] with {len(finished)} of {n} choices finished"
-                                return out
-                            out.kind = "exact"
+            events, finished = 0, set()
+            async for payload in sse_data(reader, headers):
+                if payload == b"[DONE]":
+                    if len(finished) != n:
+                        out.detail = f"[DONE] with {len(finished)} of {n} choices finished"
+                        return out
+                    out.kind = "exact"
+                    return out
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    out.kind = "failed_clean" if _is_openai_error(chunk) else "unclean"
+                    out.detail = f"stream error: {chunk['error']}"
+                    return out
+                for choice in chunk.get("choices") or []:
+                    i = choice["index"]
+                    piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                    toks = _logprob_tokens(choice.get("logprobs")) if out.tokens is not None else []
+                    if piece or toks:
+                        if i in finished:
+                            out.detail = f"choice {i} got text after its finish_reason"
                             return out
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            out.kind = "failed_clean" if _is_openai_error(chunk) else "unclean"
-                            out.detail = f"stream error: {chunk['error']}"
-                            return out
-                        for choice in chunk.get("choices") or []:
-                            i = choice["index"]
-                            piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
-                            toks = _logprob_tokens(choice.get("logprobs")) if out.tokens is not None else []
-                            if piece or toks:
-                                if i in finished:
-                                    out.detail = f"choice {i} got text after its finish_reason"
-                                    return out
-                                out.texts[i] += piece or ""
-                                if toks:
-                                    out.tokens[i] += toks
-                            if choice.get("finish_reason"):
-                                finished.add(i)
-                        events += 1
-                        if abort_after is not None and events >= abort_after:
-                            out.kind = "aborted"
-                            return out
-                        if slow:
-                            await asyncio.sleep(0.2)
+                        out.texts[i] += piece or ""
+                        if toks:
+                            out.tokens[i] += toks
+                    if choice.get("finish_reason"):
+                        finished.add(i)
+                events += 1
+                if abort_after is not None and events >= abort_after:
+                    out.kind = "aborted"
+                    return out
+                if slow:
+                    await asyncio.sleep(0.2)
             out.detail = "stream ended without [DONE]"
             out.kind = "severed"
             return out

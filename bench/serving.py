@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import tandem  # noqa: F401  (BLAS before mlx)
-from _common import bar_chart_svg, http_body_chunks  # noqa: E402  (bench/ is first on sys.path when run as a script)
+from _common import bar_chart_svg, http_body_chunks, sse_data  # noqa: E402  (bench/ is first on sys.path when run as a script)
 import llama_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,27 +257,20 @@ async def stream_chat(port: int, body: dict, timeout: float) -> Sample:
             if status != 200:
                 rest = b"".join([c async for c in http_body_chunks(reader, headers)])
                 return Sample(False, error=f"HTTP {status}: {rest[:200]!r}")
-            buf, last, first, stamps, usage, done = b"", None, None, [], None, False
-            async for data in http_body_chunks(reader, headers):
-                buf += data
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data: "):
-                            continue
-                        payload_s = line[6:]
-                        if payload_s == b"[DONE]":
-                            done = True
-                            continue
-                        chunk = json.loads(payload_s)
-                        if "error" in chunk:
-                            return Sample(False, error=f"stream error: {chunk['error'].get('message')}")
-                        usage = chunk.get("usage") or usage
-                        for choice in chunk.get("choices") or []:
-                            if (choice.get("delta") or {}).get("content"):
-                                now = time.perf_counter()
-                                first = first or now
-                                stamps.append(now)
+            first, stamps, usage, done = None, [], None, False
+            async for payload in sse_data(reader, headers):
+                if payload == b"[DONE]":
+                    done = True
+                    continue
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    return Sample(False, error=f"stream error: {chunk['error'].get('message')}")
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        now = time.perf_counter()
+                        first = first or now
+                        stamps.append(now)
         if not done or first is None:
             return Sample(False, error="stream ended without [DONE]" if not done else "no content")
         tokens = int(usage["completion_tokens"]) if usage else len(stamps)

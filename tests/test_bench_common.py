@@ -99,3 +99,19 @@ def test_http_body_chunks_decodes_chunked_sized_and_to_eof_bodies_and_refuses_a_
     assert _body(b"to the end", {}) == b"to the end"
     with pytest.raises(ConnectionResetError, match="inside a chunked body"):
         _body(b"3\r\nabc\r\n", {"transfer-encoding": "chunked"})  # closed before the last chunk
+
+
+def test_sse_data_yields_each_data_payload_across_chunk_boundaries():
+    import asyncio
+
+    body = b'data: {"a": 1}\n\n: comment\ndata: {"b"' + b': 2}\n\nevent: x\ndata: [DONE]\n\n'
+    # Chunked so that one event is split across two chunks.
+    raw = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:20], body[20:])) + b"0\r\n\r\n"
+
+    async def run():
+        reader = asyncio.StreamReader()
+        reader.feed_data(raw)
+        reader.feed_eof()
+        return [p async for p in bench_common.sse_data(reader, {"transfer-encoding": "chunked"})]
+
+    assert asyncio.run(run()) == [b'{"a": 1}', b'{"b": 2}', b"[DONE]"]
