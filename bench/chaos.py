@@ -36,7 +36,10 @@ token lost, repeated or reordered shows even where the text would hide it. At th
 the faults stop, every stopped process resumes, links come back, and the run waits for
 the broker to see every worker with all KV blocks free; blocks still in use are
 ``leaked_blocks``. ``rss_growth_mb`` is the largest resident-memory growth of any
-process that lived long enough to measure, from its warm-up to its end.
+process that lived long enough to measure, from its warm-up to its end, net of the
+bytes its KV store holds (workers report them in their heartbeats): the store grows
+once to its block budget as prefixes are cached, which is memory in use, not a leak.
+``rss_raw_growth_mb`` is the same without subtracting it.
 
 The last line of output is one JSON object (requests, completed_exact, failed_clean,
 lost_tokens, duplicated_tokens, hung, leaked_blocks, faults, rss_growth_mb, ...).
@@ -402,7 +405,8 @@ class Run:
         self.stopped: set[int] = set()
         self.unplugged: set[str] = set()
         self.edge_kills: list[float] = []  # times an edge process was killed (severed streams are excused near them)
-        self.rss: dict[int, list[tuple[float, str, float]]] = {}
+        # pid -> (time, name, RSS MB, KV store MB: 0 for a process without one, None if unknown)
+        self.rss: dict[int, list[tuple[float, str, float, float | None]]] = {}
         self.t_start = 0.0
         self.stop_event = asyncio.Event()
 
@@ -649,31 +653,48 @@ class Run:
             await asyncio.sleep(0.5)
 
     async def rss_loop(self) -> None:
+        workers = set(self.stack.WORKERS)
         while True:
+            try:
+                st = await asyncio.to_thread(self.stack.stats)
+            except Exception:
+                st = {}
+            kv = {w.get("name"): w["kv_store_bytes"] / 1e6 for w in st.get("workers", [])
+                  if w.get("state") == "up" and "kv_store_bytes" in w}
             now = time.monotonic()
             for pid, name in self.stack.processes().items():
                 if pid in self.stopped:
                     continue
                 if (mb := rss_mb(pid)) is not None:
-                    self.rss.setdefault(pid, []).append((now, name, mb))
+                    self.rss.setdefault(pid, []).append((now, name, mb, kv.get(name) if name in workers else 0.0))
             await asyncio.sleep(5.0)
 
-    def rss_growth(self, warmup_s: float, min_span_s: float) -> tuple[float, list[dict]]:
+    def rss_growth(self, warmup_s: float, min_span_s: float) -> tuple[float, float, list[dict]]:
+        """(largest growth net of the KV store, largest raw growth, one row per process)."""
         rows = []
         for pid, samples in self.rss.items():
             start = samples[0][0] + warmup_s
-            after = [mb for t, _, mb in samples if t >= start]
+            # Samples whose KV store size is unknown (the broker was down) are left out.
+            after = [(mb, kv) for t, _, mb, kv in samples if t >= start and kv is not None]
             if len(after) < 6 or samples[-1][0] - start < min_span_s:
                 continue
-            first = sorted(after[:3])[1]
-            mid = sorted(after[len(after) // 2 - 1: len(after) // 2 + 2])[1]
-            last = sorted(after[-3:])[1]
+
+            def med3(xs: list[tuple[float, float]], net: bool) -> float:
+                return sorted(mb - kv if net else mb for mb, kv in xs)[len(xs) // 2]
+
+            half = len(after) // 2
+            first, mid, last = after[:3], after[half - 1: half + 2], after[-3:]
             # The second half's growth tells a leak (it keeps growing) from pools and caches
             # that fill once (growth in the first half only).
             rows.append({"pid": pid, "name": samples[0][1], "span_s": round(samples[-1][0] - start),
-                         "rss_mb_start": round(first, 1), "rss_mb_mid": round(mid, 1), "rss_mb_end": round(last, 1),
-                         "growth_mb": round(last - first, 1), "second_half_growth_mb": round(last - mid, 1)})
-        return max((r["growth_mb"] for r in rows), default=float("nan")), rows
+                         "rss_mb_start": round(med3(first, False), 1), "rss_mb_mid": round(med3(mid, False), 1),
+                         "rss_mb_end": round(med3(last, False), 1), "kv_store_mb_end": round(last[-1][1], 1),
+                         "raw_growth_mb": round(med3(last, False) - med3(first, False), 1),
+                         "growth_mb": round(med3(last, True) - med3(first, True), 1),
+                         "second_half_growth_mb": round(med3(last, True) - med3(mid, True), 1)})
+        net = max((r["growth_mb"] for r in rows), default=float("nan"))
+        raw = max((r["raw_growth_mb"] for r in rows), default=float("nan"))
+        return net, raw, rows
 
     # ------------------------------------------------------------ verdicts
     def judge(self, tok) -> dict:
@@ -832,7 +853,7 @@ async def chaos(args, tmp: Path, log, cluster=None) -> dict:
         after = [await run.request(s, rng, "after_chaos", abort_after=None, slow=False) for s in rng.sample(specs, min(8, len(specs)))]
         duration = time.monotonic() - run.t_start
         warmup = min(120.0, 0.2 * duration)
-        growth, rss_rows = run.rss_growth(warmup, min_span_s=max(30.0, 0.3 * duration))
+        growth, raw_growth, rss_rows = run.rss_growth(warmup, min_span_s=max(30.0, 0.3 * duration))
         verdict = run.judge(load_tokenizer(model))
         counts = verdict["counts"]
         hung = counts.get("hung", 0) + len(hung_processes)
@@ -863,6 +884,7 @@ async def chaos(args, tmp: Path, log, cluster=None) -> dict:
             "hostile": dict(run.hostile),
             "hostile_unclean_examples": run.hostile_examples[:5],
             "rss_growth_mb": None if growth != growth else round(growth, 1),
+            "rss_raw_growth_mb": None if raw_growth != raw_growth else round(raw_growth, 1),
             "rss_second_half_growth_mb": max((r["second_half_growth_mb"] for r in rss_rows), default=None),
             "rss": rss_rows,
             "restarts": dict(restarts),
@@ -927,7 +949,7 @@ def report_section(r: dict) -> list[str]:
     ]
     for key in ("requests", "completed_exact", "failed_clean", "aborted", "severed_by_edge_kill",
                 "refused_while_edge_restarts", "unclean", "mismatched", "lost_tokens", "duplicated_tokens", "hung",
-                "leaked_blocks", "faults", "rss_growth_mb", "rss_second_half_growth_mb", "token_requests", "tokens_checked",
+                "leaked_blocks", "faults", "rss_growth_mb", "rss_raw_growth_mb", "rss_second_half_growth_mb", "token_requests", "tokens_checked",
                 "logprob_max_abs_diff"):
         lines.append(f"| `{key}` | {r[key]} |")
     lines.append(f"| after the faults, catalogue requests answered exactly | {r['after_chaos_exact']} of {r['after_chaos_requests']} |")
@@ -946,10 +968,10 @@ def report_section(r: dict) -> list[str]:
     lines += ["", "Clean errors clients saw:", ""]
     lines += [f"- {v} x {k}" for k, v in r["clean_errors"].items()] or ["- none"]
     lines += ["", "Hostile input: " + ", ".join(f"{k} {v}" for k, v in sorted(r["hostile"].items())) + "."]
-    lines += ["", "| process (lived long enough to measure) | measured for s | RSS start MB | mid MB | end MB | growth MB |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| process (lived long enough to measure) | measured for s | RSS start MB | mid MB | end MB "
+              "| KV store at end MB | RSS growth MB | growth net of the KV store MB |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {x['name']} (pid {x['pid']}) | {x['span_s']} | {x['rss_mb_start']} | {x['rss_mb_mid']} | {x['rss_mb_end']} "
-              f"| {x['growth_mb']} |" for x in r["rss"]]
+              f"| {x['kv_store_mb_end']} | {x['raw_growth_mb']} | {x['growth_mb']} |" for x in r["rss"]]
     if r["reference_failures"]:
         lines += ["", "Catalogue requests the undisturbed stack failed:", ""] + [f"- {x}" for x in r["reference_failures"]]
     if r["examples"]:

@@ -44,3 +44,18 @@ def test_both_logprobs_shapes_read_as_token_bytes():
     completions = {"tokens": ["é", "bytes:\\xe2\\x80"], "token_logprobs": [-1.0, -2.0], "top_logprobs": [{}, {}], "text_offset": [0, 1]}
     assert chaos._logprob_tokens(completions) == [("é".encode(), -1.0), (b"\xe2\x80", -2.0)]
     assert chaos._logprob_tokens(None) == []
+
+
+def test_rss_growth_is_net_of_the_kv_store_and_skips_unknown_sizes():
+    from types import SimpleNamespace
+
+    # prefill-0: RSS grows exactly as its KV store fills (a cache, not a leak);
+    # edge-worker: no KV store, grows 40 MB; samples whose store size is unknown are skipped.
+    fill = [(float(t), "prefill-0", 700.0 + 5 * t, 5.0 * t) for t in range(0, 100, 5)]
+    fill.insert(10, (52.0, "prefill-0", 9999.0, None))
+    leak = [(float(t), "edge-worker", 100.0 + 0.4 * t, 0.0) for t in range(0, 100, 5)]
+    net, raw, rows = chaos.Run.rss_growth(SimpleNamespace(rss={1: fill, 2: leak}), warmup_s=10, min_span_s=30)
+    by = {r["name"]: r for r in rows}
+    assert by["prefill-0"]["growth_mb"] == 0.0 and by["prefill-0"]["raw_growth_mb"] == 375.0  # t 15 -> 90 (medians of three)
+    assert by["edge-worker"]["growth_mb"] == by["edge-worker"]["raw_growth_mb"] == 30.0
+    assert (net, raw) == (30.0, 375.0)

@@ -28,6 +28,7 @@ class Load:
     prefix_hits: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    kv_store_bytes: int = 0
 
 
 @dataclass

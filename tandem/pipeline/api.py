@@ -73,3 +73,4 @@ class EngineStats:
     prefix_hit_ratio: float = 0.0  # prefix_hits / prefix_queries
     spec_draft_tokens: int = 0  # tokens drafted for verification (speculative decoding)
     spec_accepted_tokens: int = 0  # drafted tokens the target accepted
+    kv_store_bytes: int = 0  # bytes the KV store's arrays hold now (it grows up to its block budget)

@@ -160,6 +160,9 @@ class Heartbeat:
     # Speculative decoding since start: tokens drafted for verification, and accepted.
     spec_draft_tokens: int = w(S.TOTAL, 0)
     spec_accepted_tokens: int = w(S.TOTAL, 0)
+    # Bytes the engine's KV store holds now (protocol v6): it grows up to its block budget,
+    # so a worker's resident memory net of it shows a leak apart from a cache filling.
+    kv_store_bytes: int = w(S.TOTAL, 0)
 
 
 @message(MsgType.DISPATCH)

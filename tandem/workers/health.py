@@ -63,7 +63,8 @@ class Health:
                                kv_sent_s=sent.get("handoff_ms", 0.0) / 1000,
                                kv_received_bytes=self.kv_in.bytes_in if self.kv_in is not None else 0,
                                prefix_queries=stats.prefix_queries, prefix_hits=stats.prefix_hits,
-                               spec_draft_tokens=stats.spec_draft_tokens, spec_accepted_tokens=stats.spec_accepted_tokens))
+                               spec_draft_tokens=stats.spec_draft_tokens, spec_accepted_tokens=stats.spec_accepted_tokens,
+                               kv_store_bytes=stats.kv_store_bytes))
         # Proves to the broker that this PUB's connection to its XSUB is up: it only
         # dispatches to workers whose tokens it can actually receive.
         self._pub_send([P.STREAM_PING_TOPIC, self.node_id.encode()])
