@@ -37,6 +37,9 @@ class TokenEvent:
     # stream_kv: the blocks one prefill chunk completed, while later chunks still run
     # (a part: see KVSnapshot.first_block); the final event's snapshot holds the rest.
     kv_part: KVSnapshot | None = None
+    # Engine.reserve_kv's answer when the blocks are held (a refusal is a final event
+    # with an error instead).
+    kv_reserved: bool = False
 
 
 @dataclass

@@ -138,6 +138,14 @@ class BlockPool:
         self.high_water = max(self.high_water, block + 1)
         return block
 
+    def reserve(self, num: int) -> list[int]:
+        """``num`` fresh blocks at once, for KV that arrives before its sequence runs (a
+        streamed import holds its blocks from its first part on). All or nothing: when
+        :meth:`can_allocate` says no, MemoryError and nothing taken."""
+        if not self.can_allocate(num):
+            raise MemoryError(f"KV block pool has {self.num_free} free blocks, {num} asked")
+        return [self.allocate() for _ in range(num)]
+
     def release(self, block: int) -> None:
         count = self.ref_count[block]
         assert count > 0, f"block {block} released more often than acquired"

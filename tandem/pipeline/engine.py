@@ -141,6 +141,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._by_id: dict[bytes, Sequence] = {}
         self._inflight = None
+        self._parts: list[tuple[Sequence, KVSnapshot]] = []  # streamed imports' parts to copy in
         # On the CPU a step is read back before the next one is scheduled (see _tick).
         self._read_back_first = mx.default_device() == mx.cpu
         wait_ms = settings.admit_wait_ms
@@ -211,7 +212,29 @@ class Engine:
     def abort(self, request_id: bytes) -> None:
         self._inbox.put(("abort", request_id))
 
+    def reserve_kv(self, request_id: bytes, num_tokens: int, on_event, priority: int = 0) -> None:
+        """A streamed import opens (its first part is on the way): hold the blocks for
+        ``num_tokens`` tokens of KV (the whole prompt) from now on, so each part is copied
+        into them as it arrives (:meth:`import_part`) and the final :meth:`import_kv`, which
+        carries only the blocks no part did, has only those left to copy before the request
+        decodes. Answered on ``on_event``: an event with ``kv_reserved`` once the blocks are
+        held, or a final event with an error when the pool cannot spare them (nothing is
+        held then: the caller refuses the transfer). :meth:`abort` frees a reservation."""
+        if not isinstance(request_id, bytes) or len(request_id) != REQUEST_ID_BYTES:
+            raise ValueError(f"request_id must be {REQUEST_ID_BYTES} bytes")
+        if self.store is None:
+            raise ValueError(f"model {self.model_id} runs on dense caches and cannot import KV")
+        self._inbox.put(("reserve", (request_id, int(num_tokens), on_event, priority)))
+
+    def import_part(self, part: KVSnapshot) -> None:
+        """Blocks ``[part.first_block, ...)`` of a reserved import, in order after the ones
+        before. Dropped when the reservation is gone (refused or aborted: its owner heard)."""
+        self._check_snapshot(part, part=True)
+        self._inbox.put(("part", part))
+
     def import_kv(self, snapshot: KVSnapshot, on_event, priority: int = 0) -> None:
+        """Continue a request from ``snapshot``: a whole one, or (``first_block`` > 0) the
+        last blocks of a reserved import whose parts brought the rest."""
         self._check_snapshot(snapshot)
         self._check_grammar(snapshot.sampling)
         sp = snapshot.sampling if snapshot.sampling.seed is not None else replace(snapshot.sampling, seed=0)
@@ -314,7 +337,14 @@ class Engine:
             return
         while True:
             kind, arg = item
-            if kind == "submit":
+            held = self._by_id.get(getattr(arg, "request_id", None))
+            if kind == "submit" and arg.imported is not None and (held is not None or arg.imported.first_block):
+                self._complete_import(held, arg)
+            elif kind == "reserve":
+                self._reserve(*arg)
+            elif kind == "part":
+                self._receive_part(held, arg)
+            elif kind == "submit":
                 if arg.request_id in self._by_id:
                     self._emit(arg, TokenEvent(arg.request_id, [], finish_reason="error", error="duplicate request id"))
                     with self._lock:
@@ -334,7 +364,7 @@ class Engine:
     def _tick(self) -> int:
         produced = 0
         spec = self.speculator
-        if self._inflight is not None and (self._read_back_first or _exports(self._inflight[0])
+        if self._inflight is not None and (self._read_back_first or self._parts or _exports(self._inflight[0])
                                            or _needs_history(self._inflight[0]) or _verifies(self._inflight[0])
                                            or (spec is not None and spec.wants_tokens(self.scheduler.running))):
             # On the CPU, step N is read back and its tokens emitted before anything of
@@ -350,7 +380,11 @@ class Engine:
             # tokens and handoffs 2.3 s late, bench/disagg.py timeline). A row that verified
             # drafts, or may draft now, needs its tokens too: how many it accepted decides
             # where its next step starts, and the drafter reads its last token.
+            # Parts of streamed imports are written into the store here, between steps, for
+            # the same reason: the in-flight step's graph must have let go of the arrays.
             produced = self._read_back()
+        if self._parts:
+            self._import_parts()
         for hook in self._before_schedule:
             hook()
         plan = self.scheduler.schedule()
@@ -405,13 +439,82 @@ class Engine:
                 self._finish(r.seq, "error", error=f"engine error: {exc}")
             return 0
 
+    def _grow_store(self) -> None:
+        """Make every block the pool handed out addressable in the store."""
+        if self.pool.high_water > self.store.capacity:
+            self.runner.flush()  # growing copies the pools: steps in flight write them first
+        self.store.ensure_capacity(self.pool.high_water)
+        self.pool.addressable = self.store.capacity  # evict cached blocks before growing it again
+
+    # ---- streamed imports (engine thread) -----------------------------------------
+    def _reserve(self, rid: bytes, num_tokens: int, on_event, priority: int) -> None:
+        seq = Sequence(rid, [], 0, SamplingParams(), on_event, priority=priority, status=Status.RESERVED)
+        n = self.pool.blocks_for(num_tokens)
+        why = None
+        if rid in self._by_id:
+            why = "duplicate request id"
+        elif n < 1 or not self.pool.can_allocate(n + self.scheduler.blocks_reserved()):
+            # Blocks promised to running sequences (preemption off) are not free to take.
+            why = f"the KV cache cannot hold {n} more blocks now ({self.pool.num_free} free)"
+        if why is not None:
+            self._emit(seq, TokenEvent(rid, [], finish_reason="error", error=why))
+            return
+        seq.block_ids = self.pool.reserve(n)
+        self._by_id[rid] = seq
+        self._emit(seq, TokenEvent(rid, [], kv_reserved=True))
+
+    def _receive_part(self, seq: Sequence | None, part: KVSnapshot) -> None:
+        if seq is None or seq.status is not Status.RESERVED:
+            return  # refused or aborted: that was answered
+        n = part.keys[0].shape[0]
+        if part.first_block != seq.kv_received or part.first_block + n > len(seq.block_ids):
+            self._finish(seq, "error", error=f"KV part of blocks [{part.first_block}, {part.first_block + n}) does not "
+                                             f"follow the {seq.kv_received} received of the {len(seq.block_ids)} reserved")
+            return
+        seq.kv_received += n
+        self._parts.append((seq, part))
+
+    def _complete_import(self, held: Sequence | None, seq: Sequence) -> None:
+        """The final import of a request: its reservation (``held``) passes its blocks, with
+        the parts already in or queued, to ``seq``, which waits to be admitted like any
+        import; a tail without its reservation, or one that does not fit it, fails."""
+        snap = seq.imported
+        nb = self.pool.blocks_for(snap.num_computed)
+        why = None
+        if held is None or held.status is not Status.RESERVED:
+            why = "duplicate request id" if held is not None else "its KV reservation is gone"
+        elif snap.first_block != held.kv_received or nb != len(held.block_ids):
+            why = (f"the final KV part starts at block {snap.first_block} of {nb}, the reservation has "
+                   f"{held.kv_received} of {len(held.block_ids)}")
+            self._finish(held, "error", error=why)
+        if why is not None:
+            with self._lock:
+                self._queued -= 1
+            self._emit(seq, TokenEvent(seq.request_id, [], finish_reason="error", error=why))
+            return
+        seq.block_ids, held.block_ids = held.block_ids, []
+        held.status = Status.FINISHED
+        self._parts = [(seq if s is held else s, p) for s, p in self._parts]
+        self._by_id[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _import_parts(self) -> None:
+        """Copy the parts that arrived into their reserved blocks (before this tick's
+        schedule: a request admitted now has all of them in)."""
+        parts, self._parts = self._parts, []
+        parts = [(seq, p) for seq, p in parts if seq.status is not Status.FINISHED]
+        if not parts:
+            return
+        self._grow_store()
+        self.runner.flush()  # blocks may have changed owner since the mirror's last entries
+        for seq, p in parts:
+            first = p.first_block
+            self.store.import_blocks(seq.block_ids[first : first + p.keys[0].shape[0]], p.keys, p.values)
+
     def _launch(self, plan: Plan):
         rows = plan.rows
         if self.store is not None:
-            if self.pool.high_water > self.store.capacity:
-                self.runner.flush()  # growing copies the pools: steps in flight write them first
-            self.store.ensure_capacity(self.pool.high_water)
-            self.pool.addressable = self.store.capacity  # evict cached blocks before growing it again
+            self._grow_store()
             if plan.copies or any(r.seq.imported is not None for r in rows):
                 self.runner.flush()  # blocks may have changed owner since the mirror's last entries
             for src, dst in plan.copies:
@@ -420,7 +523,7 @@ class Engine:
                 snap = r.seq.imported
                 if snap is not None:
                     nb = self.pool.blocks_for(snap.num_computed)
-                    self.store.import_blocks(r.seq.block_ids[:nb], *_reblocked(snap, self.pool.block_size))
+                    self.store.import_blocks(r.seq.block_ids[snap.first_block:nb], *_reblocked(snap, self.pool.block_size))
                     r.seq.imported = None
         L = max(r.n for r in rows)
         sampled_before = self._inflight[1] if self._inflight is not None else None
@@ -705,7 +808,11 @@ class Engine:
             raise ValueError(f"model {self.model_id} was loaded without its tokenizer: it cannot follow a grammar")
         self.grammars.check(sp.grammar)
 
-    def _check_snapshot(self, snap: KVSnapshot) -> None:
+    def _check_snapshot(self, snap: KVSnapshot, part: bool = False) -> None:
+        """A snapshot this engine can import: a whole one; the final one of a streamed
+        import (``first_block`` > 0: the blocks no part carried); or, with ``part``, a part
+        (the prompt only: its ``tokens`` end where its KV does). Parts and final ones come
+        in this pool's block size (a whole snapshot is re-blocked at admission)."""
         sh = self.shape
         if self.store is None:
             raise ValueError(f"model {self.model_id} runs on dense caches and cannot import KV")
@@ -716,16 +823,21 @@ class Engine:
             problems.append("layer/head shape differs")
         if snap.dtype != dtype_name(sh.dtype):
             problems.append(f"KV dtype {snap.dtype} != this engine's {dtype_name(sh.dtype)}")
-        if snap.first_block:
-            problems.append("a part of a streamed export, not a whole snapshot")
-        if not 0 < snap.num_computed < len(snap.tokens):
+        if (part or snap.first_block) and snap.block_size != self.pool.block_size:
+            problems.append(f"a part in blocks of {snap.block_size} tokens, this pool's are {self.pool.block_size}")
+        if part and not 0 < snap.num_computed <= len(snap.tokens):
+            problems.append("num_computed must be between 1 and len(tokens)")
+        if not part and not 0 < snap.num_computed < len(snap.tokens):
             problems.append("num_computed must be between 1 and len(tokens) - 1")
         if len(snap.keys) != sh.num_layers or len(snap.values) != sh.num_layers:
             problems.append("wrong number of layers of KV")
         nb = -(-snap.num_computed // snap.block_size) if snap.block_size > 0 else -1
         for a in list(snap.keys) + list(snap.values):
-            if a.ndim != 4 or a.shape[0] != nb or a.shape[1] != sh.n_kv_heads or a.shape[2] != snap.block_size:
-                problems.append(f"KV array shape {a.shape} does not match {nb} blocks of {snap.block_size}")
+            n = a.shape[0] if a.ndim == 4 else -1
+            fits = 1 <= n <= nb - snap.first_block if part else n == nb - snap.first_block
+            if a.ndim != 4 or not fits or snap.first_block < 0 or a.shape[1] != sh.n_kv_heads or a.shape[2] != snap.block_size:
+                problems.append(f"KV array shape {a.shape} from block {snap.first_block} does not match "
+                                f"{nb} blocks of {snap.block_size}")
                 break
         if problems:
             raise ValueError("cannot import KV snapshot: " + "; ".join(problems))

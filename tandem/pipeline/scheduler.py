@@ -254,14 +254,17 @@ class Scheduler:
                 cow = 1
             remaining = len(seq.tokens) - computed
             n = min(remaining, chunk)
+            # A streamed import waits holding the blocks its KV arrived in (reserved as its
+            # first part came); every other waiting sequence holds none.
+            held = len(seq.block_ids)
             is_long = remaining > chunk
             if is_long and (self.parked is not None or any(not r.samples for r in cohort)):
                 break
             if cohort and self.max_batch_prefill_tokens and (len(cohort) + 1) * max(longest, n) > self.max_batch_prefill_tokens:
                 break
-            need = self.pool.blocks_for(computed + n) - len(reused) + cow
+            need = self.pool.blocks_for(computed + n) - len(reused) - held + cow
             if not self.s.enable_preemption:
-                need = self._lifetime_blocks(seq) - len(reused) + cow
+                need = self._lifetime_blocks(seq) - len(reused) - held + cow
                 need += self.blocks_reserved()
             if not self.pool.can_allocate(need, reused):
                 if self.s.enable_preemption:
@@ -273,7 +276,8 @@ class Scheduler:
             self.waiting.pop(0)
             for b in reused:
                 self.pool.acquire(b)
-            seq.block_ids = list(reused)
+            if not held:
+                seq.block_ids = list(reused)
             seq.num_hashed = len(reused)
             seq.last_hash = hashes[-1] if hashes else ROOT_HASH
             if seq.imported is None and self.prefix_caching:
@@ -285,8 +289,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             if seq.imported is not None:
-                for _ in range(self.pool.blocks_for(seq.imported.num_computed)):
-                    seq.block_ids.append(self.pool.allocate())
+                seq.block_ids += self.pool.reserve(self.pool.blocks_for(seq.imported.num_computed) - held)
             if not self._make_room(seq, computed + n, plan, protect=[r.seq for r in cohort] + [seq]):
                 break
             seq.last_tick = self.tick

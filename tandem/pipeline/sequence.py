@@ -18,6 +18,9 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    # A streamed import whose KV is still arriving: it holds blocks reserved for all of
+    # it and receives parts into them; not in the scheduler until its last part is in.
+    RESERVED = "reserved"
 
 
 @dataclass(eq=False)
@@ -45,6 +48,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_ids: frozenset[int] = frozenset()
     imported: KVSnapshot | None = None  # KV waiting to be copied in at admission
+    kv_received: int = 0  # a streamed import (RESERVED): leading blocks whose part arrived
     dense_cache: Any = None  # per-sequence mlx-lm cache when the model cannot be paged
     num_preemptions: int = 0
     serial: int = field(default_factory=lambda: next(_serials))  # unique for the process's life

@@ -1,0 +1,155 @@
+"""A streamed import on the receiving engine: blocks reserved when the first part comes,
+each part copied in as it arrives, only the final part's blocks left to copy at
+admission; exact against mlx_lm.generate, and every way it can end frees the blocks."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+import pytest
+
+from tandem.pipeline.api import EngineRequest
+from tests.pipeline.conftest import oracle, random_prompts
+from tests.pipeline.test_engine import MAX_TOKENS, greedy, make
+
+
+@pytest.fixture(scope="module")
+def streamed(tiny):
+    """A 150-token prompt (10 blocks of 16) exported in parts by an engine prefilling 32
+    tokens a chunk: the parts (blocks 0-2, 2-4, 4-6, 6-8), the first token, the final
+    snapshot (blocks 8-10); and the oracle's tokens."""
+    prompt = random_prompts(1, 150, 150, seed=21)[0]
+    src = make(tiny, prefill_chunk_size=32)
+    events: queue.Queue = queue.Queue()
+    src.start()
+    try:
+        src.submit(EngineRequest(os.urandom(16), prompt, greedy(), events.put, export_after_prefill=True, stream_kv=True))
+        evs = [events.get(timeout=30)]
+        while evs[-1].snapshot is None:
+            evs.append(events.get(timeout=30))
+    finally:
+        src.stop()
+    return [e.kv_part for e in evs[:-2]], evs[-2].tokens, evs[-1].snapshot, oracle(tiny, prompt, MAX_TOKENS)
+
+
+def _until_final(q: queue.Queue, timeout: float = 30.0):
+    toks = []
+    while True:
+        ev = q.get(timeout=timeout)
+        toks += ev.tokens
+        if ev.finish_reason is not None:
+            return toks, ev
+
+
+def _no_blocks_held(eng) -> None:
+    eng.pool.check()
+    assert all(c == 0 for c in eng.pool.ref_count)
+
+
+def test_parts_go_into_reserved_blocks_as_they_come_and_the_import_continues_exactly(tiny, streamed):
+    parts, first, final, expected = streamed
+    dst = make(tiny)
+    copies = []
+    store_import = dst.store.import_blocks
+    dst.store.import_blocks = lambda blocks, k, v: (copies.append(len(blocks)), store_import(blocks, k, v))[1]
+    q: queue.Queue = queue.Queue()
+    dst.start()
+    try:
+        dst.reserve_kv(final.request_id, final.num_computed, q.put)
+        assert q.get(timeout=10).kv_reserved
+        for p in parts:
+            dst.import_part(p)
+        # Before the final part: the blocks are held and the parts copied, nothing runs.
+        deadline = time.monotonic() + 10
+        while len(copies) < len(parts):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert dst.pool.num_free == dst.pool.num_blocks - 10 and dst.stats().running == 0
+        dst.import_kv(final, q.put)
+        toks, last = _until_final(q)
+    finally:
+        dst.stop()
+    assert first + toks == expected and last.finish_reason in ("stop", "length")
+    assert copies == [2, 2, 2, 2, 2]  # each part as it came; at admission only the final part's blocks
+    _no_blocks_held(dst)
+
+
+def test_a_reservation_the_pool_cannot_hold_is_refused_and_holds_nothing(tiny, streamed):
+    parts, _, final, _ = streamed
+    probe = make(tiny)
+    dst = make(tiny, kv_cache_budget=str(8 * probe.bytes_per_block))  # 8 blocks, 10 needed
+    q: queue.Queue = queue.Queue()
+    dst.start()
+    try:
+        dst.reserve_kv(final.request_id, final.num_computed, q.put)
+        refusal = q.get(timeout=10)
+        assert refusal.finish_reason == "error" and "cannot hold 10 more blocks" in refusal.error
+        for p in parts[:2]:
+            dst.import_part(p)  # late parts of a refused transfer: dropped
+        dst.import_kv(final, q.put)
+        late = q.get(timeout=10)
+        assert late.finish_reason == "error" and "reservation is gone" in late.error
+        assert dst.generate_many([(final.tokens[:20], greedy(4))])  # the engine serves on
+    finally:
+        dst.stop()
+    _no_blocks_held(dst)
+
+
+def test_an_abort_frees_a_reservation_and_a_new_attempt_reserves_again(tiny, streamed):
+    """The prefill side died or the request was aborted or moved mid-transfer: the
+    reservation goes with its parts, and the same request id can open a new one (a
+    migration's next attempt) that continues exactly."""
+    parts, first, final, expected = streamed
+    dst = make(tiny)
+    q: queue.Queue = queue.Queue()
+    dst.start()
+    try:
+        dst.reserve_kv(final.request_id, final.num_computed, q.put)
+        assert q.get(timeout=10).kv_reserved
+        dst.import_part(parts[0])
+        dst.abort(final.request_id)
+        assert q.get(timeout=10).finish_reason == "abort"
+        dst.import_part(parts[1])  # after the abort: dropped
+        dst.reserve_kv(final.request_id, final.num_computed, q.put)
+        assert q.get(timeout=10).kv_reserved
+        for p in parts:
+            dst.import_part(p)
+        dst.import_kv(final, q.put)
+        toks, _ = _until_final(q)
+    finally:
+        dst.stop()
+    assert first + toks == expected
+    _no_blocks_held(dst)
+
+
+@pytest.mark.parametrize("bad", ["gap", "short_final"])
+def test_parts_that_do_not_follow_their_reservation_fail_it_and_free_the_blocks(tiny, streamed, bad):
+    parts, _, final, _ = streamed
+    dst = make(tiny)
+    q: queue.Queue = queue.Queue()
+    dst.start()
+    try:
+        dst.reserve_kv(final.request_id, final.num_computed, q.put)
+        assert q.get(timeout=10).kv_reserved
+        dst.import_part(parts[0])
+        if bad == "gap":
+            dst.import_part(parts[2])  # blocks 4-6 after 0-2
+        else:
+            dst.import_kv(final, q.put)  # blocks 8-10 after 0-2
+        ev = q.get(timeout=10)
+        assert ev.finish_reason == "error" and "reserv" in ev.error
+    finally:
+        dst.stop()
+    _no_blocks_held(dst)
+
+
+def test_a_part_of_another_block_size_is_refused_at_once(tiny, streamed):
+    import dataclasses
+
+    parts, *_ = streamed
+    with pytest.raises(ValueError, match="blocks of 16 tokens, this pool's are 32"):
+        make(tiny, block_size=32).import_part(parts[0])
+    with pytest.raises(ValueError, match="does not match"):
+        make(tiny).import_part(dataclasses.replace(parts[0], first_block=9))
