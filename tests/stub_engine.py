@@ -68,6 +68,7 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     computed: int = 0  # stream_kv: prompt tokens prefilled (one chunk a step)
     exported: int = 0  # stream_kv: leading blocks handed out in parts
+    first_block: int = 0  # an import's: where its KV starts (the rest came in parts)
     # The rolling hash of ``tokens``, kept up to date: hashing the whole history each
     # step made a long stream's steps cost O(length) (the stub, not the path measured).
     h: int | None = None
@@ -77,7 +78,7 @@ class StubEngine:
     BLOCK = 16
 
     def __init__(self, *, parallel: int = 64, max_queue: int = 256, step_s: float = 0.0, total_blocks: int = 4096,
-                 model_id: str = "stub", prefill_chunk: int = 0):
+                 model_id: str = "stub", prefill_chunk: int = 0, kv_blocks: int | None = None):
         self.parallel, self.max_queue, self.step_s = parallel, max_queue, step_s
         # prefill_chunk > 0: a prompt longer than that is prefilled a chunk a step, and a
         # request with stream_kv hands out each chunk's completed blocks (TokenEvent.kv_part),
@@ -96,6 +97,11 @@ class StubEngine:
         self._thread: threading.Thread | None = None
         self._steps = 0
         self._pending = 0  # submitted but not yet picked up by the loop
+        # Streamed imports (reserve_kv): rid -> [blocks reserved, blocks received, on_event],
+        # refused past ``kv_blocks`` reserved at once; parts_imported counts the parts taken.
+        self.kv_blocks = total_blocks if kv_blocks is None else kv_blocks
+        self.reserved: dict[bytes, list] = {}
+        self.parts_imported = 0
 
     # -- the Engine interface -------------------------------------------------------------
     def start(self) -> None:
@@ -117,14 +123,24 @@ class StubEngine:
         self._wake.set()
 
     def import_kv(self, snapshot: KVSnapshot, on_event, priority: int = 0) -> None:
-        expected = _encode_kv(snapshot.tokens[: snapshot.num_computed], snapshot.block_size)
-        if not np.array_equal(np.asarray(snapshot.keys[0]), expected):
+        if not _kv_matches(snapshot):
             raise EngineRefused("KV snapshot does not match its tokens", 0.0)
         with self._lock:
             self._pending += 1
         req = EngineRequest(snapshot.request_id, list(snapshot.tokens), snapshot.sampling, on_event, priority)
-        s = _Seq(req, list(snapshot.tokens), snapshot.prompt_len, generated=snapshot.num_generated)
+        s = _Seq(req, list(snapshot.tokens), snapshot.prompt_len, generated=snapshot.num_generated,
+                 first_block=snapshot.first_block)
         self._inbox.put(("import", s))
+        self._wake.set()
+
+    def reserve_kv(self, request_id: bytes, num_tokens: int, on_event, priority: int = 0) -> None:
+        self._inbox.put(("reserve", (request_id, math.ceil(num_tokens / self.BLOCK), on_event)))
+        self._wake.set()
+
+    def import_part(self, part: KVSnapshot) -> None:
+        if not _kv_matches(part):
+            raise ValueError("KV part does not match its tokens")
+        self._inbox.put(("part", part))
         self._wake.set()
 
     def abort(self, request_id: bytes) -> None:
@@ -138,6 +154,7 @@ class StubEngine:
     def stats(self) -> EngineStats:
         with self._lock:
             used = sum(math.ceil(len(s.tokens) / self.BLOCK) for s in self._running.values())
+            used += sum(r[0] for r in self.reserved.values())
             return EngineStats(running=len(self._running), waiting=len(self._waiting) + self._pending,
                                free_blocks=self.total_blocks - used, total_blocks=self.total_blocks,
                                block_size=self.BLOCK, steps=self._steps)
@@ -161,7 +178,13 @@ class StubEngine:
             except queue.Empty:
                 break
             with self._lock:
+                if kind in ("reserve", "part") or (kind == "import" and item.first_block):
+                    self._streamed_import(kind, item)
+                    continue
                 if kind == "abort":
+                    r = self.reserved.pop(item, None)
+                    if r is not None:
+                        r[2](TokenEvent(item, [], finish_reason="abort"))
                     s = self._running.pop(item, None)
                     for w in [w for w in self._waiting if w.req.request_id == item]:
                         self._waiting.remove(w)
@@ -220,9 +243,48 @@ class StubEngine:
             for rid in done:
                 self._running.pop(rid, None)
 
+    def _streamed_import(self, kind: str, item) -> None:
+        """Reservations, parts and final parts of streamed imports (under the lock)."""
+        if kind == "reserve":
+            rid, n, on_event = item
+            if rid in self.reserved or sum(r[0] for r in self.reserved.values()) + n > self.kv_blocks:
+                on_event(TokenEvent(rid, [], finish_reason="error", error="KV cache full: no room to reserve"))
+            else:
+                self.reserved[rid] = [n, 0, on_event]
+                on_event(TokenEvent(rid, [], kv_reserved=True))
+            return
+        rid = item.request_id if kind == "part" else item.req.request_id
+        r = self.reserved.get(rid)
+        if kind == "part":
+            if r is None:
+                return  # refused or aborted: answered
+            n = item.keys[0].shape[0]
+            if item.first_block != r[1] or r[1] + n > r[0]:
+                del self.reserved[rid]
+                r[2](TokenEvent(rid, [], finish_reason="error", error="KV part out of order"))
+            else:
+                r[1] += n
+                self.parts_imported += 1
+            return
+        self._pending -= 1
+        if r is None or r[1] != item.first_block:
+            self.reserved.pop(rid, None)
+            item.req.on_event(TokenEvent(rid, [], finish_reason="error", error="KV reservation gone or incomplete"))
+            return
+        del self.reserved[rid]
+        self._waiting.append(item)
+
     @staticmethod
     def _usage(s: _Seq) -> Usage:
         return Usage(prompt_tokens=s.prompt_len, completion_tokens=s.generated)
+
+
+def _kv_matches(snap: KVSnapshot) -> bool:
+    """Whether a snapshot (or a part of one, from ``first_block``) holds its tokens' KV."""
+    expected = _encode_kv(snap.tokens[: snap.num_computed], snap.block_size)
+    got = np.asarray(snap.keys[0])
+    return np.array_equal(got, expected[snap.first_block : snap.first_block + len(got)]) and (
+        snap.first_block + len(got) == len(expected) or len(snap.tokens) == snap.num_computed)
 
 
 def _encode_kv(tokens: list[int], block: int) -> np.ndarray:

@@ -167,6 +167,7 @@ class KVAssembler:
         self._keys: list[np.ndarray | None] = [None] * h.num_layers
         self._values: list[np.ndarray | None] = [None] * h.num_layers
         self._seen = np.zeros((h.num_layers, h.num_blocks), dtype=bool)
+        self._taken = 0  # leading blocks handed out by take_ready
         self.bytes_received = 0
 
     def same_geometry(self, other: KVHeader) -> bool:
@@ -249,18 +250,39 @@ class KVAssembler:
             arrays[layer] = np.empty(self._shape, dtype=_NP_DTYPE[self.header.dtype])
         arrays[layer][block_start : block_start + part.shape[0]] = part
 
+    def take_ready(self) -> KVSnapshot | None:
+        """The blocks past those taken before whose every layer is in, up to the first one
+        still missing, as a part (``first_block`` = where they start; views of this
+        assembler's arrays, which never write a cell twice), or None. What a streamed
+        transfer's receiver copies into its KV store while the rest is on its way; the
+        final :meth:`snapshot` then holds only the blocks not taken."""
+        done = self._seen[:, self._taken :].all(axis=0)
+        n = int(done.argmin()) if not done.all() else len(done)
+        if n == 0:
+            return None
+        first, self._taken = self._taken, self._taken + n
+        return self._part(first, self._taken)
+
     def snapshot(self) -> KVSnapshot:
+        """The whole transfer, or past :meth:`take_ready` the blocks not taken (a snapshot
+        whose ``first_block`` says where they start)."""
         if not self.complete:
             raise WireError("KV transfer incomplete")
+        return self._part(self._taken, self.header.num_blocks)
+
+    def _part(self, first: int, end: int) -> KVSnapshot:
         h = self.header
         empty = np.empty((0,) + self._shape[1:], dtype=_NP_DTYPE[h.dtype])
+
+        def blocks(a):
+            return empty if a is None else a if (first, end) == (0, len(a)) else a[first:end]
         return KVSnapshot(
             request_id=h.request_id, model_id=h.model, block_size=h.block_size, num_layers=h.num_layers,
             num_kv_heads=h.num_kv_heads, head_dim=h.head_dim, dtype=h.dtype, tokens=list(h.tokens),
             num_computed=h.num_computed, prompt_len=h.prompt_len,
-            keys=[k if k is not None else empty for k in self._keys],
-            values=[v if v is not None else empty for v in self._values],
+            keys=[blocks(k) for k in self._keys], values=[blocks(v) for v in self._values],
             sampling=h.sampling, num_generated=h.num_generated, num_cached_prompt_tokens=h.num_cached_prompt_tokens,
+            first_block=first,
         )
 
 

@@ -179,6 +179,7 @@ class Incoming:
     assembler: KVAssembler
     deadline: float
     peers: set = field(default_factory=set)
+    progressive: bool = False  # the receiver imports its blocks as they come (take_parts)
 
     @property
     def attempt(self) -> int:
@@ -203,7 +204,8 @@ class KVIngest:
         self._channels: dict[bytes, object] = {}
         self._partial: dict[bytes, Incoming] = {}
         self._refused: dict[bytes, float] = {}  # so the other connections of a refused transfer are ignored
-        self._cancelled: list[Incoming] = []  # abandoned by their senders; expire() reports them
+        self._cancelled: list[Incoming] = []  # abandoned, refused or cut off; expire() reports them
+        self._parts: list[tuple[int, KVSnapshot]] = []  # (attempt, part) of progressive transfers
         self.rejected = 0
         self.bytes_in = 0
 
@@ -232,13 +234,21 @@ class KVIngest:
             return []
         if isinstance(msg, M.KVHeader):
             inc = self._partial.get(rid)
+            if inc is not None and msg.attempt > inc.attempt:
+                # The request moved on (its prefill worker died, the broker dispatched it
+                # again): the newer attempt's transfer replaces what the old one left.
+                del self._partial[rid]
+                self._cancelled.append(inc)
+                inc = None
+            if inc is not None and msg.attempt < inc.attempt:
+                # A late header of an attempt already replaced: refused, the newer one goes on.
+                self.reply(peer, M.KVRefuse(rid, "invalid", "a newer attempt of this request is arriving"))
+                return []
             if inc is not None:
                 # Another connection's copy (LayerParallel), or a progressive transfer's
                 # later header: same geometry and attempt; the newest token state wins,
                 # and only a final header completes the transfer.
                 try:
-                    if inc.attempt != msg.attempt:
-                        raise WireError("KV headers of one transfer disagree")
                     inc.assembler.update(msg)
                 except WireError as exc:
                     self.refuse(peer, rid, "invalid", str(exc))
@@ -273,6 +283,10 @@ class KVIngest:
             # A transfer that makes progress lives on: a streamed one lasts as long as its
             # prompt's prefill, and each chunk can only bring cells not seen before.
             inc.deadline = time.monotonic() + self.timeout_s
+            if inc.progressive and not inc.assembler.complete:
+                part = inc.assembler.take_ready()
+                if part is not None:
+                    self._parts.append((inc.attempt, part))
             return self._maybe_complete(peer, inc)
         return []
 
@@ -317,15 +331,31 @@ class KVIngest:
         self.rejected += 1
         self._channels.pop(peer, None)
         for rid in [r for r, inc in self._partial.items() if peer in inc.peers]:
-            del self._partial[rid]
+            self._cancelled.append(self._partial.pop(rid))
 
     def refuse(self, peer: bytes, rid: bytes, reason: str, text: str, retry_after: float = 0.0) -> None:
-        self.discard(rid)
+        inc = self._partial.pop(rid, None)
+        if inc is not None:
+            self._cancelled.append(inc)
         self._refused[rid] = time.monotonic() + self.REFUSED_MEMORY_S
         self.reply(peer, M.KVRefuse(rid, reason, text[:1000], retry_after))
 
     def discard(self, request_id: bytes) -> None:
+        """Forget a transfer (its request was aborted here): nothing is reported."""
         self._partial.pop(request_id, None)
+
+    def import_progressively(self, request_id: bytes) -> None:
+        """Hand out the blocks of this open transfer as they complete (:meth:`take_parts`),
+        so its receiver copies them while the rest is on its way; the completed transfer's
+        snapshot then holds only the blocks not handed out."""
+        inc = self._partial.get(request_id)
+        if inc is not None:
+            inc.progressive = True
+
+    def take_parts(self) -> list[tuple[int, KVSnapshot]]:
+        """(attempt, part) of the progressive transfers' blocks completed since the last call."""
+        parts, self._parts = self._parts, []
+        return parts
 
     def reply(self, peer: bytes, msg) -> None:
         channel = self._channels.get(peer)
@@ -337,7 +367,8 @@ class KVIngest:
             pass
 
     def expire(self, now: float) -> list[Incoming]:
-        """Partial transfers dropped: past their deadline, or abandoned by their sender."""
+        """Partial transfers dropped: past their deadline, abandoned by their sender,
+        refused, cut off with their connection, or replaced by a newer attempt's."""
         gone = [inc for inc in self._partial.values() if inc.deadline < now]
         for inc in gone:
             del self._partial[inc.header.request_id]

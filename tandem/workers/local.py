@@ -20,4 +20,7 @@ class Local:
     strategy: str | None = None  # prefill: the handoff's, when chosen at dispatch
     stream_kv: bool = False  # prefill: the KV streams to the decode worker during the prefill
     kv_failed: str | None = None  # stream_kv: why the transfer failed before the first token was out
-    receiving: bool = False  # decode: a place held for KV still arriving (the engine has nothing yet)
+    receiving: bool = False  # decode: a place held for KV still arriving (the engine has no request yet)
+    kv_peer: bytes | None = None  # decode: the KV connection it arrives on
+    reserving: bool = False  # decode, streamed: the engine has not said yet that it holds the blocks
+    ack_pending: bool = False  # decode, streamed: all KV in, acknowledged once the blocks are held

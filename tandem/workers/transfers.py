@@ -75,7 +75,9 @@ class KVHandoffs:
         return self._draining or len(self.local) >= self.capacity
 
     def _on_kv_in(self, frames) -> None:
-        for peer, attempt, header, snap in self.kv_in.on_message(list(frames), at_capacity=self._at_capacity):
+        arrivals = self.kv_in.on_message(list(frames), at_capacity=self._at_capacity)
+        self._forward_parts()  # before a completed transfer's final part
+        for peer, attempt, header, snap in arrivals:
             rid = header.request_id
             if snap is None:
                 refuse = None
@@ -90,10 +92,20 @@ class KVHandoffs:
                 if refuse:
                     self.kv_in.refuse(peer, rid, refuse[0], refuse[1], 0.5)
                     continue
+                if rid in self.local:
+                    self.engine.abort(rid)  # a newer attempt replaces what an older one left here
                 self.kv_in.reply(peer, M.KVAck(rid, complete=False))
                 # Hold the place now so capacity counts the transfer in flight.
-                self.local[rid] = Local(rid, attempt, header.stream_seq, "run", header.prompt_len, header.priority,
-                                        receiving=True)
+                local = self.local[rid] = Local(rid, attempt, header.stream_seq, "run", header.prompt_len,
+                                                header.priority, receiving=True, kv_peer=peer)
+                if not header.final and header.block_size == self.block_size:
+                    # Opened while its prompt is prefilled (Streamed): the engine reserves
+                    # the blocks now and each part goes into its KV store as it comes, so the
+                    # final part leaves only its own blocks to copy. A refusal (no room)
+                    # comes back as the request's end, and the transfer is refused then.
+                    local.reserving = True
+                    self.kv_in.import_progressively(rid)
+                    self.engine.reserve_kv(rid, header.num_computed, self._callback(attempt), priority=header.priority)
                 continue
             local = self.local.get(rid)
             if local is None or local.attempt != attempt:
@@ -101,22 +113,66 @@ class KVHandoffs:
                 continue
             local.seq = header.stream_seq  # the final header's: after the first token
             local.receiving = False
+            local.kv_peer = peer
             try:
                 self.engine.import_kv(snap, self._callback(attempt), priority=header.priority)
             except (EngineRefused, ValueError) as exc:
-                del self.local[rid]
-                self.kv_in.refuse(peer, rid, "at_capacity" if isinstance(exc, EngineRefused) else "invalid",
-                                  str(exc)[:500], getattr(exc, "retry_after_s", 0.0))
+                self._refuse_import(local, "at_capacity" if isinstance(exc, EngineRefused) else "invalid", str(exc),
+                                    getattr(exc, "retry_after_s", 0.0))
                 continue
-            self.kv_in.reply(peer, M.KVAck(rid, complete=True))
-            self.mark("kv_ingested", rid)
+            if local.reserving:
+                local.ack_pending = True  # acknowledged once the engine says it holds the blocks
+                continue
+            self._ack_import(local)
+
+    def _forward_parts(self) -> None:
+        for attempt, part in self.kv_in.take_parts():
+            local = self.local.get(part.request_id)
+            if local is None or local.attempt != attempt or not local.receiving:
+                continue  # aborted or replaced here: the engine dropped its reservation
+            try:
+                self.engine.import_part(part)
+            except ValueError as exc:
+                self._refuse_import(local, "invalid", str(exc))
+                continue
+            self.mark("kv_part_in", part.request_id, first_block=part.first_block, blocks=len(part.keys[0]))
+
+    def _import_event(self, local: Local, ev) -> bool:
+        """Decode side: the engine's answer to a streamed import's reservation. True when
+        ``ev`` was that (nothing to publish): held (the transfer is acknowledged if all of
+        it is in), or ended before the request ran here (no room for the blocks, a part
+        that did not fit): the transfer is refused, and the prefill worker reports it
+        after the first token, so the broker continues the request elsewhere."""
+        if ev.kv_reserved:
+            local.reserving = False
+            if local.ack_pending:
+                local.ack_pending = False
+                self._ack_import(local)
+            return True
+        if (local.receiving or local.ack_pending) and (ev.finish_reason is not None or ev.error is not None):
+            self._refuse_import(local, "at_capacity", ev.error or f"import ended: {ev.finish_reason}", 0.5)
+            return True
+        return False
+
+    def _refuse_import(self, local: Local, reason: str, why: str, retry_after: float = 0.0) -> None:
+        """Drop a transfer this worker will not run, with whatever the engine holds for it."""
+        del self.local[local.request_id]
+        self.engine.abort(local.request_id)  # frees a reservation; nothing for a whole import
+        self.kv_in.refuse(local.kv_peer, local.request_id, reason, why[:500], retry_after)
+
+    def _ack_import(self, local: Local) -> None:
+        self.kv_in.reply(local.kv_peer, M.KVAck(local.request_id, complete=True))
+        self.mark("kv_ingested", local.request_id)
 
     def _expire_transfers(self, now: float) -> None:
         """Both sides' timeouts: an unacknowledged send fails its request; a transfer whose
-        data never completed gives its place back."""
+        data never completed (timed out, cancelled by its sender, cut off with its
+        connection, replaced by a newer attempt's) gives its place and its reserved blocks
+        back."""
         self._handoff_outcomes(self.sender.expired(now))
         if self.kv_in is not None:
             for inc in self.kv_in.expire(now):
                 local = self.local.get(inc.header.request_id)
-                if local is not None and local.attempt == inc.attempt:
+                if local is not None and local.attempt == inc.attempt and local.receiving:
                     del self.local[inc.header.request_id]
+                    self.engine.abort(inc.header.request_id)

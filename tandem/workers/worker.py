@@ -409,6 +409,8 @@ class Worker(KVHandoffs, Health):
             if ev.kv_part is not None:
                 self._stream_part(local, ev.kv_part)
                 continue
+            if self.kv_in is not None and self._import_event(local, ev):
+                continue
             if ev.snapshot is not None and ev.finish_reason is None and ev.error is None:
                 if ev.tokens:  # the engine sends the first token in an event before this one
                     self._publish(local, ev.tokens, ev.logprobs, usage=ev.usage)

@@ -5,6 +5,8 @@ token for token at temperature 0, for 32 concurrent requests."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
 import random
 import re
 import signal
@@ -183,9 +185,12 @@ def test_layer_parallel_lz4_handoff_is_exact(cluster, tiny_model_dir):
 @pytest.mark.parametrize("compression", ["none", "lz4"])
 def test_long_prompts_streamed_during_their_prefill_are_exact(cluster, tiny_model_dir, compression):
     """Prompts of several prefill chunks (32 tokens here) with the Streamed strategy: each
-    chunk's KV goes to the decode worker while the next computes; disaggregated == one
-    in-process engine, token for token, and nothing is held anywhere afterwards."""
+    chunk's KV goes to the decode worker while the next computes, and into its KV store as
+    it arrives; disaggregated == hybrid == one in-process engine, token for token, and
+    nothing is held anywhere afterwards (no block of the decode worker's either)."""
     cluster.env["TANDEM_ENGINE_PREFILL_CHUNK_SIZE"] = "32"
+    timeline = cluster.tmp / "timeline.jsonl"
+    cluster.env["TANDEM_TIMELINE"] = str(timeline)
     procs, c = _prefill_decode_pair(cluster, tiny_model_dir, "--kv-strategy", "streamed", "--kv-compression", compression)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (70, 129, 200, 257)]
@@ -195,5 +200,19 @@ def test_long_prompts_streamed_during_their_prefill_are_exact(cluster, tiny_mode
     # A prompt of C chunks goes in C parts: C - 1 while it is prefilled, then the final one.
     parts = sorted(int(n) for n in re.findall(r"handoff \w+: \d+ KV bytes .*\(streamed, (\d+) parts\)", procs[0].log.read_text()))
     assert parts == [3, 5, 7, 9], parts
+    # The decode worker copied each part into its KV store as it came (blocks reserved at the
+    # first): 2, 4, 6 and 8 parts of 2 blocks (a 32-token chunk) before the final part.
+    marks = [json.loads(x) for x in timeline.read_text().splitlines() if '"kv_part_in"' in x]
+    assert sorted(collections.Counter(m["rid"] for m in marks).values()) == [2, 4, 6, 8]
+    assert all(m["blocks"] == 2 for m in marks)
+
+    for p in procs:
+        p.signal(signal.SIGTERM)  # drain: nothing in flight, so they leave at once
+    for p in procs:
+        p.p.wait(30)
+    cluster.start_worker("hybrid", engine="mlx", model=tiny_model_dir)
+    cluster.wait_workers(c, hybrid=1, timeout=120)
+    hybrid = _run_all(cluster, prompts)
+    wait_clean(c, timeout=20)
     single = _single_process(tiny_model_dir, [(p, _sampling()) for p in prompts])
-    assert got == single
+    assert got == hybrid == single

@@ -452,6 +452,8 @@ def test_a_streamed_handoff_opens_during_the_prefill_and_continues_exactly(env):
     assert {x.request_id for x in dones} == {rid} and {x.handed_to for x in dones} == {"d-test", None}
     _until(lambda: not p.local and not d.local and d.kv_in.partial == 0)
     assert p.sender.counters["handoffs"] == 1 and not p.sender._transfers
+    # The decode engine took blocks 0-3 as they came (reserved at the first), the last with the final part.
+    assert d.engine.parts_imported == 4 and not d.engine.reserved
 
 
 def test_an_abort_during_a_streamed_transfer_frees_both_sides_at_once(env):
@@ -460,9 +462,9 @@ def test_an_abort_during_a_streamed_transfer_frees_both_sides_at_once(env):
     rid = os.urandom(16)
     broker.send(M.Dispatch(rid, "prefill", list(range(3, 83)), SamplingParams(max_tokens=6), decode_node="d-test",
                            decode_address=d.kv_address, attempt=1))
-    _until(lambda: d.kv_in.partial == 1 and rid in d.local)  # a part is there, the prefill goes on
+    _until(lambda: d.kv_in.partial == 1 and rid in d.local and rid in d.engine.reserved)  # a part is there, the prefill goes on
     broker.send(M.Abort(rid))
-    _until(lambda: d.kv_in.partial == 0 and not d.local and not p.local, timeout=2)
+    _until(lambda: d.kv_in.partial == 0 and not d.local and not p.local and not d.engine.reserved, timeout=2)
     _until(lambda: p.engine.stats().running == 0, timeout=2)
     assert not p.sender._transfers and broker.tokens(timeout=0.5) == []
 
@@ -473,9 +475,69 @@ def test_a_prefill_that_dies_mid_transfer_leaves_nothing_held_on_the_decode_side
     rid = os.urandom(16)
     broker.send(M.Dispatch(rid, "prefill", list(range(3, 83)), SamplingParams(max_tokens=6), decode_node="d-test",
                            decode_address=d.kv_address, attempt=1))
-    _until(lambda: d.kv_in.partial == 1 and rid in d.local)
+    _until(lambda: d.kv_in.partial == 1 and rid in d.local and rid in d.engine.reserved)
     p.stop()  # its sockets close without a word to the decode worker
-    _until(lambda: d.kv_in.partial == 0 and not d.local, timeout=3)
+    _until(lambda: d.kv_in.partial == 0 and not d.local and not d.engine.reserved, timeout=3)
+
+
+def test_a_stream_the_decode_engine_cannot_reserve_is_refused_cleanly(env):
+    """The decode worker takes the transfer, but its engine has no room for the blocks when
+    the first part comes: the transfer is refused (backpressure), nothing stays reserved,
+    and the broker hears after the first token, as for a refusal at the door."""
+    broker, start = env
+    p, d = _streaming_pair(broker, start, decode_engine=StubEngine(kv_blocks=2))  # 5 blocks needed
+    rid, prompt = os.urandom(16), list(range(3, 83))
+    broker.send(M.Dispatch(rid, "prefill", prompt, SamplingParams(max_tokens=6), decode_node="d-test",
+                           decode_address=d.kv_address, attempt=1))
+    refused = broker.recv(want=M.Refused, timeout=5)
+    assert refused.request_id == rid and "no room to reserve" in refused.message
+    assert [m.tokens for _, m in broker.tokens(timeout=0.5)] == [reference_tokens(prompt, 1)]
+    _until(lambda: not p.local and not d.local and d.kv_in.partial == 0 and not p.sender._transfers)
+    assert not d.engine.reserved and d.engine.parts_imported == 0 and d.engine.stats().running == 0
+
+
+def test_a_request_that_ends_at_its_first_token_frees_the_decode_reservation(env):
+    """max_tokens 1: the prefill worker finishes the request itself and cancels the stream
+    it opened; the decode worker drops the transfer and its engine the reserved blocks."""
+    broker, start = env
+    p, d = _streaming_pair(broker, start, prefill_step_s=0.1)
+    rid, prompt = os.urandom(16), list(range(3, 83))
+    broker.send(M.Dispatch(rid, "prefill", prompt, SamplingParams(max_tokens=1), decode_node="d-test",
+                           decode_address=d.kv_address, attempt=1))
+    _until(lambda: rid in d.engine.reserved)
+    msgs = broker.tokens(timeout=5)
+    assert [t for _, m in msgs for t in m.tokens] == reference_tokens(prompt, 1) and msgs[-1][1].finish_reason == "length"
+    _until(lambda: not d.local and d.kv_in.partial == 0 and not d.engine.reserved and not p.sender._transfers)
+
+
+def test_a_new_attempt_replaces_a_dead_prefill_workers_transfer(env):
+    """The prefill worker dies mid-transfer and the broker dispatches the request again
+    (attempt 2) to another prefill worker with the same decode target, before the first
+    transfer timed out there: the newer transfer replaces the old one, reserved blocks
+    and all, and the request continues exactly under attempt 2."""
+    from tandem.wire.settings import TransferSettings
+
+    broker, start = env
+    p, d = _streaming_pair(broker, start, prefill_step_s=0.3)  # transfer_timeout_s stays 10 s
+    rid, prompt = os.urandom(16), list(range(3, 83))
+    broker.send(M.Dispatch(rid, "prefill", prompt, SamplingParams(max_tokens=6), decode_node="d-test",
+                           decode_address=d.kv_address, attempt=1))
+    _until(lambda: d.kv_in.partial == 1 and rid in d.engine.reserved and d.engine.reserved[rid][1] >= 1)
+    p.stop()
+    start(StubEngine(prefill_chunk=16, step_s=0.02), role="prefill", name="p2-test",
+          transfer=TransferSettings(strategy="streamed"))
+    broker.recv(want=M.Ready)
+    broker.wait_stream()
+    broker.identity = b"p2-test"
+    broker.send(M.Dispatch(rid, "prefill", prompt, SamplingParams(max_tokens=6), decode_node="d-test",
+                           decode_address=d.kv_address, attempt=2))
+    got = []
+    while not got or not (got[-1][1].finish_reason or got[-1][1].error):
+        batch = broker.tokens(timeout=5)
+        assert batch, "no more tokens"
+        got += [(a, m) for a, m in batch if a == 2]
+    assert [t for _, m in got for t in m.tokens] == reference_tokens(prompt, 6)
+    _until(lambda: not d.local and d.kv_in.partial == 0 and not d.engine.reserved)
 
 
 class FullEngine(StubEngine):
