@@ -175,3 +175,16 @@ def test_cached_blocks_are_evicted_before_a_block_past_the_store():
     for b in (6, 5, 4):
         pool.release(b)
     assert pool.allocate() == 4 and pool.counters.evictions == 4
+
+
+def test_reserve_takes_all_the_blocks_asked_or_none():
+    pool = BlockPool(8, 4)
+    held = fill(pool, list(range(12)))  # 3 blocks in use
+    with pytest.raises(MemoryError, match="5 free blocks, 6 asked"):
+        pool.reserve(6)
+    assert pool.num_free == 5  # nothing taken
+    got = pool.reserve(5)
+    assert sorted(got) == [3, 4, 5, 6, 7] and pool.num_free == 0 and not pool.can_allocate(1)
+    pool.release_all(got + held)
+    pool.check()
+    assert pool.num_free == 8

@@ -161,3 +161,31 @@ def test_non_final_header_holds_completion_until_the_final_one():
     assert asm.complete and asm.header.final
     with pytest.raises(WireError):
         asm.update(dataclasses.replace(header, num_layers=header.num_layers + 1))
+
+
+@pytest.mark.parametrize("strategy", ["streamed", "layer_parallel"])
+def test_blocks_taken_as_they_complete_and_the_rest_join_to_the_whole(strategy):
+    """take_ready hands out each leading run of blocks whose every layer is in (Streamed:
+    a chunk's blocks at once; LayerParallel: only once the other connection's layers are
+    in too), never a block twice; the final snapshot holds the rest, from first_block on."""
+    snap = make_snapshot(num_computed=37)  # 5 blocks of 8
+    options = KVOptions(strategy=strategy, blocks_per_chunk=2, connections=2)
+    per_conn = [[codec.decode(codec.encode(m)) for m in msgs] for msgs in snapshot_messages(snap, options)]
+    asm = KVAssembler(per_conn[0][0])
+    order = [m for msgs in per_conn for m in msgs[1:]]
+    parts = []
+    for msg in order:
+        asm.add(msg) if isinstance(msg, KVChunk) else asm.update(msg)
+        if msg is not order[-1]:
+            parts.append(asm.take_ready())
+    rest = asm.snapshot()
+    taken = [p for p in parts if p is not None]
+    if strategy == "streamed":
+        assert [(p.first_block, len(p.keys[0])) for p in taken] == [(0, 2), (2, 2)] and rest.first_block == 4
+    else:  # the first connection's layers alone complete no block; the second's last chunk completes all
+        assert taken == [] and rest.first_block == 0
+    pieces = taken + [rest]
+    for layer in range(snap.num_layers):
+        assert np.array_equal(np.concatenate([p.keys[layer] for p in pieces]), snap.keys[layer])
+        assert np.array_equal(np.concatenate([p.values[layer] for p in pieces]), snap.values[layer])
+    assert _meta(dataclasses.replace(rest, first_block=0)) == _meta(snap)

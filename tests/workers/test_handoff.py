@@ -177,3 +177,45 @@ def test_a_progressive_transfer_completes_only_with_its_final_header(ctx):
     assert attempt == 2 and h.final and back.tokens == final.tokens and ingest.partial == 0
     for a, b in zip(back.keys + back.values, final.keys + final.values):
         assert np.array_equal(a, b)
+
+
+def test_progressive_transfer_parts_and_every_way_one_is_dropped(ctx):
+    """A transfer marked progressive hands out its blocks as chunks complete them and
+    completes with the rest; a newer attempt's header replaces an open transfer (reported
+    by expire, so its receiver frees what it reserved) while an older one's is refused
+    without touching it; a refused transfer and one cut off with its connection are
+    reported too."""
+    import dataclasses
+
+    from tandem.wire.kvframes import make_header, part_messages
+
+    ingest = KVIngest(ctx, "tcp://127.0.0.1:*", secret=os.urandom(32), node_id="d", timeout_s=5)
+    snap = snapshot(n_tokens=81)  # 5 blocks of 16
+    opts = KVOptions(strategy="streamed", blocks_per_chunk=2)
+    prompt = dataclasses.replace(snap, tokens=snap.tokens[:80], num_computed=80, num_generated=0)
+
+    def msgs(attempt, final):
+        first = make_header(prompt if not final else snap, opts, attempt=attempt, final=final)
+        return list(part_messages(dataclasses.replace(prompt, keys=[k[:4] for k in prompt.keys],
+                                                      values=[v[:4] for v in prompt.values]),
+                                  opts, first_index=0, header=first)[0])
+
+    rid = snap.request_id
+    opening = msgs(1, False)
+    assert ingest.on_decoded(b"p1", opening[0])[0][3] is None  # a new transfer
+    ingest.import_progressively(rid)
+    for m in opening[1:]:
+        assert ingest.on_decoded(b"p1", m) == []
+    assert [(a, p.first_block, len(p.keys[0])) for a, p in ingest.take_parts()] == [(1, 0, 2), (1, 2, 2)]
+    assert ingest.take_parts() == []
+    # Attempt 2 from another prefill worker replaces it; a late attempt-1 header is refused.
+    assert ingest.on_decoded(b"p2", msgs(2, False)[0])[0][1] == 2
+    assert ingest.on_decoded(b"p1", msgs(1, False)[0]) == []
+    assert ingest.partial == 1 and [i.attempt for i in ingest.expire(time.monotonic())] == [1]
+    ingest.refuse(b"p2", rid, "at_capacity", "no room")
+    assert [i.attempt for i in ingest.expire(time.monotonic())] == [2] and ingest.partial == 0
+    other = dataclasses.replace(snap, request_id=os.urandom(16))
+    ingest.on_decoded(b"p3", make_header(other, opts, attempt=1, final=False))
+    ingest._drop_peer(b"p3", "sealed channel broke")
+    assert [i.header.request_id for i in ingest.expire(time.monotonic())] == [other.request_id]
+    ingest.close()
