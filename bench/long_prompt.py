@@ -1,8 +1,11 @@
-"""A long prompt's latency: hybrid vs disaggregated, KV handed over after the prefill (git
-``--baseline``, main before streaming) vs while it runs (this tree), in one run.
+"""A long prompt's latency: hybrid vs disaggregated, the handoff code of a git
+``--baseline`` vs this tree's, in one run.
 
 Three layouts, each its own broker and workers, all up at once: one hybrid worker; one
-prefill + one decode worker on the baseline tree's code; the same on this tree's. Both
+prefill + one decode worker on the baseline tree's code; the same on this tree's. The
+comparisons so far (docs/benchmarks/LOG.md): KV handed over after the prefill (af06864)
+vs streamed while it runs; streamed but imported into the decode worker's KV store only
+once the last part is in (51535d1, the default) vs each part imported as it arrives. Both
 disaggregated layouts run as ``tandem serve`` starts them (CPU gate on, transfer strategy
 ``adaptive``). Every layout first gets ``--warm`` long prompts (the adaptive selector tries
 each strategy once), then each of ``--prompts`` fresh prompts goes to every layout in turn,
@@ -118,14 +121,15 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=6, help="measured prompts, each to every layout")
     p.add_argument("--warm", type=int, default=4, help="long prompts per layout before measuring")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--baseline", default="af06864", help="git ref of the handoff-after-the-prefill code (default: the last commit before streaming)")
+    p.add_argument("--baseline", default="51535d1", help="git ref of the handoff code to compare with (default: the last "
+                   "commit before the decode worker imported streamed parts as they arrive)")
     p.add_argument("--kv-budget", default="1GiB", help="each worker's engine.kv_cache_budget")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = p.parse_args()
     base = baseline_tree(args.baseline)
     specs = [("hybrid", "hybrid (1 worker)", ["hybrid"], None),
-             ("before", f"1 prefill + 1 decode, {args.baseline}: KV after the prefill", ["prefill", "decode"], base),
-             ("after", "1 prefill + 1 decode, this tree: KV while it is prefilled", ["prefill", "decode"], None)]
+             ("before", f"1 prefill + 1 decode, {args.baseline}", ["prefill", "decode"], base),
+             ("after", "1 prefill + 1 decode, this tree", ["prefill", "decode"], None)]
     live: list[Layout] = []
     per: dict[str, list[dict]] = {k: [] for k, *_ in specs}
     how: dict[str, list[str]] = {k: [] for k, *_ in specs}
@@ -150,22 +154,23 @@ def main() -> int:
 
     result = {**machine(), "args": vars(args), "layouts": {}}
     hyb = per["hybrid"]
-    md = ["# A long prompt's latency: hybrid vs disaggregated, KV after vs during the prefill\n",
+    md = ["# A long prompt's latency: hybrid vs disaggregated, a baseline's handoff vs this tree's\n",
           f"{result['when']}, {result['cpus']} cores shared by every process (load average {result['load_avg_1m']:.1f} "
           f"at the end), {args.model or 'the default model'}; {args.prompt_tokens}-token prompts, {args.max_tokens} "
           f"tokens each, temperature 0, one request at a time; {args.prompts} fresh prompts, each to every layout "
           f"(order rotated), after {args.warm} warm-up prompts per layout. Time to the 2nd token is the first the "
-          "decode worker produces: the KV handoff lies before it. Ratios: median over prompts of the layout's time "
+          "decode worker produces: the KV handoff lies before it (1st -> 2nd token: the client's time between "
+          "them, the handoff's cost to the request). Ratios: median over prompts of the layout's time "
           "/ hybrid's for the same prompt. From the workers' timeline (one monotonic clock): the prefill worker "
           "publishes the first token -> the decode worker has the whole KV (hands it to its engine) -> it publishes "
-          "the second token (the import into its KV store and one decode step). The handoffs column is the prefill "
+          "the second token (copying what of the KV is not in its KV store yet, and one decode step). The handoffs column is the prefill "
           "worker's own measure: from the end of the prefill (its last part queued) to the decode worker's "
           "acknowledgement.\n",
           f"Command: `flock /tmp/tandem-bench.lock python bench/long_prompt.py --prompt-tokens {args.prompt_tokens} "
           f"--prompts {args.prompts} --warm {args.warm} --max-tokens {args.max_tokens} --baseline {args.baseline}"
           + (f" --model {args.model}" if args.model else "") + "`\n",
-          "| layout | TTFT p50 | vs hybrid | 2nd token p50 | vs hybrid | last token p50 | vs hybrid | 1st token -> KV in | KV in -> 2nd token | handoffs (strategy, ms after the prefill) |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+          "| layout | TTFT p50 | vs hybrid | 2nd token p50 | vs hybrid | last token p50 | vs hybrid | 1st -> 2nd token | 1st token -> KV in | KV in -> 2nd token | handoffs (strategy, ms after the prefill) |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for key, name, *_ in specs:
         rs = per[key]
         row = {"requests": rs, "handoffs": how[key]}
@@ -174,6 +179,8 @@ def main() -> int:
             row[m.replace("_ms", "_p50_ms")] = statistics.median(r[m] for r in rs)
             row[m.replace("_ms", "_ratio")] = statistics.median(r[m] / h[m] for r, h in zip(rs, hyb))
             cells.append(f"{row[m.replace('_ms', '_p50_ms')]:.0f} ms | {row[m.replace('_ms', '_ratio')]:.2f}x")
+        row["first_to_second_p50_ms"] = statistics.median(r["second_ms"] - r["ttft_ms"] for r in rs)
+        cells.append(f"{row['first_to_second_p50_ms']:.0f} ms")
         for m in ("kv_in_after_first_ms", "second_after_kv_ms"):
             xs = [r[m] for r in rs if m in r]
             row[m.replace("_ms", "_p50_ms")] = statistics.median(xs) if xs else None
@@ -181,7 +188,11 @@ def main() -> int:
         result["layouts"][key] = {"name": name, **row}
         md.append(f"| {name} | " + " | ".join(cells) + " | " + ("; ".join(h for h in how[key] if h) or "-") + " |")
     b, a = result["layouts"]["before"], result["layouts"]["after"]
-    md.append(f"\nThis tree against {args.baseline}, disaggregated: time to the 2nd token "
+    md.append(f"\nThis tree against {args.baseline}, disaggregated: 1st -> 2nd token "
+              f"{statistics.median((x['second_ms'] - x['ttft_ms']) / (y['second_ms'] - y['ttft_ms']) for x, y in zip(per['after'], per['before'])):.2f}x, "
+              "end to end (last token) "
+              f"{statistics.median(x['total_ms'] / y['total_ms'] for x, y in zip(per['after'], per['before'])):.2f}x, "
+              "time to the 2nd token "
               f"{statistics.median(x['second_ms'] / y['second_ms'] for x, y in zip(per['after'], per['before'])):.2f}x, "
               f"TTFT {statistics.median(x['ttft_ms'] / y['ttft_ms'] for x, y in zip(per['after'], per['before'])):.2f}x "
               "(median over prompts of the per-prompt ratio). Against hybrid: 2nd token "
