@@ -65,6 +65,19 @@ def _run_all(cluster, prompts):
     return asyncio.run(main())
 
 
+def _again_on_a_hybrid_worker(cluster, c, procs, model_dir, prompts):
+    """Drain ``procs`` and run ``prompts`` again on one hybrid worker of the same cluster."""
+    for p in procs:
+        p.signal(signal.SIGTERM)  # drain: nothing in flight, so they leave at once
+    for p in procs:
+        p.p.wait(30)
+    cluster.start_worker("hybrid", engine="mlx", model=model_dir)
+    cluster.wait_workers(c, hybrid=1, timeout=120)
+    out = _run_all(cluster, prompts)
+    wait_clean(c, timeout=20)
+    return out
+
+
 def test_disaggregated_equals_hybrid_equals_single_process(cluster, tiny_model_dir):
     # Slow heartbeats: on a busy machine a 0.6 s liveness window can declare a healthy
     # worker dead, and a migrated request is re-prefilled (not bit-identical in float).
@@ -88,14 +101,7 @@ def test_disaggregated_equals_hybrid_equals_single_process(cluster, tiny_model_d
     decode_counts = [w["decode_targeted"] for w in st["workers"] if w["role"] == "decode"]
     assert min(prefill_counts) > 0 and min(decode_counts) > 0, st["workers"]
 
-    for p in procs:
-        p.signal(signal.SIGTERM)  # drain: nothing in flight, so they leave at once
-    for p in procs:
-        p.p.wait(30)
-    cluster.start_worker("hybrid", engine="mlx", model=tiny_model_dir)
-    cluster.wait_workers(c, hybrid=1, timeout=120)
-    hybrid = _run_all(cluster, prompts)
-    wait_clean(c, timeout=20)
+    hybrid = _again_on_a_hybrid_worker(cluster, c, procs, tiny_model_dir, prompts)
 
     single = _single_process(tiny_model_dir, [(p, _sampling()) for p in prompts])
 
@@ -206,13 +212,6 @@ def test_long_prompts_streamed_during_their_prefill_are_exact(cluster, tiny_mode
     assert sorted(collections.Counter(m["rid"] for m in marks).values()) == [2, 4, 6, 8]
     assert all(m["blocks"] == 2 for m in marks)
 
-    for p in procs:
-        p.signal(signal.SIGTERM)  # drain: nothing in flight, so they leave at once
-    for p in procs:
-        p.p.wait(30)
-    cluster.start_worker("hybrid", engine="mlx", model=tiny_model_dir)
-    cluster.wait_workers(c, hybrid=1, timeout=120)
-    hybrid = _run_all(cluster, prompts)
-    wait_clean(c, timeout=20)
+    hybrid = _again_on_a_hybrid_worker(cluster, c, procs, tiny_model_dir, prompts)
     single = _single_process(tiny_model_dir, [(p, _sampling()) for p in prompts])
     assert got == hybrid == single

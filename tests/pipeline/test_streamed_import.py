@@ -4,6 +4,7 @@ admission; exact against mlx_lm.generate, and every way it can end frees the blo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import time
@@ -43,6 +44,23 @@ def _until_final(q: queue.Queue, timeout: float = 30.0):
             return toks, ev
 
 
+@contextlib.contextmanager
+def _receiving(tiny, **settings):
+    """A started engine and a queue for its events; stopped afterwards, holding no block."""
+    eng, q = make(tiny, **settings), queue.Queue()
+    eng.start()
+    try:
+        yield eng, q
+    finally:
+        eng.stop()
+    _no_blocks_held(eng)
+
+
+def _reserve(eng, final, q: queue.Queue) -> None:
+    eng.reserve_kv(final.request_id, final.num_computed, q.put)
+    assert q.get(timeout=10).kv_reserved
+
+
 def _no_blocks_held(eng) -> None:
     eng.pool.check()
     assert all(c == 0 for c in eng.pool.ref_count)
@@ -50,15 +68,11 @@ def _no_blocks_held(eng) -> None:
 
 def test_parts_go_into_reserved_blocks_as_they_come_and_the_import_continues_exactly(tiny, streamed):
     parts, first, final, expected = streamed
-    dst = make(tiny)
     copies = []
-    store_import = dst.store.import_blocks
-    dst.store.import_blocks = lambda blocks, k, v: (copies.append(len(blocks)), store_import(blocks, k, v))[1]
-    q: queue.Queue = queue.Queue()
-    dst.start()
-    try:
-        dst.reserve_kv(final.request_id, final.num_computed, q.put)
-        assert q.get(timeout=10).kv_reserved
+    with _receiving(tiny) as (dst, q):
+        store_import = dst.store.import_blocks
+        dst.store.import_blocks = lambda blocks, k, v: (copies.append(len(blocks)), store_import(blocks, k, v))[1]
+        _reserve(dst, final, q)
         for p in parts:
             dst.import_part(p)
         # Before the final part: the blocks are held and the parts copied, nothing runs.
@@ -69,20 +83,13 @@ def test_parts_go_into_reserved_blocks_as_they_come_and_the_import_continues_exa
         assert dst.pool.num_free == dst.pool.num_blocks - 10 and dst.stats().running == 0
         dst.import_kv(final, q.put)
         toks, last = _until_final(q)
-    finally:
-        dst.stop()
     assert first + toks == expected and last.finish_reason in ("stop", "length")
     assert copies == [2, 2, 2, 2, 2]  # each part as it came; at admission only the final part's blocks
-    _no_blocks_held(dst)
 
 
 def test_a_reservation_the_pool_cannot_hold_is_refused_and_holds_nothing(tiny, streamed):
     parts, _, final, _ = streamed
-    probe = make(tiny)
-    dst = make(tiny, kv_cache_budget=str(8 * probe.bytes_per_block))  # 8 blocks, 10 needed
-    q: queue.Queue = queue.Queue()
-    dst.start()
-    try:
+    with _receiving(tiny, kv_cache_budget=str(8 * make(tiny).bytes_per_block)) as (dst, q):  # 8 blocks, 10 needed
         dst.reserve_kv(final.request_id, final.num_computed, q.put)
         refusal = q.get(timeout=10)
         assert refusal.finish_reason == "error" and "cannot hold 10 more blocks" in refusal.error
@@ -92,9 +99,6 @@ def test_a_reservation_the_pool_cannot_hold_is_refused_and_holds_nothing(tiny, s
         late = q.get(timeout=10)
         assert late.finish_reason == "error" and "reservation is gone" in late.error
         assert dst.generate_many([(final.tokens[:20], greedy(4))])  # the engine serves on
-    finally:
-        dst.stop()
-    _no_blocks_held(dst)
 
 
 def test_an_abort_frees_a_reservation_and_a_new_attempt_reserves_again(tiny, streamed):
@@ -102,37 +106,25 @@ def test_an_abort_frees_a_reservation_and_a_new_attempt_reserves_again(tiny, str
     reservation goes with its parts, and the same request id can open a new one (a
     migration's next attempt) that continues exactly."""
     parts, first, final, expected = streamed
-    dst = make(tiny)
-    q: queue.Queue = queue.Queue()
-    dst.start()
-    try:
-        dst.reserve_kv(final.request_id, final.num_computed, q.put)
-        assert q.get(timeout=10).kv_reserved
+    with _receiving(tiny) as (dst, q):
+        _reserve(dst, final, q)
         dst.import_part(parts[0])
         dst.abort(final.request_id)
         assert q.get(timeout=10).finish_reason == "abort"
         dst.import_part(parts[1])  # after the abort: dropped
-        dst.reserve_kv(final.request_id, final.num_computed, q.put)
-        assert q.get(timeout=10).kv_reserved
+        _reserve(dst, final, q)
         for p in parts:
             dst.import_part(p)
         dst.import_kv(final, q.put)
         toks, _ = _until_final(q)
-    finally:
-        dst.stop()
     assert first + toks == expected
-    _no_blocks_held(dst)
 
 
 @pytest.mark.parametrize("bad", ["gap", "short_final"])
 def test_parts_that_do_not_follow_their_reservation_fail_it_and_free_the_blocks(tiny, streamed, bad):
     parts, _, final, _ = streamed
-    dst = make(tiny)
-    q: queue.Queue = queue.Queue()
-    dst.start()
-    try:
-        dst.reserve_kv(final.request_id, final.num_computed, q.put)
-        assert q.get(timeout=10).kv_reserved
+    with _receiving(tiny) as (dst, q):
+        _reserve(dst, final, q)
         dst.import_part(parts[0])
         if bad == "gap":
             dst.import_part(parts[2])  # blocks 4-6 after 0-2
@@ -140,9 +132,6 @@ def test_parts_that_do_not_follow_their_reservation_fail_it_and_free_the_blocks(
             dst.import_kv(final, q.put)  # blocks 8-10 after 0-2
         ev = q.get(timeout=10)
         assert ev.finish_reason == "error" and "reserv" in ev.error
-    finally:
-        dst.stop()
-    _no_blocks_held(dst)
 
 
 def test_a_part_of_another_block_size_is_refused_at_once(tiny, streamed):
