@@ -103,9 +103,13 @@ class KVHandoffs:
                     # the blocks now and each part goes into its KV store as it comes, so the
                     # final part leaves only its own blocks to copy. A refusal (no room)
                     # comes back as the request's end, and the transfer is refused then.
+                    try:
+                        self.engine.reserve_kv(rid, header.num_computed, self._callback(attempt), priority=header.priority)
+                    except ValueError as exc:  # a model on dense caches imports no KV
+                        self._refuse_import(local, "invalid", str(exc))
+                        continue
                     local.reserving = True
                     self.kv_in.import_progressively(rid)
-                    self.engine.reserve_kv(rid, header.num_computed, self._callback(attempt), priority=header.priority)
                 continue
             local = self.local.get(rid)
             if local is None or local.attempt != attempt:
