@@ -61,7 +61,10 @@ def make_model(out: Path, shape: str, tokenizer_dir: Path) -> Path:
     from mlx_lm.utils import save_config, save_model
 
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    vocab = len(tok["model"]["vocab"]) + len(tok.get("added_tokens") or [])
+    # Added tokens usually sit inside the vocabulary (SmolLM2's 17 are ids 0-16): the largest
+    # id sets the size, 49,152 here, as in the real checkpoint (a count would give 49,169).
+    ids = [*tok["model"]["vocab"].values(), *(t["id"] for t in tok.get("added_tokens") or [])]
+    vocab = max(ids) + 1
     args = dict(model_type="llama", rms_norm_eps=1e-5, vocab_size=vocab, rope_theta=500000.0,
                 max_position_embeddings=8192, tie_word_embeddings=False, **SHAPES[shape])
     mx.random.seed(0)

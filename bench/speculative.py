@@ -214,9 +214,11 @@ def main(argv=None) -> int:
                                   eos_token_ids=loaded.eos_token_ids, speculator=spec)
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     sets = {"grounded": [encode(tok, t) for t in GROUNDED], "free": [encode(tok, t) for t in FREE]}
+    # Before the first engine: on CUDA it replaces the model's layers with its fused blocks,
+    # which only its runner can call.
+    vocab = int(model(mx.array([[0]])).shape[-1])
     plain = mk()
     plain.start()
-    vocab = int(model(mx.array([[0]])).shape[-1])
     result = {"command": " ".join(["bench/speculative.py", *(argv if argv is not None else sys.argv[1:])]),
               "model": loaded.model_id, "machine": machine(), "max_tokens": a.max_tokens, "runs": []}
     recorded: dict[tuple, list[int]] = {}

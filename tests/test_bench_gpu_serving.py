@@ -32,3 +32,19 @@ def test_tiny_shape_serves_both_topologies_without_errors(tmp_path):
         assert [r["clients"] for r in t["levels"]] == [1, 3]
         assert all(r["requests"] == r["clients"] and r["errors"] == 0 and r["tok_per_s"] > 0 for r in t["levels"])
     assert "| hybrid | 3 |" in Path(f"{out}.md").read_text()
+
+
+def test_checkpoint_vocabulary_is_the_largest_token_id_plus_one(tmp_path):
+    """Added tokens inside the vocabulary do not enlarge it (a count did: 49,169 for
+    SmolLM2's 49,152, which no longer divided by 8 and kept the GPU's one-kernel argmax and
+    captured step off)."""
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("gpu_serving", BENCH / "gpu_serving.py")
+    gs = sys.modules["gpu_serving"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    vocab = {f"t{i}": i for i in range(64)}
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": [{"id": 0}, {"id": 5}]}))
+    gs.make_model(tmp_path / "m", "tiny", tok)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["vocab_size"] == 64

@@ -109,14 +109,11 @@ def test_stream_pair_matches_reference(n, k):
 @gpu
 @pytest.mark.gpu
 @hang_guard
-@pytest.mark.parametrize("stream_norm", [True, False])
-def test_dispatch_to_the_stream_kernel_applies_the_norm(monkeypatch, stream_norm):
-    """The norm inside the kernel (the default) or rms_norm first: the reference's result."""
+def test_dispatch_to_the_stream_kernel_applies_the_norm():
+    """The norm runs inside the kernel: the reference's result."""
     n, k = 2048, 4096
     x, wq, s, b = _case(n, k, 64, seed=11)
     g = (1 + 0.1 * mx.random.normal((k,))).astype(mx.float16)
-    monkeypatch.setattr(qg, "KERNEL", "stream")
-    monkeypatch.setattr(qg, "STREAM_NORM", stream_norm)
     got = qg.qgemv(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5, pair=True)
     want = qg.qgemv_reference(3 * x, wq, s, b, 64, norm_weight=g, eps=1e-5, pair=True)
     assert _rel_err(got, want) < 5e-3

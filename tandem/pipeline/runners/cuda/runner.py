@@ -130,7 +130,8 @@ def unsupported(model, store: KVStore) -> str:
     layers = getattr(inner, "layers", None)
     if not layers or not hasattr(inner, "embed_tokens") or not isinstance(getattr(inner, "norm", None), nn.RMSNorm):
         return "no model.layers / embed_tokens / RMSNorm norm"
-    attn = layers[0].self_attn
+    # A model another engine already converted holds FusedBlocks, which keep the rope.
+    attn = layers[0] if isinstance(layers[0], FusedBlock) else layers[0].self_attn
     if any(getattr(l, "use_sliding", False) for l in layers):
         return "sliding-window layers"
     if store.head_dim != store.v_head_dim or store.head_dim % 8 or store.head_dim > 256:
@@ -285,9 +286,13 @@ class FusedBlock(nn.Module):
         q = y[..., : H * D].reshape(B, L, H, D).transpose(0, 2, 1, 3)
         k = y[..., H * D : (H + KVH) * D].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
         v = y[..., (H + KVH) * D :].reshape(B, L, KVH, D).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=cache.offset)
-        k = self.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
+        # Without a cache (a one-off call, e.g. another engine probing the model's vocabulary):
+        # positions from 0, the chunk's own keys, as mlx-lm's block does.
+        offset = cache.offset if cache is not None else 0
+        q = self.rope(q, offset=offset)
+        k = self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
         o = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         h = self.o_proj.fused(o.transpose(0, 2, 1, 3).reshape(B * L, H * D), residual=x.reshape(B * L, W))
         g = self.gate_up.fused(h, norm_weight=self.ln2, eps=self.eps2)
@@ -335,6 +340,8 @@ class KernelRunner(PagedRunner):
         # In place, one layer at a time: the fused copies of QKV and gate/up exist next to
         # the originals only for the layer being converted.
         for i, b in enumerate(inner.layers):
+            if isinstance(b, FusedBlock):
+                continue  # a second engine on one model: converted (and packed) by the first
             inner.layers[i] = FusedBlock(b, store.head_dim)
             if ops == "cuda":
                 _pack_w4gemm(inner.layers[i])
@@ -348,7 +355,7 @@ class KernelRunner(PagedRunner):
         self.final_norm = inner.norm
         head = getattr(model, "lm_head", None)
         self.head = head if isinstance(head, linear.FlatLinear) else None
-        if self.head is not None and ops == "cuda":
+        if self.head is not None and ops == "cuda" and getattr(self.head, "w4g_wp", None) is None:
             _pack_w4gemm(self.head)
             mx.eval(self.head.parameters())
         if compile_decode is None:

@@ -74,6 +74,20 @@ def test_reference_kernel_runner_matches_alone(tiny_model_dir, expected, monkeyp
     assert got == want
 
 
+def test_a_second_engine_on_the_same_model_reuses_its_fused_blocks(tiny_model_dir, expected, monkeypatch):
+    """Benches build several engines on one loaded model (with and without speculation):
+    the second finds the layers fused and must neither fail nor fuse them again."""
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
+    prompts, want = expected
+    model = _fresh(tiny_model_dir)
+    first = _engine(model)
+    blocks = list(first.runner.blocks)
+    second = _engine(model)
+    assert isinstance(second.runner, cuda_runner.KernelRunner)
+    assert all(a is b for a, b in zip(blocks, second.runner.blocks))
+    assert second.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
+
+
 @pytest.mark.parametrize("every", [1, 0])
 def test_fresh_prefill_with_layer_0_in_two_hand_overs_keeps_the_tokens(tiny_model_dir, expected, monkeypatch,
                                                                       every):
