@@ -68,7 +68,6 @@ class _Seq:
     out: list[int] = field(default_factory=list)
     computed: int = 0  # stream_kv: prompt tokens prefilled (one chunk a step)
     exported: int = 0  # stream_kv: leading blocks handed out in parts
-    first_block: int = 0  # an import's: where its KV starts (the rest came in parts)
     # The rolling hash of ``tokens``, kept up to date: hashing the whole history each
     # step made a long stream's steps cost O(length) (the stub, not the path measured).
     h: int | None = None
@@ -128,8 +127,7 @@ class StubEngine:
         with self._lock:
             self._pending += 1
         req = EngineRequest(snapshot.request_id, list(snapshot.tokens), snapshot.sampling, on_event, priority)
-        s = _Seq(req, list(snapshot.tokens), snapshot.prompt_len, generated=snapshot.num_generated,
-                 first_block=snapshot.first_block)
+        s = _Seq(req, list(snapshot.tokens), snapshot.prompt_len, generated=snapshot.num_generated)
         self._inbox.put(("import", s))
         self._wake.set()
 
@@ -178,7 +176,7 @@ class StubEngine:
             except queue.Empty:
                 break
             with self._lock:
-                if kind in ("reserve", "part") or (kind == "import" and item.first_block):
+                if kind in ("reserve", "part") or (kind == "import" and item.req.request_id in self.reserved):
                     self._streamed_import(kind, item)
                     continue
                 if kind == "abort":
@@ -248,7 +246,7 @@ class StubEngine:
         if kind == "reserve":
             rid, n, on_event = item
             if rid in self.reserved or sum(r[0] for r in self.reserved.values()) + n > self.kv_blocks:
-                on_event(TokenEvent(rid, [], finish_reason="error", error="KV cache full: no room to reserve"))
+                on_event(TokenEvent(rid, [], error="KV cache full: no room to reserve", kv_reserved=False))
             else:
                 self.reserved[rid] = [n, 0, on_event]
                 on_event(TokenEvent(rid, [], kv_reserved=True))
@@ -261,16 +259,12 @@ class StubEngine:
             n = item.keys[0].shape[0]
             if item.first_block != r[1] or r[1] + n > r[0]:
                 del self.reserved[rid]
-                r[2](TokenEvent(rid, [], finish_reason="error", error="KV part out of order"))
+                r[2](TokenEvent(rid, [], error="KV part out of order", kv_reserved=False))
             else:
                 r[1] += n
                 self.parts_imported += 1
             return
-        self._pending -= 1
-        if r is None or r[1] != item.first_block:
-            self.reserved.pop(rid, None)
-            item.req.on_event(TokenEvent(rid, [], finish_reason="error", error="KV reservation gone or incomplete"))
-            return
+        self._pending -= 1  # the final import of a reserved one: its blocks pass to the request
         del self.reserved[rid]
         self._waiting.append(item)
 

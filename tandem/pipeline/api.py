@@ -37,9 +37,9 @@ class TokenEvent:
     # stream_kv: the blocks one prefill chunk completed, while later chunks still run
     # (a part: see KVSnapshot.first_block); the final event's snapshot holds the rest.
     kv_part: KVSnapshot | None = None
-    # Engine.reserve_kv's answer when the blocks are held (a refusal is a final event
-    # with an error instead).
-    kv_reserved: bool = False
+    # Engine.reserve_kv's answer: True once the blocks are held; False when they are not
+    # (or no longer: ``error`` says why), which ends nothing (the request has not started).
+    kv_reserved: bool | None = None
 
 
 @dataclass

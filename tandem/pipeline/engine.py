@@ -161,7 +161,8 @@ class Engine:
     # ---- public, any thread -------------------------------------------------------
     def add_schedule_hooks(self, before=None, after=None) -> None:
         """Callables the engine thread runs around each scheduling decision: ``before()``
-        ahead of it, ``after(plan)`` with its plan (None when nothing is due). For a host
+        ahead of one with work to schedule (not on an idle tick, so nothing holds the thread
+        from its inbox then), ``after(plan)`` with its plan (None when nothing is due). For a host
         process that orders other work against the engine's steps (a worker's CPU gate,
         its timeline). Add them before ``start()``."""
         if before is not None:
@@ -215,11 +216,13 @@ class Engine:
     def reserve_kv(self, request_id: bytes, num_tokens: int, on_event, priority: int = 0) -> None:
         """A streamed import opens (its first part is on the way): hold the blocks for
         ``num_tokens`` tokens of KV (the whole prompt) from now on, so each part is copied
-        into them as it arrives (:meth:`import_part`) and the final :meth:`import_kv`, which
-        carries only the blocks no part did, has only those left to copy before the request
-        decodes. Answered on ``on_event``: an event with ``kv_reserved`` once the blocks are
-        held, or a final event with an error when the pool cannot spare them (nothing is
-        held then: the caller refuses the transfer). :meth:`abort` frees a reservation."""
+        into them as it arrives (:meth:`import_part`) and the final :meth:`import_kv` has
+        only the blocks no part brought left to copy before the request decodes. Answered on
+        ``on_event`` with an event whose ``kv_reserved`` is True once the blocks are held,
+        or False (and ``error`` saying why) when the pool cannot spare them or a part did
+        not follow: nothing is held then, later parts are dropped, and the caller refuses
+        the transfer, or, if its final :meth:`import_kv` went in already, that one imports
+        the whole snapshot as any import does. :meth:`abort` frees a reservation."""
         if not isinstance(request_id, bytes) or len(request_id) != REQUEST_ID_BYTES:
             raise ValueError(f"request_id must be {REQUEST_ID_BYTES} bytes")
         if self.store is None:
@@ -228,13 +231,14 @@ class Engine:
 
     def import_part(self, part: KVSnapshot) -> None:
         """Blocks ``[part.first_block, ...)`` of a reserved import, in order after the ones
-        before. Dropped when the reservation is gone (refused or aborted: its owner heard)."""
+        before (views are fine: the engine copies them). Dropped when the reservation is
+        gone (refused or aborted: its owner heard)."""
         self._check_snapshot(part, part=True)
         self._inbox.put(("part", part))
 
     def import_kv(self, snapshot: KVSnapshot, on_event, priority: int = 0) -> None:
-        """Continue a request from ``snapshot``: a whole one, or (``first_block`` > 0) the
-        last blocks of a reserved import whose parts brought the rest."""
+        """Continue a request from a whole ``snapshot``. With a reservation of its request
+        (:meth:`reserve_kv`) only the blocks no part brought are copied."""
         self._check_snapshot(snapshot)
         self._check_grammar(snapshot.sampling)
         sp = snapshot.sampling if snapshot.sampling.seed is not None else replace(snapshot.sampling, seed=0)
@@ -338,7 +342,7 @@ class Engine:
         while True:
             kind, arg = item
             held = self._by_id.get(getattr(arg, "request_id", None))
-            if kind == "submit" and arg.imported is not None and (held is not None or arg.imported.first_block):
+            if kind == "submit" and held is not None and held.status is Status.RESERVED and arg.imported is not None:
                 self._complete_import(held, arg)
             elif kind == "reserve":
                 self._reserve(*arg)
@@ -385,8 +389,12 @@ class Engine:
             produced = self._read_back()
         if self._parts:
             self._import_parts()
-        for hook in self._before_schedule:
-            hook()
+        if self.scheduler.waiting or self.scheduler.running:
+            # (Idle, nothing can be scheduled: no hook may hold the thread from its inbox. A
+            # decode worker's CPU gate waited here while a co-located prefill ran, and so
+            # kept the parts of that very prompt's streamed KV out of the store until it ended.)
+            for hook in self._before_schedule:
+                hook()
         plan = self.scheduler.schedule()
         if spec is not None and plan is not None and plan.kind == "decode" and plan.rows:
             spec.plan(plan.rows, self.scheduler.grow)
@@ -457,7 +465,7 @@ class Engine:
             # Blocks promised to running sequences (preemption off) are not free to take.
             why = f"the KV cache cannot hold {n} more blocks now ({self.pool.num_free} free)"
         if why is not None:
-            self._emit(seq, TokenEvent(rid, [], finish_reason="error", error=why))
+            self._emit(seq, TokenEvent(rid, [], error=why, kv_reserved=False))
             return
         seq.block_ids = self.pool.reserve(n)
         self._by_id[rid] = seq
@@ -468,30 +476,35 @@ class Engine:
             return  # refused or aborted: that was answered
         n = part.keys[0].shape[0]
         if part.first_block != seq.kv_received or part.first_block + n > len(seq.block_ids):
-            self._finish(seq, "error", error=f"KV part of blocks [{part.first_block}, {part.first_block + n}) does not "
-                                             f"follow the {seq.kv_received} received of the {len(seq.block_ids)} reserved")
+            self._drop_reservation(seq, f"KV part of blocks [{part.first_block}, {part.first_block + n}) does not "
+                                        f"follow the {seq.kv_received} received of the {len(seq.block_ids)} reserved")
             return
         seq.kv_received += n
         self._parts.append((seq, part))
 
-    def _complete_import(self, held: Sequence | None, seq: Sequence) -> None:
-        """The final import of a request: its reservation (``held``) passes its blocks, with
-        the parts already in or queued, to ``seq``, which waits to be admitted like any
-        import; a tail without its reservation, or one that does not fit it, fails."""
+    def _drop_reservation(self, seq: Sequence, why: str) -> None:
+        """A reservation gone wrong: its blocks go back, its owner hears (no final event:
+        the request has not started here), and its request can still be imported whole."""
+        self.scheduler.remove(seq)
+        self._by_id.pop(seq.request_id, None)
+        self._emit(seq, TokenEvent(seq.request_id, [], error=why, kv_reserved=False))
+
+    def _complete_import(self, held: Sequence, seq: Sequence) -> None:
+        """The final import of a request whose parts went into ``held``'s blocks: those
+        blocks pass to ``seq`` (with the parts not copied yet), which waits to be admitted
+        like any import with only the blocks no part brought left to copy. A snapshot that
+        does not fit the reservation (not over the wire: the assembler checks the geometry)
+        drops it and is imported whole."""
         snap = seq.imported
         nb = self.pool.blocks_for(snap.num_computed)
-        why = None
-        if held is None or held.status is not Status.RESERVED:
-            why = "duplicate request id" if held is not None else "its KV reservation is gone"
-        elif snap.first_block != held.kv_received or nb != len(held.block_ids):
-            why = (f"the final KV part starts at block {snap.first_block} of {nb}, the reservation has "
-                   f"{held.kv_received} of {len(held.block_ids)}")
-            self._finish(held, "error", error=why)
-        if why is not None:
-            with self._lock:
-                self._queued -= 1
-            self._emit(seq, TokenEvent(seq.request_id, [], finish_reason="error", error=why))
+        if nb != len(held.block_ids) or snap.block_size != self.pool.block_size:
+            self._drop_reservation(held, f"the final KV snapshot has {nb} blocks, the reservation {len(held.block_ids)}")
+            self._by_id[seq.request_id] = seq
+            self.scheduler.add(seq)
             return
+        first = held.kv_received
+        seq.imported = replace(snap, keys=[k[first:] for k in snap.keys], values=[v[first:] for v in snap.values],
+                               first_block=first)
         seq.block_ids, held.block_ids = held.block_ids, []
         held.status = Status.FINISHED
         self._parts = [(seq if s is held else s, p) for s, p in self._parts]
@@ -809,10 +822,9 @@ class Engine:
         self.grammars.check(sp.grammar)
 
     def _check_snapshot(self, snap: KVSnapshot, part: bool = False) -> None:
-        """A snapshot this engine can import: a whole one; the final one of a streamed
-        import (``first_block`` > 0: the blocks no part carried); or, with ``part``, a part
-        (the prompt only: its ``tokens`` end where its KV does). Parts and final ones come
-        in this pool's block size (a whole snapshot is re-blocked at admission)."""
+        """A snapshot this engine can import: a whole one, or with ``part`` a part of a
+        streamed import (the prompt only: its ``tokens`` end where its KV does; in this
+        pool's block size, where a whole snapshot is re-blocked at admission)."""
         sh = self.shape
         if self.store is None:
             raise ValueError(f"model {self.model_id} runs on dense caches and cannot import KV")
@@ -823,7 +835,9 @@ class Engine:
             problems.append("layer/head shape differs")
         if snap.dtype != dtype_name(sh.dtype):
             problems.append(f"KV dtype {snap.dtype} != this engine's {dtype_name(sh.dtype)}")
-        if (part or snap.first_block) and snap.block_size != self.pool.block_size:
+        if not part and snap.first_block:
+            problems.append("a part of a streamed export, not a whole snapshot")
+        if part and snap.block_size != self.pool.block_size:
             problems.append(f"a part in blocks of {snap.block_size} tokens, this pool's are {self.pool.block_size}")
         if part and not 0 < snap.num_computed <= len(snap.tokens):
             problems.append("num_computed must be between 1 and len(tokens)")
@@ -834,7 +848,7 @@ class Engine:
         nb = -(-snap.num_computed // snap.block_size) if snap.block_size > 0 else -1
         for a in list(snap.keys) + list(snap.values):
             n = a.shape[0] if a.ndim == 4 else -1
-            fits = 1 <= n <= nb - snap.first_block if part else n == nb - snap.first_block
+            fits = 1 <= n <= nb - snap.first_block if part else n == nb
             if a.ndim != 4 or not fits or snap.first_block < 0 or a.shape[1] != sh.n_kv_heads or a.shape[2] != snap.block_size:
                 problems.append(f"KV array shape {a.shape} from block {snap.first_block} does not match "
                                 f"{nb} blocks of {snap.block_size}")

@@ -254,8 +254,7 @@ class KVAssembler:
         """The blocks past those taken before whose every layer is in, up to the first one
         still missing, as a part (``first_block`` = where they start; views of this
         assembler's arrays, which never write a cell twice), or None. What a streamed
-        transfer's receiver copies into its KV store while the rest is on its way; the
-        final :meth:`snapshot` then holds only the blocks not taken."""
+        transfer's receiver copies into its KV store while the rest is on its way."""
         done = self._seen[:, self._taken :].all(axis=0)
         n = int(done.argmin()) if not done.all() else len(done)
         if n == 0:
@@ -264,11 +263,10 @@ class KVAssembler:
         return self._part(first, self._taken)
 
     def snapshot(self) -> KVSnapshot:
-        """The whole transfer, or past :meth:`take_ready` the blocks not taken (a snapshot
-        whose ``first_block`` says where they start)."""
+        """The whole transfer (the blocks :meth:`take_ready` handed out included)."""
         if not self.complete:
             raise WireError("KV transfer incomplete")
-        return self._part(self._taken, self.header.num_blocks)
+        return self._part(0, self.header.num_blocks)
 
     def _part(self, first: int, end: int) -> KVSnapshot:
         h = self.header

@@ -346,8 +346,8 @@ class KVIngest:
 
     def import_progressively(self, request_id: bytes) -> None:
         """Hand out the blocks of this open transfer as they complete (:meth:`take_parts`),
-        so its receiver copies them while the rest is on its way; the completed transfer's
-        snapshot then holds only the blocks not handed out."""
+        so its receiver copies them while the rest is on its way (the completed transfer's
+        snapshot still holds them all)."""
         inc = self._partial.get(request_id)
         if inc is not None:
             inc.progressive = True

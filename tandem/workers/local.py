@@ -22,5 +22,3 @@ class Local:
     kv_failed: str | None = None  # stream_kv: why the transfer failed before the first token was out
     receiving: bool = False  # decode: a place held for KV still arriving (the engine has no request yet)
     kv_peer: bytes | None = None  # decode: the KV connection it arrives on
-    reserving: bool = False  # decode, streamed: the engine has not said yet that it holds the blocks
-    ack_pending: bool = False  # decode, streamed: all KV in, acknowledged once the blocks are held

@@ -101,14 +101,13 @@ class KVHandoffs:
                 if not header.final and header.block_size == self.block_size:
                     # Opened while its prompt is prefilled (Streamed): the engine reserves
                     # the blocks now and each part goes into its KV store as it comes, so the
-                    # final part leaves only its own blocks to copy. A refusal (no room)
-                    # comes back as the request's end, and the transfer is refused then.
+                    # final part leaves only its own blocks to copy (_import_event hears if
+                    # it could not reserve them).
                     try:
                         self.engine.reserve_kv(rid, header.num_computed, self._callback(attempt), priority=header.priority)
                     except ValueError as exc:  # a model on dense caches imports no KV
                         self._refuse_import(local, "invalid", str(exc))
                         continue
-                    local.reserving = True
                     self.kv_in.import_progressively(rid)
                 continue
             local = self.local.get(rid)
@@ -119,15 +118,15 @@ class KVHandoffs:
             local.receiving = False
             local.kv_peer = peer
             try:
+                # The whole snapshot: with its reservation held the engine copies only the
+                # blocks no part brought; without (refused meanwhile) it imports it all.
                 self.engine.import_kv(snap, self._callback(attempt), priority=header.priority)
             except (EngineRefused, ValueError) as exc:
                 self._refuse_import(local, "at_capacity" if isinstance(exc, EngineRefused) else "invalid", str(exc),
                                     getattr(exc, "retry_after_s", 0.0))
                 continue
-            if local.reserving:
-                local.ack_pending = True  # acknowledged once the engine says it holds the blocks
-                continue
-            self._ack_import(local)
+            self.kv_in.reply(peer, M.KVAck(rid, complete=True))
+            self.mark("kv_ingested", rid)
 
     def _forward_parts(self) -> None:
         for attempt, part in self.kv_in.take_parts():
@@ -142,31 +141,22 @@ class KVHandoffs:
             self.mark("kv_part_in", part.request_id, first_block=part.first_block, blocks=len(part.keys[0]))
 
     def _import_event(self, local: Local, ev) -> bool:
-        """Decode side: the engine's answer to a streamed import's reservation. True when
-        ``ev`` was that (nothing to publish): held (the transfer is acknowledged if all of
-        it is in), or ended before the request ran here (no room for the blocks, a part
-        that did not fit): the transfer is refused, and the prefill worker reports it
-        after the first token, so the broker continues the request elsewhere."""
-        if ev.kv_reserved:
-            local.reserving = False
-            if local.ack_pending:
-                local.ack_pending = False
-                self._ack_import(local)
-            return True
-        if (local.receiving or local.ack_pending) and (ev.finish_reason is not None or ev.error is not None):
-            self._refuse_import(local, "at_capacity", ev.error or f"import ended: {ev.finish_reason}", 0.5)
-            return True
-        return False
+        """Decode side: True when ``ev`` is the engine's answer to a streamed import's
+        reservation (nothing to publish). No room for the blocks (or a part that did not
+        follow) while the KV still arrives: the transfer is refused (backpressure), and the
+        prefill worker reports it after the first token, so the broker continues the
+        request elsewhere. Once all of it is in, the engine imports it whole instead."""
+        if ev.kv_reserved is None:
+            return False
+        if not ev.kv_reserved and local.receiving:
+            self._refuse_import(local, "at_capacity", ev.error or "no room for the KV", 0.5)
+        return True
 
     def _refuse_import(self, local: Local, reason: str, why: str, retry_after: float = 0.0) -> None:
         """Drop a transfer this worker will not run, with whatever the engine holds for it."""
         del self.local[local.request_id]
         self.engine.abort(local.request_id)  # frees a reservation; nothing for a whole import
         self.kv_in.refuse(local.kv_peer, local.request_id, reason, why[:500], retry_after)
-
-    def _ack_import(self, local: Local) -> None:
-        self.kv_in.reply(local.kv_peer, M.KVAck(local.request_id, complete=True))
-        self.mark("kv_ingested", local.request_id)
 
     def _expire_transfers(self, now: float) -> None:
         """Both sides' timeouts: an unacknowledged send fails its request; a transfer whose

@@ -164,10 +164,10 @@ def test_non_final_header_holds_completion_until_the_final_one():
 
 
 @pytest.mark.parametrize("strategy", ["streamed", "layer_parallel"])
-def test_blocks_taken_as_they_complete_and_the_rest_join_to_the_whole(strategy):
+def test_blocks_taken_as_they_complete_and_the_snapshot_stays_whole(strategy):
     """take_ready hands out each leading run of blocks whose every layer is in (Streamed:
     a chunk's blocks at once; LayerParallel: only once the other connection's layers are
-    in too), never a block twice; the final snapshot holds the rest, from first_block on."""
+    in too), never a block twice; the final snapshot is still the whole transfer."""
     snap = make_snapshot(num_computed=37)  # 5 blocks of 8
     options = KVOptions(strategy=strategy, blocks_per_chunk=2, connections=2)
     per_conn = [[codec.decode(codec.encode(m)) for m in msgs] for msgs in snapshot_messages(snap, options)]
@@ -178,14 +178,15 @@ def test_blocks_taken_as_they_complete_and_the_rest_join_to_the_whole(strategy):
         asm.add(msg) if isinstance(msg, KVChunk) else asm.update(msg)
         if msg is not order[-1]:
             parts.append(asm.take_ready())
-    rest = asm.snapshot()
+    whole = asm.snapshot()
     taken = [p for p in parts if p is not None]
     if strategy == "streamed":
-        assert [(p.first_block, len(p.keys[0])) for p in taken] == [(0, 2), (2, 2)] and rest.first_block == 4
+        assert [(p.first_block, len(p.keys[0])) for p in taken] == [(0, 2), (2, 2)]
     else:  # the first connection's layers alone complete no block; the second's last chunk completes all
-        assert taken == [] and rest.first_block == 0
-    pieces = taken + [rest]
-    for layer in range(snap.num_layers):
-        assert np.array_equal(np.concatenate([p.keys[layer] for p in pieces]), snap.keys[layer])
-        assert np.array_equal(np.concatenate([p.values[layer] for p in pieces]), snap.values[layer])
-    assert _meta(dataclasses.replace(rest, first_block=0)) == _meta(snap)
+        assert taken == []
+    for p in taken:
+        for got, want in zip(p.keys + p.values, snap.keys + snap.values):
+            assert np.array_equal(got, want[p.first_block : p.first_block + len(got)])
+    for got, want in zip(whole.keys + whole.values, snap.keys + snap.values):  # the whole, taken blocks too
+        assert np.array_equal(got, want)
+    assert _meta(whole) == _meta(snap)
