@@ -154,3 +154,37 @@ def test_a_part_of_another_block_size_is_refused_at_once(tiny, streamed):
         make(tiny, block_size=32).import_part(parts[0])
     with pytest.raises(ValueError, match="does not match"):
         make(tiny).import_part(dataclasses.replace(parts[0], first_block=9))
+
+
+def test_an_idle_engine_takes_parts_while_its_before_hook_would_wait(tiny, streamed):
+    """A decode worker's CPU gate waits in a before-schedule hook while a co-located
+    prefill runs: an idle engine runs no such hook, so the parts of that very prompt go
+    into the store during its prefill; the request itself waits for the hook as any step."""
+    import threading
+
+    parts, first, final, expected = streamed
+    gate, copies = threading.Event(), []
+    dst = make(tiny)
+    dst.add_schedule_hooks(before=lambda: gate.wait(30))
+    store_import = dst.store.import_blocks
+    dst.store.import_blocks = lambda blocks, k, v: (copies.append(len(blocks)), store_import(blocks, k, v))[1]
+    q: queue.Queue = queue.Queue()
+    dst.start()
+    try:
+        _reserve(dst, final, q)
+        for p in parts:
+            dst.import_part(p)
+        deadline = time.monotonic() + 10
+        while len(copies) < len(parts):
+            assert time.monotonic() < deadline, "parts not copied while the gate is shut"
+            time.sleep(0.01)
+        dst.import_kv(final, q.put)
+        time.sleep(0.2)
+        assert q.empty() and copies == [2, 2, 2, 2]  # the request waits for the gate
+        gate.set()
+        toks, _ = _until_final(q)
+    finally:
+        gate.set()
+        dst.stop()
+    assert first + toks == expected and copies == [2, 2, 2, 2, 2]
+    _no_blocks_held(dst)
