@@ -329,9 +329,91 @@ enum { CHUNKS_PER_THREAD = 8 };
 
 static void mm_rows(const mm_job *j, long lo, long hi, float *buf);
 
+/* ---- one activation row: rows of w straight from their codes into the dot products ----
+   At one row nothing is reused, so expanding rows into a buffer first (mm_rows) only
+   adds stores and loads, and three rows of one FMA chain each left the kernel waiting
+   on the chains' latency (4 cycles a step of 16 weights). GV rows at a time keep enough
+   chains in flight for one core to read the codes at its full bandwidth. Each output is
+   the same lane-wise FMA chain over k and the same 16-lane sum as in tile(), so a row's
+   products are bit-identical whichever path computed them. */
+enum { GV = 8 };
+
+static inline __attribute__((always_inline)) void gemv_block(const q4mat *w, long r, long b, __m512 *v0, __m512 *v1) {
+    const long k = w->k, nb = k / 32;
+    if (w->bits == 16) {
+        const uint16_t *v = (const uint16_t *)w->nib + r * k + 32 * b;
+        *v0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)v));
+        *v1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + 16)));
+        return;
+    }
+    __m512 lut;
+    if (w->lut) {
+        lut = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->lut + (r * nb + b) * 16)));
+    } else {  /* as expand_row: a multiply, then an add, each rounded like mlx's */
+        const float *dm = w->dm + (r * nb + b) * 2;
+        lut = _mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(dm[0]));
+        if (w->round16) lut = round_half(lut);
+        __asm__("" : "+v"(lut));
+        lut = _mm512_add_ps(lut, _mm512_set1_ps(dm[1]));
+        if (w->round16) lut = round_half(lut);
+    }
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->nib + r * (k / 2) + 16 * b)));
+    *v0 = _mm512_permutexvar_ps(idx, lut);
+    *v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
+}
+
+static inline __attribute__((always_inline)) void gemv_tile(const mm_job *j, long r, int rows) {
+    const q4mat *w = j->w;
+    const long nb = w->k / 32;
+    const float *x = j->x;
+    __m512 acc[GV];
+    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+#pragma GCC unroll 8
+        for (int i = 0; i < rows; i++) {
+            __m512 v0, v1;
+            gemv_block(w, r + i, b, &v0, &v1);
+            acc[i] = _mm512_fmadd_ps(v0, x0, acc[i]);
+            acc[i] = _mm512_fmadd_ps(v1, x1, acc[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        float s = _mm512_reduce_add_ps(acc[i]);
+        if (j->bias) s += j->bias[r + i];
+        j->y[r + i] = j->accumulate ? j->y[r + i] + s : s;
+    }
+}
+
+static void gemv_rows(const mm_job *j, long lo, long hi) {
+    long r = lo;
+    for (; r + GV <= hi; r += GV) gemv_tile(j, r, GV);
+    switch (hi - r) {
+        case 7: gemv_tile(j, r, 7); break;
+        case 6: gemv_tile(j, r, 6); break;
+        case 5: gemv_tile(j, r, 5); break;
+        case 4: gemv_tile(j, r, 4); break;
+        case 3: gemv_tile(j, r, 3); break;
+        case 2: gemv_tile(j, r, 2); break;
+        case 1: gemv_tile(j, r, 1); break;
+        default: break;
+    }
+}
+
+/* The one-row path covers the 4-bit forms and fp16 values; 8-bit codes take mm_rows. */
+static inline int gemv_applies(const mm_job *j) { return j->m == 1 && j->w->bits != 8; }
+
 static void mm_part(void *arg, long part, long parts) {
     mm_job *j = arg;
     const long n = j->w->n, k = j->w->k;
+    if (gemv_applies(j)) {
+        const long chunk = (n / (parts * CHUNKS_PER_THREAD) + GV) / GV * GV;
+        for (;;) {
+            const long c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+            if (c * chunk >= n) return;
+            gemv_rows(j, c * chunk, (c + 1) * chunk < n ? (c + 1) * chunk : n);
+        }
+    }
     long chunk = (n / (parts * CHUNKS_PER_THREAD) + R) / R * R;
     float *buf = aligned_alloc(64, sizeof(float) * R * k);
     if (!buf) return;  /* leaves rows unwritten: cannot happen for the sizes used */
@@ -414,6 +496,16 @@ static void ex_part(void *arg, long part, long parts) {
 int q4_expand(const q4mat *w, float *out, long threads) {
     ex_job j = {w, out};
     run_job(ex_part, &j, threads);
+    return 0;
+}
+
+/* Rows ids[i] of w as fp32 into out (count, k): a decode step's embedding rows from the
+   tied vocabulary matrix, on the calling thread. Returns 0, or -1 for an id out of range. */
+int q4_rows(const q4mat *w, const int *ids, long count, float *out) {
+    for (long i = 0; i < count; i++) {
+        if (ids[i] < 0 || ids[i] >= w->n) return -1;
+        expand_row(w, ids[i], out + i * w->k);
+    }
     return 0;
 }
 

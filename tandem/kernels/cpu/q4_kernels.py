@@ -64,6 +64,7 @@ def _build() -> ctypes.CDLL:
     P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     lib.q4_matmul.argtypes = [P, P, L, P, L]
     lib.q4_expand.argtypes = [P, P, L]
+    lib.q4_rows.argtypes = [P, P, L, P]
     lib.q4_decode_step.argtypes = [P, L, P, P, P, L, L, L, L, L, L, P, P, P, P, P, P, L, F, F, P, L]
     lib.rope_cols.argtypes = [P, L, L, L, P, P, L]
     lib.silu_rows.argtypes = [P, L, L, P, L]
@@ -76,7 +77,7 @@ def _build() -> ctypes.CDLL:
     lib.mirror_flush.argtypes = [P, P, P, P, L, P, P, L, L, L, L]
     lib.mirror_fill.argtypes = [P, P, P, P, L, P, L, L, L, L, L, L, L]
     lib.prefill_kv.argtypes = [P, P, L, P, P, P, P, L, L, P, L, L, L, L, L, P, P, L]
-    for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_decode_step, lib.rope_cols, lib.silu_rows, lib.rope_rows,
+    for fn in (lib.q4_matmul, lib.q4_expand, lib.q4_rows, lib.q4_decode_step, lib.rope_cols, lib.silu_rows, lib.rope_rows,
                lib.silu_cols, lib.prefill_attention, lib.blas_rows, lib.q4_blas_rows, lib.rms_norm_cols, lib.prefill_kv, lib.mirror_fill, lib.mirror_flush):
         fn.restype = ctypes.c_int
     return lib
@@ -190,6 +191,15 @@ class Q4Matrix:
         _lib.q4_expand(ctypes.byref(self.c), out.ctypes.data, cpu_kernels.threads())
         return out
 
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` (int32, any shape) as the float32 values the kernel multiplies,
+        ``ids.shape + (k,)``: an embedding lookup in a tied vocabulary matrix."""
+        ids = np.ascontiguousarray(ids, np.int32)
+        out = np.empty(ids.shape + (self.k,), np.float32)
+        if _lib.q4_rows(ctypes.byref(self.c), ids.ctypes.data, ids.size, out.ctypes.data) != 0:
+            raise IndexError(f"token id out of range 0..{self.n - 1}")
+        return out
+
     def reference(self) -> np.ndarray:
         """The same values in numpy (what mx.dequantize computes)."""
         if self.bits == 8:
@@ -225,15 +235,34 @@ def layers_array(layers: list[_Layer]):
     return (_Layer * len(layers))(*layers)
 
 
+class HostMirror:
+    """Every layer's decode mirror as host float32 arrays, with the pointer arrays the C
+    step takes, checked once: a runner keeps one for as long as its mirror buffers stay
+    the same (building and checking 60 of them cost tens of microseconds a step)."""
+
+    def __init__(self, kmir: list[np.ndarray], vmir: list[np.ndarray]):
+        assert len(kmir) == len(vmir)
+        size = kmir[0].size if kmir else 0
+        for m in (*kmir, *vmir):
+            assert m.dtype == np.float32 and m.flags.c_contiguous and m.flags.writeable and m.size == size
+        self.keys, self.values, self.size = kmir, vmir, size
+        self.kp = (ctypes.c_void_p * len(kmir))(*[m.ctypes.data for m in kmir])
+        self.vp = (ctypes.c_void_p * len(vmir))(*[m.ctypes.data for m in vmir])
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
 def decode_step(layers, head: Q4Matrix, norm_w: np.ndarray, x: np.ndarray, dims: tuple, cos: np.ndarray,
-                sin: np.ndarray, kmir: list[np.ndarray], vmir: list[np.ndarray], lens: np.ndarray, cap: int,
+                sin: np.ndarray, mirror: HostMirror, lens: np.ndarray, cap: int,
                 eps: float, scale: float, kvrow: np.ndarray | None = None) -> np.ndarray:
     """One decode step, every layer and the vocabulary projection -> logits (B, vocab).
 
     x (B, hidden) float32 (overwritten); dims = (hidden, Hq, Hkv, D, intermediate);
-    cos, sin (B, D/2); kmir/vmir: per layer a C-contiguous float32 buffer of
-    (R, Hkv, cap, D) into which each row's new key and value are written at position
-    lens[b] - 1 before the attention reads the first lens[b] positions. ``kvrow`` (B,):
+    cos, sin (B, D/2); mirror: per layer a C-contiguous float32 buffer of
+    (R, Hkv, cap, D) for keys and for values, into which each row's new key and value are
+    written at position lens[b] - 1 before the attention reads the first lens[b]
+    positions. ``kvrow`` (B,):
     the region of R that row b writes and reads (None: its own, R = B); rows that share
     one (a sequence's positions verified together) all write before any attends, so each
     sees the keys of the positions before its own."""
@@ -248,14 +277,11 @@ def decode_step(layers, head: Q4Matrix, norm_w: np.ndarray, x: np.ndarray, dims:
         kvrow = np.ascontiguousarray(kvrow, np.int32)
         R = int(kvrow.max()) + 1
         assert kvrow.shape == (B,) and kvrow.min() >= 0
-    for m in (*kmir, *vmir):
-        assert m.dtype == np.float32 and m.flags.c_contiguous and m.size == R * hkv * cap * d
-    nl = len(kmir)
-    kp = (ctypes.c_void_p * nl)(*[m.ctypes.data for m in kmir])
-    vp = (ctypes.c_void_p * nl)(*[m.ctypes.data for m in vmir])
+    assert mirror.size == R * hkv * cap * d
+    nl = len(mirror)
     logits = np.empty((B, head.n), np.float32)
     rc = _lib.q4_decode_step(layers, nl, ctypes.byref(head.c), norm_w.ctypes.data, x.ctypes.data, B, hidden,
-                             hq, hkv, d, inter, cos.ctypes.data, sin.ctypes.data, kp, vp, lens.ctypes.data,
+                             hq, hkv, d, inter, cos.ctypes.data, sin.ctypes.data, mirror.kp, mirror.vp, lens.ctypes.data,
                              None if kvrow is None else kvrow.ctypes.data, cap,
                              eps, scale, logits.ctypes.data, cpu_kernels.threads())
     if rc != 0:

@@ -261,6 +261,7 @@ class _Decode:
         self.eps = eps
         self.rope = layers[0].self_attn.rope
         self.D = D
+        self._cos = self._sin = None  # see host_tables
         self.pre = mx.compile(partial(_decode_pre, eps=eps, Hq=Hq, Hkv=Hkv, D=D))
         self.post = mx.compile(partial(_decode_post, eps=eps))
 
@@ -282,6 +283,21 @@ class _Decode:
             offset = mx.full((B,), offset, mx.int32)
         cos, sin = _tables(self.rope, offset, self.D)
         return cos[:, :, None], sin[:, :, None]
+
+
+    def host_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin (B, D/2) float32 of each position (B,), rows of host tables of every
+        position up to the largest asked for so far, which the model's own RoPE module
+        computed in one call (the same values as :meth:`tables`, row by row: RoPE is
+        elementwise in the position). A decode step then evaluates no mlx graph for them,
+        and each mlx evaluation is a hand-over to mlx's stream thread, which on two busy
+        cores waits for one."""
+        top = int(positions.max()) + 1
+        if self._cos is None or top > self._cos.shape[0]:
+            n = max(1024, 1 << (top - 1).bit_length())
+            cos, sin = _tables(self.rope, mx.arange(n, dtype=mx.int32), self.D)
+            self._cos, self._sin = np.ascontiguousarray(np.array(cos).T), np.ascontiguousarray(np.array(sin).T)
+        return self._cos[positions], self._sin[positions]
 
 
 def _tables(rope, offset: mx.array, D: int):
@@ -377,7 +393,7 @@ class FastLlama:
                 and hasattr(caches[0], "native_mirror")):
             mirror = caches[0].native_mirror()
             if mirror is not None:
-                return self.native.step(inputs, mirror, *self.decode.tables(caches[0].offset, B))
+                return self.native.step(inputs, mirror)
         x = self.inner.embed_tokens(inputs).reshape(B * L, -1)
         if L == 1 and B < self.left_below and self.decode.why is None and not self.packed:
             x = self._decode_layers(x, caches, mask, max_q_start)

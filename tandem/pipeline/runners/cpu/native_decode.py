@@ -8,8 +8,12 @@ them it expands each packed matrix with the kernel's own code and requires it to
 the dense fp32 weight the model holds, bit for bit; a model that fails this (other
 quantization, a bf16 scale, weights changed after loading) keeps the mlx/MKL path.
 
-A step then costs one embedding lookup and one RoPE table in mlx, one C call
-(:func:`q4_kernels.decode_step`) and the copy of the logits back into mlx.
+A step then costs one C call (:func:`q4_kernels.decode_step`) and the copy of the
+logits into mlx; the embedding rows (of a tied vocabulary matrix, expanded from its codes)
+and the RoPE tables (``_Decode.host_tables``) come from the host, so a step evaluates no
+mlx graph: each evaluation hands work to mlx's stream thread, and on two cores that the
+step's own threads, the worker's IO thread, the broker and the edge share, the hand-over
+waited for a core.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def _weights(model) -> int:
 
 
 class NativeDecode:
-    def __init__(self, model, fused, head: mx.array, tied: bool, eps: float, Hq: int, Hkv: int, D: int):
+    def __init__(self, model, fused, head: mx.array, tied: bool, decode, Hq: int, Hkv: int, D: int):
         packed = getattr(model, "_tandem_packed", None)
         if not packed:
             raise ValueError("the model was not loaded from 4-bit weights")
@@ -107,23 +111,36 @@ class NativeDecode:
         self.head = stacked([head_name], head, "the vocabulary projection")
         self.norm_w = np.ascontiguousarray(np.array(inner.norm.weight), np.float32)
         self.embed = inner.embed_tokens
+        self.tables = decode.host_tables
         self.packed_only = fused is None
-        self.eps = float(eps)
+        self.eps = float(decode.eps)
         self.scale = float(inner.layers[0].self_attn.scale)
         self.dims = (int(self.norm_w.shape[0]), Hq, Hkv, D, gu.n // 2)
+        # A tied vocabulary matrix holds the embedding's values too (checked above against
+        # the dense or dequantized head): its rows are the step's inputs, expanded on the
+        # host, where they equal mlx's embedding (checked here on a spread of ids).
+        self.embed_host = False
+        if tied:
+            ids = np.unique(np.linspace(0, self.head.n - 1, 64).astype(np.int32))
+            want = np.array(self.embed(mx.array(ids)).astype(mx.float32))
+            self.embed_host = bool(np.array_equal(self.head.rows(ids), want))
         mx.clear_cache()  # the checks' transient mlx arrays
         if qkv.n != (Hq + 2 * Hkv) * D:
             raise ValueError("value heads of another size than the query and key heads")
 
-    def step(self, inputs: mx.array, mirror, cos: mx.array, sin: mx.array, kvrow: np.ndarray | None = None) -> mx.array:
-        """inputs (B, 1) token ids; mirror: what ``native_mirror()`` returned; cos, sin
-        (D/2, B, 1) RoPE tables -> logits (B, vocab). ``kvrow``: see ``q4_kernels.decode_step``."""
-        kmir, vmir, lens, cap = mirror
+    def step(self, inputs, mirror, positions: np.ndarray | None = None, kvrow: np.ndarray | None = None) -> mx.array:
+        """inputs (B, 1) token ids (mlx or numpy); mirror: what ``native_mirror()``
+        returned, (``q4_kernels.HostMirror``, lens (B,), cap); positions (B,): each row's
+        position (None: lens - 1) -> logits (B, vocab). ``kvrow``: see
+        ``q4_kernels.decode_step``."""
+        host, lens, cap = mirror
         B = inputs.shape[0]
-        x = np.array(self.embed(inputs).reshape(B, -1).astype(mx.float32))
-        c = np.ascontiguousarray(np.array(cos).reshape(-1, B).T)
-        s = np.ascontiguousarray(np.array(sin).reshape(-1, B).T)
-        logits = q4_kernels.decode_step(self.layers, self.head, self.norm_w, x, self.dims, c, s, kmir, vmir,
+        if self.embed_host:
+            x = self.head.rows(np.asarray(inputs).reshape(B))
+        else:
+            x = np.array(self.embed(inputs).reshape(B, -1).astype(mx.float32))
+        c, s = self.tables(lens - 1 if positions is None else positions)
+        logits = q4_kernels.decode_step(self.layers, self.head, self.norm_w, x, self.dims, c, s, host,
                                         lens, cap, self.eps, self.scale, kvrow)
         return mx.array(logits)
 
@@ -141,7 +158,7 @@ def build(model, fused, head, tied: bool, decode) -> tuple[NativeDecode | None, 
         return cached
     attn = model.model.layers[0].self_attn
     try:
-        native = NativeDecode(model, fused, head, tied, decode.eps, attn.n_heads, attn.n_kv_heads, decode.D)
+        native = NativeDecode(model, fused, head, tied, decode, attn.n_heads, attn.n_kv_heads, decode.D)
         result = (native, None)
     except ValueError as e:
         result = (None, str(e))

@@ -89,6 +89,7 @@ class CpuRunner(PagedRunner):
         super().__init__(model, store, mirror=mirror)
         self.native = native
         self._mirror_bufs: list[mx.array] | None = None  # see _fill_mirror_host
+        self._host = None  # see _host_mirror
         self.fast = None
         if loader.packed_only(model) and not (fast and native):
             # Only tandem's kernels run the packed codes fast (mlx's quantized products run
@@ -152,11 +153,9 @@ class CpuRunner(PagedRunner):
         H = store.n_kv_heads
         m.pending.append((slots[valid].astype(slots.dtype), ((q_row[:, None] * H + np.arange(H)[None, :]) * m.cap
                                                               + q_pos[:, None]).astype(np.int32)))
-        mx.eval(m.keys, m.values)
-        mirror = [np.asarray(k) for k in m.keys], [np.asarray(v) for v in m.values], q_pos + 1, m.cap
-        ids = mx.array(np.asarray(inputs)[valid].reshape(-1, 1))
-        native = self.fast.native
-        return native.step(ids, mirror, *self.fast.decode.tables(mx.array(q_pos), len(q_pos)), kvrow=q_row)
+        mirror = self._host_mirror(), q_pos + 1, m.cap
+        ids = np.asarray(inputs)[valid].reshape(-1, 1)
+        return self.fast.native.step(ids, mirror, q_pos, kvrow=q_row)
 
     def _run_model(self, inputs: mx.array, starts: np.ndarray, ns: np.ndarray, ctx: np.ndarray,
                    rows: list[Row]) -> mx.array:
@@ -192,8 +191,9 @@ class CpuRunner(PagedRunner):
         # zeroing, more than the copy. Entries past the pool's are never read before the
         # decode step writes them, so the buffers are not cleared.
         need = B * H * m.cap
+        m.changes += 1
         if self._mirror_bufs is None or self._mirror_bufs[0].shape[0] < need or self._mirror_bufs[0].shape[1] != D:
-            self._mirror_bufs = None
+            self._mirror_bufs = self._host = None
             m.keys, m.values = [None] * n, [None] * n  # the old mirror's memory goes first
             size = -(-need * 5 // 4 // 1024) * 1024
             self._mirror_bufs = [mx.zeros((size, D), mx.float32) for _ in range(2 * n)]
@@ -206,12 +206,24 @@ class CpuRunner(PagedRunner):
                                b.table_host, store.block_size, m.cap)
         return True
 
+    def _host_mirror(self) -> q4_kernels.HostMirror:
+        """Every layer's mirror as writable host arrays ``(B * H * cap, D)`` sharing the
+        mlx buffers, evaluated; the same object from step to step while mlx has not
+        written or replaced the arrays (``_Mirror.changes``): the C step writes its
+        entries in place, which mlx never sees."""
+        m = self.mirror
+        if self._host is None or self._host[0] is not m or self._host[1] != m.changes:
+            self._host = None
+            mx.eval(m.keys, m.values)
+            host = q4_kernels.HostMirror([np.asarray(k) for k in m.keys], [np.asarray(v) for v in m.values])
+            self._host = (m, m.changes, host)
+        return self._host[2]
+
     def native_mirror(self):
         """For a decode step whose kernel appends each row's new key and value itself:
-        every layer's mirror as writable host arrays ``(B * H * cap, D)`` sharing the mlx
-        buffers, complete up to each row's new position, with the (B,) key counts and the
-        cap; None for any other step. The new entries are noted for the next flush, as
-        appended entries are."""
+        every layer's mirror (:meth:`_host_mirror`), complete up to each row's new
+        position, with the (B,) key counts and the cap; None for any other step. The new
+        entries are noted for the next flush, as appended entries are."""
         b, m = self.batch, self.mirror
         if b.mirror is None or self.store.dtype != mx.float32:
             return None
@@ -226,8 +238,7 @@ class CpuRunner(PagedRunner):
             b.mirror_rows = ((np.arange(B)[:, None] * H + np.arange(H)[None, :]) * m.cap + starts[:, None]).astype(np.int32)
             m.pending.append((b.slots_host, b.mirror_rows))
             b.mirror = "append"
-        mx.eval(m.keys, m.values)
-        return [np.asarray(k) for k in m.keys], [np.asarray(v) for v in m.values], b.lens, m.cap
+        return self._host_mirror(), b.lens, m.cap
 
     def _flush_entries(self, slots: np.ndarray, src: np.ndarray) -> None:
         m, store = self.mirror, self.store
@@ -243,4 +254,4 @@ class CpuRunner(PagedRunner):
 
     def quiesce(self) -> None:
         super().quiesce()
-        self._mirror_bufs = None
+        self._mirror_bufs = self._host = None

@@ -73,6 +73,9 @@ class _Mirror:
         self.keys: list[mx.array | None] = []
         self.values: list[mx.array | None] = []
         self.pending: list[tuple[np.ndarray, np.ndarray]] = []  # (slots (B,), mirror rows (B, H))
+        # Bumped whenever mlx writes or replaces a layer's arrays (an append through mlx, a
+        # rebuild): a host view of them (the CPU runner's) is stale from then on.
+        self.changes = 0
 
 
 class PagedLayerCache:
@@ -101,6 +104,7 @@ class PagedLayerCache:
         runner, layer, batch, store = self._runner, self._layer, self._runner.batch, self._runner.store
         m = runner.mirror
         B, H, _, D = keys.shape
+        m.changes += 1
         if batch.mirror == "rebuild":
             runner.rebuild_mirror_layer(layer)
         else:
@@ -273,6 +277,7 @@ class PagedRunner(RunnerBase):
     def rebuild_mirror_layer(self, layer: int) -> None:
         """Fill one layer's mirror from the pool: every row's blocks, padded to the cap."""
         m, b = self.mirror, self.batch
+        m.changes += 1
         kv = []
         for new in self.store.gather(layer, b.table):
             B, H, have, D = new.shape

@@ -52,6 +52,38 @@ def test_product_matches_numpy(bits, dtype, rows):
         np.testing.assert_allclose(m.matmul(x, threads), want, rtol=1e-4, atol=1e-4)
 
 
+def _forms(n, k, seed):
+    """One matrix in each form the one-row product reads: fp16 table, fp16-rounded scale
+    and offset, fp32 scale and offset, 8-bit as fp16 values."""
+    lut, dense16 = _quantized(n, k, 4, 32, mx.float16, seed)
+    f32, dense32 = _quantized(n, k, 4, 32, mx.float32, seed)
+    b8, dense8 = _quantized(n, k, 8, 32, mx.float16, seed)
+    m = q4_kernels.Q4Matrix.from_mlx(*lut)
+    return [(m, dense16), (q4_kernels.Q4Matrix(m.nib, m.dm, m.round16, 4, table=False), dense16),
+            (q4_kernels.Q4Matrix.from_mlx(*f32), dense32), (q4_kernels.Q4Matrix.from_mlx(*b8), dense8)]
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 101, 960])
+def test_one_row_product_is_bit_identical_to_its_row_in_a_batch(n):
+    # One activation row takes its own kernel (codes straight into the dot products); each
+    # output must be the same FMA chain and lane sum as the batched tile's.
+    x = np.random.default_rng(n).normal(size=(5, 320)).astype(np.float32)
+    for m, dense in _forms(n, 320, n):
+        batch = m.matmul(x, 2)
+        for threads in (1, 2, 3):
+            for r in range(len(x)):
+                assert np.array_equal(m.matmul(x[r : r + 1], threads), batch[r : r + 1])
+        np.testing.assert_allclose(batch, x.astype(np.float64) @ dense.T.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+def test_rows_are_the_expanded_rows():
+    ids = np.array([[0, 70], [3, 3]], np.int32)
+    for m, dense in _forms(71, 96, 3):
+        assert np.array_equal(m.rows(ids), dense[ids])
+        with pytest.raises(IndexError):
+            m.rows(np.array([71], np.int32))
+
+
 def test_stacked_rows_are_the_concatenation():
     (a, da), (b, db) = _quantized(32, 64, 4, 32, mx.float16, 1), _quantized(18, 64, 4, 32, mx.float16, 2)
     m = q4_kernels.Q4Matrix.stack([q4_kernels.Q4Matrix.from_mlx(*a), q4_kernels.Q4Matrix.from_mlx(*b)])
@@ -89,6 +121,23 @@ def test_engine_with_and_without_the_4_bit_decode_yields_the_same_tokens(dense_q
     single = _engine(dense_q4.model, True)
     assert [single.generate_many([r])[0] for r in reqs[:4]] == runs[0][:4]
     assert runs[0][:3] == [oracle(dense_q4.model, p, 14) for p in prompts[:3]]
+
+
+def test_decode_inputs_come_from_the_host_with_mlx_values(dense_q4):
+    # The step's embedding rows (the tied vocabulary matrix's) and RoPE tables come from
+    # host tables: the same values as mlx's embedding and the model's RoPE, row by row.
+    fast = fast_llama.FastLlama(dense_q4.model)
+    nat = fast.native
+    assert nat.embed_host
+    ids = np.array([0, 5, 17, nat.head.n - 1], np.int32)
+    assert np.array_equal(nat.head.rows(ids), np.array(nat.embed(mx.array(ids)).astype(mx.float32)))
+    pos = np.array([0, 1, 700, 3, 2047, 1500, 1024], np.int64)
+    cos, sin = fast.decode.host_tables(pos)
+    for i, p in enumerate(pos):  # one position per call, as a step of one row computed them
+        c, s_ = fast.decode.tables(mx.array([int(p)]), 1)
+        assert np.array_equal(cos[i], np.array(c).reshape(-1)) and np.array_equal(sin[i], np.array(s_).reshape(-1))
+    c, s_ = fast.decode.tables(mx.array(pos.astype(np.int32)), len(pos))  # and as one batch
+    assert np.array_equal(cos, np.array(c)[:, :, 0].T) and np.array_equal(sin, np.array(s_)[:, :, 0].T)
 
 
 def test_weights_that_no_longer_match_their_codes_keep_the_dense_path(tiny_quantized_model_dir):
