@@ -40,8 +40,10 @@ def _lib_from(path: Path, profile: bool):
     src = ("#define Q4_PROF 1\n" if profile else "") + cpu_kernels._SOURCE + path.read_text()
     lib = cpu_kernels.build_library("q4_kernels_prof" if profile else "q4_kernels_ab", src)
     P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-    lib.q4_decode_step.argtypes = q4_kernels._lib.q4_decode_step.argtypes  # the module's own signature
-    lib.q4_decode_step.restype = ctypes.c_int
+    for name in ("q4_decode_step", "q4_rows"):  # the module's own signatures
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = getattr(q4_kernels._lib, name).argtypes
+            getattr(lib, name).restype = ctypes.c_int
     if profile:
         lib.q4_prof_read.argtypes = [P]
     return lib

@@ -17,6 +17,11 @@ model, and it starts under a Python that imports tandem first, so both use MKL.
 
     .venv/bin/python bench/serving.py                      # full sweep, default model
     .venv/bin/python bench/serving.py --concurrency 1,4 --rounds 1 --servers tandem
+    .venv/bin/python bench/serving.py --servers tandem,llama --concurrency 1,16 --baseline main
+
+``--baseline REF`` also serves tandem as of git REF (its ``tandem/`` unpacked to a temp dir
+and put first on the processes' PYTHONPATH), right after this tree's, with the same
+prompts; the ratio columns then compare this tree with it as well as with the peers.
 
 Writes docs/benchmarks/serving.md and serving.json, and the charts serving.svg (aggregate
 tok/s per level) and serving-ttft.svg (TTFT p95 per level); ``--out`` changes the stem.
@@ -47,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import tandem  # noqa: F401  (BLAS before mlx)
-from _common import bar_chart_svg, http_body_chunks, sse_data  # noqa: E402  (bench/ is first on sys.path when run as a script)
+from _common import bar_chart_svg, baseline_tree, http_body_chunks, sse_data  # noqa: E402  (bench/ is first on sys.path when run as a script)
 import llama_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -392,9 +397,10 @@ def server_names(results: dict) -> list[str]:
 
 
 def reference(names: list[str]) -> tuple[str | None, list[str]]:
-    """The tandem row ratios are taken for (its first format) and the peers."""
+    """The tandem row ratios are taken for (its first format) and the peers (a baseline
+    tree's tandem among them)."""
     ours = next((n for n in names if n.startswith("tandem")), None)
-    return ours, [n for n in names if not n.startswith("tandem")]
+    return ours, [n for n in names if not n.startswith("tandem") or (n != ours and not n.startswith("tandem ("))]
 
 
 def chart_names(out: Path) -> tuple[str, str]:
@@ -536,6 +542,8 @@ def main() -> int:
     p.add_argument("--engine", choices=("mlx", "stub"), default="mlx",
                    help="stub: a model-free engine (tests/stub_engine.py), to measure the edge+broker path alone (tandem only)")
     p.add_argument("--stub-step-ms", type=float, default=5.0, help="stub engine: time per step")
+    p.add_argument("--baseline", metavar="GIT_REF",
+                   help="also serve tandem as of this git ref (e.g. main), right after this tree's")
     p.add_argument("--timeout", type=float, default=900.0, help="per-request limit in seconds")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "serving"))
     p.add_argument("--replot", action="store_true",
@@ -577,11 +585,16 @@ def main() -> int:
     rows: list[dict] = []
     load: dict[str, float] = {}
     print(f"model {model.name} ({args.weights}), prompts ~{mean_len} tokens, {args.max_tokens} new, levels {levels}", flush=True)
+    runs = [("tandem" if len(formats) == 1 else f"tandem ({fmt})", fmt, env) for fmt in formats]
+    base_src = None
+    if args.baseline and "tandem" in servers:
+        base_src = baseline_tree(args.baseline)
+        runs.append((f"tandem {args.baseline}", formats[0],
+                     dict(env, PYTHONPATH=os.pathsep.join(filter(None, (str(base_src), env.get("PYTHONPATH")))))))
     try:
-        for fmt in formats if "tandem" in servers else []:
-            name = "tandem" if len(formats) == 1 else f"tandem ({fmt})"
+        for name, fmt, run_env in runs if "tandem" in servers else []:
             load[name] = os.getloadavg()[0]
-            procs, port = start_tandem(model, fmt, args.parallel, args.edge_workers, tmp, env,
+            procs, port = start_tandem(model, fmt, args.parallel, args.edge_workers, tmp, run_env,
                                        args.engine, args.stub_step_ms, args.topology)
             try:
                 model_id = json.loads(asyncio.run(http_get(port, "/v1/models"))[1])["data"][0]["id"]
@@ -615,6 +628,8 @@ def main() -> int:
             for log in logs:
                 print(f"== {log.name}\n{log.read_text()[-1500:]}", file=sys.stderr)
         shutil.rmtree(tmp, ignore_errors=True)
+        if base_src is not None:
+            shutil.rmtree(base_src, ignore_errors=True)
     results = {
         "meta": {
             "command": "python bench/serving.py " + " ".join(sys.argv[1:]),
@@ -625,7 +640,7 @@ def main() -> int:
             "prompt_tokens": mean_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
             "parallel": args.parallel, "edge_workers": args.edge_workers, "topology": args.topology, "engine": args.engine,
             "stub_step_ms": args.stub_step_ms if args.engine == "stub" else None,
-            "load_average_at_start": load,
+            "load_average_at_start": load, "baseline": args.baseline,
             "skipped": skipped,
         },
         "rows": rows,

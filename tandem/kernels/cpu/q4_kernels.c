@@ -72,6 +72,28 @@ static inline void relax(void) {
 #endif
 }
 
+/* Part i of the current job is run by whoever claims it first for its generation: its
+   worker when it wakes, else the caller once its own part is done. A worker that the
+   scheduler left off its core (the edge, the broker, the worker's IO thread, another
+   process) then costs the job nothing unless it had already started its part: the
+   caller used to wait at every job's end for each worker to wake and find no work left,
+   and a step is ~150 jobs. */
+static atomic_long part_gen[64];
+
+static inline int claim_part(long i, long g) {
+    long cur = atomic_load(&part_gen[i]);
+    return cur < g && atomic_compare_exchange_strong(&part_gen[i], &cur, g);
+}
+
+static inline void part_done(void) {
+    /* seq_cst here and in join(): the last one sees caller_asleep, or the caller sees 0 */
+    if (atomic_fetch_sub(&pool_left, 1) == 1 && atomic_load(&caller_asleep)) {
+        pthread_mutex_lock(&pool_mu);
+        pthread_cond_signal(&done_cv);
+        pthread_mutex_unlock(&pool_mu);
+    }
+}
+
 static void *pool_main(void *arg) {
     const long id = (long)arg;
     long seen = 0;  /* workers start before the first job is posted (pool_init holds call_mu) */
@@ -85,13 +107,15 @@ static void *pool_main(void *arg) {
             pthread_mutex_unlock(&pool_mu);
             break;
         }
+        const part_fn fn = pool_fn;
+        void *const ctx = pool_ctx;
+        const long parts = pool_parts;
+        atomic_thread_fence(memory_order_acquire);
+        if (atomic_load_explicit(&pool_gen, memory_order_relaxed) != g) continue;  /* a newer job came meanwhile */
         seen = g;
-        if (id < pool_parts) pool_fn(pool_ctx, id, pool_parts);
-        /* seq_cst here and in join(): the last worker sees caller_asleep, or the caller sees 0 */
-        if (atomic_fetch_sub(&pool_left, 1) == 1 && atomic_load(&caller_asleep)) {
-            pthread_mutex_lock(&pool_mu);
-            pthread_cond_signal(&done_cv);
-            pthread_mutex_unlock(&pool_mu);
+        if (id < parts && claim_part(id, g)) {
+            fn(ctx, id, parts);
+            part_done();
         }
     }
     return NULL;
@@ -101,6 +125,7 @@ static void pool_forget(void) {  /* in a forked child: the workers did not come 
     pool_workers = 0;
     pool_ready = 0;
     atomic_store(&pool_gen, 0);
+    for (int i = 0; i < 64; i++) atomic_store(&part_gen[i], 0);
     pthread_mutex_init(&call_mu, NULL);
     pthread_mutex_init(&pool_mu, NULL);
     pthread_cond_init(&pool_cv, NULL);
@@ -141,13 +166,18 @@ static void parallel(part_fn fn, void *ctx, long parts) {
     if (parts > pool_workers + 1) parts = pool_workers + 1;
     if (parts <= 1) { fn(ctx, 0, 1); return; }
     pool_fn = fn; pool_ctx = ctx; pool_parts = parts;
-    atomic_store(&pool_left, pool_workers);
+    atomic_store(&pool_left, parts - 1);
     pthread_mutex_lock(&pool_mu);
-    atomic_fetch_add_explicit(&pool_gen, 1, memory_order_release);
+    const long g = atomic_fetch_add_explicit(&pool_gen, 1, memory_order_release) + 1;
     pthread_cond_broadcast(&pool_cv);
     pthread_mutex_unlock(&pool_mu);
     PROF_T;
     fn(ctx, 0, parts);
+    for (long i = 1; i < parts; i++)  /* parts no worker has started: run them here */
+        if (claim_part(i, g)) {
+            fn(ctx, i, parts);
+            part_done();
+        }
     PROF(22);
     join();
     PROF(21);
@@ -338,65 +368,102 @@ static void mm_rows(const mm_job *j, long lo, long hi, float *buf);
    products are bit-identical whichever path computed them. */
 enum { GV = 8 };
 
-static inline __attribute__((always_inline)) void gemv_block(const q4mat *w, long r, long b, __m512 *v0, __m512 *v1) {
+/* Values v0, v1 (weights 32b .. 32b+31) of row `row` of w: the fp16 values themselves,
+   or the block's 16 values (an fp16 table, or d and m as expand_row computes them)
+   looked up by its codes. */
+#define GV_HALF(row, b, v0, v1) do { \
+        const uint16_t *hv_ = (const uint16_t *)w->nib + (row) * k + 32 * (b); \
+        v0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hv_)); \
+        v1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hv_ + 16))); } while (0)
+#define GV_CODES(row, b, lut, v0, v1) do { \
+        const __m512i ix_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->nib + (row) * (k / 2) + 16 * (b)))); \
+        v0 = _mm512_permutexvar_ps(ix_, lut); \
+        v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(ix_, 4), lut); } while (0)
+#define GV_LUT(row, b, v0, v1) do { \
+        const __m512 lt_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->lut + ((row) * nb + (b)) * 16))); \
+        GV_CODES(row, b, lt_, v0, v1); } while (0)
+#define GV_DM(row, b, v0, v1) do { \
+        const float *dm_ = w->dm + ((row) * nb + (b)) * 2; \
+        __m512 lt_ = _mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(dm_[0])); \
+        if (w->round16) lt_ = round_half(lt_); \
+        __asm__("" : "+v"(lt_)); \
+        lt_ = _mm512_add_ps(lt_, _mm512_set1_ps(dm_[1])); \
+        if (w->round16) lt_ = round_half(lt_); \
+        GV_CODES(row, b, lt_, v0, v1); } while (0)
+#define GV_STEP(VAL, row, acc) do { __m512 v0_, v1_; VAL(row, b, v0_, v1_); \
+        acc = _mm512_fmadd_ps(v0_, x0, acc); acc = _mm512_fmadd_ps(v1_, x1, acc); } while (0)
+#define GV_LOOP8(VAL) \
+    for (long b = 0; b < nb; b++) { \
+        const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16); \
+        GV_STEP(VAL, p, a0); GV_STEP(VAL, p + 1, a1); GV_STEP(VAL, p + 2, a2); GV_STEP(VAL, p + 3, a3); \
+        GV_STEP(VAL, q, a4); GV_STEP(VAL, q + 1, a5); GV_STEP(VAL, q + 2, a6); GV_STEP(VAL, q + 3, a7); }
+#define GV_LOOP1(VAL) \
+    for (long b = 0; b < nb; b++) { \
+        const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16); \
+        GV_STEP(VAL, p, a0); }
+
+/* out[0..3] = rows p .. p+3 of w . x, out[4..7] = rows q .. q+3: eight independent FMA
+   chains, each of one row (named registers: as arrays, GCC spilled them every step). */
+static void gemv8(const q4mat *w, const float *x, long p, long q, float *out) {
     const long k = w->k, nb = k / 32;
-    if (w->bits == 16) {
-        const uint16_t *v = (const uint16_t *)w->nib + r * k + 32 * b;
-        *v0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)v));
-        *v1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + 16)));
-        return;
-    }
-    __m512 lut;
-    if (w->lut) {
-        lut = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->lut + (r * nb + b) * 16)));
-    } else {  /* as expand_row: a multiply, then an add, each rounded like mlx's */
-        const float *dm = w->dm + (r * nb + b) * 2;
-        lut = _mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(dm[0]));
-        if (w->round16) lut = round_half(lut);
-        __asm__("" : "+v"(lut));
-        lut = _mm512_add_ps(lut, _mm512_set1_ps(dm[1]));
-        if (w->round16) lut = round_half(lut);
-    }
-    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->nib + r * (k / 2) + 16 * b)));
-    *v0 = _mm512_permutexvar_ps(idx, lut);
-    *v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    if (w->bits == 16) { GV_LOOP8(GV_HALF) }
+    else if (w->lut) { GV_LOOP8(GV_LUT) }
+    else { GV_LOOP8(GV_DM) }
+    out[0] = _mm512_reduce_add_ps(a0); out[1] = _mm512_reduce_add_ps(a1);
+    out[2] = _mm512_reduce_add_ps(a2); out[3] = _mm512_reduce_add_ps(a3);
+    out[4] = _mm512_reduce_add_ps(a4); out[5] = _mm512_reduce_add_ps(a5);
+    out[6] = _mm512_reduce_add_ps(a6); out[7] = _mm512_reduce_add_ps(a7);
 }
 
-static inline __attribute__((always_inline)) void gemv_tile(const mm_job *j, long r, int rows) {
-    const q4mat *w = j->w;
-    const long nb = w->k / 32;
-    const float *x = j->x;
-    __m512 acc[GV];
-    for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
-    for (long b = 0; b < nb; b++) {
-        const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-#pragma GCC unroll 8
-        for (int i = 0; i < rows; i++) {
-            __m512 v0, v1;
-            gemv_block(w, r + i, b, &v0, &v1);
-            acc[i] = _mm512_fmadd_ps(v0, x0, acc[i]);
-            acc[i] = _mm512_fmadd_ps(v1, x1, acc[i]);
-        }
-    }
-    for (int i = 0; i < rows; i++) {
-        float s = _mm512_reduce_add_ps(acc[i]);
-        if (j->bias) s += j->bias[r + i];
-        j->y[r + i] = j->accumulate ? j->y[r + i] + s : s;
-    }
+/* Row p of w . x alone (tails). */
+static float gemv1(const q4mat *w, const float *x, long p) {
+    const long k = w->k, nb = k / 32;
+    __m512 a0 = _mm512_setzero_ps();
+    if (w->bits == 16) { GV_LOOP1(GV_HALF) }
+    else if (w->lut) { GV_LOOP1(GV_LUT) }
+    else { GV_LOOP1(GV_DM) }
+    return _mm512_reduce_add_ps(a0);
+}
+
+static inline void gemv_put(const mm_job *j, long r, float s) {
+    if (j->bias) s += j->bias[r];
+    j->y[r] = j->accumulate ? j->y[r] + s : s;
 }
 
 static void gemv_rows(const mm_job *j, long lo, long hi) {
+    float out[GV];
     long r = lo;
-    for (; r + GV <= hi; r += GV) gemv_tile(j, r, GV);
-    switch (hi - r) {
-        case 7: gemv_tile(j, r, 7); break;
-        case 6: gemv_tile(j, r, 6); break;
-        case 5: gemv_tile(j, r, 5); break;
-        case 4: gemv_tile(j, r, 4); break;
-        case 3: gemv_tile(j, r, 3); break;
-        case 2: gemv_tile(j, r, 2); break;
-        case 1: gemv_tile(j, r, 1); break;
-        default: break;
+    for (; r + GV <= hi; r += GV) {
+        gemv8(j->w, j->x, r, r + 4, out);
+        for (int i = 0; i < GV; i++) gemv_put(j, r + i, out[i]);
+    }
+    for (; r < hi; r++) gemv_put(j, r, gemv1(j->w, j->x, r));
+}
+
+/* One row's gate/up product and SwiGLU in one job: each tile takes GV gate rows and the
+   GV up rows that pair with them (w stacks gate rows, then up rows) and writes
+   a = silu(gate) * up (as silu_t_part) for them, so a layer's MLP needs no job of its own
+   between the two products. */
+typedef struct { const q4mat *w; const float *x; float *a; long inter; atomic_long next; } gs_job;
+
+static void gs_part(void *arg, long part, long parts) {
+    gs_job *j = arg;
+    const long I = j->inter, chunk = (I / (parts * CHUNKS_PER_THREAD) + GV) / GV * GV;
+    for (;;) {
+        const long c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (c * chunk >= I) return;
+        const long hi = (c + 1) * chunk < I ? (c + 1) * chunk : I;
+        long r = c * chunk;
+        for (; r + 4 <= hi; r += 4) {  /* four gate rows and their four up rows */
+            float out[GV];
+            gemv8(j->w, j->x, r, I + r, out);
+            for (int i = 0; i < 4; i++) j->a[r + i] = out[i] * (1.0f / (1.0f + exp_poly(-out[i]))) * out[4 + i];
+        }
+        for (; r < hi; r++) {
+            const float g = gemv1(j->w, j->x, r), u = gemv1(j->w, j->x, I + r);
+            j->a[r] = g * (1.0f / (1.0f + exp_poly(-g))) * u;
+        }
     }
 }
 
@@ -960,11 +1027,17 @@ int q4_decode_step(const q4layer *layers, long nl, const q4mat *head, const floa
         PROF(3);
         rms_norm(x, L->ln2, h, B, hidden, eps);
         PROF(0);
-        matmul(&L->gu, h, B, gu, 2 * inter, 0, NULL, threads);
-        PROF(4);
-        col_job sj = {NULL, NULL, NULL, gu, a, 0, 0, B, inter};
-        parallel(silu_t_part, &sj, threads);
-        PROF(5);
+        if (B == 1 && L->gu.bits != 8) {
+            gs_job gj = {&L->gu, h, a, inter, 0};
+            parallel(gs_part, &gj, threads);
+            PROF(4);
+        } else {
+            matmul(&L->gu, h, B, gu, 2 * inter, 0, NULL, threads);
+            PROF(4);
+            col_job sj = {NULL, NULL, NULL, gu, a, 0, 0, B, inter};
+            parallel(silu_t_part, &sj, threads);
+            PROF(5);
+        }
         matmul(&L->down, a, B, x, hidden, 1, NULL, threads);
         PROF(6);
     }

@@ -140,6 +140,27 @@ def test_decode_inputs_come_from_the_host_with_mlx_values(dense_q4):
     assert np.array_equal(cos, np.array(c)[:, :, 0].T) and np.array_equal(sin, np.array(s_)[:, :, 0].T)
 
 
+def test_a_row_decoded_alone_gets_the_logits_it_gets_in_a_batch(dense_q4):
+    # A one-row step takes its own products (and its gate/up product writes SwiGLU's
+    # output itself); each row's logits must still be those of the batched step.
+    nat = fast_llama.FastLlama(dense_q4.model).native
+    hidden, hq, hkv, d, inter = nat.dims
+    nl, cap = len(dense_q4.model.model.layers), 64
+    rng = np.random.default_rng(5)
+    lens = np.array([37, 50, 9], np.int32)
+    kv = [rng.normal(size=(len(lens), hkv, cap, d)).astype(np.float32) for _ in range(2 * nl)]
+    ids = np.array([[3], [11], [7]], np.int32)
+
+    def step(rows):
+        mirror = q4_kernels.HostMirror([np.ascontiguousarray(a[rows]) for a in kv[:nl]],
+                                       [np.ascontiguousarray(a[rows]) for a in kv[nl:]])
+        return np.array(nat.step(ids[rows], (mirror, lens[rows], cap)))
+
+    batch = step([0, 1, 2])
+    for r in range(3):
+        assert np.array_equal(step([r]), batch[r : r + 1])
+
+
 def test_weights_that_no_longer_match_their_codes_keep_the_dense_path(tiny_quantized_model_dir):
     lm = load_model(tiny_quantized_model_dir, "dense")
     layer = lm.model.model.layers[1].mlp.down_proj
