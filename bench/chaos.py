@@ -36,10 +36,11 @@ token lost, repeated or reordered shows even where the text would hide it. At th
 the faults stop, every stopped process resumes, links come back, and the run waits for
 the broker to see every worker with all KV blocks free; blocks still in use are
 ``leaked_blocks``. ``rss_growth_mb`` is the largest resident-memory growth of any
-process that lived long enough to measure, from its warm-up to its end, net of the
-bytes its KV store holds (workers report them in their heartbeats): the store grows
-once to its block budget as prefixes are cached, which is memory in use, not a leak.
-``rss_raw_growth_mb`` is the same without subtracting it.
+process that lived long enough to measure, from its warm-up to its end, net of what
+its heartbeats say is no leak: the bytes its KV store holds (it grows once to its block
+budget as prefixes are cached) and the freed memory its allocator keeps for reuse
+(tandem._malloc keeps it by design, so resident memory is the high-water mark of what a
+worker ever held at once). ``rss_raw_growth_mb`` is the same without subtracting them.
 
 The last line of output is one JSON object (requests, completed_exact, failed_clean,
 lost_tokens, duplicated_tokens, hung, leaked_blocks, faults, rss_growth_mb, ...).
@@ -405,7 +406,8 @@ class Run:
         self.stopped: set[int] = set()
         self.unplugged: set[str] = set()
         self.edge_kills: list[float] = []  # times an edge process was killed (severed streams are excused near them)
-        # pid -> (time, name, RSS MB, KV store MB: 0 for a process without one, None if unknown)
+        # pid -> (time, name, RSS MB, MB of it that is no leak (KV store + freed heap the
+        # allocator keeps): 0 for a process that reports none, None if unknown)
         self.rss: dict[int, list[tuple[float, str, float, float | None]]] = {}
         self.t_start = 0.0
         self.stop_event = asyncio.Event()
@@ -659,8 +661,8 @@ class Run:
                 st = await asyncio.to_thread(self.stack.stats)
             except Exception:
                 st = {}
-            kv = {w.get("name"): w["kv_store_bytes"] / 1e6 for w in st.get("workers", [])
-                  if w.get("state") == "up" and "kv_store_bytes" in w}
+            kv = {w.get("name"): (w["kv_store_bytes"] + w.get("heap_free_bytes", 0)) / 1e6
+                  for w in st.get("workers", []) if w.get("state") == "up" and "kv_store_bytes" in w}
             now = time.monotonic()
             for pid, name in self.stack.processes().items():
                 if pid in self.stopped:
@@ -670,11 +672,11 @@ class Run:
             await asyncio.sleep(5.0)
 
     def rss_growth(self, warmup_s: float, min_span_s: float) -> tuple[float, float, list[dict]]:
-        """(largest growth net of the KV store, largest raw growth, one row per process)."""
+        """(largest growth net of the KV store and freed heap, largest raw growth, one row per process)."""
         rows = []
         for pid, samples in self.rss.items():
             start = samples[0][0] + warmup_s
-            # Samples whose KV store size is unknown (the broker was down) are left out.
+            # Samples whose KV store and heap figures are unknown (the broker was down) are left out.
             after = [(mb, kv) for t, _, mb, kv in samples if t >= start and kv is not None]
             if len(after) < 6 or samples[-1][0] - start < min_span_s:
                 continue
@@ -688,7 +690,7 @@ class Run:
             # that fill once (growth in the first half only).
             rows.append({"pid": pid, "name": samples[0][1], "span_s": round(samples[-1][0] - start),
                          "rss_mb_start": round(med3(first, False), 1), "rss_mb_mid": round(med3(mid, False), 1),
-                         "rss_mb_end": round(med3(last, False), 1), "kv_store_mb_end": round(last[-1][1], 1),
+                         "rss_mb_end": round(med3(last, False), 1), "kv_and_free_heap_mb_end": round(last[-1][1], 1),
                          "raw_growth_mb": round(med3(last, False) - med3(first, False), 1),
                          "growth_mb": round(med3(last, True) - med3(first, True), 1),
                          "second_half_growth_mb": round(med3(last, True) - med3(mid, True), 1)})
@@ -969,9 +971,9 @@ def report_section(r: dict) -> list[str]:
     lines += [f"- {v} x {k}" for k, v in r["clean_errors"].items()] or ["- none"]
     lines += ["", "Hostile input: " + ", ".join(f"{k} {v}" for k, v in sorted(r["hostile"].items())) + "."]
     lines += ["", "| process (lived long enough to measure) | measured for s | RSS start MB | mid MB | end MB "
-              "| KV store at end MB | RSS growth MB | growth net of the KV store MB |", "|---|---|---|---|---|---|---|---|"]
+              "| KV store + freed heap at end MB | RSS growth MB | growth net of them MB |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {x['name']} (pid {x['pid']}) | {x['span_s']} | {x['rss_mb_start']} | {x['rss_mb_mid']} | {x['rss_mb_end']} "
-              f"| {x['kv_store_mb_end']} | {x['raw_growth_mb']} | {x['growth_mb']} |" for x in r["rss"]]
+              f"| {x['kv_and_free_heap_mb_end']} | {x['raw_growth_mb']} | {x['growth_mb']} |" for x in r["rss"]]
     if r["reference_failures"]:
         lines += ["", "Catalogue requests the undisturbed stack failed:", ""] + [f"- {x}" for x in r["reference_failures"]]
     if r["examples"]:

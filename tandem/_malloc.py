@@ -40,6 +40,38 @@ def _mallopt(settings: list[tuple[int, int]]) -> bool:
     return all(mallopt(param, value) for param, value in settings)
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(None).mallinfo2  # glibc 2.33+
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_free_bytes() -> int:
+    """Freed memory glibc keeps in the heap for reuse (0 where it cannot say).
+
+    The settings here keep freed memory in the process by design, so a worker's resident
+    memory is the high-water mark of what it ever held at once (its largest batch, its
+    largest KV transfers), not what it holds now: resident memory minus this is what a
+    leak would grow."""
+    if _MALLINFO2 is None:
+        return 0
+    info = _MALLINFO2()
+    # Less the heap's top chunk (keepcost): its pages, grown ahead by M_TOP_PAD, may never
+    # have been touched, so they need not be resident.
+    return int(info.fordblks - info.keepcost)
+
+
 def tune_malloc() -> bool:
     """Apply the settings; True if glibc took them."""
     if knobs.MALLOC == "default":

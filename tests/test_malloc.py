@@ -68,3 +68,27 @@ def test_retain_freed_memory_avoids_refaulting_the_next_transfer():
                                 check=True).stdout.split()
     assert ok == "True"
     assert int(faults) < 3000, f"{faults} page faults for 128 MiB of re-allocated buffers"
+
+
+def test_heap_free_bytes_counts_freed_memory_the_heap_keeps():
+    """What a worker reports as not in use: freed memory glibc keeps (mallinfo2's fordblks)."""
+    from tandem import _malloc
+
+    if _malloc._MALLINFO2 is None:
+        pytest.skip("no glibc mallinfo2 here (glibc < 2.33, macOS, musl): workers report 0")
+    code = textwrap.dedent("""
+        import ctypes
+        import tandem  # noqa: F401  (one arena, large thresholds)
+        from tandem import _malloc
+        assert _malloc.retain_freed_memory()
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        before = _malloc.heap_free_bytes()
+        blocks = [libc.malloc(1 << 20) for _ in range(40)]  # below the mmap threshold: heap
+        for p in blocks[:-1]:  # the last one keeps the freed ones from being the heap's trimmed top
+            libc.free(p)
+        print(_malloc.heap_free_bytes() - before)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert int(out) >= 39 << 20

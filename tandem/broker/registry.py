@@ -29,6 +29,7 @@ class Load:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     kv_store_bytes: int = 0
+    heap_free_bytes: int = 0
 
 
 @dataclass
