@@ -65,8 +65,11 @@ def build_engine(cfg, args, log):
 
 
 def warm_up(engine) -> float:
-    """Run one tiny request through the engine so the first real one pays no compile or
-    allocation cost; systemd hears READY=1 only after this. Returns milliseconds."""
+    """Run the paths serving meets through the engine before READY (systemd's READY=1 and the
+    broker's registration come after this), so no request pays a first-use cost: on CUDA each
+    path's first run compiles kernels, a stall of every request in flight. A fresh prefill of
+    a few blocks and its greedy decode; then, together, a prompt that extends it (a prefix-cache
+    hit: the other prefill path) and a sampled request. Returns milliseconds."""
     import time
 
     from tandem.kvtypes import SamplingParams
@@ -74,7 +77,12 @@ def warm_up(engine) -> float:
     if not hasattr(engine, "generate_many"):  # a model-free test engine has nothing to warm
         return 0.0
     t = time.perf_counter()
-    engine.generate_many([([0, 1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))])
+    bs = engine.stats().block_size or 16
+    prompt = [(7 * i + 3) % 97 + 1 for i in range(2 * bs + 3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.generate_many([(prompt, greedy)])
+    engine.generate_many([(prompt + [5, 6, 7], greedy),
+                          ([0, 1, 2, 3], SamplingParams(temperature=0.7, seed=0, max_tokens=2, ignore_eos=True))])
     return (time.perf_counter() - t) * 1000
 
 

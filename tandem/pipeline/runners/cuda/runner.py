@@ -443,11 +443,14 @@ class KernelRunner(PagedRunner):
         self.sync()
         super().flush()
 
-    def warm_kernels(self, row_counts=(1, 2, 3, 4, 8, pac.TILE_MIN_BATCH)) -> None:
+    def warm_kernels(self, row_counts=(1, 2, 3, 4, 8, pac.TILE_MIN_BATCH, 2 * pac.TILE_MIN_BATCH)) -> None:
         """Run a decode step per row-count class against the scratch block, split and
         unsplit, so every kernel variant a decode step can pick is compiled now: each is
         an NVRTC compile of ~2 s, which mid-serving is a ~2 s stall of every running
-        request (one such stall cut a batch-64 measurement from ~5,400 to ~950 tok/s).
+        request (one such stall cut a batch-64 measurement from ~5,400 to ~950 tok/s). The
+        row counts cover each product kernel's range (``linear``: one row, the multirow
+        kernel, ``w4mma``, ``w4gemm`` and, from 17 rows, ``w4wgmma``) and both attention
+        kernels.
         Writes land in the scratch block, which nothing reads as context."""
         bs = self.store.block_size
         # The widths forward() uses, so these traces are the ones decode steps replay.

@@ -1,0 +1,18 @@
+"""A worker's warm-up before READY runs the paths serving meets: a fresh prefill, a
+prefix-cache hit (the other prefill path), greedy and sampled decoding; the engine ends idle."""
+
+from __future__ import annotations
+
+from tandem.commands.worker import warm_up
+from tandem.pipeline.engine import Engine
+from tandem.pipeline.settings import EngineSettings
+from tests.pipeline.conftest import EOS, tiny  # noqa: F401  (the fixture)
+
+
+def test_warm_up_meets_a_prefix_hit_and_leaves_the_engine_idle(tiny):
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
+    assert warm_up(eng) > 0
+    st = eng.stats()
+    assert st.prefix_hits >= 1  # the extended prompt reused the first prompt's blocks
+    assert st.running == st.waiting == 0 and st.free_blocks == st.total_blocks
+    eng.pool.check()
