@@ -14,7 +14,15 @@ them), and runnable on a CPU with ``--shape tiny`` (a smoke run of the whole pat
 4. Prints and writes (``--out``: ``<out>.md``/``<out>.json``) per topology and C: aggregate
    tok/s, per-request tok/s, TTFT p50/p95, ITL p50/p95, errors, and served / engine.
 
+Two GPUs (``--gpus 0,1``): every ``tandem serve`` places its workers on them (hybrid: one
+worker per GPU; disaggregated: the prefill worker on one, the decode worker on the other),
+and ``--long-prompts N`` mixes N long prompts (``--long-tokens``, a few new tokens each) into
+every level, one every ``--long-every`` seconds while the C streams decode: what
+disaggregation is for. The long prompts' TTFT is reported beside the streams' ITL.
+
     python3 bench/gpu_serving.py --make-model /tmp/m8b --topologies hybrid,disaggregated
+    python3 bench/gpu_serving.py --make-model /tmp/m8b --gpus 0,1 --clients 64 --long-prompts 8 \\
+        --long-tokens 4096 --engine-bench none --out $OUT/gs2
     python3 bench/gpu_serving.py --shape tiny --make-model /tmp/mt --clients 1,4 \\
         --prompt-tokens 64 --max-tokens 16 --engine-bench none --out /tmp/gs
 
@@ -34,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -220,6 +229,41 @@ def drive(port: int, bodies: list[dict], clients: int, rounds: int, procs: int, 
             "wall_s": wall}
 
 
+def send_long(port: int, bodies: list[dict], every_s: float, timeout: float, stop: threading.Event) -> list:
+    """One long prompt every ``every_s`` seconds (after the streams have started) until ``stop``
+    or the bodies run out, one at a time: (ok, TTFT s, error) each."""
+    out = []
+
+    async def run() -> None:
+        for body in bodies:
+            if stop.wait(every_s):
+                return
+            s = await serving.stream_chat(port, body, timeout)
+            out.append((s.ok, s.ttft, s.error))
+
+    asyncio.run(run())
+    return out
+
+
+def drive_mixed(port: int, bodies: list[dict], long_bodies: list[dict], every_s: float, clients: int, rounds: int,
+                procs: int, max_tokens: int, timeout: float) -> dict:
+    """:func:`drive` with long prompts sent beside the streams; the level's figures with the
+    long prompts' TTFT."""
+    stop, longs = threading.Event(), []
+    th = threading.Thread(target=lambda: longs.extend(send_long(port, long_bodies, every_s, timeout, stop)), daemon=True)
+    th.start()
+    try:
+        r = drive(port, bodies, clients, rounds, procs, max_tokens, timeout)
+    finally:
+        stop.set()
+        th.join(timeout + 30)
+    ttft = [s[1] for s in longs if s[0]]
+    r.update({"long_prompts": len(longs), "long_errors": sum(1 for s in longs if not s[0]),
+              "long_error_examples": [s[2] for s in longs if not s[0]][:3],
+              "long_ttft_p50_ms": 1e3 * serving.pct(ttft, 0.5), "long_ttft_p95_ms": 1e3 * serving.pct(ttft, 0.95)})
+    return r
+
+
 def report(res: dict) -> str:
     lines = [f"# tandem serve over HTTP against the engine alone ({res['shape']} shape, {res['device']})", "",
              f"`{res['command']}`", "",
@@ -238,6 +282,15 @@ def report(res: dict) -> str:
                          f"{r['itl_p95_ms']:.1f} | {r['errors']} | {t['ready_s']:.0f} |")
     if res["engine"]:
         lines += ["", "Engine alone (decode tok/s): " + ", ".join(f"batch {b}: {v:,.0f}" for b, v in res["engine"].items())]
+    if res.get("long_prompts"):
+        lines += ["", f"Workers on GPUs {res['gpus'] or '(as tandem serve places them)'}; {res['long_prompts']} prompts of "
+                  f"~{res['long_tokens']} tokens mixed into each level while the streams decode (the streams' ITL "
+                  "above includes their stalls):", "",
+                  "| topology | clients | long prompts sent | long TTFT p50 / p95 ms | long errors |", "| --- | --- | --- | --- | --- |"]
+        for topo, t in res["topologies"].items():
+            for r in t["levels"]:
+                lines.append(f"| {topo} | {r['clients']} | {r.get('long_prompts', 0)} | {r.get('long_ttft_p50_ms', float('nan')):,.0f} / "
+                             f"{r.get('long_ttft_p95_ms', float('nan')):,.0f} | {r.get('long_errors', 0)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -254,6 +307,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--parallel", type=int, default=128)
     ap.add_argument("--serve-arg", action="append", default=[], help="one more argument for tandem serve (repeatable)")
+    ap.add_argument("--gpus", help="place the workers on these GPUs (tandem serve --gpus), e.g. 0,1")
+    ap.add_argument("--long-prompts", type=int, default=0, help="long prompts mixed into each level")
+    ap.add_argument("--long-tokens", type=int, default=4096)
+    ap.add_argument("--long-every", type=float, default=2.0, help="seconds between long prompts")
     ap.add_argument("--engine-bench", choices=("gpu_decode", "none"), default="gpu_decode")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
@@ -275,24 +332,29 @@ def main(argv=None) -> int:
     levels = [int(c) for c in a.clients.split(",")]
     res = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "shape": a.shape,
            "device": str(mx.default_device()), "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
-           "rounds": a.rounds, "client_procs": a.client_procs, "engine": {}, "topologies": {}}
+           "rounds": a.rounds, "client_procs": a.client_procs, "gpus": a.gpus, "long_prompts": a.long_prompts,
+           "long_tokens": a.long_tokens, "engine": {}, "topologies": {}}
     if a.engine_bench == "gpu_decode":
         res["engine"] = engine_alone(levels, a.prompt_tokens, a.ready_timeout)
         print("engine alone:", res["engine"], flush=True)
     bodies = build_bodies(model, a.prompt_tokens, a.max_tokens, max(levels) * a.rounds)
+    long_bodies = build_bodies(model, a.long_tokens, 4, a.long_prompts) if a.long_prompts else []
+    serve_args = [*a.serve_arg, *(["--gpus", a.gpus] if a.gpus else [])]
     for i, topo in enumerate(a.topologies.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             port, base = a.port + i, a.base_port + 20 * i  # a fresh port each: a restart on one was refused for a minute
-            serve = Serve(model, topo, a.parallel, port, base, Path(tmp), Path(tmp) / "serve.log", a.serve_arg)
+            serve = Serve(model, topo, a.parallel, port, base, Path(tmp), Path(tmp) / "serve.log", serve_args)
             try:
                 ready = serve.wait_ready(a.ready_timeout)
                 _, listing = asyncio.run(serving.http_get(port, "/v1/models"))
                 model_id = json.loads(listing)["data"][0]["id"]
-                for b in bodies:
+                for b in bodies + long_bodies:
                     b["model"] = model_id
                 rows = []
                 for c in levels:
-                    r = drive(port, bodies, c, a.rounds, a.client_procs, a.max_tokens, a.timeout)
+                    r = (drive_mixed(port, bodies, long_bodies, a.long_every, c, a.rounds, a.client_procs, a.max_tokens,
+                                     a.timeout) if long_bodies else
+                         drive(port, bodies, c, a.rounds, a.client_procs, a.max_tokens, a.timeout))
                     print(topo, json.dumps(r), flush=True)
                     rows.append(r)
                 res["topologies"][topo] = {"ready_s": ready, "levels": rows}
@@ -304,7 +366,8 @@ def main(argv=None) -> int:
     text = report(res)
     Path(f"{a.out}.md").write_text(text)
     print(text)
-    return 0 if all(r["errors"] == 0 for t in res["topologies"].values() for r in t["levels"]) else 1
+    return 0 if all(r["errors"] == 0 and not r.get("long_errors") for t in res["topologies"].values()
+                    for r in t["levels"]) else 1
 
 
 if __name__ == "__main__":
