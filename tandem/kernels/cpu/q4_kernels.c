@@ -394,6 +394,7 @@ enum { GV = 8 };
         acc = _mm512_fmadd_ps(v0_, x0, acc); acc = _mm512_fmadd_ps(v1_, x1, acc); } while (0)
 #define GV_LOOP8(VAL) \
     for (long b = 0; b < nb; b++) { \
+        gv_prefetch(w, p, q, b, nb); \
         const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16); \
         GV_STEP(VAL, p, a0); GV_STEP(VAL, p + 1, a1); GV_STEP(VAL, p + 2, a2); GV_STEP(VAL, p + 3, a3); \
         GV_STEP(VAL, q, a4); GV_STEP(VAL, q + 1, a5); GV_STEP(VAL, q + 2, a6); GV_STEP(VAL, q + 3, a7); }
@@ -401,6 +402,32 @@ enum { GV = 8 };
     for (long b = 0; b < nb; b++) { \
         const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16); \
         GV_STEP(VAL, p, a0); }
+
+/* The next tile's bytes (rows p+8.., or p+4.. and q+4.. when q is apart), a share of
+   them per step of 32 weights. */
+static inline __attribute__((always_inline)) void gv_prefetch(const q4mat *w, long p, long q, long b, long nb) {
+    const long k = w->k;
+    if (w->bits == 16) {
+        const long row = 2 * k, per = (8 * row + 64 * nb - 1) / (64 * nb);
+        const char *base = (const char *)w->nib + (p + 8) * row;
+        for (long i = 0; i < per; i++) __asm__ volatile("prefetcht0 %0" : : "m"(base[(b * per + i) * 64]));
+        return;
+    }
+    const long cb = k / 2, lb = w->lut ? k : 0;  /* bytes a row: codes, table */
+    const long nxt = q == p + 4 ? p + 8 : p + 4, nq = q == p + 4 ? 0 : q + 4, rows = q == p + 4 ? 8 : 4;
+    const long per = (rows * (cb + lb) + 64 * nb - 1) / (64 * nb);
+    for (long i = 0; i < per; i++) {
+        long off = (b * per + i) * 64;
+        const char *at;
+        if (off < rows * cb) at = (const char *)w->nib + nxt * cb + off;
+        else at = (const char *)w->lut + nxt * lb + (off - rows * cb);
+        __asm__ volatile("prefetcht0 %0" : : "m"(*at));
+        if (nq) {
+            at = off < rows * cb ? (const char *)w->nib + nq * cb + off : (const char *)w->lut + nq * lb + (off - rows * cb);
+            __asm__ volatile("prefetcht0 %0" : : "m"(*at));
+        }
+    }
+}
 
 /* out[0..3] = rows p .. p+3 of w . x, out[4..7] = rows q .. q+3: eight independent FMA
    chains, each of one row (named registers: as arrays, GCC spilled them every step). */
