@@ -11,16 +11,22 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-@pytest.mark.slow
-def test_tiny_shape_serves_both_topologies_without_errors(tmp_path):
+def _bench(needs_default_model: bool = False):
+    """bench/gpu_serving.py as a module (the random checkpoint takes the default model's tokenizer)."""
     from tandem.pipeline import model_store
 
-    if not model_store.is_model_dir(model_store.default_model_dir()):
+    if needs_default_model and not model_store.is_model_dir(model_store.default_model_dir()):
         pytest.skip("default model not fetched (tandem model fetch): its tokenizer is the checkpoint's")
     sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location("gpu_serving", BENCH / "gpu_serving.py")
     gs = sys.modules["gpu_serving"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gs)
+    return gs
+
+
+@pytest.mark.slow
+def test_tiny_shape_serves_both_topologies_without_errors(tmp_path):
+    gs = _bench(needs_default_model=True)
     out = tmp_path / "gs"
     rc = gs.main(["--shape", "tiny", "--make-model", str(tmp_path / "m"), "--clients", "1,3", "--rounds", "1",
                   "--prompt-tokens", "48", "--max-tokens", "8", "--parallel", "4", "--engine-bench", "none",
@@ -39,14 +45,7 @@ def test_two_gpu_mixed_load_places_workers_and_reports_long_prompts(tmp_path):
     """``--gpus 0,1 --long-prompts``: the two-GPU comparison's shape on the CPU (CUDA_VISIBLE_DEVICES
     is set per worker and ignored here): two hybrid workers against a prefill + decode pair,
     long prompts sent while the streams decode, their TTFT reported."""
-    from tandem.pipeline import model_store
-
-    if not model_store.is_model_dir(model_store.default_model_dir()):
-        pytest.skip("default model not fetched (tandem model fetch): its tokenizer is the checkpoint's")
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("gpu_serving", BENCH / "gpu_serving.py")
-    gs = sys.modules["gpu_serving"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gs)
+    gs = _bench(needs_default_model=True)
     out = tmp_path / "gs2"
     rc = gs.main(["--shape", "tiny", "--make-model", str(tmp_path / "m"), "--gpus", "0,1", "--long-prompts", "2",
                   "--long-tokens", "200", "--long-every", "0.2", "--clients", "2", "--rounds", "3", "--prompt-tokens", "48",
@@ -64,10 +63,7 @@ def test_checkpoint_vocabulary_is_the_largest_token_id_plus_one(tmp_path):
     """Added tokens inside the vocabulary do not enlarge it (a count did: 49,169 for
     SmolLM2's 49,152, which no longer divided by 8 and kept the GPU's one-kernel argmax and
     captured step off)."""
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("gpu_serving", BENCH / "gpu_serving.py")
-    gs = sys.modules["gpu_serving"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gs)
+    gs = _bench()
     tok = tmp_path / "tok"
     tok.mkdir()
     vocab = {f"t{i}": i for i in range(64)}

@@ -68,6 +68,13 @@ def _reserve(eng, final, q: queue.Queue) -> None:
     assert q.get(timeout=10).kv_reserved
 
 
+def _count_copies(dst) -> list[int]:
+    """The sizes of the engine's block copies into its store, as they happen."""
+    copies, store_import = [], dst.store.import_blocks
+    dst.store.import_blocks = lambda blocks, k, v: (copies.append(len(blocks)), store_import(blocks, k, v))[1]
+    return copies
+
+
 def _no_blocks_held(eng) -> None:
     eng.pool.check()
     assert all(c == 0 for c in eng.pool.ref_count)
@@ -75,10 +82,8 @@ def _no_blocks_held(eng) -> None:
 
 def test_parts_go_into_reserved_blocks_as_they_come_and_the_import_continues_exactly(tiny, streamed):
     parts, first, final, expected = streamed
-    copies = []
     with _receiving(tiny) as (dst, q):
-        store_import = dst.store.import_blocks
-        dst.store.import_blocks = lambda blocks, k, v: (copies.append(len(blocks)), store_import(blocks, k, v))[1]
+        copies = _count_copies(dst)
         _reserve(dst, final, q)
         for p in parts:
             dst.import_part(p)
@@ -132,10 +137,8 @@ def test_parts_that_do_not_follow_their_reservation_still_continue_exactly(tiny,
     the final import goes in whole; a final import before the last parts copies the
     blocks they would have brought from its own snapshot."""
     parts, first, final, expected = streamed
-    copies = []
     with _receiving(tiny) as (dst, q):
-        store_import = dst.store.import_blocks
-        dst.store.import_blocks = lambda blocks, k, v: (copies.append(len(blocks)), store_import(blocks, k, v))[1]
+        copies = _count_copies(dst)
         _reserve(dst, final, q)
         dst.import_part(parts[0])
         if bad == "gap":
