@@ -90,6 +90,14 @@ def test_console_chats_streams_and_follows_the_cluster(serve, browser, tmp_path)
     assert rendered["strong"] == "bold" and rendered["code"] == "<b>code</b>" and rendered["items"] == 2
     assert rendered["pre"] == "<script>window.pwned=1</script>" and '<img src=x onerror="window.pwned=1">' in rendered["text"]
 
+    # Every chat request gains ignore_eos on its way out, so only max_tokens or the Stop
+    # button ends an answer: greedy text differs by CPU, and the tiny model may emit EOS.
+    def no_eos(route):
+        body = json.loads(route.request.post_data)
+        route.continue_(post_data=json.dumps({**body, "ignore_eos": True}))
+
+    page.route("**/v1/chat/completions", no_eos)
+
     # A message streams an answer: several SSE deltas, then usage and a finish reason.
     page.click("#params summary")
     page.fill("#p-max-tokens", "16")
@@ -102,13 +110,7 @@ def test_console_chats_streams_and_follows_the_cluster(serve, browser, tmp_path)
     assert answer.query_selector(".body").inner_text().strip()
     assert page.text_content("article.assistant .meta").startswith("16 tokens")
 
-    # Stop ends a long answer early. The request gains ignore_eos on its way out, so the
-    # model cannot end the answer itself before the click (greedy text differs by CPU).
-    def no_eos(route):
-        body = json.loads(route.request.post_data)
-        route.continue_(post_data=json.dumps({**body, "ignore_eos": True}))
-
-    page.route("**/v1/chat/completions", no_eos)
+    # Stop ends a long answer early (the requests carry ignore_eos, above).
     page.fill("#p-max-tokens", "3000")
     page.fill("#prompt", "Hello")
     page.press("#prompt", "Enter")
