@@ -41,8 +41,15 @@ def _idle_cpu_ms(blocktime: str) -> float:
 def test_the_auto_blocktime_stops_the_spinning_after_the_runtime_started():
     if openmp._runtime() is None:
         pytest.skip("not Intel's OpenMP runtime (no MKL here)")
-    spinning, stopped = _idle_cpu_ms("default"), _idle_cpu_ms(str(openmp.AUTO_BLOCKTIME_MS))
+    stopped = _idle_cpu_ms(str(openmp.AUTO_BLOCKTIME_MS))
     assert stopped < 40, stopped  # no thread spins through the 300 ms
+    # Spinning shows only when the spinning threads get a core: on a loaded machine a try
+    # can see little of it, so up to three tries.
+    spinning = 0.0
+    for _ in range(3):
+        spinning = max(spinning, _idle_cpu_ms("default"))
+        if spinning > stopped + 50:
+            break
     assert spinning > stopped + 50, (spinning, stopped)
 
 
