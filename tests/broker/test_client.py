@@ -119,6 +119,14 @@ async def _drain(ac):
     return [t async for ev in ac.generate([1], SamplingParams()) for t in ev.tokens]
 
 
+async def _accepted(b, ac):
+    """A request the fake broker accepted, drained in a task of its own: (task, its SUBMIT)."""
+    task = asyncio.ensure_future(_drain(ac))
+    ident, sub = await b.submit()
+    b.reply(ident, M.Accepted(sub.request_id))
+    return task, sub
+
+
 def test_unavailable_when_nobody_answers():
     async def main():
         async with AsyncClient("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", secret=None, timeout_s=0.3) as ac:
@@ -132,9 +140,7 @@ def test_cancelling_the_consumer_sends_abort(fake):
 
     async def main():
         async with AsyncClient(*b.addrs, secret=secret) as ac:
-            task = asyncio.ensure_future(_drain(ac))
-            ident, sub = await b.submit()
-            b.reply(ident, M.Accepted(sub.request_id))
+            task, sub = await _accepted(b, ac)
             b.publish(M.TokenMessage(sub.request_id, 0, [5]))
             await asyncio.sleep(0.05)
             task.cancel()  # what an HTTP disconnect does to the handler's task
@@ -152,9 +158,7 @@ def test_error_message_raises_stream_error_after_tokens(fake):
 
     async def main():
         async with AsyncClient(*b.addrs, secret=secret) as ac:
-            task = asyncio.ensure_future(_drain(ac))
-            ident, sub = await b.submit()
-            b.reply(ident, M.Accepted(sub.request_id))
+            task, sub = await _accepted(b, ac)
             b.publish(M.TokenMessage(sub.request_id, 0, [5]))
             b.publish(M.TokenMessage(sub.request_id, 1, [], None, "error", None, "worker failed and no migration is left"))
             with pytest.raises(StreamError, match="no migration"):
@@ -206,9 +210,7 @@ def test_a_stream_announced_again_falls_back_to_the_request_topics(fake):
 
     async def main():
         async with AsyncClient(*b.addrs, secret=secret) as ac:
-            task = asyncio.ensure_future(_drain(ac))
-            ident, sub = await b.submit()
-            b.reply(ident, M.Accepted(sub.request_id))
+            task, sub = await _accepted(b, ac)
             b.publish()  # the announcement when the stream was first seen
             b.publish(M.TokenMessage(sub.request_id, 0, [5]))
             await asyncio.sleep(0.05)
