@@ -38,9 +38,10 @@ the broker to see every worker with all KV blocks free; blocks still in use are
 ``leaked_blocks``. ``rss_growth_mb`` is the largest resident-memory growth of any
 process that lived long enough to measure, from its warm-up to its end, net of what
 its heartbeats say is no leak: the bytes its KV store holds (it grows once to its block
-budget as prefixes are cached) and the freed memory its allocator keeps for reuse
-(tandem._malloc keeps it by design, so resident memory is the high-water mark of what a
-worker ever held at once). ``rss_raw_growth_mb`` is the same without subtracting them.
+budget as prefixes are cached) and the freed memory it keeps for reuse: glibc's free heap
+(tandem._malloc keeps freed memory by design, so resident memory is the high-water mark of
+what a worker ever held at once) and MLX's buffer cache of freed arrays.
+``rss_raw_growth_mb`` is the same without subtracting them.
 
 The last line of output is one JSON object (requests, completed_exact, failed_clean,
 lost_tokens, duplicated_tokens, hung, leaked_blocks, faults, rss_growth_mb, ...).

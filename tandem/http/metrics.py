@@ -147,7 +147,7 @@ def _per_worker(workers: list[dict]):
         (GaugeMetricFamily, "tandem_worker_kv_store_bytes", "Bytes a worker's KV store holds (grows to its block budget)",
          "kv_store_bytes"),
         (GaugeMetricFamily, "tandem_worker_heap_free_bytes",
-         "Freed memory a worker's allocator keeps for reuse (part of its resident memory, not in use)", "heap_free_bytes"),
+         "Freed memory a worker keeps for reuse: glibc's free heap and MLX's buffer cache (resident, not in use)", "heap_free_bytes"),
         (CounterMetricFamily, "tandem_worker_generated_tokens", "Tokens of a worker's streams the broker forwarded", "tokens"),
     )
     for family, name, help_text, key in families:

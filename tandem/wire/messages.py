@@ -163,8 +163,8 @@ class Heartbeat:
     # Bytes the engine's KV store holds now (protocol v6): it grows up to its block budget,
     # so a worker's resident memory net of it shows a leak apart from a cache filling.
     kv_store_bytes: int = w(S.TOTAL, 0)
-    # Freed memory the process's allocator keeps for reuse (v6): resident memory is its
-    # high-water mark by design (tandem._malloc), so this is not in use.
+    # Freed memory the process keeps for reuse (v6): glibc's free heap (resident memory is
+    # its high-water mark by design, tandem._malloc) and MLX's buffer cache; not in use.
     heap_free_bytes: int = w(S.TOTAL, 0)
 
 
