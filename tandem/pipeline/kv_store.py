@@ -46,7 +46,10 @@ class KVStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        """The arrays' bytes, from the capacity (the engine's stats read it every step):
+        ``capacity + 1`` blocks a layer, the scratch block included."""
+        return (self.capacity + 1) * self.bytes_per_block(self.num_layers, self.n_kv_heads, self.head_dim,
+                                                          self.v_head_dim, self.dtype, self.block_size)
 
     def ensure_capacity(self, blocks: int) -> None:
         """Make pool blocks ``0 .. blocks-1`` addressable."""
@@ -71,10 +74,10 @@ class KVStore:
                     arrays[i] = mx.concatenate([a, mx.zeros(shape, self.dtype)])
                     del a
                     mx.eval(arrays[i])
-        if self.capacity:
-            log.info("KV store grown from %d to %d blocks (%.0f MB) in %.0f ms", self.capacity, new_cap,
+        old_cap, self.capacity = self.capacity, new_cap
+        if old_cap:
+            log.info("KV store grown from %d to %d blocks (%.0f MB) in %.0f ms", old_cap, new_cap,
                      self.nbytes / 1e6, (time.perf_counter() - t) * 1e3)
-        self.capacity = new_cap
 
     # ---- per step (called from inside the model's forward) --------------------------
     def write(self, layer: int, keys: mx.array, values: mx.array, slots: mx.array) -> None:

@@ -66,6 +66,7 @@ def test_growing_keeps_every_row_and_adds_zeroed_blocks():
     assert st.capacity == 128
     st.ensure_capacity(300)  # never beyond the pool
     assert st.capacity == 256
+    assert st.nbytes == sum(a.nbytes for a in st.keys + st.values)
     for i in range(L):
         k, v = np.array(st.keys[i]), np.array(st.values[i])
         assert k.shape == ((256 + 1) * BS, H, D) and v.shape == k.shape
