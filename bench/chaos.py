@@ -38,9 +38,12 @@ the broker to see every worker with all KV blocks free; blocks still in use are
 ``leaked_blocks``. ``rss_growth_mb`` is the largest resident-memory growth of any
 process that lived long enough to measure, from its warm-up to its end, net of what
 its heartbeats say is no leak: the bytes its KV store holds (it grows once to its block
-budget as prefixes are cached) and the freed memory it keeps for reuse: glibc's free heap
-(tandem._malloc keeps freed memory by design, so resident memory is the high-water mark of
-what a worker ever held at once) and MLX's buffer cache of freed arrays.
+budget as prefixes are cached), the bytes of its decode mirror (the decode batch's KV
+copied contiguous; its buffers grow to the largest batch x context decoded, then stay), and
+the freed memory it keeps for reuse: glibc's free heap, the top chunk's resident pages
+included (tandem._malloc keeps freed memory by design, so resident memory is the
+high-water mark of what a worker ever held at once), and MLX's buffer cache of freed
+arrays.
 ``rss_raw_growth_mb`` is the same without subtracting them.
 
 The last line of output is one JSON object (requests, completed_exact, failed_clean,
@@ -662,7 +665,7 @@ class Run:
                 st = await asyncio.to_thread(self.stack.stats)
             except Exception:
                 st = {}
-            kv = {w.get("name"): (w["kv_store_bytes"] + w.get("heap_free_bytes", 0)) / 1e6
+            kv = {w.get("name"): (w["kv_store_bytes"] + w.get("kv_mirror_bytes", 0) + w.get("heap_free_bytes", 0)) / 1e6
                   for w in st.get("workers", []) if w.get("state") == "up" and "kv_store_bytes" in w}
             now = time.monotonic()
             for pid, name in self.stack.processes().items():
@@ -691,7 +694,7 @@ class Run:
             # that fill once (growth in the first half only).
             rows.append({"pid": pid, "name": samples[0][1], "span_s": round(samples[-1][0] - start),
                          "rss_mb_start": round(med3(first, False), 1), "rss_mb_mid": round(med3(mid, False), 1),
-                         "rss_mb_end": round(med3(last, False), 1), "kv_and_free_heap_mb_end": round(last[-1][1], 1),
+                         "rss_mb_end": round(med3(last, False), 1), "not_in_use_mb_end": round(last[-1][1], 1),
                          "raw_growth_mb": round(med3(last, False) - med3(first, False), 1),
                          "growth_mb": round(med3(last, True) - med3(first, True), 1),
                          "second_half_growth_mb": round(med3(last, True) - med3(mid, True), 1)})
@@ -972,9 +975,9 @@ def report_section(r: dict) -> list[str]:
     lines += [f"- {v} x {k}" for k, v in r["clean_errors"].items()] or ["- none"]
     lines += ["", "Hostile input: " + ", ".join(f"{k} {v}" for k, v in sorted(r["hostile"].items())) + "."]
     lines += ["", "| process (lived long enough to measure) | measured for s | RSS start MB | mid MB | end MB "
-              "| KV store + freed heap at end MB | RSS growth MB | growth net of them MB |", "|---|---|---|---|---|---|---|---|"]
+              "| KV store + mirror + freed heap at end MB | RSS growth MB | growth net of them MB |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {x['name']} (pid {x['pid']}) | {x['span_s']} | {x['rss_mb_start']} | {x['rss_mb_mid']} | {x['rss_mb_end']} "
-              f"| {x['kv_and_free_heap_mb_end']} | {x['raw_growth_mb']} | {x['growth_mb']} |" for x in r["rss"]]
+              f"| {x['not_in_use_mb_end']} | {x['raw_growth_mb']} | {x['growth_mb']} |" for x in r["rss"]]
     if r["reference_failures"]:
         lines += ["", "Catalogue requests the undisturbed stack failed:", ""] + [f"- {x}" for x in r["reference_failures"]]
     if r["examples"]:

@@ -16,6 +16,7 @@ Set at import, before any thread allocates; a no-op where there is no ``mallopt`
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 from tandem import knobs
 
@@ -58,18 +59,55 @@ _MALLINFO2 = _mallinfo2()
 
 
 def heap_free_bytes() -> int:
-    """Freed memory glibc keeps in the heap for reuse (0 where it cannot say).
+    """Freed memory glibc keeps in the heap for reuse and that is resident (0 where it
+    cannot say).
 
     The settings here keep freed memory in the process by design, so a worker's resident
     memory is the high-water mark of what it ever held at once (its largest batch, its
     largest KV transfers), not what it holds now: resident memory minus this is what a
-    leak would grow."""
+    leak would grow. Free chunks inside the heap count whole (they were handed out, so
+    written); the top chunk counts only its resident pages: ``M_TOP_PAD`` grows it ahead
+    by pages never touched, while a large temporary freed at the top leaves its pages
+    resident there, and those are free memory too."""
     if _MALLINFO2 is None:
         return 0
     info = _MALLINFO2()
-    # Less the heap's top chunk (keepcost): its pages, grown ahead by M_TOP_PAD, may never
-    # have been touched, so they need not be resident.
-    return int(info.fordblks - info.keepcost)
+    return int(info.fordblks - info.keepcost) + _top_resident_bytes(int(info.keepcost))
+
+
+def _top_resident_bytes(top: int) -> int:
+    """Resident bytes of the main heap's top chunk: the last ``top`` bytes below the
+    program break (with one arena every thread allocates there). 0 where it cannot be
+    read (no sbrk/mincore, or the range is not mapped: a heap that moved to mmap)."""
+    if _LIBC is None or top <= 0:
+        return 0
+    page = _PAGE
+    end = _LIBC.sbrk(0)
+    if not end:
+        return 0
+    start = -(-(end - top) // page) * page
+    n = (end - start) // page
+    if n <= 0:
+        return 0
+    vec = (ctypes.c_ubyte * n)()
+    if _LIBC.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
+        return 0
+    return sum(b & 1 for b in bytes(vec)) * page
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sbrk.restype = ctypes.c_void_p
+        libc.sbrk.argtypes = [ctypes.c_ssize_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+_PAGE = mmap.PAGESIZE
 
 
 def tune_malloc() -> bool:

@@ -84,11 +84,44 @@ def test_heap_free_bytes_counts_freed_memory_the_heap_keeps():
         libc = ctypes.CDLL(None)
         libc.malloc.restype = ctypes.c_void_p
         libc.free.argtypes = [ctypes.c_void_p]
-        before = _malloc.heap_free_bytes()
         blocks = [libc.malloc(1 << 20) for _ in range(40)]  # below the mmap threshold: heap
+        before = _malloc.heap_free_bytes()
         for p in blocks[:-1]:  # the last one keeps the freed ones from being the heap's trimmed top
             libc.free(p)
         print(_malloc.heap_free_bytes() - before)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert int(out) >= 39 << 20
+
+
+def test_heap_free_bytes_counts_the_written_pages_of_the_heaps_top():
+    """A large temporary freed at the heap's top joins the top chunk: its written pages stay
+    resident and are free memory; the pages ``M_TOP_PAD`` grows the top by ahead of use were
+    never written and are not resident, so they must not count."""
+    from tandem import _malloc
+
+    if _malloc._MALLINFO2 is None or _malloc._LIBC is None:
+        pytest.skip("no glibc mallinfo2 here (glibc < 2.33, macOS, musl): workers report 0")
+    code = textwrap.dedent("""
+        import ctypes
+        import tandem  # noqa: F401
+        from tandem import _malloc
+        assert _malloc.retain_freed_memory()
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        n = 24 << 20  # below the 32 MiB mmap threshold: from the heap's top
+        untouched = libc.malloc(n)
+        before = _malloc.heap_free_bytes()
+        libc.free(untouched)
+        grown_unwritten = _malloc.heap_free_bytes() - before
+        written = libc.malloc(n)
+        ctypes.memset(written, 1, n)
+        before = _malloc.heap_free_bytes()
+        libc.free(written)
+        print(grown_unwritten, _malloc.heap_free_bytes() - before)
+    """)
+    unwritten, written = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                check=True).stdout.split())
+    assert unwritten < 1 << 20, f"{unwritten} bytes of never-written top pages counted as free"
+    assert written >= (24 << 20) - (1 << 20), f"only {written} of 24 MiB written and freed at the top counted"

@@ -186,6 +186,7 @@ class Dispatcher(Admission, StreamTracking, Failover):
             w.load.prefix_queries, w.load.prefix_hits = msg.prefix_queries, msg.prefix_hits
             w.load.spec_draft_tokens, w.load.spec_accepted_tokens = msg.spec_draft_tokens, msg.spec_accepted_tokens
             w.load.kv_store_bytes, w.load.heap_free_bytes = msg.kv_store_bytes, msg.heap_free_bytes
+            w.load.kv_mirror_bytes = msg.kv_mirror_bytes
             w.remember_prefixes(reversed(msg.prefix_hashes))
             w.kv.update(msg.kv_handoffs, msg.kv_sent_bytes, msg.kv_sent_s, msg.kv_received_bytes)
             if msg.draining and w.state == UP:

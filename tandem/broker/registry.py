@@ -30,6 +30,7 @@ class Load:
     spec_accepted_tokens: int = 0
     kv_store_bytes: int = 0
     heap_free_bytes: int = 0
+    kv_mirror_bytes: int = 0
 
 
 @dataclass

@@ -50,6 +50,7 @@ def snapshot(dispatcher, *, verbose: bool = False, rounds_s: list[float] | None 
             "spec_accepted_tokens": w.load.spec_accepted_tokens,
             "kv_store_bytes": w.load.kv_store_bytes,
             "heap_free_bytes": w.load.heap_free_bytes,
+            "kv_mirror_bytes": w.load.kv_mirror_bytes,
             # KV transfer: handoffs this worker sent, their bytes, bandwidth over all of
             # them and a moving average of recent heartbeat intervals (GB/s, 1e9 bytes).
             "kv_handoffs": w.kv.handoffs,

@@ -146,6 +146,8 @@ def _per_worker(workers: list[dict]):
         (GaugeMetricFamily, "tandem_worker_kv_blocks_total", "KV blocks a worker's pool holds", "total_blocks"),
         (GaugeMetricFamily, "tandem_worker_kv_store_bytes", "Bytes a worker's KV store holds (grows to its block budget)",
          "kv_store_bytes"),
+        (GaugeMetricFamily, "tandem_worker_kv_mirror_bytes",
+         "Bytes of the decode batch's contiguous KV copy a worker keeps (grows to its largest batch x context)", "kv_mirror_bytes"),
         (GaugeMetricFamily, "tandem_worker_heap_free_bytes",
          "Freed memory a worker keeps for reuse: glibc's free heap and MLX's buffer cache (resident, not in use)", "heap_free_bytes"),
         (CounterMetricFamily, "tandem_worker_generated_tokens", "Tokens of a worker's streams the broker forwarded", "tokens"),

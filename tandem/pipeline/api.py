@@ -77,4 +77,5 @@ class EngineStats:
     spec_draft_tokens: int = 0  # tokens drafted for verification (speculative decoding)
     spec_accepted_tokens: int = 0  # drafted tokens the target accepted
     kv_store_bytes: int = 0  # bytes the KV store's arrays hold now (it grows up to its block budget)
+    kv_mirror_bytes: int = 0  # the runner's decode mirror (ModelRunner.mirror_bytes)
     mlx_cache_bytes: int = 0  # freed arrays' memory MLX keeps for reuse (mx.get_cache_memory)

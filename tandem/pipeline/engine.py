@@ -804,7 +804,8 @@ class Engine:
             cached_blocks=self.pool.num_cached, preemptions=self.scheduler.preemptions,
             prefix_hit_ratio=c.prefix_hits / c.prefix_queries if c.prefix_queries else 0.0,
             spec_draft_tokens=spec.drafted if spec else 0, spec_accepted_tokens=spec.accepted if spec else 0,
-            kv_store_bytes=self.store.nbytes if self.store is not None else 0, mlx_cache_bytes=mx.get_cache_memory(),
+            kv_store_bytes=self.store.nbytes if self.store is not None else 0, kv_mirror_bytes=self.runner.mirror_bytes(),
+            mlx_cache_bytes=mx.get_cache_memory(),
         )
 
     # ---- helpers ------------------------------------------------------------------

@@ -89,6 +89,12 @@ class ModelRunner(Protocol):
         """Evaluate everything that outlives a step: the engine thread is ending."""
         ...
 
+    def mirror_bytes(self) -> int:
+        """Bytes of KV the runner keeps beside the store between steps (a decode batch's
+        contiguous copy): it grows to the largest batch x context decoded, then stays, so a
+        worker's memory net of it and of the store shows a leak. Read every step: O(1)."""
+        ...
+
 
 class RunnerBase:
     """The answers of a runner that captures nothing and posts nothing."""
@@ -116,6 +122,9 @@ class RunnerBase:
 
     def quiesce(self) -> None:
         pass
+
+    def mirror_bytes(self) -> int:
+        return 0
 
 
 @dataclass

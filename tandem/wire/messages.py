@@ -166,6 +166,9 @@ class Heartbeat:
     # Freed memory the process keeps for reuse (v6): glibc's free heap (resident memory is
     # its high-water mark by design, tandem._malloc) and MLX's buffer cache; not in use.
     heap_free_bytes: int = w(S.TOTAL, 0)
+    # Bytes of the decode batch's contiguous KV copy the runner keeps between steps (v7): it
+    # grows to the largest batch x context the worker has decoded, then stays.
+    kv_mirror_bytes: int = w(S.TOTAL, 0)
 
 
 @message(MsgType.DISPATCH)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 # Every header frame starts with these 4 bytes: magic, version, message type.
 MAGIC = b"TD"

@@ -65,7 +65,7 @@ class Health:
                                kv_received_bytes=self.kv_in.bytes_in if self.kv_in is not None else 0,
                                prefix_queries=stats.prefix_queries, prefix_hits=stats.prefix_hits,
                                spec_draft_tokens=stats.spec_draft_tokens, spec_accepted_tokens=stats.spec_accepted_tokens,
-                               kv_store_bytes=stats.kv_store_bytes,
+                               kv_store_bytes=stats.kv_store_bytes, kv_mirror_bytes=stats.kv_mirror_bytes,
                                heap_free_bytes=_malloc.heap_free_bytes() + getattr(stats, "mlx_cache_bytes", 0)))
         # Proves to the broker that this PUB's connection to its XSUB is up: it only
         # dispatches to workers whose tokens it can actually receive.

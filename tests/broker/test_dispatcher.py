@@ -539,11 +539,11 @@ def test_heartbeat_prefix_counts_reach_stats():
     assert row["prefix_queries"] == 0 and row["prefix_hits"] == 0
     h.d.worker_message(d, M.Heartbeat("d0", running=1, prefix_queries=8, prefix_hits=3, spec_draft_tokens=40,
                                       spec_accepted_tokens=31, kv_store_bytes=5 << 20,
-                                      heap_free_bytes=3 << 20))
+                                      heap_free_bytes=3 << 20, kv_mirror_bytes=7 << 20))
     row = snapshot(h.d)["workers"][0]
     assert row["prefix_queries"] == 8 and row["prefix_hits"] == 3
     assert row["spec_draft_tokens"] == 40 and row["spec_accepted_tokens"] == 31
-    assert row["kv_store_bytes"] == 5 << 20 and row["heap_free_bytes"] == 3 << 20
+    assert row["kv_store_bytes"] == 5 << 20 and row["heap_free_bytes"] == 3 << 20 and row["kv_mirror_bytes"] == 7 << 20
 
 
 def test_each_worker_s_device_reaches_stats():

@@ -391,7 +391,8 @@ def test_metrics_carry_the_brokers_counters_and_each_workers_load(make_app, fake
                      "free_blocks": 64, "tokens": 1},
                     {"node": "decode-0", "role": "decode", "state": "down", "used_blocks": 10, "total_blocks": 64,
                      "free_blocks": 54, "tokens": 41, "spec_draft_tokens": 30, "spec_accepted_tokens": 12,
-                     "kv_store_bytes": 1 << 20, "heap_free_bytes": 1 << 19},
+                     "kv_store_bytes": 1 << 20, "heap_free_bytes": 1 << 19,
+                     "kv_mirror_bytes": 1 << 18},
                     {"node": "decode-1", "role": "decode", "state": "up", "used_blocks": 0, "total_blocks": 64,
                      "free_blocks": 64, "tokens": 0, "spec_draft_tokens": 5, "spec_accepted_tokens": 1}],
     }
@@ -407,6 +408,7 @@ def test_metrics_carry_the_brokers_counters_and_each_workers_load(make_app, fake
                  'tandem_worker_generated_tokens_total{node="decode-0",role="decode"} 41.0',
                  'tandem_worker_kv_store_bytes{node="decode-0",role="decode"} 1.048576e+06',
                  'tandem_worker_heap_free_bytes{node="decode-0",role="decode"} 524288.0',
+                 'tandem_worker_kv_mirror_bytes{node="decode-0",role="decode"} 262144.0',
                  "tandem_spec_draft_tokens_total 35.0", "tandem_spec_accepted_tokens_total 13.0"):
         assert line in text, line
 

@@ -206,6 +206,11 @@ class CpuRunner(PagedRunner):
                                b.table_host, store.block_size, m.cap)
         return True
 
+    def mirror_bytes(self) -> int:
+        # The mirror is the front of buffers kept from one rebuild to the next (their size).
+        bufs = self._mirror_bufs
+        return len(bufs) * bufs[0].nbytes if bufs else super().mirror_bytes()
+
     def _host_mirror(self) -> q4_kernels.HostMirror:
         """Every layer's mirror as writable host arrays ``(B * H * cap, D)`` sharing the
         mlx buffers, evaluated; the same object from step to step while mlx has not

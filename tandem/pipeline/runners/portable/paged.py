@@ -169,6 +169,7 @@ class PagedRunner(RunnerBase):
         self.mirror = _Mirror()
         self.mirror.keys = [None] * store.num_layers
         self.mirror.values = [None] * store.num_layers
+        self._mirror_size = (-1, 0)  # (mirror.changes, its bytes) for mirror_bytes
         inner = getattr(model, "model", None)
         self._norm_owner = inner if isinstance(getattr(inner, "norm", None), nn.Module) else None
 
@@ -273,6 +274,12 @@ class PagedRunner(RunnerBase):
             m.cap = -(-min(max(reach, now + 1), now + MIRROR_AHEAD) // 128) * 128
             m.rows = key
         m.lens = ctx.copy()
+
+    def mirror_bytes(self) -> int:
+        m = self.mirror
+        if self._mirror_size[0] != m.changes:
+            self._mirror_size = (m.changes, sum(a.nbytes for a in m.keys + m.values if a is not None))
+        return self._mirror_size[1]
 
     def rebuild_mirror_layer(self, layer: int) -> None:
         """Fill one layer's mirror from the pool: every row's blocks, padded to the cap."""

@@ -5,6 +5,7 @@ larger ones through OpenBLAS a block of expanded rows at a time."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
@@ -130,3 +131,23 @@ def test_without_the_table_a_4_bit_matrix_holds_three_quarters_of_a_byte_a_weigh
     assert lean.nbytes == 64 * 256 * 3 // 4 and lean.values16 is None and lean.lut is None
     assert tabled.nbytes == 64 * 256 * 3 // 2  # codes and the fp16 table of 16 values per 32 weights
     assert np.array_equal(lean.expand(), tabled.expand())
+
+
+def test_stats_report_the_decode_mirrors_memory(packed):
+    """Heartbeats carry ``kv_mirror_bytes`` so a worker's memory net of it shows a leak: it
+    is the memory the decode mirror's buffers hold (what dropping them gives back to MLX),
+    and it grows to the largest batch x context decoded, then stays."""
+    eng = _engine(packed.model)
+    eng.start()
+    try:
+        eng.generate_many([(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in random_prompts(2, 10, 20, seed=11)])
+        small = eng.stats().kv_mirror_bytes
+        eng.generate_many([(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in random_prompts(4, 150, 200, seed=12)])
+        large = eng.stats().kv_mirror_bytes
+        eng.generate_many([(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in random_prompts(2, 10, 20, seed=13)])
+        assert 0 < small < large == eng.stats().kv_mirror_bytes
+        before = mx.get_active_memory()
+    finally:
+        eng.stop()  # the engine thread's end drops the mirror (quiesce)
+    freed = before - mx.get_active_memory()
+    assert large <= freed < large + (64 << 10)  # the mirror, and a step's few small arrays
