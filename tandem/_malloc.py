@@ -78,21 +78,22 @@ def heap_free_bytes() -> int:
 def _top_resident_bytes(top: int) -> int:
     """Resident bytes of the main heap's top chunk: the last ``top`` bytes below the
     program break (with one arena every thread allocates there). 0 where it cannot be
-    read (no sbrk/mincore, or the range is not mapped: a heap that moved to mmap)."""
+    read (no sbrk/mincore, or the range is not mapped: a heap that moved to mmap).
+    Allocates nothing on the heap while it looks (one vector made at import, reused): an
+    allocation would land at the top it measures."""
     if _LIBC is None or top <= 0:
         return 0
-    page = _PAGE
+    page, vec, span = _PAGE, _VEC, len(_VEC) * _PAGE
     end = _LIBC.sbrk(0)
     if not end:
         return 0
-    start = -(-(end - top) // page) * page
-    n = (end - start) // page
-    if n <= 0:
-        return 0
-    vec = (ctypes.c_ubyte * n)()
-    if _LIBC.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
-        return 0
-    return sum(b & 1 for b in bytes(vec)) * page
+    resident = 0
+    for start in range(-(-(end - top) // page) * page, end, span):
+        n = min(end - start, span) // page
+        if _LIBC.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
+            return 0
+        resident += bytes(vec)[:n].count(1)  # bit 0: resident; the others are reserved (0)
+    return resident * page
 
 
 def _libc():
@@ -108,6 +109,7 @@ def _libc():
 
 _LIBC = _libc()
 _PAGE = mmap.PAGESIZE
+_VEC = (ctypes.c_ubyte * 65536)()  # mincore's answer for 256 MiB of 4 KiB pages
 
 
 def tune_malloc() -> bool:

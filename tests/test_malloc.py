@@ -111,11 +111,27 @@ def test_heap_free_bytes_counts_the_written_pages_of_the_heaps_top():
         libc.malloc.restype = ctypes.c_void_p
         libc.free.argtypes = [ctypes.c_void_p]
         n = 24 << 20  # below the 32 MiB mmap threshold: from the heap's top
-        untouched = libc.malloc(n)
+        libc.sbrk.restype = ctypes.c_void_p
+
+        def at_the_top():  # a block just below the top chunk: freeing it joins the top
+            held = []
+            while True:
+                p = libc.malloc(n)
+                if abs(p + n - (libc.sbrk(0) - _malloc._MALLINFO2().keepcost)) < 4096:
+                    return p, held
+                held.append(p)  # a free chunk inside the heap served it: keep it, ask again
+
+        untouched, held = at_the_top()
+        # Pages the top may reuse were written before (imports): give this block's back to
+        # the kernel, as pages M_TOP_PAD adds are, never written.
+        page = _malloc._PAGE
+        start = -(-untouched // page) * page + page
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        assert libc.madvise(ctypes.c_void_p(start), n - 2 * page, 4) == 0  # MADV_DONTNEED
         before = _malloc.heap_free_bytes()
         libc.free(untouched)
         grown_unwritten = _malloc.heap_free_bytes() - before
-        written = libc.malloc(n)
+        written, held2 = at_the_top()
         ctypes.memset(written, 1, n)
         before = _malloc.heap_free_bytes()
         libc.free(written)
