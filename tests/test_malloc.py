@@ -70,20 +70,25 @@ def test_retain_freed_memory_avoids_refaulting_the_next_transfer():
     assert int(faults) < 3000, f"{faults} page faults for 128 MiB of re-allocated buffers"
 
 
+# A worker's allocator settings and libc's malloc/free, for the heap_free_bytes tests.
+HEAP_PROLOGUE = textwrap.dedent("""
+    import ctypes
+    import tandem  # noqa: F401  (one arena, large thresholds)
+    from tandem import _malloc
+    assert _malloc.retain_freed_memory()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+""")
+
+
 def test_heap_free_bytes_counts_freed_memory_the_heap_keeps():
     """What a worker reports as not in use: freed memory glibc keeps (mallinfo2's fordblks)."""
     from tandem import _malloc
 
     if _malloc._MALLINFO2 is None:
         pytest.skip("no glibc mallinfo2 here (glibc < 2.33, macOS, musl): workers report 0")
-    code = textwrap.dedent("""
-        import ctypes
-        import tandem  # noqa: F401  (one arena, large thresholds)
-        from tandem import _malloc
-        assert _malloc.retain_freed_memory()
-        libc = ctypes.CDLL(None)
-        libc.malloc.restype = ctypes.c_void_p
-        libc.free.argtypes = [ctypes.c_void_p]
+    code = HEAP_PROLOGUE + textwrap.dedent("""
         blocks = [libc.malloc(1 << 20) for _ in range(40)]  # below the mmap threshold: heap
         before = _malloc.heap_free_bytes()
         for p in blocks[:-1]:  # the last one keeps the freed ones from being the heap's trimmed top
@@ -102,14 +107,7 @@ def test_heap_free_bytes_counts_the_written_pages_of_the_heaps_top():
 
     if _malloc._MALLINFO2 is None or _malloc._LIBC is None:
         pytest.skip("no glibc mallinfo2 here (glibc < 2.33, macOS, musl): workers report 0")
-    code = textwrap.dedent("""
-        import ctypes
-        import tandem  # noqa: F401
-        from tandem import _malloc
-        assert _malloc.retain_freed_memory()
-        libc = ctypes.CDLL(None)
-        libc.malloc.restype = ctypes.c_void_p
-        libc.free.argtypes = [ctypes.c_void_p]
+    code = HEAP_PROLOGUE + textwrap.dedent("""
         n = 24 << 20  # below the 32 MiB mmap threshold: from the heap's top
         libc.sbrk.restype = ctypes.c_void_p
 
