@@ -9,7 +9,6 @@ supervisor, which then stops them in a controlled order; each child also gets
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import signal
 import subprocess
@@ -18,6 +17,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+from tandem._parent_death import parent_death_signal
 
 
 @dataclass
@@ -34,11 +35,7 @@ class ChildFailed(Exception):
 
 def die_with_parent() -> None:
     """preexec_fn: the child gets SIGTERM when its parent dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    parent_death_signal(signal.SIGTERM)
 
 
 class Child:

@@ -25,7 +25,8 @@ PACKAGE = ROOT / "tandem"
 LAYERS: list[tuple[str, ...]] = [
     # value types, the environment-knob registry, and the process set-up that runs
     # before anything imports mlx
-    ("tandem.kvtypes", "tandem.knobs", "tandem", "tandem._blas", "tandem._malloc", "tandem._mlx_cuda"),
+    ("tandem.kvtypes", "tandem.knobs", "tandem", "tandem._blas", "tandem._malloc", "tandem._mlx_cuda",
+     "tandem._parent_death"),
     ("tandem.wire",),
     ("tandem.pipeline", "tandem.kernels"),
     ("tandem.broker", "tandem.workers"),

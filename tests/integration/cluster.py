@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from tandem._parent_death import parent_death_signal
 from tandem.wire.client import Client
 
 READY_TIMEOUT_S = 60.0
@@ -26,11 +27,7 @@ def _own_group_die_with_parent() -> None:
     """In the child: its own process group (teardown kills the group), and SIGKILL when the
     test process dies, so even a killed pytest leaves no worker or broker behind."""
     os.setsid()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent_death_signal(signal.SIGKILL)
 
 
 class Proc:
