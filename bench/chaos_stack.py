@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import sys
@@ -33,10 +34,42 @@ from tandem.supervisor import ChildSpec, Supervisor
 HOST = "127.0.0.1"
 
 
+def _ephemeral_low() -> int:
+    """The first port of the host's ephemeral range (Linux: ip_local_port_range)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_picked: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port free now and below the host's ephemeral range, never the same twice.
+
+    The stack's processes die and restart on their ports. A port from the ephemeral range
+    (what binding to port 0 returns) is, while its owner restarts, one the kernel may hand
+    to any process on the host that binds port 0: the only unclean request of a 10-minute
+    run connected after the killed edge's processes were gone and before the new edge
+    listened, and was reset (as a CURVE ZeroMQ socket, which tandem's tests bind to port 0
+    by the dozen, answers HTTP). Below that range only a process that names the port can
+    take it, as with ``tandem serve``'s fixed ports.
+    """
+    rng = random.SystemRandom()
+    low = max(_ephemeral_low(), 20_001)
+    for _ in range(2000):
+        port = rng.randrange(20_000, low)
+        if port in _picked:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        _picked.add(port)
+        return port
+    raise RuntimeError(f"no free port in 20000-{low - 1} on {HOST}")
 
 
 class RouteCut:

@@ -1,5 +1,5 @@
 """bench/chaos.py's token-level check: a streamed (token, logprob) sequence against the
-undisturbed run's, for both OpenAI logprobs shapes."""
+undisturbed run's, for both OpenAI logprobs shapes; and the ports its stack restarts on."""
 
 import importlib.util
 import sys
@@ -59,3 +59,21 @@ def test_rss_growth_is_net_of_the_kv_store_and_skips_unknown_sizes():
     assert by["prefill-0"]["growth_mb"] == 0.0 and by["prefill-0"]["raw_growth_mb"] == 375.0  # t 15 -> 90 (medians of three)
     assert by["edge-worker"]["growth_mb"] == by["edge-worker"]["raw_growth_mb"] == 30.0
     assert (net, raw) == (30.0, 375.0)
+
+
+def test_stack_ports_are_free_distinct_and_outside_the_ephemeral_range():
+    """A restarting process's port must not be one the kernel hands to other processes that
+    bind port 0 (a request to the killed edge's port was once reset by such a process)."""
+    import socket
+
+    import chaos_stack
+
+    low = chaos_stack._ephemeral_low()
+    ports = [chaos_stack.free_port() for _ in range(20)]
+    assert len(set(ports)) == len(ports) and all(20_000 <= p < low for p in ports)
+    with socket.socket() as s:  # what another process binding port 0 gets
+        s.bind(("127.0.0.1", 0))
+        assert s.getsockname()[1] >= low
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # still free: free_port holds nothing
