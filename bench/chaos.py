@@ -957,7 +957,8 @@ def report_section(r: dict) -> list[str]:
                 "refused_while_edge_restarts", "unclean", "mismatched", "lost_tokens", "duplicated_tokens", "hung",
                 "leaked_blocks", "faults", "rss_growth_mb", "rss_raw_growth_mb", "rss_second_half_growth_mb", "token_requests", "tokens_checked",
                 "logprob_max_abs_diff"):
-        lines.append(f"| `{key}` | {r[key]} |")
+        if key in r:  # a run from before a figure existed lacks it
+            lines.append(f"| `{key}` | {r[key]} |")
     lines.append(f"| after the faults, catalogue requests answered exactly | {r['after_chaos_exact']} of {r['after_chaos_requests']} |")
     lines += ["", "Faults: " + ", ".join(f"{k} {v}" for k, v in sorted(r["fault_kinds"].items())) + ". "
               "Signals by target (SIGKILL, SIGSTOP, SIGTERM): "
@@ -977,7 +978,9 @@ def report_section(r: dict) -> list[str]:
     lines += ["", "| process (lived long enough to measure) | measured for s | RSS start MB | mid MB | end MB "
               "| KV store + mirror + freed heap at end MB | RSS growth MB | growth net of them MB |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {x['name']} (pid {x['pid']}) | {x['span_s']} | {x['rss_mb_start']} | {x['rss_mb_mid']} | {x['rss_mb_end']} "
-              f"| {x['not_in_use_mb_end']} | {x['raw_growth_mb']} | {x['growth_mb']} |" for x in r["rss"]]
+              # A run from before the net figure reported raw growth only, as growth_mb.
+              f"| {x.get('not_in_use_mb_end', '-')} | {x.get('raw_growth_mb', x['growth_mb'])} "
+              f"| {x['growth_mb'] if 'raw_growth_mb' in x else '-'} |" for x in r["rss"]]
     if r["reference_failures"]:
         lines += ["", "Catalogue requests the undisturbed stack failed:", ""] + [f"- {x}" for x in r["reference_failures"]]
     if r["examples"]:
