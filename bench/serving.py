@@ -124,7 +124,7 @@ def prefill_blas() -> str:
 
     if _blas.openblas_sgemm() is None:
         return f"mlx with {tandem.BLAS}"
-    return "numpy's bundled OpenBLAS, one single-threaded call per core"
+    return f"numpy's bundled OpenBLAS ({_blas.openblas_core()} kernels), one single-threaded call per core"
 
 
 def free_port() -> int:

@@ -1,4 +1,5 @@
-"""Pick the BLAS that mlx's CPU backend will call, before mlx is imported."""
+"""Pick the BLAS that mlx's CPU backend will call, before mlx is imported, and the kernels
+numpy's bundled OpenBLAS (the CPU prefill's products) runs, before numpy is imported."""
 
 from __future__ import annotations
 
@@ -47,6 +48,71 @@ def preload_blas() -> str:
     return "reference"
 
 
+# The AVX-512 subsets OpenBLAS's SkylakeX kernels are built with, and its cores that have them.
+_SKYLAKEX_FLAGS = frozenset(("avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"))
+_AVX512_CORES = frozenset(("skylakex", "cooperlake", "sapphirerapids"))
+
+
+def openblas_coretype(cpuinfo: str, forced: str | None) -> str | None:
+    """The ``OPENBLAS_CORETYPE`` tandem sets, given /proc/cpuinfo's text and the value the
+    environment has (None: unset), or None to leave it: ``SkylakeX`` where the environment
+    forces a core without AVX-512 (e.g. ``Haswell``, which some images set for every
+    process) on a CPU whose kernel reports the AVX-512 subsets those kernels need. The
+    prefill's products are OpenBLAS calls (:func:`openblas_sgemm`), and on the 2-core Zen 5
+    they ran ~1.6x faster with the 512-bit kernels (a 4 x 154-token prefill of the default
+    model 595-612 -> 350-360 ms, docs/cpu-performance.md). Unset, OpenBLAS picks them itself."""
+    if forced is None or forced.strip().lower() in _AVX512_CORES:
+        return None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return "SkylakeX" if _SKYLAKEX_FLAGS <= set(value.split()) else None
+    return None
+
+
+def choose_openblas_core() -> str | None:
+    """Apply :func:`openblas_coretype` to this process before anything imports numpy
+    (OpenBLAS reads the variable once, when numpy loads it); returns the value the
+    environment had when it was replaced, else None. ``TANDEM_PREFILL_BLAS=mkl`` keeps the
+    prefill off OpenBLAS altogether, and the environment as it is."""
+    forced = os.environ.get("OPENBLAS_CORETYPE")
+    if forced is None or "numpy" in sys.modules or sys.platform != "linux" or knobs.PREFILL_BLAS != "auto":
+        return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            core = openblas_coretype(f.read(), forced)
+    except OSError:
+        return None
+    if core is None:
+        return None
+    os.environ["OPENBLAS_CORETYPE"] = core
+    return forced
+
+
+def openblas_core() -> str | None:
+    """The kernels numpy's bundled OpenBLAS runs (``Haswell``, ``SkylakeX``, ...), or None
+    where numpy bundles none."""
+    lib = _openblas_lib()
+    for name in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename"):
+        fn = getattr(lib, name, None) if lib is not None else None
+        if fn is not None:
+            fn.restype = ctypes.c_char_p
+            return fn().decode()
+    return None
+
+
+def _openblas_lib():
+    import numpy
+
+    libdir = os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy.libs")
+    for path in sorted(glob.glob(os.path.join(libdir, "libscipy_openblas*.so*"))):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
 # numpy's wheels bundle OpenBLAS (64-bit sizes, symbols prefixed scipy_ and suffixed 64_;
 # some builds 32-bit sizes without the suffix): tried in this order.
 _OPENBLAS_SYMBOLS = (("scipy_cblas_sgemm64_", "scipy_openblas_set_num_threads64_", True),
@@ -70,14 +136,8 @@ def openblas_sgemm() -> tuple[int, bool] | None:
     _openblas = None
     if knobs.PREFILL_BLAS != "auto":
         return None
-    import numpy
-
-    libdir = os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy.libs")
-    for path in sorted(glob.glob(os.path.join(libdir, "libscipy_openblas*.so*"))):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
+    lib = _openblas_lib()
+    if lib is not None:
         for sgemm, set_threads, ilp64 in _OPENBLAS_SYMBOLS:
             fn, threads = getattr(lib, sgemm, None), getattr(lib, set_threads, None)
             if fn is None or threads is None:

@@ -44,7 +44,14 @@ class LoadedModel:
     weights: str  # what actually runs: "quantized", "dense-float32", "dense-float16", ...
 
     def describe(self) -> str:
-        return f"model {self.model_id}: weights {self.weights}, device {mx.default_device()}, BLAS {tandem.BLAS}"
+        from tandem import _blas
+
+        text = f"model {self.model_id}: weights {self.weights}, device {mx.default_device()}, BLAS {tandem.BLAS}"
+        if not _on_gpu() and _blas.openblas_sgemm() is not None:
+            text += f", prefill products on OpenBLAS's {_blas.openblas_core()} kernels"
+            if tandem.OPENBLAS_REPLACED:
+                text += f" (not the environment's OPENBLAS_CORETYPE={tandem.OPENBLAS_REPLACED}, which leaves AVX-512 unused)"
+        return text
 
 
 def _is_quantized(model: nn.Module) -> bool:
