@@ -173,6 +173,26 @@ def test_decode_kernel_matches_mlx_attention_on_ragged_rows(B, Hq, Hkv, D, threa
     np.testing.assert_allclose(got, np.array(want), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("n", [2, 15, 16, 17, 40])
+def test_decode_kernel_finds_the_largest_score_anywhere_in_a_row(n):
+    """Two keys score 200 and 150, the rest ~0, at the front, inside a 16-key block or in
+    the tail past the last full block (the softmax's maximum is taken 16 scores at a time,
+    the rest one by one): attention returns the first one's value. A maximum that missed
+    both would clamp both exponentials to the largest power of two and average them."""
+    if not cpu_kernels.available():
+        pytest.skip("no C compiler: the runner keeps the mlx formulation")
+    rng = np.random.default_rng(n)
+    D = 16
+    q = rng.normal(size=D).astype(np.float32)
+    for top in sorted({0, max(0, n // 2 - 1), n - 2}):
+        k = rng.normal(size=(1, 1, n, D)).astype(np.float32) * 1e-3
+        v = rng.normal(size=(1, 1, n, D)).astype(np.float32)
+        k[0, 0, top] = q / np.dot(q, q) * 200 / 0.125
+        k[0, 0, top + 1] = q / np.dot(q, q) * 150 / 0.125
+        got = cpu_kernels.decode_attention(np.repeat(q[None, None], 3, 1), k, v, np.array([n], np.int32), 0.125)
+        np.testing.assert_allclose(got[0], np.repeat(v[0, 0, top][None], 3, 0), rtol=1e-5, atol=1e-5)
+
+
 def test_engine_with_and_without_the_decode_kernel_yield_the_same_tokens(tiny, monkeypatch):
     if not cpu_kernels.available():
         pytest.skip("no C compiler: the runner keeps the mlx formulation")
