@@ -487,7 +487,8 @@ def report(results: dict, out: Path) -> str:
         (f"Tokenizer of `{meta['model']}`; the worker runs the model-free stub engine (tests/stub_engine.py), so this measures what the "
          f"edge, broker and wire add per token: at {meta.get('stub_step_ms')} ms per engine step the ceiling is "
          f"clients x {1000 / (meta.get('stub_step_ms') or 1):.0f} tok/s. " if stub else
-         f"Model `{meta['model']}` (tandem --weights {meta['weights']}; mlx_lm.server on "
+         f"Model `{meta['model']}` (tandem --weights {meta['weights']}, speculative decoding "
+         f"{meta.get('speculative', 'as configured')}; mlx_lm.server on "
          f"{'a dequantized fp32 copy' if 'dense' in meta['weights'].split(',') else 'the checkpoint as stored'}, "
          f"BLAS {meta['blas']}; on the CPU "
          "tandem's decode multiplies the same values from the checkpoint's 4-bit codes, "
@@ -527,6 +528,9 @@ def main() -> int:
     p.add_argument("--weights", default="dense",
                    help="tandem's weight format(s), a comma list of auto, dense, quantized: tandem runs once per "
                         "format, in this order (mlx_lm.server gets a dense copy where dense is listed)")
+    p.add_argument("--speculative", default="",
+                   help="tandem's speculative decoding mode(s), a comma list of off, ngram, draft:PATH: tandem runs once "
+                        "per mode and weight format (default: the configured one)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--rounds", type=int, default=1, help="requests per client per level")
     p.add_argument("--prompt-tokens", type=int, default=170)
@@ -585,7 +589,10 @@ def main() -> int:
     rows: list[dict] = []
     load: dict[str, float] = {}
     print(f"model {model.name} ({args.weights}), prompts ~{mean_len} tokens, {args.max_tokens} new, levels {levels}", flush=True)
-    runs = [("tandem" if len(formats) == 1 else f"tandem ({fmt})", fmt, env) for fmt in formats]
+    modes = [m.strip() for m in args.speculative.split(",") if m.strip()] or [None]
+    runs = [("tandem" + "".join(f" ({x})" for x in (fmt if len(formats) > 1 else None, mode if len(modes) > 1 else None) if x),
+             fmt, env if mode is None else dict(env, TANDEM_SPECULATIVE_MODE=mode))
+            for fmt in formats for mode in modes]
     base_src = None
     if args.baseline and "tandem" in servers:
         base_src = baseline_tree(args.baseline)
@@ -635,7 +642,8 @@ def main() -> int:
             "command": "python bench/serving.py " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
-            "model": model.name, "weights": args.weights, "blas": tandem.BLAS,
+            "model": model.name, "weights": args.weights, "speculative": args.speculative or "as configured",
+            "blas": tandem.BLAS,
             "prefill_blas": prefill_blas(),
             "prompt_tokens": mean_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
             "parallel": args.parallel, "edge_workers": args.edge_workers, "topology": args.topology, "engine": args.engine,
