@@ -583,6 +583,10 @@ def main() -> int:
             servers.remove("llama")
     bodies, mean_len = build_bodies(model, args.prompt_tokens, args.max_tokens, sum(levels) * args.rounds + 1)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_ENGINE_MAX_QUEUE_DEPTH="1024")
+    if tandem.OPENBLAS_REPLACED:
+        # The servers start from the environment as it was (this process's import of tandem
+        # replaced it): each tandem, a --baseline tree's included, makes its own choice.
+        env["OPENBLAS_CORETYPE"] = tandem.OPENBLAS_REPLACED
     for name in ("PROMETHEUS_MULTIPROC_DIR", "TANDEM_CLUSTER_SECRET", "TANDEM_CLUSTER_SECRET_FILE"):
         env.pop(name, None)
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-serving-"))
