@@ -73,8 +73,10 @@ class Server:
         self.name = name
         self.log = log
         self._err = open(log, "ab")
+        # In the run's temp dir, not the repository: `python -m` puts the working directory first
+        # on sys.path, ahead of PYTHONPATH, so a --baseline tree's tandem was shadowed by this one.
         self.p = subprocess.Popen(args, stdout=self._err if stdout_to_log else subprocess.PIPE, stderr=self._err,
-                                  env=env, start_new_session=True)
+                                  env=env, start_new_session=True, cwd=log.parent)
 
     def ready_line(self, timeout: float = 300.0) -> dict:
         deadline, buf = time.monotonic() + timeout, b""
