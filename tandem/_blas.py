@@ -58,9 +58,9 @@ def openblas_coretype(cpuinfo: str, forced: str | None) -> str | None:
     environment has (None: unset), or None to leave it: ``SkylakeX`` where the environment
     forces a core without AVX-512 (e.g. ``Haswell``, which some images set for every
     process) on a CPU whose kernel reports the AVX-512 subsets those kernels need. The
-    prefill's products are OpenBLAS calls (:func:`openblas_sgemm`), and on the 2-core Zen 5
-    they ran ~1.6x faster with the 512-bit kernels (a 4 x 154-token prefill of the default
-    model 595-612 -> 350-360 ms, docs/cpu-performance.md). Unset, OpenBLAS picks them itself."""
+    prefill's products are OpenBLAS calls (:func:`openblas_sgemm`), and on a CPU with two
+    512-bit FMA pipes a core the AVX2 kernels leave half of them idle (measured in
+    docs/cpu-performance.md, "Sixteen clients on a Zen 5"). Unset, OpenBLAS picks them itself."""
     if forced is None or forced.strip().lower() in _AVX512_CORES:
         return None
     for line in cpuinfo.splitlines():
