@@ -54,7 +54,7 @@ def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
     p.add_argument("--base-port", type=int, default=5555, help="first of the ZeroMQ ports (default 5555)")
     p.add_argument("--parallel", type=int, help="active sequences per worker")
-    p.add_argument("--speculative", metavar="MODE", help="speculative decoding in the decode workers: off, ngram (prompt lookup) or draft:PATH (a smaller model with the same tokenizer)")
+    p.add_argument("--speculative", metavar="MODE", help="speculative decoding in the decode workers: auto (the default: ngram on the CPU, off on a GPU), off, ngram (prompt lookup) or draft:PATH (a smaller model with the same tokenizer)")
     p.add_argument("--api-key-file", metavar="PATH", help="require this API key as a Bearer token")
     p.add_argument("--state-dir", metavar="DIR", help="where the generated cluster secret and serve.json (the addresses "
                    "`tandem client` and `tandem stats` find) live (default $XDG_STATE_HOME/tandem)")

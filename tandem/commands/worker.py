@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--parallel", type=int, help="engine: maximum active sequences")
     p.add_argument("--workers-per-device", type=int, metavar="N",
                    help="worker processes sharing this device's memory: each takes 1/N (engine.workers_per_device)")
-    p.add_argument("--speculative", metavar="MODE", help="speculative decoding: off, ngram (prompt lookup) or draft:PATH (a smaller model with the same tokenizer)")
+    p.add_argument("--speculative", metavar="MODE", help="speculative decoding: auto (the default: ngram on the CPU, off on a GPU), off, ngram (prompt lookup) or draft:PATH (a smaller model with the same tokenizer)")
     p.add_argument("--heartbeat-ms", type=int, help="heartbeat interval (match the broker's)")
     p.add_argument("--drain-grace", type=float, help="seconds SIGTERM waits for in-flight requests")
     p.add_argument("--kv-strategy", choices=("adaptive", "full", "streamed", "layer_parallel"), help="prefill: how KV travels to the decode worker")
@@ -83,6 +83,8 @@ def warm_up(engine) -> float:
     engine.generate_many([(prompt, greedy)])
     engine.generate_many([(prompt + [5, 6, 7], greedy),
                           ([0, 1, 2, 3], SamplingParams(temperature=0.7, seed=0, max_tokens=2, ignore_eos=True))])
+    if engine.speculator is not None:  # what these steps cost was first use: not what drafting will
+        engine.speculator.cost.forget()
     return (time.perf_counter() - t) * 1000
 
 

@@ -396,7 +396,8 @@ class Engine:
             for hook in self._before_schedule:
                 hook()
         plan = self.scheduler.schedule()
-        if spec is not None and plan is not None and plan.kind == "decode" and plan.rows:
+        timed = spec is not None and plan is not None and plan.kind == "decode" and bool(plan.rows)
+        if timed:  # a decode step the speculator plans is timed: what its positions cost
             spec.plan(plan.rows, self.scheduler.grow)
         for hook in self._after_schedule:
             hook(plan)
@@ -406,7 +407,10 @@ class Engine:
                 self._finish(seq, "error", error=why)
             if plan.rows:
                 try:
+                    t = time.perf_counter()
                     launched = self._launch(plan)
+                    if timed and self._inflight is None:  # (not overlapping the step before)
+                        launched += (t,)
                 except Exception as exc:
                     log.exception("forward failed")
                     for r in plan.rows:
@@ -419,7 +423,8 @@ class Engine:
         if early and launched[3]:
             mx.async_eval(*launched[3])
         if self._inflight is not None:
-            produced += self._read_back()
+            # (Read back after the next launch: its time is not the step's own.)
+            produced += self._read_back(timed=False)
         if launched is not None and not early and launched[3]:
             # Otherwise queue step N+1 only now that step N has been read back: while step
             # N's graph is alive its views pin the KV arrays, so N+1's functional writes
@@ -429,9 +434,11 @@ class Engine:
         self._inflight = launched
         return produced
 
-    def _read_back(self) -> int:
+    def _read_back(self, timed: bool = True) -> int:
         """Wait for all of the in-flight step (a chunk that samples nothing has no tokens
-        to read, but its graph must let go of the KV arrays) and emit its tokens."""
+        to read, but its graph must let go of the KV arrays) and emit its tokens. A timed
+        step (one the speculator planned, read back before anything else launched) tells
+        the speculator what it cost."""
         inflight, self._inflight = self._inflight, None
         try:
             sampled = inflight[1]
@@ -440,7 +447,10 @@ class Engine:
                 sampled.host_tokens = self.runner.read_tokens(ticket)
             if inflight[3] and (ticket is None or sampled.host_tokens is None):
                 mx.eval(*inflight[3])
-            return self._complete(*inflight[:3])
+            produced = self._complete(*inflight[:3])
+            if timed and len(inflight) > 4:
+                self.speculator.observe(inflight[0].rows, time.perf_counter() - inflight[4])
+            return produced
         except Exception as exc:  # the device work of that step failed
             log.exception("step failed")
             for r in inflight[0].rows:

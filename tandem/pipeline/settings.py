@@ -38,19 +38,24 @@ class EngineSettings:
 class SpeculativeSettings:
     """Section [speculative]: drafting tokens that a decode step verifies in the batch."""
 
-    mode: str = field(default="off", metadata={"help": "off; ngram (prompt lookup: propose what followed the last tokens' earlier occurrence; pays where the output copies its input); or draft:PATH (a smaller mlx-lm model with the target's tokenizer, loaded beside it)"})
+    mode: str = field(default="auto", metadata={"help": "auto (ngram on the CPU, where the one C decode step verifies every drafted position and the measured cost keeps wide batches from drafting; off on a GPU, whose runner still verifies through its prefill path); off; ngram (prompt lookup: propose what followed the last tokens' earlier occurrence; pays where the output copies its input); or draft:PATH (a smaller mlx-lm model with the target's tokenizer, loaded beside it)"})
     max_draft: int = field(default=4, metadata={"min": 1, "max": 16, "help": "most tokens one sequence drafts per step"})
     ngram_min: int = field(default=2, metadata={"min": 1, "max": 16, "help": "shortest run of last tokens the prompt lookup matches"})
     ngram_max: int = field(default=4, metadata={"min": 1, "max": 16, "help": "longest run of last tokens the prompt lookup matches (tried first)"})
-    verify_cost: float = field(default=0.1, metadata={"min": 0, "help": "what one more position adds to a decode step, as a fraction of a one-row step (0.1 on the CPU's 4-bit step); draft tokens go to the rows whose recent acceptance makes them raise the step's tokens per unit of cost, so a lone sequence drafts while over this share of its drafts is accepted and a wide batch drafts little or nothing"})
-    retry_steps: int = field(default=16, metadata={"min": 1, "help": "steps without drafting after which a sequence's acceptance estimate is raised to 2 x verify_cost, so a lone one tries a token again"})
+    retry_steps: int = field(default=16, metadata={"min": 1, "help": "steps without drafting after which a sequence's acceptance estimate is raised just above what a drafted token costs (measured), so a lone one tries a token again"})
 
     def draft_path(self) -> str | None:
-        """The draft model's path for ``draft:PATH``; None for off and ngram. Raises
+        """The draft model's path for ``draft:PATH``; None for auto, off and ngram. Raises
         ValueError for any other mode."""
-        if self.mode in ("off", "ngram"):
+        if self.mode in ("auto", "off", "ngram"):
             return None
         kind, sep, path = self.mode.partition(":")
         if kind != "draft" or not sep or not path.strip():
-            raise ValueError(f"speculative.mode={self.mode!r}: expected off, ngram or draft:PATH")
+            raise ValueError(f"speculative.mode={self.mode!r}: expected auto, off, ngram or draft:PATH")
         return path.strip()
+
+    def resolved(self, on_cpu: bool) -> str:
+        """The mode that runs: auto is ngram on the CPU and off elsewhere."""
+        if self.mode == "auto":
+            return "ngram" if on_cpu else "off"
+        return self.mode

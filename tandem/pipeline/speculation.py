@@ -20,23 +20,28 @@ rejected positions' entries sit past the sequence's computed length, where the n
 overwrite them and nothing reads them. Full blocks enter the prefix cache only up to the
 computed length, so only accepted tokens are ever registered.
 
-Policy (:meth:`Speculator.plan`): a step's cost is modelled as ``1 + v * (positions - 1)``
-decode steps of one row, ``v`` being what one more position costs (``verify_cost``, plus the
-drafter's own cost per token); a row whose drafts are accepted at rate ``a`` (a moving
-average over its verifications) gains ``a^(k+1)`` expected tokens from its (k+1)-th draft.
-Draft tokens go, best gain first, to the rows whose next one raises the step's tokens per
-unit of cost: so a lone sequence drafts whenever ``a`` is above ``v``, and a wide batch,
-whose step costs many rows already, drafts only its surest rows, few tokens each, or none.
-A row whose rate fell below that has its rate raised to ``2 v`` after ``retry_steps`` steps
-without drafting, so a lone sequence whose text turns repetitive later starts again (with
-one token), while a wide batch stays off.
+Policy (:meth:`Speculator.plan`): a decode step of ``B`` rows with ``d`` drafted tokens is
+modelled as costing ``1 + r (B - 1) + v d`` one-row decode steps, ``r`` and ``v`` measured
+(:class:`StepCost`: a least-squares line through the engine's recent steps, drafting time
+included); a row whose drafts are accepted at rate ``a`` (a moving average over its
+verifications) gains ``a^(k+1)`` expected tokens from its (k+1)-th draft. Draft tokens go,
+best gain first, to the rows whose next one raises the step's tokens per unit of cost: so a
+lone sequence drafts whenever ``a`` is above ``v``, and a wide batch, whose step costs many
+rows already, drafts only its surest rows, few tokens each, or none. The costs are measured
+because no constant holds across backends and batch widths: on the CPU a drafted position
+costs a fifth of a one-row step at one row and as much as a whole row in a compute-bound
+batch of sixteen, and a runner that verifies through its prefill path pays several steps.
+A row whose rate fell below ``v`` has its rate raised to just above it (``2 v``, at most
+halfway to 1) after ``retry_steps`` steps without drafting, so a lone sequence whose text
+turns repetitive later starts again (with one token), while a wide batch stays off.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-import logging
+import numpy as np
 
 from tandem.pipeline.drafters import Drafter, ModelDrafter, NgramDrafter, parameter_ratio
 from tandem.pipeline.sequence import Row, Sequence
@@ -60,22 +65,76 @@ class SpecCounters:
     verify_steps: int = 0
 
 
+class StepCost:
+    """What a decode step costs, learnt from the steps the engine times: seconds =
+    ``c0 + c1 (positions - 1)``, a step's positions being its rows plus their drafted
+    tokens (a drafted position costs what a row's does: both go through the same products
+    and attend over the same context). Least squares over recent steps (weights halving
+    every ``halflife`` steps), with a gentle pull of ``c1`` towards ``prior x c0``: where the
+    recent steps do not tell the two apart (a steady width, no drafting: only their sum is
+    known) the prior splits them, and it is optimistic (0.1), so a sequence that has not
+    drafted lately tries, its drafts get measured, and a dearer position ends drafting.
+    :meth:`forget` drops what was learnt (a worker's warm-up steps pay first-use costs).
+    ``measured=False`` keeps the prior (tests of the policy)."""
+
+    RIDGE = 2.0  # the prior's weight, against some 90 steps' (the decayed sum of weights)
+
+    def __init__(self, position: float = 0.1, *, halflife: float = 64.0, measured: bool = True):
+        self.prior = position
+        self.measured = measured
+        self._decay = 0.5 ** (1.0 / halflife)
+        self.forget()
+
+    def forget(self) -> None:
+        self.theta = np.array([1.0, self.prior])  # (c0, c1); in one-row steps until a step is timed
+        self._a = np.zeros((2, 2))  # decayed sums of x x^T and x y, x = (1, positions - 1)
+        self._b = np.zeros(2)
+
+    @property
+    def position(self) -> float:
+        """One more position, in one-row steps."""
+        return self.theta[1] / self.theta[0]
+
+    def step(self, positions: int) -> float:
+        """A step's modelled cost (seconds once measured)."""
+        return self.theta[0] + self.theta[1] * (positions - 1)
+
+    def observe(self, positions: int, seconds: float) -> None:
+        if not self.measured or positions < 1 or seconds <= 0:
+            return
+        x = np.array([1.0, positions - 1.0])
+        self._a *= self._decay
+        self._b *= self._decay
+        self._a += np.outer(x, x)
+        self._b += x * seconds
+        pull = np.array([-self.prior, 1.0])  # (c1 - prior c0), squared, weighted RIDGE
+        c0, c1 = np.linalg.solve(self._a + self.RIDGE * np.outer(pull, pull), self._b)
+        floor = 0.05 * self._b[0] / self._a[0, 0]  # (a step costs something, whatever the noise)
+        self.theta = np.array([max(c0, floor), max(c1, 0.0)])
+
+
 class Speculator:
-    def __init__(self, drafter: Drafter, *, max_draft: int = 4, verify_cost: float = 0.1, retry_steps: int = 16,
-                 smoothing: float = 0.3):
+    def __init__(self, drafter: Drafter, *, max_draft: int = 4, retry_steps: int = 16, smoothing: float = 0.3,
+                 cost: StepCost | None = None):
         self.drafter = drafter
         self.max_draft = max_draft
-        self.verify_cost = verify_cost
         self.retry_steps = retry_steps
         self.smoothing = smoothing
+        self.cost = cost if cost is not None else StepCost()
         self.counters = SpecCounters()
         self._state: dict[int, SpecState] = {}
 
     # ---- policy ---------------------------------------------------------------------
     @property
     def position_cost(self) -> float:
-        """What one drafted position adds to a step, in one-row decode steps."""
-        return self.verify_cost + self.drafter.cost
+        """What one drafted token adds to a step, in one-row decode steps: a position
+        (measured) and the drafter's own work for it (a model drafter's share of the
+        target's parameters)."""
+        return self.cost.position + self.drafter.cost
+
+    def observe(self, rows: list[Row], seconds: float) -> None:
+        """The engine timed a decode step of these rows (launch to read-back)."""
+        self.cost.observe(sum(r.n for r in rows), seconds)
 
     def eligible(self, seq: Sequence) -> bool:
         """Rows that may draft: every token read back (the drafter sees them all), not a
@@ -106,22 +165,25 @@ class Speculator:
                 continue
             st = self._state.setdefault(seq.serial, SpecState())
             st.idle += 1
-            if st.idle > self.retry_steps:
-                st.rate = max(st.rate, 2 * v)
-                st.idle = 0
             caps[i] = min(self.max_draft, seq.sampling.max_tokens - seq.num_generated - 1)
+            if st.idle > self.retry_steps:
+                # Just above what pays alone, so it drafts one token, and only alone.
+                st.rate = max(st.rate, min(2 * v, (1 + v) / 2, 1.0))
+                st.idle = 0
+                caps[i] = min(caps[i], 1)
             rates[i] = st.rate
-        tokens, cost = float(len(rows)), 1.0 + v * (len(rows) - 1)
+        per_draft = v * self.cost.step(1)  # in the unit of cost.step()
+        tokens, cost = float(len(rows)), self.cost.step(len(rows))
         while True:
             best, gain = -1, 0.0
             for i in range(len(rows)):
                 if ks[i] < caps[i] and rates[i] ** (ks[i] + 1) > gain:
                     best, gain = i, rates[i] ** (ks[i] + 1)
-            if best < 0 or gain * cost <= tokens * v:
+            if best < 0 or gain * cost <= tokens * per_draft:
                 return ks
             ks[best] += 1
             tokens += gain
-            cost += v
+            cost += per_draft
 
     def plan(self, rows: list[Row], grow) -> None:
         """Give the decode rows their drafts. ``grow(seq, upto)``: whether ``seq`` could get
@@ -159,19 +221,21 @@ class Speculator:
 
 
 def make_speculator(settings: SpeculativeSettings, target, log=log.info) -> Speculator | None:
-    """The speculator ``[speculative]`` asks for beside ``target``; None for mode off.
-    A draft model must share the target's vocabulary. Raises ValueError (a bad mode, a
-    vocabulary that differs) or ModelError (no model at the path)."""
+    """The speculator ``[speculative]`` asks for beside ``target``; None for mode off (and
+    for auto off the CPU). A draft model must share the target's vocabulary. Raises
+    ValueError (a bad mode, a vocabulary that differs) or ModelError (no model at the path)."""
+    import mlx.core as mx
+
     path = settings.draft_path()
-    if settings.mode == "off":
+    if settings.resolved(on_cpu=mx.default_device() == mx.cpu) == "off":
         return None
     if settings.ngram_min > settings.ngram_max:
         raise ValueError(f"speculative.ngram_min={settings.ngram_min} is above speculative.ngram_max={settings.ngram_max}")
     if path is None:
         drafter: Drafter = NgramDrafter(settings.ngram_min, settings.ngram_max)
+        log(f"speculative decoding: prompt lookup (last {settings.ngram_max}..{settings.ngram_min} tokens)"
+            + (" (auto: on the CPU)" if settings.mode == "auto" else ""))
     else:
-        import mlx.core as mx
-
         from tandem.pipeline.loader import load_model
         from tandem.pipeline.model_store import resolve_model
 
@@ -183,5 +247,4 @@ def make_speculator(settings: SpeculativeSettings, target, log=log.info) -> Spec
                              "it needs the target's tokenizer")
         drafter = ModelDrafter(draft, parameter_ratio(draft, target))
         log(f"speculative decoding: draft model {path} ({drafter.cost:.2f} of the target's parameters)")
-    return Speculator(drafter, max_draft=settings.max_draft, verify_cost=settings.verify_cost,
-                      retry_steps=settings.retry_steps)
+    return Speculator(drafter, max_draft=settings.max_draft, retry_steps=settings.retry_steps)

@@ -21,11 +21,12 @@ from tandem.pipeline.loader import load_model
 from tandem.pipeline.runners.cpu.runner import CpuRunner
 from tandem.pipeline.settings import EngineSettings
 from tandem.pipeline.sequence import Row, Sequence
-from tandem.pipeline.speculation import SpecState, Speculator
+from tandem.pipeline.speculation import SpecState, Speculator, StepCost
 from tests.pipeline.conftest import EOS, continue_import, oracle, random_prompts
 from tests.pipeline.test_engine import CONFIGS, greedy, make
 
 MAX_TOKENS = 24
+FREE = StepCost(0.0, measured=False)
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +66,10 @@ class MixedDrafter:
 
 def spec_engine(model, drafter, **kw) -> Engine:
     kw.setdefault("kv_cache_budget", "16MiB")
-    # verify_cost 0: every row drafts all it may, whatever the batch's width and its
-    # acceptance (the default policy spares wide batches and unlucky rows)
+    # Drafting costing nothing: every row drafts all it may, whatever the batch's width and
+    # its acceptance (the measured policy spares wide batches and unlucky rows)
     return Engine(model, EngineSettings(**kw), model_id="tiny", eos_token_ids=[EOS],
-                  speculator=Speculator(drafter, verify_cost=0.0))
+                  speculator=Speculator(drafter, cost=FREE))
 
 
 def free_after(eng: Engine) -> None:
@@ -171,7 +172,7 @@ def test_native_verification_on_4bit_weights_matches_plain_decode(tiny_quantized
         reqs = [(p, SamplingParams(temperature=temp, max_tokens=MAX_TOKENS, seed=i)) for i, p in enumerate(prompts)]
         want = Engine(model, EngineSettings(kv_cache_budget="16MiB"), model_id="q", eos_token_ids=[EOS]).generate_many(reqs)
         eng = Engine(model, EngineSettings(kv_cache_budget="16MiB"), model_id="q", eos_token_ids=[EOS],
-                     speculator=Speculator(MixedDrafter(twin, seed=2), verify_cost=0.0))
+                     speculator=Speculator(MixedDrafter(twin, seed=2), cost=FREE))
         assert eng.generate_many(reqs) == want
         free_after(eng)
     assert calls and max(calls) > 1  # verified natively, several rows at once
@@ -227,7 +228,7 @@ def _rows(spec: Speculator, rates: list[float]) -> list[Row]:
 
 
 def test_draft_lengths_follow_acceptance_and_the_batch_width():
-    spec = Speculator(NgramDrafter(), max_draft=4, verify_cost=0.1, retry_steps=4)
+    spec = Speculator(NgramDrafter(), max_draft=4, retry_steps=4, cost=StepCost(0.1, measured=False))
     assert spec.lengths(_rows(spec, [0.95])) == [4]
     assert 1 <= spec.lengths(_rows(spec, [0.5]))[0] <= 2
     assert spec.lengths(_rows(spec, [0.05])) == [0]
@@ -240,16 +241,62 @@ def test_draft_lengths_follow_acceptance_and_the_batch_width():
     got = [spec.lengths(rows)[0] for _ in range(5)]
     assert got == [0, 0, 0, 0, 1]
     # an expensive drafter needs a higher acceptance to be worth running
-    costly = Speculator(ModelDrafter(None, 0.6), verify_cost=0.1)
+    costly = Speculator(ModelDrafter(None, 0.6))
     assert costly.lengths(_rows(costly, [0.5])) == [0] and costly.lengths(_rows(costly, [0.9])) != [0]
+
+
+def test_step_cost_learns_what_a_position_costs():
+    """Steps timed from a known line: the slope comes out of it in one-row steps; a slope the
+    steps do not vary keeps its estimate; an engine run measures its steps."""
+    rng = random.Random(0)
+    cost = StepCost()
+    for _ in range(300):  # 6 ms a step, 1.2 ms a position more, some noise
+        positions = rng.randint(1, 40)
+        cost.observe(positions, (6.0 + 1.2 * (positions - 1)) * 1e-3 * rng.uniform(0.95, 1.05))
+    assert cost.position == pytest.approx(0.2, abs=0.02)
+    assert cost.step(17) == pytest.approx((6.0 + 1.2 * 16) * 1e-3, rel=0.03)
+    steady = StepCost(0.3)
+    for _ in range(200):  # 16 rows, never a draft: only the whole step's cost is known
+        steady.observe(16, 0.03)
+    assert steady.step(16) == pytest.approx(0.03, rel=0.01) and steady.position == pytest.approx(0.3, rel=0.05)
+    fixed = StepCost(0.1, measured=False)
+    fixed.observe(5, 1.0)
+    assert fixed.position == 0.1
+
+
+def test_wide_batches_draft_only_what_the_measured_cost_pays_for():
+    # A position costing a fifth of a one-row step: a lone sequence drafts at 30%
+    # acceptance, a batch of 16 not even at 75% (each of its rows costs as much already).
+    spec = Speculator(NgramDrafter(), cost=StepCost(0.2, measured=False))
+    assert spec.lengths(_rows(spec, [0.3]))[0] >= 1
+    assert sum(spec.lengths(_rows(spec, [0.75] * 16))) == 0
+    assert sum(spec.lengths(_rows(spec, [0.97] * 16))) > 0
+    # verification dearer than a step (a prefill path): nothing drafts, a retry neither
+    dear = Speculator(NgramDrafter(), retry_steps=1, cost=StepCost(1.5, measured=False))
+    rows = _rows(dear, [0.9])
+    assert [dear.lengths(rows)[0] for _ in range(4)] == [0, 0, 0, 0]
+
+
+def test_an_engine_measures_its_drafted_steps(tiny, twin):
+    spec = Speculator(MixedDrafter(twin, seed=5))
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS], speculator=spec)
+    prompts = random_prompts(3, 10, 30, seed=4)
+    eng.generate_many([(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)) for p in prompts])
+    assert spec.counters.verify_steps > 0
+    assert spec.cost._a[0, 0] > 1 and spec.cost.position != 0.1
+    free_after(eng)
 
 
 def test_speculative_settings_build_the_drafter_they_name(tiny, tiny_model_dir):
     from tandem.pipeline.settings import SpeculativeSettings
     from tandem.pipeline.speculation import make_speculator
 
-    assert make_speculator(SpeculativeSettings(), tiny) is None
-    spec = make_speculator(SpeculativeSettings(mode="ngram", ngram_min=1, ngram_max=3, max_draft=6), tiny)
+    assert make_speculator(SpeculativeSettings(mode="off"), tiny) is None
+    # auto: prompt lookup on the CPU (these tests' device), off on a GPU
+    assert isinstance(make_speculator(SpeculativeSettings(), tiny, log=lambda m: None).drafter, NgramDrafter)
+    assert SpeculativeSettings().resolved(on_cpu=False) == "off" and SpeculativeSettings().resolved(on_cpu=True) == "ngram"
+    assert SpeculativeSettings(mode="ngram").resolved(on_cpu=False) == "ngram"
+    spec = make_speculator(SpeculativeSettings(mode="ngram", ngram_min=1, ngram_max=3, max_draft=6), tiny, log=lambda m: None)
     assert isinstance(spec.drafter, NgramDrafter) and (spec.drafter.min_n, spec.max_draft) == (1, 6)
     spec = make_speculator(SpeculativeSettings(mode=f"draft:{tiny_model_dir}"), tiny, log=lambda m: None)
     assert isinstance(spec.drafter, ModelDrafter) and spec.drafter.cost == pytest.approx(1.0, rel=0.05)
