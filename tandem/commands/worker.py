@@ -83,8 +83,8 @@ def warm_up(engine) -> float:
     engine.generate_many([(prompt, greedy)])
     engine.generate_many([(prompt + [5, 6, 7], greedy),
                           ([0, 1, 2, 3], SamplingParams(temperature=0.7, seed=0, max_tokens=2, ignore_eos=True))])
-    if engine.speculator is not None:  # what these steps cost was first use: not what drafting will
-        engine.speculator.cost.forget()
+    if engine.speculator is not None:  # these steps paid first-use costs: not what drafting will
+        engine.speculator.times.forget()
     return (time.perf_counter() - t) * 1000
 
 

@@ -20,25 +20,24 @@ rejected positions' entries sit past the sequence's computed length, where the n
 overwrite them and nothing reads them. Full blocks enter the prefix cache only up to the
 computed length, so only accepted tokens are ever registered.
 
-Policy (:meth:`Speculator.plan`): a decode step of ``B`` rows with ``d`` drafted tokens is
-modelled as costing ``1 + r (B - 1) + v d`` one-row decode steps, ``r`` and ``v`` measured
-(:class:`StepCost`: a least-squares line through the engine's recent steps, drafting time
-included); a row whose drafts are accepted at rate ``a`` (a moving average over its
-verifications) gains ``a^(k+1)`` expected tokens from its (k+1)-th draft. Draft tokens go,
-best gain first, to the rows whose next one raises the step's tokens per unit of cost: so a
-lone sequence drafts whenever ``a`` is above ``v``, and a wide batch, whose step costs many
-rows already, drafts only its surest rows, few tokens each, or none. The costs are measured
-because no constant holds across backends and batch widths: on the CPU a drafted position
-costs a fifth of a one-row step at one row and as much as a whole row in a compute-bound
-batch of sixteen, and a runner that verifies through its prefill path pays several steps.
-A row whose rate fell below ``v`` has its rate raised to just above it (``2 v``, at most
-halfway to 1) after ``retry_steps`` steps without drafting, so a lone sequence whose text
-turns repetitive later starts again (with one token), while a wide batch stays off.
+Policy (:meth:`Speculator.plan`): what a step of ``P`` positions (rows plus drafted tokens)
+costs is measured (:class:`StepTimes`: a table over ``P`` that every decode step updates);
+a row whose drafts are accepted at rate ``a`` (a moving average over its verifications)
+gains ``a^(k+1)`` expected tokens from its (k+1)-th draft. Draft tokens are taken best gain
+first, as many as give the step the most tokens per second: so a lone sequence, whose step
+is cheap next to its tokens, drafts whenever ``a`` is high enough to pay for the dearer
+step, and a wide batch, compute-bound already, drafts only where many sure tokens fill a
+tile of positions, or not at all. A row whose rate fell below what its first draft costs
+(``v``, in one-row steps) has its rate raised just above it (``2 v``, at most halfway to 1)
+after ``retry_steps`` steps without drafting, so a lone sequence whose text turns
+repetitive later starts again (with one token). With a drafter that costs nothing (prompt
+lookup) a row that does not draft still learns its rate from a proposal it does not verify.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +55,7 @@ class SpecState:
 
     rate: float = 0.6  # moving average of the share of drafted tokens accepted
     idle: int = 0  # steps since it last drafted
+    shadow: tuple[int, int] | None = None  # (index in its tokens, the token a free drafter proposed there)
 
 
 @dataclass
@@ -65,76 +65,89 @@ class SpecCounters:
     verify_steps: int = 0
 
 
-class StepCost:
-    """What a decode step costs, learnt from the steps the engine times: seconds =
-    ``c0 + c1 (positions - 1)``, a step's positions being its rows plus their drafted
-    tokens (a drafted position costs what a row's does: both go through the same products
-    and attend over the same context). Least squares over recent steps (weights halving
-    every ``halflife`` steps), with a gentle pull of ``c1`` towards ``prior x c0``: where the
-    recent steps do not tell the two apart (a steady width, no drafting: only their sum is
-    known) the prior splits them, and it is optimistic (0.1), so a sequence that has not
-    drafted lately tries, its drafts get measured, and a dearer position ends drafting.
-    :meth:`forget` drops what was learnt (a worker's warm-up steps pay first-use costs).
-    ``measured=False`` keeps the prior (tests of the policy)."""
+class StepTimes:
+    """What a decode step of ``P`` positions (its rows plus their drafted tokens) takes,
+    measured: a moving average per ``P`` over the steps the engine times (launch to
+    read-back), every decode step counted, drafting or not, so the widths a server passes
+    through fill the table for free. Between measured sizes it interpolates; past the
+    largest it goes on at the slope of the two largest (or, with one measured, ``prior`` of
+    it per position: optimistic, so drafting there is tried and then known).
 
-    RIDGE = 2.0  # the prior's weight, against some 90 steps' (the decayed sum of weights)
+    Per position, because a drafted position costs what a row does at the same ``P``; a
+    table, not a line, because the cost jumps with ``P``: on the CPU one position runs
+    kernels of its own and the products take positions 8 to a tile, so the first position
+    past a tile costs several of the ones that follow. A fixed cost, and lines fitted to the
+    steps, both mispriced wide batches, which drafted and lost (docs/engine.md).
+    :meth:`forget` drops what was measured (a worker's warm-up steps pay first-use costs).
+    ``measured=False`` keeps ``1 + prior (P - 1)`` one-row steps (tests of the policy)."""
 
-    def __init__(self, position: float = 0.1, *, halflife: float = 64.0, measured: bool = True):
-        self.prior = position
-        self.measured = measured
-        self._decay = 0.5 ** (1.0 / halflife)
+    def __init__(self, prior: float = 0.1, *, smoothing: float = 0.2, measured: bool = True):
+        self.prior, self.smoothing, self.measured = prior, smoothing, measured
         self.forget()
 
     def forget(self) -> None:
-        self.theta = np.array([1.0, self.prior])  # (c0, c1); in one-row steps until a step is timed
-        self._a = np.zeros((2, 2))  # decayed sums of x x^T and x y, x = (1, positions - 1)
-        self._b = np.zeros(2)
-
-    @property
-    def position(self) -> float:
-        """One more position, in one-row steps."""
-        return self.theta[1] / self.theta[0]
-
-    def step(self, positions: int) -> float:
-        """A step's modelled cost (seconds once measured)."""
-        return self.theta[0] + self.theta[1] * (positions - 1)
+        self._t: dict[int, float] = {}
+        self._keys: list[int] = []
 
     def observe(self, positions: int, seconds: float) -> None:
         if not self.measured or positions < 1 or seconds <= 0:
             return
-        x = np.array([1.0, positions - 1.0])
-        self._a *= self._decay
-        self._b *= self._decay
-        self._a += np.outer(x, x)
-        self._b += x * seconds
-        pull = np.array([-self.prior, 1.0])  # (c1 - prior c0), squared, weighted RIDGE
-        c0, c1 = np.linalg.solve(self._a + self.RIDGE * np.outer(pull, pull), self._b)
-        floor = 0.05 * self._b[0] / self._a[0, 0]  # (a step costs something, whatever the noise)
-        self.theta = np.array([max(c0, floor), max(c1, 0.0)])
+        old = self._t.get(positions)
+        if old is None:
+            self._t[positions] = seconds
+            self._keys = sorted(self._t)
+        else:
+            self._t[positions] = old + self.smoothing * (seconds - old)
+
+    def at(self, positions: int) -> float:
+        """Seconds for a step of ``positions`` (one-row steps before any was measured)."""
+        t, keys = self._t, self._keys
+        if not keys:
+            return 1.0 + self.prior * (positions - 1)
+        if positions in t:
+            return t[positions]
+        hi = next((k for k in keys if k > positions), None)
+        lo = next((k for k in reversed(keys) if k < positions), None)
+        if lo is None:  # below every size measured: in proportion
+            return t[hi] * positions / hi
+        if hi is not None:
+            return t[lo] + (t[hi] - t[lo]) * (positions - lo) / (hi - lo)
+        if len(keys) > 1:
+            k1, k2 = keys[-2], keys[-1]
+            slope = max((t[k2] - t[k1]) / (k2 - k1), 0.0)
+        else:
+            slope = self.prior * t[lo]
+        return t[lo] + slope * (positions - lo)
 
 
 class Speculator:
     def __init__(self, drafter: Drafter, *, max_draft: int = 4, retry_steps: int = 16, smoothing: float = 0.3,
-                 cost: StepCost | None = None):
+                 times: StepTimes | None = None):
         self.drafter = drafter
         self.max_draft = max_draft
         self.retry_steps = retry_steps
         self.smoothing = smoothing
-        self.cost = cost if cost is not None else StepCost()
+        self.times = times if times is not None else StepTimes()
+        self._draft_s: float | None = None  # moving average of a proposed token's seconds
         self.counters = SpecCounters()
         self._state: dict[int, SpecState] = {}
 
     # ---- policy ---------------------------------------------------------------------
     @property
     def position_cost(self) -> float:
-        """What one drafted token adds to a step, in one-row decode steps: a position
-        (measured) and the drafter's own work for it (a model drafter's share of the
-        target's parameters)."""
-        return self.cost.position + self.drafter.cost
+        """What a lone sequence's first drafted token adds to its step, in one-row steps:
+        the second position and the drafter's work for it, both measured."""
+        one = self.times.at(1)
+        return (self.times.at(2) - one + self.drafting_s()) / one
+
+    def drafting_s(self) -> float:
+        """What proposing one token costs the engine thread (measured; before that, a model
+        drafter's share of the target's parameters, of a one-row step)."""
+        return self._draft_s if self._draft_s is not None else self.drafter.cost * self.times.at(1)
 
     def observe(self, rows: list[Row], seconds: float) -> None:
         """The engine timed a decode step of these rows (launch to read-back)."""
-        self.cost.observe(sum(r.n for r in rows), seconds)
+        self.times.observe(sum(r.n for r in rows), seconds)
 
     def eligible(self, seq: Sequence) -> bool:
         """Rows that may draft: every token read back (the drafter sees them all), not a
@@ -157,7 +170,6 @@ class Speculator:
     def lengths(self, rows: list[Row]) -> list[int]:
         """Each row's draft length this step (see the module's policy)."""
         v = self.position_cost
-        ks = [0] * len(rows)
         caps, rates = [0] * len(rows), [0.0] * len(rows)
         for i, r in enumerate(rows):
             seq = r.seq
@@ -172,26 +184,60 @@ class Speculator:
                 st.idle = 0
                 caps[i] = min(caps[i], 1)
             rates[i] = st.rate
-        per_draft = v * self.cost.step(1)  # in the unit of cost.step()
-        tokens, cost = float(len(rows)), self.cost.step(len(rows))
+        # Draft tokens in order of gain, best first; the step takes the prefix of them that
+        # gives the most tokens per second: steps cost in jumps (a tile of positions), so the
+        # best may be none, or several tokens where one alone would not pay.
+        order, ks = [], [0] * len(rows)
         while True:
             best, gain = -1, 0.0
             for i in range(len(rows)):
                 if ks[i] < caps[i] and rates[i] ** (ks[i] + 1) > gain:
                     best, gain = i, rates[i] ** (ks[i] + 1)
-            if best < 0 or gain * cost <= tokens * per_draft:
-                return ks
+            if best < 0:
+                break
             ks[best] += 1
+            order.append((best, gain))
+        B, drafting = len(rows), self.drafting_s()
+        tokens, best_n, best_rate = float(B), 0, B / self.times.at(B)
+        for n, (_, gain) in enumerate(order, 1):
             tokens += gain
-            cost += per_draft
+            rate = tokens / (self.times.at(B + n) + drafting * n)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        ks = [0] * B
+        for i, _ in order[:best_n]:
+            ks[i] += 1
+        return ks
 
     def plan(self, rows: list[Row], grow) -> None:
         """Give the decode rows their drafts. ``grow(seq, upto)``: whether ``seq`` could get
-        blocks for positions below ``upto`` (without preempting anyone)."""
+        blocks for positions below ``upto`` (without preempting anyone).
+
+        A drafter that costs nothing (prompt lookup) also proposes a token for each row that
+        does not draft, and the row's rate learns whether the target then picked it: a row
+        of a wide batch, which drafts only once its rate is high, would otherwise never learn
+        that its text turned repetitive."""
+        free = self.drafter.cost == 0
+        if free:
+            for r in rows:
+                st = self._state.get(r.seq.serial)
+                if st is not None and st.shadow is not None:
+                    at, tok = st.shadow
+                    if len(r.seq.tokens) > at:
+                        st.rate += self.smoothing * (float(r.seq.tokens[at] == tok) - st.rate)
+                    st.shadow = None
         for r, k in zip(rows, self.lengths(rows)):
             if k <= 0:
+                if free and self.eligible(r.seq):
+                    guess = self.drafter.propose(r.seq, 1)
+                    if guess:
+                        self._state[r.seq.serial].shadow = (len(r.seq.tokens), guess[0])
                 continue
+            t = time.perf_counter()
             draft = self.drafter.propose(r.seq, k)[:k]
+            if draft and self.times.measured:
+                each = (time.perf_counter() - t) / len(draft)
+                self._draft_s = each if self._draft_s is None else self._draft_s + 0.2 * (each - self._draft_s)
             while draft and not grow(r.seq, r.start + 1 + len(draft)):
                 draft.pop()
             if draft:

@@ -21,12 +21,11 @@ from tandem.pipeline.loader import load_model
 from tandem.pipeline.runners.cpu.runner import CpuRunner
 from tandem.pipeline.settings import EngineSettings
 from tandem.pipeline.sequence import Row, Sequence
-from tandem.pipeline.speculation import SpecState, Speculator, StepCost
+from tandem.pipeline.speculation import SpecState, Speculator, StepTimes
 from tests.pipeline.conftest import EOS, continue_import, oracle, random_prompts
 from tests.pipeline.test_engine import CONFIGS, greedy, make
 
 MAX_TOKENS = 24
-FREE = StepCost(0.0, measured=False)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,7 @@ def spec_engine(model, drafter, **kw) -> Engine:
     # Drafting costing nothing: every row drafts all it may, whatever the batch's width and
     # its acceptance (the measured policy spares wide batches and unlucky rows)
     return Engine(model, EngineSettings(**kw), model_id="tiny", eos_token_ids=[EOS],
-                  speculator=Speculator(drafter, cost=FREE))
+                  speculator=Speculator(drafter, times=StepTimes(0.0, measured=False)))
 
 
 def free_after(eng: Engine) -> None:
@@ -172,7 +171,7 @@ def test_native_verification_on_4bit_weights_matches_plain_decode(tiny_quantized
         reqs = [(p, SamplingParams(temperature=temp, max_tokens=MAX_TOKENS, seed=i)) for i, p in enumerate(prompts)]
         want = Engine(model, EngineSettings(kv_cache_budget="16MiB"), model_id="q", eos_token_ids=[EOS]).generate_many(reqs)
         eng = Engine(model, EngineSettings(kv_cache_budget="16MiB"), model_id="q", eos_token_ids=[EOS],
-                     speculator=Speculator(MixedDrafter(twin, seed=2), cost=FREE))
+                     speculator=Speculator(MixedDrafter(twin, seed=2), times=StepTimes(0.0, measured=False)))
         assert eng.generate_many(reqs) == want
         free_after(eng)
     assert calls and max(calls) > 1  # verified natively, several rows at once
@@ -228,7 +227,7 @@ def _rows(spec: Speculator, rates: list[float]) -> list[Row]:
 
 
 def test_draft_lengths_follow_acceptance_and_the_batch_width():
-    spec = Speculator(NgramDrafter(), max_draft=4, retry_steps=4, cost=StepCost(0.1, measured=False))
+    spec = Speculator(NgramDrafter(), max_draft=4, retry_steps=4, times=StepTimes(0.1, measured=False))
     assert spec.lengths(_rows(spec, [0.95])) == [4]
     assert 1 <= spec.lengths(_rows(spec, [0.5]))[0] <= 2
     assert spec.lengths(_rows(spec, [0.05])) == [0]
@@ -245,45 +244,95 @@ def test_draft_lengths_follow_acceptance_and_the_batch_width():
     assert costly.lengths(_rows(costly, [0.5])) == [0] and costly.lengths(_rows(costly, [0.9])) != [0]
 
 
-def test_step_cost_learns_what_a_position_costs():
-    """Steps timed from a known line: the slope comes out of it in one-row steps; a slope the
-    steps do not vary keeps its estimate; an engine run measures its steps."""
-    rng = random.Random(0)
-    cost = StepCost()
-    for _ in range(300):  # 6 ms a step, 1.2 ms a position more, some noise
-        positions = rng.randint(1, 40)
-        cost.observe(positions, (6.0 + 1.2 * (positions - 1)) * 1e-3 * rng.uniform(0.95, 1.05))
-    assert cost.position == pytest.approx(0.2, abs=0.02)
-    assert cost.step(17) == pytest.approx((6.0 + 1.2 * 16) * 1e-3, rel=0.03)
-    steady = StepCost(0.3)
-    for _ in range(200):  # 16 rows, never a draft: only the whole step's cost is known
-        steady.observe(16, 0.03)
-    assert steady.step(16) == pytest.approx(0.03, rel=0.01) and steady.position == pytest.approx(0.3, rel=0.05)
-    fixed = StepCost(0.1, measured=False)
+def test_step_times_are_measured_per_size_and_filled_in_between():
+    times = StepTimes(0.1)
+    assert times.at(5) == pytest.approx(1.4)  # nothing measured: the prior, in one-row steps
+    times.observe(1, 0.0065)
+    assert times.at(3) == pytest.approx(0.0065 * 1.2)  # one size: the prior's slope past it
+    for p_, t in [(2, 0.011), (16, 0.024), (17, 0.0265), (24, 0.028)]:
+        times.observe(p_, t)
+    assert times.at(16) == 0.024 and times.at(20) == pytest.approx(0.0265 + 1.5e-3 * 3 / 7)
+    assert times.at(32) == pytest.approx(0.028 + 1.5e-3 / 7 * 8)  # the last two sizes' slope
+    assert times.at(8) == pytest.approx(0.011 + 0.013 * 6 / 14)
+    times.observe(16, 0.034)
+    assert times.at(16) == pytest.approx(0.024 + 0.2 * 0.01)  # a moving average
+    times.forget()
+    assert times.at(16) == pytest.approx(2.5)
+    fixed = StepTimes(0.1, measured=False)
     fixed.observe(5, 1.0)
-    assert fixed.position == 0.1
+    assert fixed.at(5) == pytest.approx(1.4)
 
 
-def test_wide_batches_draft_only_what_the_measured_cost_pays_for():
-    # A position costing a fifth of a one-row step: a lone sequence drafts at 30%
-    # acceptance, a batch of 16 not even at 75% (each of its rows costs as much already).
-    spec = Speculator(NgramDrafter(), cost=StepCost(0.2, measured=False))
-    assert spec.lengths(_rows(spec, [0.3]))[0] >= 1
-    assert sum(spec.lengths(_rows(spec, [0.75] * 16))) == 0
-    assert sum(spec.lengths(_rows(spec, [0.97] * 16))) > 0
-    # verification dearer than a step (a prefill path): nothing drafts, a retry neither
-    dear = Speculator(NgramDrafter(), retry_steps=1, cost=StepCost(1.5, measured=False))
+def test_wide_batches_draft_where_the_measured_steps_pay():
+    """A CPU-like table: one position cheap, positions 8 to a tile. A lone sequence drafts
+    at 60% acceptance; 16 rows do not at 80%: the 17th position opens a tile; at 95% they
+    fill the next tile, never a lone token past the boundary."""
+    spec = Speculator(NgramDrafter())
+    for p_, t in [(1, 6.5), (2, 10.0), (5, 12.0), (8, 15.0), (16, 24.0), (17, 26.5), (24, 34.0), (32, 46.0)]:
+        spec.times.observe(p_, t * 1e-3)
+    assert spec.lengths(_rows(spec, [0.6]))[0] >= 2
+    assert spec.lengths(_rows(spec, [0.15])) == [0]
+    assert sum(spec.lengths(_rows(spec, [0.8] * 16))) == 0
+    assert sum(spec.lengths(_rows(spec, [0.95] * 16))) == 8
+    # verification dearer than a step (a prefill path): a lone one does not draft, a retry neither
+    dear = Speculator(NgramDrafter(), retry_steps=1)
+    for p_, t in [(1, 2.5), (2, 12.0), (5, 13.0)]:
+        dear.times.observe(p_, t * 1e-3)
     rows = _rows(dear, [0.9])
     assert [dear.lengths(rows)[0] for _ in range(4)] == [0, 0, 0, 0]
 
 
-def test_an_engine_measures_its_drafted_steps(tiny, twin):
-    spec = Speculator(MixedDrafter(twin, seed=5))
+def test_rows_of_a_wide_batch_learn_their_acceptance_without_drafting():
+    """Prompt lookup costs nothing, so a row that does not draft still proposes a token and
+    learns whether the target picked it: rows whose text repeats reach the rate at which a
+    wide batch drafts; rows whose picks differ fall below it and stay off."""
+
+    def run(follow: bool) -> tuple[list[float], int]:
+        spec = Speculator(NgramDrafter(), times=StepTimes(0.2, measured=False))
+        seqs = [Sequence(bytes([i]) * 16, [10 + i, 20, 30, 40] * 6, 24, SamplingParams(max_tokens=500), lambda e: None)
+                for i in range(16)]
+        drafted, fresh = 0, iter(range(1000, 10**6))
+        for _ in range(30):
+            rows = [Row(q, len(q.tokens) - 1, 1, True) for q in seqs]
+            spec.plan(rows, lambda seq, upto: True)
+            drafted += sum(len(r.draft) for r in rows if r.draft)
+            for q, r in zip(seqs, rows):
+                # the target's picks: the pattern's next tokens, or tokens never seen before
+                want = [(q.tokens + [0] * 8)[len(q.tokens) - 4 + j] for j in range(len(r.draft or []) + 1)]
+                picks = want if follow else [next(fresh) for _ in want]
+                a = spec.accept(q, r.draft, picks) if r.draft else 0
+                q.tokens += picks[: a + 1]
+        return [spec._state[q.serial].rate for q in seqs], drafted
+
+    rates, drafted = run(follow=True)
+    assert min(rates) > 0.9 and drafted > 0
+    rates, drafted = run(follow=False)  # one miss, then nothing to propose: no update
+    assert max(rates) < 0.5 and drafted == 0
+
+
+def test_a_batch_whose_drafting_is_slower_stops_drafting(tiny):
+    """End to end on the engine: with every step of more positions than rows held 30 ms
+    (as a runner whose verification is dear), a batch of 8 measures it and stops drafting
+    after its first tries; the output is unchanged."""
+    import time as _time
+
+    prompts = [[5 + i, 6, 7, 8] * 8 for i in range(8)]  # repetitive: the lookup proposes
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    spec = Speculator(NgramDrafter(1, 2))
     eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS], speculator=spec)
-    prompts = random_prompts(3, 10, 30, seed=4)
-    eng.generate_many([(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)) for p in prompts])
-    assert spec.counters.verify_steps > 0
-    assert spec.cost._a[0, 0] > 1 and spec.cost.position != 0.1
+    real = eng.runner.forward
+
+    def forward(rows, inputs):
+        if any(r.draft for r in rows):
+            _time.sleep(0.03)
+        return real(rows, inputs)
+
+    eng.runner.forward = forward
+    assert eng.generate_many([(p, sp) for p in prompts]) == make(tiny).generate_many([(p, sp) for p in prompts])
+    tried = spec.counters.verify_steps
+    assert 0 < tried and spec.times.at(9) > spec.times.at(8) + 0.02
+    eng.generate_many([(p, sp) for p in prompts])
+    assert spec.counters.verify_steps - tried <= 2  # known dear now: (almost) no more tries
     free_after(eng)
 
 
@@ -321,13 +370,14 @@ class WrongDrafter(MixedDrafter):
 
 
 def test_a_drafter_that_is_always_wrong_is_backed_off(tiny, twin):
-    """Alone, with the default policy: after a few rejected drafts a sequence drafts only a
+    """Alone, a position priced at 0.1 of a step: after a few rejected drafts a sequence drafts only a
     probe token now and then, and its output is unchanged."""
     prompt = random_prompts(1, 20, 20, seed=8)[0]
     sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     want = make(tiny).generate_many([(prompt, sp)])
     eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS],
-                 speculator=Speculator(WrongDrafter(twin, seed=0, vocab=twin.args.vocab_size)))
+                 speculator=Speculator(WrongDrafter(twin, seed=0, vocab=twin.args.vocab_size),
+                                       times=StepTimes(0.1, measured=False)))  # (timings: not on a loaded CI)
     assert eng.generate_many([(prompt, sp)]) == want
     st = eng.stats()
     assert st.spec_accepted_tokens == 0 and 0 < st.spec_draft_tokens < 40, st  # of 200 tokens

@@ -19,15 +19,15 @@ def test_warm_up_meets_a_prefix_hit_and_leaves_the_engine_idle(tiny):
 
 
 def test_warm_up_leaves_no_step_timings_behind(tiny):
-    """Its steps pay first-use costs: a speculator's cost model starts from its prior after it."""
+    """Its steps pay first-use costs: a speculator's step times start unmeasured after it."""
     from tandem.pipeline.drafters import NgramDrafter
     from tandem.pipeline.speculation import Speculator
 
     spec = Speculator(NgramDrafter())
     eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS], speculator=spec)
     observed = []
-    real = spec.cost.observe
-    spec.cost.observe = lambda *a: (observed.append(a), real(*a))
+    real = spec.times.observe
+    spec.times.observe = lambda *a: (observed.append(a), real(*a))
     warm_up(eng)
     assert observed  # it timed the warm-up's decode steps...
-    assert not spec.cost._a.any() and spec.cost.position == spec.cost.prior  # ...and forgot them
+    assert not spec.times._t  # ...and forgot them
