@@ -7,8 +7,8 @@ model, requests alternating between the two engines so machine noise falls on bo
   quote from it, edit code), one request at a time;
 - **free**, single stream: open-ended writing (little to copy: the adaptive policy should
   switch drafting off);
-- **batch**: ``--clients`` requests at once (a wide batch is compute-bound already and
-  drafts little or nothing).
+- **batch**: ``--clients`` clients at once, two requests each one after another (a wide
+  batch is compute-bound already and drafts little or nothing).
 
 Temperature 0 throughout, and each speculative output is checked to equal the plain one
 token for token. Single-stream speed is decode tokens per second (first token to last,
@@ -161,18 +161,31 @@ def single_stream(engines: dict, prompts: list[list[int]], sp, repeats: int) -> 
     return res
 
 
-def batch(engines: dict, prompts: list[list[int]], sp, clients: int, repeats: int) -> dict:
-    from tandem.kvtypes import SamplingParams  # noqa: F401
+def batch(engines: dict, prompts: list[list[int]], sp, clients: int, repeats: int, per_client: int = 2) -> dict:
+    """``clients`` clients at once, each sending ``per_client`` requests one after another,
+    as serving's clients do: a row that finishes early lets its client's next request in
+    (a batch submitted once and waited for whole would end with its slowest row, whatever
+    the others gained)."""
+    import threading
 
-    reqs = [(prompts[i % len(prompts)], sp) for i in range(clients)]
     res = {name: {"tokens": 0, "wall_s": 0.0, "outputs": None} for name in engines}
     for _ in range(repeats):
         for name, eng in engines.items():
+            outs: dict[tuple[int, int], list[int]] = {}
+
+            def client(i: int) -> None:
+                for r in range(per_client):
+                    outs[i, r] = run_one(eng, prompts[(i * per_client + r) % len(prompts)], sp)[0]
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
             t = time.perf_counter()
-            outs = eng.generate_many(reqs)
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
             res[name]["wall_s"] += time.perf_counter() - t
-            res[name]["tokens"] += sum(map(len, outs))
-            res[name]["outputs"] = outs
+            res[name]["tokens"] += sum(map(len, outs.values()))
+            res[name]["outputs"] = [outs[k] for k in sorted(outs)]
     for r in res.values():
         r["tok_s"] = r["tokens"] / r["wall_s"]
     return res

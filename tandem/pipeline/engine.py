@@ -398,7 +398,13 @@ class Engine:
         plan = self.scheduler.schedule()
         timed = spec is not None and plan is not None and plan.kind == "decode" and bool(plan.rows)
         if timed:  # a decode step the speculator plans is timed: what its positions cost
-            spec.plan(plan.rows, self.scheduler.grow)
+            try:
+                spec.plan(plan.rows, self.scheduler.grow)
+            except Exception:  # a bug in drafting: the step decodes without it
+                log.exception("speculative planning failed; this step decodes without drafts")
+                for r in plan.rows:
+                    if r.draft:
+                        r.draft, r.n = [], 1
         for hook in self._after_schedule:
             hook(plan)
         launched = None
@@ -448,14 +454,14 @@ class Engine:
             if inflight[3] and (ticket is None or sampled.host_tokens is None):
                 mx.eval(*inflight[3])
             produced = self._complete(*inflight[:3])
-            if timed and len(inflight) > 4:
-                self.speculator.observe(inflight[0].rows, time.perf_counter() - inflight[4])
-            return produced
         except Exception as exc:  # the device work of that step failed
             log.exception("step failed")
             for r in inflight[0].rows:
                 self._finish(r.seq, "error", error=f"engine error: {exc}")
             return 0
+        if timed and len(inflight) > 4:
+            self.speculator.observe(inflight[0].rows, time.perf_counter() - inflight[4])
+        return produced
 
     def _grow_store(self) -> None:
         """Make every block the pool handed out addressable in the store."""

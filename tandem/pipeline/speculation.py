@@ -28,16 +28,20 @@ first, as many as give the step the most tokens per second: so a lone sequence, 
 is cheap next to its tokens, drafts whenever ``a`` is high enough to pay for the dearer
 step, and a wide batch, compute-bound already, drafts only where many sure tokens fill a
 tile of positions, or not at all. A row whose rate fell below what its first draft costs
-(``v``, in one-row steps) has its rate raised just above it (``2 v``, at most halfway to 1)
-after ``retry_steps`` steps without drafting, so a lone sequence whose text turns
-repetitive later starts again (with one token). With a drafter that costs nothing (prompt
-lookup) a row that does not draft still learns its rate from a proposal it does not verify.
+(``v``, in one-row steps) has its rate raised just above what a draft must gain after
+``retry_steps`` steps without drafting, so a lone sequence whose text turns
+repetitive later starts again (with one token).
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import logging
+import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +59,6 @@ class SpecState:
 
     rate: float = 0.6  # moving average of the share of drafted tokens accepted
     idle: int = 0  # steps since it last drafted
-    shadow: tuple[int, int] | None = None  # (index in its tokens, the token a free drafter proposed there)
 
 
 @dataclass
@@ -65,62 +68,126 @@ class SpecCounters:
     verify_steps: int = 0
 
 
+class _Sizes:
+    """Seconds per step size: each size the median of its recent steps; a size seen fewer
+    than ``SURE`` times is tentative."""
+
+    SURE = 3
+    KEEP = 9
+
+    def __init__(self):
+        self._obs: dict[int, deque] = {}
+        self.sure: dict[int, float] = {}
+        self.keys: list[int] = []  # sorted sure sizes
+
+    def observe(self, positions: int, seconds: float) -> None:
+        obs = self._obs.setdefault(positions, deque(maxlen=self.KEEP))
+        obs.append(seconds)
+        if len(obs) >= self.SURE:
+            if positions not in self.sure:
+                bisect.insort(self.keys, positions)
+            self.sure[positions] = statistics.median(obs)
+
+    def tentative(self, positions: int) -> float | None:
+        obs = self._obs.get(positions)
+        return statistics.median(obs) if obs else None
+
+    def nearest(self, positions: int) -> int | None:
+        """The sure size nearest ``positions`` (None when there is none)."""
+        if not self.keys:
+            return None
+        i = bisect.bisect(self.keys, positions)
+        near = [k for k in self.keys[max(i - 1, 0): i + 1]]
+        return min(near, key=lambda k: (abs(k - positions), k))
+
+
 class StepTimes:
     """What a decode step of ``P`` positions (its rows plus their drafted tokens) takes,
-    measured: a moving average per ``P`` over the steps the engine times (launch to
-    read-back), every decode step counted, drafting or not, so the widths a server passes
-    through fill the table for free. Between measured sizes it interpolates; past the
-    largest it goes on at the slope of the two largest (or, with one measured, ``prior`` of
-    it per position: optimistic, so drafting there is tried and then known).
+    measured over the steps the engine times (launch to read-back). Plain steps (no
+    drafts), which every decode step without drafts measures, so the widths a server passes
+    through fill the table for free: each size the median of its recent steps; between
+    sizes interpolated; past the largest extended at the mean slope of those measured (or,
+    with one measured, at ``prior`` of it per position: optimistic, so drafting there is
+    tried and then known). A verifying step of ``P`` positions: its own median once seen
+    ``SURE`` times; until then a plain step of ``P`` plus what verifying added at the
+    nearest size measured (nothing before any: tried, then known), or its own steps if
+    they were cheaper (one slow step must not price a size out for good).
 
-    Per position, because a drafted position costs what a row does at the same ``P``; a
-    table, not a line, because the cost jumps with ``P``: on the CPU one position runs
-    kernels of its own and the products take positions 8 to a tile, so the first position
-    past a tile costs several of the ones that follow. A fixed cost, and lines fitted to the
-    steps, both mispriced wide batches, which drafted and lost (docs/engine.md).
-    :meth:`forget` drops what was measured (a worker's warm-up steps pay first-use costs).
-    ``measured=False`` keeps ``1 + prior (P - 1)`` one-row steps (tests of the policy)."""
+    Per position, because on the CPU a drafted position costs what a row does at the same
+    ``P``; a table, not a line, because the cost jumps with ``P``: one position runs kernels
+    of its own and the products take positions 8 to a tile, so the first position past a
+    tile costs several of the ones after it. A verifying step's extra (the one-row kernels
+    left, attention in two passes, or on a GPU another path altogether) carried over from
+    where it was measured, because extrapolating the verifying steps a lone sequence
+    measured to the widths of a busy server priced them far too low: 16- and 32-row
+    batches drafted and lost. A fixed cost, and lines fitted to the steps, did the same
+    (docs/engine.md). :meth:`forget` drops what was measured (a worker's warm-up steps pay
+    first-use costs). ``measured=False`` keeps ``1 + prior (P - 1)`` one-row steps for both
+    (tests of the policy)."""
 
-    def __init__(self, prior: float = 0.1, *, smoothing: float = 0.2, measured: bool = True):
-        self.prior, self.smoothing, self.measured = prior, smoothing, measured
+    def __init__(self, prior: float = 0.1, *, measured: bool = True):
+        self.prior, self.measured = prior, measured
         self.forget()
 
     def forget(self) -> None:
-        self._t: dict[int, float] = {}
-        self._keys: list[int] = []
+        self._plain, self._verify = _Sizes(), _Sizes()
+        self._plain_t: dict[int, float] = {}  # every plain size seen: sure median, or tentative one
+        self._plain_keys: list[int] = []
 
-    def observe(self, positions: int, seconds: float) -> None:
+    @property
+    def plain_known(self) -> bool:
+        """Whether a plain step was measured: drafting is weighed against one (a process's
+        first decode step, and each after :meth:`forget`, does not draft)."""
+        return not self.measured or bool(self._plain_keys)
+
+    def observe(self, positions: int, seconds: float, verifying: bool = False) -> None:
         if not self.measured or positions < 1 or seconds <= 0:
             return
-        old = self._t.get(positions)
-        if old is None:
-            self._t[positions] = seconds
-            self._keys = sorted(self._t)
-        else:
-            self._t[positions] = old + self.smoothing * (seconds - old)
+        if verifying:
+            self._verify.observe(positions, seconds)
+            return
+        self._plain.observe(positions, seconds)
+        t = self._plain.sure.get(positions)
+        self._plain_t[positions] = t if t is not None else self._plain.tentative(positions)
+        if len(self._plain_keys) != len(self._plain_t):
+            self._plain_keys = sorted(self._plain_t)
 
-    def at(self, positions: int) -> float:
-        """Seconds for a step of ``positions`` (one-row steps before any was measured)."""
-        t, keys = self._t, self._keys
+    def _plain_at(self, positions: int) -> float:
+        t, keys = self._plain_t, self._plain_keys
         if not keys:
             return 1.0 + self.prior * (positions - 1)
         if positions in t:
             return t[positions]
-        hi = next((k for k in keys if k > positions), None)
-        lo = next((k for k in reversed(keys) if k < positions), None)
-        if lo is None:  # below every size measured: in proportion
-            return t[hi] * positions / hi
-        if hi is not None:
+        i = bisect.bisect(keys, positions)
+        if i == 0:  # below every size measured: in proportion
+            return t[keys[0]] * positions / keys[0]
+        lo = keys[i - 1]
+        if i < len(keys):
+            hi = keys[i]
             return t[lo] + (t[hi] - t[lo]) * (positions - lo) / (hi - lo)
-        if len(keys) > 1:
-            k1, k2 = keys[-2], keys[-1]
-            slope = max((t[k2] - t[k1]) / (k2 - k1), 0.0)
-        else:
-            slope = self.prior * t[lo]
+        slope = max((t[lo] - t[keys[0]]) / (lo - keys[0]), 0.0) if i >= 2 else self.prior * t[lo]
         return t[lo] + slope * (positions - lo)
+
+    def at(self, positions: int, verifying: bool = False) -> float:
+        """Seconds for a step of ``positions`` (one-row steps before any was measured)."""
+        plain = self._plain_at(positions)
+        if not verifying:
+            return plain
+        own = self._verify.sure.get(positions)
+        if own is not None:
+            return own
+        near = self._verify.nearest(positions)
+        est = plain + (max(self._verify.sure[near] - self._plain_at(near), 0.0) if near is not None else 0.0)
+        tried = self._verify.tentative(positions)
+        return min(tried, est) if tried is not None else est
 
 
 class Speculator:
+    # What drafting must gain by the measured costs before a step drafts: what the table
+    # does not see (a verifying size tried once or twice, the host's work per position)
+    # made wide batches that drafted for a predicted few percent lose several.
+    MARGIN = 0.1
+
     def __init__(self, drafter: Drafter, *, max_draft: int = 4, retry_steps: int = 16, smoothing: float = 0.3,
                  times: StepTimes | None = None):
         self.drafter = drafter
@@ -138,7 +205,7 @@ class Speculator:
         """What a lone sequence's first drafted token adds to its step, in one-row steps:
         the second position and the drafter's work for it, both measured."""
         one = self.times.at(1)
-        return (self.times.at(2) - one + self.drafting_s()) / one
+        return (self.times.at(2, verifying=True) - one + self.drafting_s()) / one
 
     def drafting_s(self) -> float:
         """What proposing one token costs the engine thread (measured; before that, a model
@@ -147,7 +214,7 @@ class Speculator:
 
     def observe(self, rows: list[Row], seconds: float) -> None:
         """The engine timed a decode step of these rows (launch to read-back)."""
-        self.times.observe(sum(r.n for r in rows), seconds)
+        self.times.observe(sum(r.n for r in rows), seconds, verifying=any(r.draft for r in rows))
 
     def eligible(self, seq: Sequence) -> bool:
         """Rows that may draft: every token read back (the drafter sees them all), not a
@@ -179,29 +246,32 @@ class Speculator:
             st.idle += 1
             caps[i] = min(self.max_draft, seq.sampling.max_tokens - seq.num_generated - 1)
             if st.idle > self.retry_steps:
-                # Just above what pays alone, so it drafts one token, and only alone.
-                st.rate = max(st.rate, min(2 * v, (1 + v) / 2, 1.0))
+                # Just above what pays alone (its cost and the margin), so it drafts one
+                # token, and only alone.
+                st.rate = max(st.rate, min(2 * v + self.MARGIN * (1 + v), 1.0))
                 st.idle = 0
                 caps[i] = min(caps[i], 1)
             rates[i] = st.rate
+        if not self.times.plain_known:
+            return [0] * len(rows)
         # Draft tokens in order of gain, best first; the step takes the prefix of them that
         # gives the most tokens per second: steps cost in jumps (a tile of positions), so the
         # best may be none, or several tokens where one alone would not pay.
         order, ks = [], [0] * len(rows)
-        while True:
-            best, gain = -1, 0.0
-            for i in range(len(rows)):
-                if ks[i] < caps[i] and rates[i] ** (ks[i] + 1) > gain:
-                    best, gain = i, rates[i] ** (ks[i] + 1)
-            if best < 0:
-                break
-            ks[best] += 1
-            order.append((best, gain))
+        heap = [(-rates[i], i) for i in range(len(rows)) if caps[i] > 0 and rates[i] > 0]
+        heapq.heapify(heap)
+        while heap:  # (a row's gains fall with each token: the next best is its next or another's)
+            gain, i = heapq.heappop(heap)
+            ks[i] += 1
+            order.append((i, -gain))
+            if ks[i] < caps[i]:
+                heapq.heappush(heap, (gain * rates[i], i))
         B, drafting = len(rows), self.drafting_s()
-        tokens, best_n, best_rate = float(B), 0, B / self.times.at(B)
+        tokens, best_n = float(B), 0
+        best_rate = B / self.times.at(B) * (1.0 + self.MARGIN)
         for n, (_, gain) in enumerate(order, 1):
             tokens += gain
-            rate = tokens / (self.times.at(B + n) + drafting * n)
+            rate = tokens / (self.times.at(B + n, verifying=True) + drafting * n)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         ks = [0] * B
@@ -211,27 +281,9 @@ class Speculator:
 
     def plan(self, rows: list[Row], grow) -> None:
         """Give the decode rows their drafts. ``grow(seq, upto)``: whether ``seq`` could get
-        blocks for positions below ``upto`` (without preempting anyone).
-
-        A drafter that costs nothing (prompt lookup) also proposes a token for each row that
-        does not draft, and the row's rate learns whether the target then picked it: a row
-        of a wide batch, which drafts only once its rate is high, would otherwise never learn
-        that its text turned repetitive."""
-        free = self.drafter.cost == 0
-        if free:
-            for r in rows:
-                st = self._state.get(r.seq.serial)
-                if st is not None and st.shadow is not None:
-                    at, tok = st.shadow
-                    if len(r.seq.tokens) > at:
-                        st.rate += self.smoothing * (float(r.seq.tokens[at] == tok) - st.rate)
-                    st.shadow = None
+        blocks for positions below ``upto`` (without preempting anyone)."""
         for r, k in zip(rows, self.lengths(rows)):
             if k <= 0:
-                if free and self.eligible(r.seq):
-                    guess = self.drafter.propose(r.seq, 1)
-                    if guess:
-                        self._state[r.seq.serial].shadow = (len(r.seq.tokens), guess[0])
                 continue
             t = time.perf_counter()
             draft = self.drafter.propose(r.seq, k)[:k]
