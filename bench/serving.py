@@ -25,7 +25,7 @@ prompts; the ratio columns then compare this tree with it as well as with the pe
 
 Writes docs/benchmarks/serving.md and serving.json, and the charts serving.svg (aggregate
 tok/s per level) and serving-ttft.svg (TTFT p95 per level); ``--out`` changes the stem.
-``--replot`` redraws the two charts from an existing ``<stem>.json`` without running servers:
+``--replot`` rewrites the report and redraws the two charts from an existing ``<stem>.json`` without running servers:
 
     .venv/bin/python bench/serving.py --replot
 
@@ -469,7 +469,10 @@ def report(results: dict, out: Path) -> str:
             cells.append(f"{a['ttft_p95_s'] / b['ttft_p95_s']:.2f}x" if a and b and b["ttft_p95_s"] else "-")
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
-    per_request = [f"{s} {by[1][s]['decode_tok_s']:.0f}" for s in servers if 1 in by and s in by[1]
+    # A server whose chunks all arrive together (mlx_lm.server here: ITL ~0) has no
+    # per-request decode speed to read off its stream.
+    per_request = [f"{s} {by[1][s]['decode_tok_s']:.0f}" if by[1][s]["itl_mean_ms"] >= 0.5
+                   else f"{s} - (its chunks arrive together)" for s in servers if 1 in by and s in by[1]
                    and by[1][s].get("decode_tok_s", float("nan")) == by[1][s].get("decode_tok_s")]
     if per_request:
         table += "\n\nPer-request decode speed at 1 client (tokens after the first / first to last token, mean over requests, tok/s): " + ", ".join(per_request) + "."
@@ -561,15 +564,15 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="per-request limit in seconds")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "serving"))
     p.add_argument("--replot", action="store_true",
-                   help="only redraw the charts from the existing <out>.json (runs no servers)")
+                   help="only rewrite the report and redraw the charts from the existing <out>.json (runs no servers)")
     args = p.parse_args()
     if args.replot:
         out = Path(args.out)
         source = out.with_suffix(".json")
         if not source.exists():
             raise SystemExit(f"--replot: {source} does not exist; run the benchmark first or point --out at its stem")
-        plots(json.loads(source.read_text()), out)
-        print(f"wrote {out.parent / chart_names(out)[0]} and {chart_names(out)[1]} from {source}")
+        report(json.loads(source.read_text()), out)
+        print(f"wrote {out.with_suffix('.md')}, {chart_names(out)[0]} and {chart_names(out)[1]} from {source}")
         return 0
 
     from tandem.pipeline.model_store import resolve_model
