@@ -56,7 +56,9 @@ def build_engine(cfg, args, log):
     except ModelError as exc:
         raise UserError(str(exc)) from None
     try:
-        speculator = make_speculator(cfg.speculative, loaded.model, log=log)
+        # A prefill worker hands every request on after its first token: nothing to draft
+        # (and no draft model to hold).
+        speculator = None if cfg.worker.role == "prefill" else make_speculator(cfg.speculative, loaded.model, log=log)
     except (ModelError, ValueError) as exc:
         raise UserError(str(exc)) from None
     eng = Engine(loaded.model, cfg.engine, model_id=loaded.model_id, eos_token_ids=loaded.eos_token_ids,

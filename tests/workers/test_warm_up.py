@@ -33,3 +33,18 @@ def test_warm_up_leaves_no_step_timings_behind(tiny):
     warm_up(eng)
     assert observed  # it timed the warm-up's decode steps...
     assert spec.times.at(4) == pytest.approx(1.3)  # ...and forgot them: the prior, in one-row steps
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "hybrid"])
+def test_only_workers_that_decode_get_a_speculator(tiny_model_dir, role):
+    from tandem import config as config_mod
+    from tandem.commands.worker import build_engine
+    from tandem.pipeline.drafters import NgramDrafter
+
+    cfg = config_mod.load(None, env={}, overrides={"model.path": str(tiny_model_dir), "worker.role": role,
+                                                   "engine.kv_cache_budget": "16MiB"})
+    eng, _ = build_engine(cfg, None, lambda m: None)
+    if role == "prefill":
+        assert eng.speculator is None
+    else:  # auto: prompt lookup on the CPU
+        assert isinstance(eng.speculator.drafter, NgramDrafter)
