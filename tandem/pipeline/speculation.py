@@ -38,13 +38,10 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-import math
 import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
-
-import numpy as np
 
 from tandem.pipeline.drafters import Drafter, ModelDrafter, NgramDrafter, parameter_ratio
 from tandem.pipeline.sequence import Row, Sequence
