@@ -66,36 +66,36 @@ class SpecCounters:
 
 
 class _Sizes:
-    """Seconds per step size: each size the median of its recent steps; a size seen fewer
-    than ``SURE`` times is tentative."""
+    """Seconds per step size: each size the median of its recent steps (``median``, sizes
+    in ``seen``); a size seen ``SURE`` times is sure (``sure``, sizes in ``keys``)."""
 
     SURE = 3
     KEEP = 9
 
     def __init__(self):
         self._obs: dict[int, deque] = {}
+        self.median: dict[int, float] = {}
+        self.seen: list[int] = []  # sorted sizes of median
         self.sure: dict[int, float] = {}
-        self.keys: list[int] = []  # sorted sure sizes
+        self.keys: list[int] = []  # sorted sizes of sure
 
     def observe(self, positions: int, seconds: float) -> None:
         obs = self._obs.setdefault(positions, deque(maxlen=self.KEEP))
         obs.append(seconds)
+        if positions not in self.median:
+            bisect.insort(self.seen, positions)
+        self.median[positions] = statistics.median(obs)
         if len(obs) >= self.SURE:
             if positions not in self.sure:
                 bisect.insort(self.keys, positions)
-            self.sure[positions] = statistics.median(obs)
-
-    def tentative(self, positions: int) -> float | None:
-        obs = self._obs.get(positions)
-        return statistics.median(obs) if obs else None
+            self.sure[positions] = self.median[positions]
 
     def nearest(self, positions: int) -> int | None:
         """The sure size nearest ``positions`` (None when there is none)."""
         if not self.keys:
             return None
         i = bisect.bisect(self.keys, positions)
-        near = [k for k in self.keys[max(i - 1, 0): i + 1]]
-        return min(near, key=lambda k: (abs(k - positions), k))
+        return min(self.keys[max(i - 1, 0): i + 1], key=lambda k: (abs(k - positions), k))
 
 
 class StepTimes:
@@ -128,29 +128,20 @@ class StepTimes:
 
     def forget(self) -> None:
         self._plain, self._verify = _Sizes(), _Sizes()
-        self._plain_t: dict[int, float] = {}  # every plain size seen: sure median, or tentative one
-        self._plain_keys: list[int] = []
 
     @property
     def plain_known(self) -> bool:
         """Whether a plain step was measured: drafting is weighed against one (a process's
         first decode step, and each after :meth:`forget`, does not draft)."""
-        return not self.measured or bool(self._plain_keys)
+        return not self.measured or bool(self._plain.seen)
 
     def observe(self, positions: int, seconds: float, verifying: bool = False) -> None:
         if not self.measured or positions < 1 or seconds <= 0:
             return
-        if verifying:
-            self._verify.observe(positions, seconds)
-            return
-        self._plain.observe(positions, seconds)
-        t = self._plain.sure.get(positions)
-        self._plain_t[positions] = t if t is not None else self._plain.tentative(positions)
-        if len(self._plain_keys) != len(self._plain_t):
-            self._plain_keys = sorted(self._plain_t)
+        (self._verify if verifying else self._plain).observe(positions, seconds)
 
     def _plain_at(self, positions: int) -> float:
-        t, keys = self._plain_t, self._plain_keys
+        t, keys = self._plain.median, self._plain.seen
         if not keys:
             return 1.0 + self.prior * (positions - 1)
         if positions in t:
@@ -175,7 +166,7 @@ class StepTimes:
             return own
         near = self._verify.nearest(positions)
         est = plain + (max(self._verify.sure[near] - self._plain_at(near), 0.0) if near is not None else 0.0)
-        tried = self._verify.tentative(positions)
+        tried = self._verify.median.get(positions)
         return min(tried, est) if tried is not None else est
 
 
