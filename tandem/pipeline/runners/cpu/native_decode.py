@@ -138,7 +138,8 @@ class NativeDecode:
         if self.embed_host:
             x = self.head.rows(np.asarray(inputs).reshape(B))
         else:
-            x = np.array(self.embed(inputs).reshape(B, -1).astype(mx.float32))
+            ids = mx.array(inputs) if isinstance(inputs, np.ndarray) else inputs  # mlx cannot index by numpy
+            x = np.array(self.embed(ids).reshape(B, -1).astype(mx.float32))
         c, s = self.tables(lens - 1 if positions is None else positions)
         logits = q4_kernels.decode_step(self.layers, self.head, self.norm_w, x, self.dims, c, s, host,
                                         lens, cap, self.eps, self.scale, kvrow)

@@ -151,3 +151,44 @@ def test_stats_report_the_decode_mirrors_memory(packed):
         eng.stop()  # the engine thread's end drops the mirror (quiesce)
     freed = before - mx.get_active_memory()
     assert large <= freed < large + (64 << 10)  # the mirror, and a step's few small arrays
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory):
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-q4-untied"), quantize=True, tie=False)
+
+
+class EveryOtherDrafter:
+    """Proposes the recorded greedy continuation on every other call: verifying steps and
+    plain decode steps of one row alternate."""
+
+    cost = 0.0
+
+    def __init__(self, prompt, output):
+        self.prompt, self.output, self.calls = prompt, output, 0
+
+    def propose(self, seq, k):
+        self.calls += 1
+        done = len(seq.tokens) - seq.prompt_len
+        return self.output[done: done + k] if self.calls % 2 else []
+
+    def drop(self, serial):
+        pass
+
+
+def test_packed_decode_after_verifying_gives_the_dense_tokens(untied_dir):
+    # After a verifying step the engine hands the one-row step host (numpy) ids; an untied
+    # 4-bit embedding (mlx indexes by mlx arrays only) must take them.
+    from tandem.pipeline.speculation import Speculator, StepTimes
+
+    packed, dense = loader.load_model(untied_dir, "auto"), loader.load_model(untied_dir, "dense")
+    prompt = [5, 6, 7, 8, 9] * 6
+    reqs = [(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))]
+    want = _engine(dense.model).generate_many(reqs)
+    drafter = EveryOtherDrafter(prompt, want[0])
+    eng = Engine(packed.model, EngineSettings(kv_cache_budget="32MiB"), model_id="q", eos_token_ids=[EOS],
+                 speculator=Speculator(drafter, times=StepTimes(0.0, measured=False)))
+    assert eng.generate_many(reqs) == want
+    assert drafter.calls > 2
