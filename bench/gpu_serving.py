@@ -139,6 +139,145 @@ def engine_alone(batches: list[int], prompt: int, timeout: float) -> dict[int, f
     return {r["batch"]: r["decode_tps"] for r in runs if r.get("section") == "engine" and r.get("decode_tps")}
 
 
+def _engine_proc(model: str, bodies: list[dict], levels: list[int], rounds: int, parallel: int, max_tokens: int,
+                 timeout: float, q) -> None:
+    """In its own process: the engine as ``tandem serve``'s hybrid worker builds and warms it
+    (``commands.worker.build_engine`` / ``warm_up``, default config, ``--parallel``), driven by
+    the same workload as the HTTP levels, token for token (the bodies under the chat template):
+    C clients, each sending its requests one after another, the next as soon as one ends."""
+    try:
+        q.put(("ok", _engine_levels(model, bodies, levels, rounds, parallel, max_tokens, timeout)))
+    except Exception as exc:  # reported, not raised: the parent goes on to serve
+        import traceback
+        q.put(("error", f"{exc!r}\n{traceback.format_exc()[-2000:]}"))
+
+
+def _engine_levels(model: str, bodies: list[dict], levels: list[int], rounds: int, parallel: int, max_tokens: int,
+                   timeout: float) -> list[dict]:
+    from tandem import config as config_mod
+    from tandem.commands.worker import build_engine, warm_up
+    from tandem.http.tokenizer import load_tokenizer
+    from tandem.kvtypes import SamplingParams
+    from tandem.pipeline.api import EngineRequest
+
+    from tandem.workers import roles
+
+    cfg = config_mod.load(None, overrides={"model.path": model, "engine.parallel": parallel})
+    roles.engine_settings(cfg.engine, "hybrid", prefill_batch=cfg.worker.prefill_batch)
+    eng, _ = build_engine(cfg, None, lambda m: print(m, file=sys.stderr))
+    ticks: list[tuple] = []  # (time, plan kind, rows, tokens) per schedule, filled during a level
+    recording = threading.Event()
+
+    def after(plan) -> None:
+        if recording.is_set():
+            ticks.append((time.perf_counter(), plan.kind if plan is not None and plan.rows else "idle",
+                          len(plan.rows) if plan is not None else 0, sum(r.n for r in plan.rows) if plan is not None else 0))
+
+    eng.add_schedule_hooks(after=after)
+    eng.start()
+    try:
+        warm_up(eng)
+        tok = load_tokenizer(Path(model))
+        prompts = [tok.apply_chat_template(b["messages"]) for b in bodies]
+        out = []
+        for c in levels:
+            ticks.clear()
+            recording.set()
+            out.append(_engine_level(eng, prompts, c, rounds, max_tokens, timeout, ticks, SamplingParams, EngineRequest))
+            recording.clear()
+            print("engine", json.dumps(out[-1]), flush=True)
+        return out
+    finally:
+        eng.stop()
+
+
+def _engine_level(eng, prompts, clients: int, rounds: int, max_tokens: int, timeout: float, ticks: list,
+                  SamplingParams, EngineRequest) -> dict:
+    """One level against the engine; the figures :func:`drive` reports, plus where the engine
+    thread's time went (each tick from one schedule to the next, by the kind of its plan)."""
+    lock, done = threading.Lock(), threading.Event()
+    samples: list[tuple] = []
+    left = [clients]
+
+    def send(i: int, r: int) -> None:
+        t0 = time.perf_counter()
+        st = {"t": t0, "first": None, "gaps": [], "n": 0}
+
+        def on_event(ev) -> None:
+            now = time.perf_counter()
+            if ev.tokens:
+                if st["first"] is None:
+                    st["first"] = now - t0
+                else:
+                    st["gaps"].append(now - st["t"])
+                st["t"], st["n"] = now, st["n"] + len(ev.tokens)
+            if ev.finish_reason is not None:
+                with lock:
+                    samples.append((ev.finish_reason != "error", st["first"], st["gaps"], st["n"], ev.error))
+                if r + 1 < rounds:
+                    send(i, r + 1)
+                else:
+                    with lock:
+                        left[0] -= 1
+                        if left[0] == 0:
+                            done.set()
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        eng.submit(EngineRequest(os.urandom(16), prompts[(i * rounds + r) % len(prompts)], sp, on_event))
+
+    t0 = time.perf_counter()
+    for i in range(clients):
+        send(i, 0)
+    finished = done.wait(timeout * rounds + 60)
+    wall = time.perf_counter() - t0
+    ticks = list(ticks)
+    good = [s for s in samples if s[0] and s[3] >= max_tokens]
+    errors = [s[4] or f"only {s[3]} of {max_tokens} tokens" for s in samples if s not in good]
+    if not finished:
+        errors.append("level timed out")
+    ttft = [s[1] for s in good]
+    gaps = [g for s in good for g in s[2]]
+    per_req = [(s[3] - 1) / sum(s[2]) for s in good if s[2] and sum(s[2]) > 0]
+    # Tick k runs from schedule k to schedule k+1: its plan's kind takes that time.
+    spent: dict[str, float] = {}
+    decode_ms: dict[int, list[float]] = {}
+    for (ta, kind, rows, _), (tb, *_rest) in zip(ticks, ticks[1:]):
+        spent[kind] = spent.get(kind, 0.0) + (tb - ta)
+        if kind == "decode":
+            decode_ms.setdefault(rows, []).append(1e3 * (tb - ta))
+    return {"clients": clients, "requests": len(samples), "errors": len(errors), "error_examples": errors[:3],
+            "tok_per_s": sum(s[3] for s in good) / wall if wall else 0.0,
+            "per_request_tok_per_s": statistics.median(per_req) if per_req else None,
+            "ttft_p50_ms": 1e3 * serving.pct(ttft, 0.5), "ttft_p95_ms": 1e3 * serving.pct(ttft, 0.95),
+            "ttft_first_ms": 1e3 * ttft[0] if ttft else None,
+            "itl_p50_ms": 1e3 * serving.pct(gaps, 0.5), "itl_p95_ms": 1e3 * serving.pct(gaps, 0.95),
+            "wall_s": wall, "engine_s_by_tick": {k: round(v, 3) for k, v in spent.items()},
+            "ticks": {k: sum(1 for t in ticks if t[1] == k) for k in {t[1] for t in ticks}},
+            "decode_step_ms_p50_by_rows": {b: round(statistics.median(v), 2) for b, v in sorted(decode_ms.items())
+                                           if len(v) >= 5}}
+
+
+def engine_same_workload(model: Path, bodies: list[dict], levels: list[int], rounds: int, parallel: int,
+                         max_tokens: int, timeout: float) -> dict[int, dict]:
+    """The HTTP levels' workload against the engine alone (:func:`_engine_proc`, its own
+    process, so its device memory is free before ``tandem serve`` starts): per level, the
+    figures :func:`drive` reports."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_engine_proc, args=(str(model), bodies, levels, rounds, parallel, max_tokens, timeout, q))
+    p.start()
+    try:
+        status, value = q.get(timeout=len(levels) * (timeout * rounds + 60) + 900)
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+    if status != "ok":
+        print(f"engine on the same workload failed: {value}", flush=True)
+        return {}
+    return {r["clients"]: r for r in value}
+
+
 # ---------------------------------------------------------------- tandem serve ----------
 
 class Serve:
@@ -179,6 +318,102 @@ class Serve:
             except subprocess.TimeoutExpired:
                 continue
         self._out.close()
+
+
+def _serve_procs(root: int) -> dict[int, str]:
+    """The processes of a ``tandem serve`` (``root`` and its descendants: the supervisor starts
+    each child in a session of its own): pid -> role (``hybrid-0``, ``prefill-0``,
+    ``decode-0``: the worker's ``--name``; ``broker``, ``edge`` (gunicorn's workers too), ``serve``)."""
+    parent, argv = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            parent[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv[int(entry)] = [a.decode(errors="replace") for a in Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0") if a]
+        except (OSError, ValueError):
+            continue
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        args = argv.get(pid, [])
+        role = args[args.index("--name") + 1] if "--name" in args[:-1] else next(
+            (a for a in args if a in ("broker", "edge", "serve", "worker")), "other")
+        out[pid] = out.get(parent.get(pid), role) if role == "other" else role
+        todo += [c for c, p in parent.items() if p == pid]
+    return out
+
+
+def _cpu_s(pid: int, tid: int | None = None) -> float:
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _threads_cpu_s(pid: int) -> dict[str, float]:
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        out[f"{name}:{tid}"] = _cpu_s(pid, int(tid))
+    return out
+
+
+class ServeCpu:
+    """CPU seconds of each ``tandem serve`` process role over a level, and of each worker
+    thread (the engine thread and the IO thread share one interpreter); with ``py_spy``
+    seconds and py-spy on the PATH, each worker's stacks over that long from 2 s into the
+    level (raw collapsed stacks per thread, for a flame graph)."""
+
+    def __init__(self, pgid: int, py_spy: float = 0.0, spy_prefix: str = ""):
+        self.procs = _serve_procs(pgid)
+        self.cpu0 = {pid: _cpu_s(pid) for pid in self.procs}
+        self.thr0 = {pid: _threads_cpu_s(pid) for pid, r in self.procs.items() if r.split("-")[0] in ("hybrid", "prefill", "decode")}
+        self.ptx0 = self._ptx()
+        self.spies = []
+        exe = shutil.which("py-spy") if py_spy else None
+        for pid in self.thr0 if exe else ():
+            out = f"{spy_prefix}-{self.procs[pid]}.txt"
+            self.spies.append(subprocess.Popen(
+                ["bash", "-c", f"sleep 2; exec {exe} record --pid {pid} --duration {max(1, int(py_spy))} --rate 250 "
+                               f"--format raw --threads --nonblocking --output {out}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def finish(self) -> dict:
+        for sp in self.spies:
+            try:
+                sp.wait(30)
+            except subprocess.TimeoutExpired:
+                sp.kill()
+        by_role: dict[str, float] = {}
+        for pid, role in self.procs.items():
+            by_role[role] = round(by_role.get(role, 0.0) + _cpu_s(pid) - self.cpu0[pid], 2)
+        threads = {}
+        for pid, t0 in self.thr0.items():
+            now = _threads_cpu_s(pid)
+            busy = sorted(((round(v - t0.get(k, 0.0), 2), k) for k, v in now.items()), reverse=True)
+            threads[self.procs[pid]] = {k: v for v, k in busy[:6] if v > 0}
+        return {"cpu_s": by_role, "worker_threads_cpu_s": threads,
+                "ptx_compiled": None if self.ptx0 is None else sorted(self._ptx() - self.ptx0)[:20]}
+
+    @staticmethod
+    def _ptx() -> set[str] | None:
+        """MLX's on-disk PTX cache (``MLX_PTX_CACHE_DIR``): a file new during a level is a
+        kernel MLX compiled while serving."""
+        d = os.environ.get("MLX_PTX_CACHE_DIR")
+        try:
+            return set(os.listdir(d)) if d else None
+        except OSError:
+            return set()
 
 
 def _client_proc(port: int, bodies: list[dict], clients: list[int], rounds: int, timeout: float, q, ready, go) -> None:
@@ -280,8 +515,19 @@ def report(res: dict) -> str:
             lines.append(f"| {topo} | {r['clients']} | {r['tok_per_s']:,.0f} | {ratio} | {per} | "
                          f"{r['ttft_p50_ms']:,.0f} / {r['ttft_p95_ms']:,.0f} | {r['itl_p50_ms']:.1f} / "
                          f"{r['itl_p95_ms']:.1f} | {r['errors']} | {t['ready_s']:.0f} |")
-    if res["engine"]:
-        lines += ["", "Engine alone (decode tok/s): " + ", ".join(f"batch {b}: {v:,.0f}" for b, v in res["engine"].items())]
+    if res.get("engine_levels"):
+        lines += ["", "The engine alone on the same workload (in one process, as the hybrid worker builds and warms it; "
+                  "served / engine above divides by its aggregate):", "",
+                  "| clients | aggregate tok/s | per request tok/s | TTFT p50 / p95 ms | ITL p50 / p95 ms | errors "
+                  "| engine thread s by tick kind | decode step ms p50 by rows |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for c, r in res["engine_levels"].items():
+            per = f"{r['per_request_tok_per_s']:,.0f}" if r["per_request_tok_per_s"] else "-"
+            steps = ", ".join(f"{b}: {v}" for b, v in list(r["decode_step_ms_p50_by_rows"].items())[-4:])
+            lines.append(f"| {c} | {r['tok_per_s']:,.0f} | {per} | {r['ttft_p50_ms']:,.0f} / {r['ttft_p95_ms']:,.0f} | "
+                         f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | {r['errors']} | {r['engine_s_by_tick']} | {steps} |")
+    if res.get("engine_decode"):
+        lines += ["", "Engine decode alone (bench/gpu_decode.py, tok/s): " + ", ".join(
+            f"batch {b}: {v:,.0f}" for b, v in res["engine_decode"].items())]
     if res.get("long_prompts"):
         lines += ["", f"Workers on GPUs {res['gpus'] or '(as tandem serve places them)'}; {res['long_prompts']} prompts of "
                   f"~{res['long_tokens']} tokens mixed into each level while the streams decode (the streams' ITL "
@@ -311,7 +557,12 @@ def main(argv=None) -> int:
     ap.add_argument("--long-prompts", type=int, default=0, help="long prompts mixed into each level")
     ap.add_argument("--long-tokens", type=int, default=4096)
     ap.add_argument("--long-every", type=float, default=2.0, help="seconds between long prompts")
-    ap.add_argument("--engine-bench", choices=("gpu_decode", "none"), default="gpu_decode")
+    ap.add_argument("--engine-bench", default="same",
+                    help="comma list: same (the engine in-process on this very workload, which served / engine "
+                         "compares against), gpu_decode (bench/gpu_decode.py's decode-only figures, for reference), "
+                         "or none")
+    ap.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
+                    help="record each worker's stacks this long in every level of 16+ clients (py-spy on the PATH)")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     ap.add_argument("--port", type=int, default=8300)
@@ -334,10 +585,17 @@ def main(argv=None) -> int:
            "device": str(mx.default_device()), "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
            "rounds": a.rounds, "client_procs": a.client_procs, "gpus": a.gpus, "long_prompts": a.long_prompts,
            "long_tokens": a.long_tokens, "engine": {}, "topologies": {}}
-    if a.engine_bench == "gpu_decode":
-        res["engine"] = engine_alone(levels, a.prompt_tokens, a.ready_timeout)
-        print("engine alone:", res["engine"], flush=True)
+    benches = set(a.engine_bench.split(",")) - {"none"}
+    if benches - {"same", "gpu_decode"}:
+        ap.error(f"--engine-bench: unknown {sorted(benches - {'same', 'gpu_decode'})}")
+    if "gpu_decode" in benches:
+        res["engine_decode"] = engine_alone(levels, a.prompt_tokens, a.ready_timeout)
+        print("engine alone, decode only:", res["engine_decode"], flush=True)
     bodies = build_bodies(model, a.prompt_tokens, a.max_tokens, max(levels) * a.rounds)
+    if "same" in benches:
+        res["engine_levels"] = engine_same_workload(model, bodies, levels, a.rounds, a.parallel, a.max_tokens, a.timeout)
+        res["engine"] = {c: r["tok_per_s"] for c, r in res["engine_levels"].items()}
+        print("engine alone, same workload:", res["engine"], flush=True)
     long_bodies = build_bodies(model, a.long_tokens, 4, a.long_prompts) if a.long_prompts else []
     serve_args = [*a.serve_arg, *(["--gpus", a.gpus] if a.gpus else [])]
     for i, topo in enumerate(a.topologies.split(",")):
@@ -352,9 +610,11 @@ def main(argv=None) -> int:
                     b["model"] = model_id
                 rows = []
                 for c in levels:
+                    cpu = ServeCpu(serve.p.pid, a.py_spy if c >= 16 else 0.0, f"{a.out}-{topo}-c{c}")
                     r = (drive_mixed(port, bodies, long_bodies, a.long_every, c, a.rounds, a.client_procs, a.max_tokens,
                                      a.timeout) if long_bodies else
                          drive(port, bodies, c, a.rounds, a.client_procs, a.max_tokens, a.timeout))
+                    r.update(cpu.finish())
                     print(topo, json.dumps(r), flush=True)
                     rows.append(r)
                 res["topologies"][topo] = {"ready_s": ready, "levels": rows}

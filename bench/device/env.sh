@@ -2,4 +2,4 @@
 # MLX's CUDA wheel installed from its two halves, the dependencies setup.sh installed, one
 # PTX cache for the session's processes.
 if [ ! -d /root/site/mlx ]; then . .mlxcuda/b/install.sh || return 1 2>/dev/null || exit 1; fi
-export PYTHONPATH=/root/site:/root/site2 PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=/root/ptx
+export PYTHONPATH=/root/site:/root/site2 PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=/root/ptx PATH=/root/site2/bin:$PATH

@@ -13,6 +13,7 @@ plats=(); for m in 17 24 26 27 28 31 34 35; do plats+=(--platform "manylinux_2_$
 rm -rf .whl && mkdir -p .whl
 # shellcheck disable=SC2086
 $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plats[@]}" $pins -d .whl
+$py -m pip download -q --no-deps --only-binary=:all: py-spy -d .whl  # gpu_serving.py --py-spy: the workers' stacks
 tok=$($py -c 'from tandem.pipeline import model_store; print(model_store.resolve_model(None))')
 mkdir -p .gpuaux/tok && cp "$tok"/{tokenizer.json,tokenizer_config.json,config.json} .gpuaux/tok/
 du -sh .mlxcuda/a .mlxcuda/b .whl .gpuaux
