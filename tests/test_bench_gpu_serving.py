@@ -29,7 +29,7 @@ def test_tiny_shape_serves_both_topologies_without_errors(tmp_path):
     gs = _bench(needs_default_model=True)
     out = tmp_path / "gs"
     rc = gs.main(["--shape", "tiny", "--make-model", str(tmp_path / "m"), "--clients", "1,3", "--rounds", "1",
-                  "--prompt-tokens", "48", "--max-tokens", "8", "--parallel", "4", "--engine-bench", "none",
+                  "--prompt-tokens", "48", "--max-tokens", "8", "--parallel", "4", "--engine-bench", "same",
                   "--client-procs", "2", "--port", "8391", "--base-port", "6691", "--out", str(out)])
     res = json.loads(Path(f"{out}.json").read_text())
     assert rc == 0, res
@@ -38,6 +38,10 @@ def test_tiny_shape_serves_both_topologies_without_errors(tmp_path):
         assert [r["clients"] for r in t["levels"]] == [1, 3]
         assert all(r["requests"] == r["clients"] and r["errors"] == 0 and r["tok_per_s"] > 0 for r in t["levels"])
     assert "| hybrid | 3 |" in Path(f"{out}.md").read_text()
+    # The engine alone ran the same workload; each level knows its serve processes' CPU.
+    assert [r["errors"] for r in res["engine_levels"].values()] == [0, 0] and res["engine"]["3"] > 0
+    assert {"broker", "edge", "hybrid-0"} <= set(res["topologies"]["hybrid"]["levels"][1]["cpu_s"])
+    assert {"prefill-0", "decode-0"} <= set(res["topologies"]["disaggregated"]["levels"][1]["cpu_s"])
 
 
 @pytest.mark.slow
@@ -49,7 +53,7 @@ def test_two_gpu_mixed_load_places_workers_and_reports_long_prompts(tmp_path):
     out = tmp_path / "gs2"
     rc = gs.main(["--shape", "tiny", "--make-model", str(tmp_path / "m"), "--gpus", "0,1", "--long-prompts", "2",
                   "--long-tokens", "200", "--long-every", "0.2", "--clients", "2", "--rounds", "3", "--prompt-tokens", "48",
-                  "--max-tokens", "24", "--parallel", "4", "--engine-bench", "none", "--client-procs", "1",
+                  "--max-tokens", "24", "--parallel", "4", "--engine-bench", "same", "--client-procs", "1",
                   "--port", "8393", "--base-port", "6711", "--out", str(out)])
     res = json.loads(Path(f"{out}.json").read_text())
     assert rc == 0, res

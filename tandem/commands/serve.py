@@ -17,8 +17,9 @@ from tandem.commands.serve_state import state_dir
 
 HELP = "run the whole stack on this machine: broker, prefill + decode workers and the OpenAI HTTP edge"
 DESCRIPTION = (
-    "Start a broker, one prefill and one decode worker (or --topology hybrid for one "
-    "hybrid worker; --prefill N --decode M for more) and the HTTP edge as child "
+    "Start a broker, workers and the HTTP edge as child processes on loopback: on one GPU one "
+    "hybrid worker, else one prefill and one decode worker (--topology picks; --prefill N "
+    "--decode M for more), with the edge "
     "processes on loopback, with a cluster secret generated in the state directory. "
     "Waits until the edge answers /ready, prints the URL and an example request, and "
     "streams every child's log with its name. A child that dies is restarted; Ctrl-C "
@@ -42,10 +43,12 @@ def add_arguments(p) -> None:
     p.add_argument("--served-model-name", metavar="NAME", help="model id clients send and /v1/models lists (default: the model directory's name)")
     p.add_argument("--weights", choices=("auto", "dense", "quantized"), help="weight format the workers run (default auto)")
     p.add_argument("--config", metavar="FILE", help="TOML config file passed to every child")
-    p.add_argument("--topology", choices=("disaggregated", "hybrid"), default="disaggregated",
-                   help="disaggregated: separate prefill and decode workers (default); hybrid: one worker does both")
-    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
-    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+    p.add_argument("--topology", choices=("auto", "disaggregated", "hybrid"), default="auto",
+                   help="disaggregated: separate prefill and decode workers; hybrid: one worker does both; auto "
+                        "(default): hybrid on a machine with one GPU, disaggregated otherwise (or when --prefill / "
+                        "--decode is given)")
+    p.add_argument("--prefill", type=int, metavar="N", help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, metavar="M", help="decode workers (default 1)")
     p.add_argument("--hybrid", type=int, metavar="N", help="hybrid workers with --topology hybrid (default: one per GPU, else 1)")
     p.add_argument("--gpus", metavar="LIST", default="all",
                    help="GPUs to place workers on, each worker on one (CUDA_VISIBLE_DEVICES), in turn: 0,1 or all "
@@ -115,10 +118,27 @@ def place(names: list[str], gpus: list[str]) -> dict[str, str]:
     return {name: gpus[i % len(gpus)] for i, name in enumerate(names)} if gpus else {}
 
 
+def resolve_topology(args, gpus: list[str]) -> str:
+    """``--topology auto``: one hybrid worker on a machine with one GPU, a prefill and a decode
+    worker otherwise. On one GPU the pair shares the device, so the split keeps no prefill from
+    any decode step, while every prompt's KV crosses the sealed channel (device to host, sealed,
+    over TCP, opened, host to device: 64 MB for a 512-token prompt of an 8B model) and each
+    process holds its own weights: docs/benchmarks/gpu_serving.md measured the pair at a fraction
+    of the one worker. On the CPU the pair, gated, serves as much as one worker and keeps each
+    role's process small; on two or more GPUs each role gets a device of its own."""
+    if args.topology != "auto":
+        return args.topology
+    if args.prefill is not None or args.decode is not None:
+        return "disaggregated"
+    return "hybrid" if len(gpus) == 1 else "disaggregated"
+
+
 def build_specs(args, model: Path, secret: Path, gate: Path | None = None, gpus: list[str] | None = None):
     from tandem.supervisor import ChildSpec
 
     gpus = gpus or []
+    topology = resolve_topology(args, gpus)
+    n_prefill, n_decode = args.prefill or 1, args.decode or 1
     tandem = [sys.executable, "-m", "tandem.cli"]
     addr = {k: f"tcp://127.0.0.1:{args.base_port + off}" for k, off in PORTS.items()}
     common = ["--cluster-secret-file", str(secret)] + (["--config", args.config] if args.config else [])
@@ -131,12 +151,12 @@ def build_specs(args, model: Path, secret: Path, gate: Path | None = None, gpus:
                                            "--stats", addr["stats"]] + common)]
     # Prefill workers never decode past the first token: only the others speculate.
     spec = ["--speculative", args.speculative] if args.speculative else []
-    if args.topology == "hybrid":
+    if topology == "hybrid":
         roles = {f"hybrid-{i}": ["--role", "hybrid"] + spec for i in range(args.hybrid or max(1, len(gpus)))}
     else:
         roles = {f"decode-{i}": ["--role", "decode", "--kv-bind", f"tcp://127.0.0.1:{args.base_port + 10 + i}"] + spec
-                 for i in range(args.decode)}
-        roles.update({f"prefill-{i}": ["--role", "prefill"] for i in range(args.prefill)})
+                 for i in range(n_decode)}
+        roles.update({f"prefill-{i}": ["--role", "prefill"] for i in range(n_prefill)})
         # Workers that share this machine's cores: prefill first, as a hybrid worker's
         # scheduler does (docs/benchmarks/disagg.md: with the gate ~0.97x hybrid's
         # throughput and first tokens within the handoff's time; without it ~0.8x). Workers
@@ -197,14 +217,18 @@ def run(args) -> int:
     from tandem.pipeline.model_store import ModelError, resolve_model
     from tandem.supervisor import ChildFailed, Supervisor
 
-    for name, n in (("--prefill", args.prefill), ("--decode", args.decode), ("--hybrid", 1 if args.hybrid is None else args.hybrid)):
-        if n < 1:
+    for name, n in (("--prefill", args.prefill), ("--decode", args.decode), ("--hybrid", args.hybrid)):
+        if n is not None and n < 1:
             raise UserError(f"{name}={n} must be at least 1")
+    if args.topology == "hybrid" and (args.prefill is not None or args.decode is not None):
+        raise UserError("--prefill / --decode name disaggregated workers; --topology hybrid takes --hybrid N")
+    gpus = visible_gpus(args.gpus)
+    topology = resolve_topology(args, gpus)
     check_port_free(args.host, args.port, "HTTP")
     for what, off in PORTS.items():
         check_port_free("127.0.0.1", args.base_port + off, f"broker {what}, --base-port + {off}")
-    if args.topology == "disaggregated":
-        for i in range(args.decode):
+    if topology == "disaggregated":
+        for i in range(args.decode or 1):
             check_port_free("127.0.0.1", args.base_port + 10 + i, f"decode-{i} KV ingest, --base-port + {10 + i}")
     try:
         model = resolve_model(args.model, log=lambda m: print(f"{'serve':>10} | {m}", flush=True))
@@ -214,7 +238,10 @@ def run(args) -> int:
         args.served_model_name = args.model  # a Hugging Face repo id names the model, not its snapshot hash
     secret = ensure_secret(state_dir(args.state_dir))
     gate = None if args.no_cpu_gate else secret.parent / f"cpu-gate-{args.base_port}.lock"
-    specs, addr = build_specs(args, model, secret, gate, visible_gpus(args.gpus))
+    specs, addr = build_specs(args, model, secret, gate, gpus)
+    if args.topology == "auto":
+        print(f"{'serve':>10} | topology {topology} (--topology auto: "
+              f"{'one GPU' if len(gpus) == 1 else f'{len(gpus)} GPUs' if gpus else 'no GPU'})", flush=True)
     placed = [f"{s.name} on GPU {s.env['CUDA_VISIBLE_DEVICES']}" for s in specs if "CUDA_VISIBLE_DEVICES" in s.env]
     if placed:
         print(f"{'serve':>10} | " + ", ".join(placed), flush=True)

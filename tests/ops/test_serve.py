@@ -262,7 +262,9 @@ def test_workers_are_placed_on_gpus_one_each_and_share_only_their_own(tmp_path):
                          "--cpu-gate" in s.argv) for s in specs if s.name.startswith(("prefill", "decode", "hybrid"))}
 
     assert workers([], ["0", "1"]) == {"decode-0": ("0", "1", False), "prefill-0": ("1", "1", False)}
-    assert workers([], ["3"]) == {"decode-0": ("3", "2", True), "prefill-0": ("3", "2", True)}
+    assert workers(["--topology", "disaggregated"], ["3"]) == {"decode-0": ("3", "2", True), "prefill-0": ("3", "2", True)}
+    assert workers([], ["3"]) == {"hybrid-0": ("3", "1", False)}  # auto: one GPU, one hybrid worker
+    assert workers(["--decode", "1"], ["3"]) == {"decode-0": ("3", "2", True), "prefill-0": ("3", "2", True)}
     assert workers([], []) == {"decode-0": (None, "2", True), "prefill-0": (None, "2", True)}
     assert workers(["--topology", "hybrid"], ["0", "1"]) == {"hybrid-0": ("0", "1", False), "hybrid-1": ("1", "1", False)}
     assert workers(["--prefill", "2", "--decode", "1"], ["0", "1"]) == {
