@@ -241,8 +241,10 @@ def _engine_level(eng, prompts, clients: int, rounds: int, max_tokens: int, time
     # Tick k runs from schedule k to schedule k+1: its plan's kind takes that time.
     spent: dict[str, float] = {}
     decode_ms: dict[int, list[float]] = {}
-    for (ta, kind, rows, _), (tb, *_rest) in zip(ticks, ticks[1:]):
+    slow = []
+    for (ta, kind, rows, tokens), (tb, *_rest) in zip(ticks, ticks[1:]):
         spent[kind] = spent.get(kind, 0.0) + (tb - ta)
+        slow.append((round(1e3 * (tb - ta), 1), kind, rows, tokens))
         if kind == "decode":
             decode_ms.setdefault(rows, []).append(1e3 * (tb - ta))
     return {"clients": clients, "requests": len(samples), "errors": len(errors), "error_examples": errors[:3],
@@ -251,8 +253,10 @@ def _engine_level(eng, prompts, clients: int, rounds: int, max_tokens: int, time
             "ttft_p50_ms": 1e3 * serving.pct(ttft, 0.5), "ttft_p95_ms": 1e3 * serving.pct(ttft, 0.95),
             "ttft_first_ms": 1e3 * ttft[0] if ttft else None,
             "itl_p50_ms": 1e3 * serving.pct(gaps, 0.5), "itl_p95_ms": 1e3 * serving.pct(gaps, 0.95),
+            "itl_p99_ms": 1e3 * serving.pct(gaps, 0.99), "itl_max_ms": 1e3 * max(gaps, default=float("nan")),
             "wall_s": wall, "engine_s_by_tick": {k: round(v, 3) for k, v in spent.items()},
             "ticks": {k: sum(1 for t in ticks if t[1] == k) for k in {t[1] for t in ticks}},
+            "slowest_ticks_ms_kind_rows_tokens": sorted((t for t in slow if t[1] != "idle"), reverse=True)[:10],
             "decode_step_ms_p50_by_rows": {b: round(statistics.median(v), 2) for b, v in sorted(decode_ms.items())
                                            if len(v) >= 5}}
 
@@ -461,6 +465,7 @@ def drive(port: int, bodies: list[dict], clients: int, rounds: int, procs: int, 
             "ttft_p50_ms": 1e3 * serving.pct(ttft, 0.5), "ttft_p95_ms": 1e3 * serving.pct(ttft, 0.95),
             "ttft_first_ms": 1e3 * ttft[0] if ttft else None,
             "itl_p50_ms": 1e3 * serving.pct(gaps, 0.5), "itl_p95_ms": 1e3 * serving.pct(gaps, 0.95),
+            "itl_p99_ms": 1e3 * serving.pct(gaps, 0.99), "itl_max_ms": 1e3 * max(gaps, default=float("nan")),
             "wall_s": wall}
 
 
