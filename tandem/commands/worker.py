@@ -72,7 +72,8 @@ def warm_up(engine) -> float:
     path's first run compiles kernels, a stall of every request in flight. A fresh prefill of
     a few blocks and its greedy decode; then, together, a prompt that extends it (a prefix-cache
     hit: the other prefill path) and a sampled request; on a runner that pads prefills to length
-    classes, a prefill of each class. Returns milliseconds."""
+    classes, a prefill of each class, and on one that traces its decode step per row class and
+    table width, a step of each. Returns milliseconds."""
     import time
 
     from tandem.kvtypes import SamplingParams
@@ -98,6 +99,10 @@ def warm_up(engine) -> float:
                 heads = [[1 + (c + i) % 90, 1 + (c + i) // 90 % 90] for i in range(b)]
                 engine.generate_many([((h + prompt * (n // len(prompt) + 1))[:n], one) for h in heads])
                 c += b
+    # Every decode row class and table width the runner traces its step for (CUDA).
+    warm_decode = getattr(engine.runner, "warm_decode", None)
+    if warm_decode is not None:
+        warm_decode(engine.scheduler.max_batch_size)
     if engine.speculator is not None:  # these steps paid first-use costs: not what drafting will
         engine.speculator.times.forget()
     return (time.perf_counter() - t) * 1000

@@ -52,7 +52,7 @@ from tandem.kernels.cuda.quantized_matmul import cuda_available
 from tandem.pipeline.runners.cuda import graph_step
 from tandem.pipeline.runners.cuda import input_box
 from tandem.pipeline.runners.cuda import token_mailbox
-from tandem.pipeline.runners.cuda.tables import table_width
+from tandem.pipeline.runners.cuda.tables import decode_rows, table_width
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.runners.portable.paged import PagedRunner
 from tandem.pipeline.sequence import Row
@@ -469,6 +469,27 @@ class KernelRunner(PagedRunner):
                                     *self.store.keys, *self.store.values)
                 mx.eval(out)
 
+    def warm_decode(self, max_rows: int, max_tokens: int = GRAPH_PREPARE_TOKENS) -> int:
+        """Run (and so trace) the decode step of every row class up to ``max_rows``
+        (``tables.decode_rows``) at every table width up to ``max_tokens`` of context, against
+        the scratch block: serving then replays traces only (each new one was a ~10 ms stall
+        of every running request). Longer contexts trace their widths when first met. Returns
+        the number of (rows, width) classes."""
+        bs = self.store.block_size
+        widths, nb = [], table_width(1)
+        while True:
+            widths.append(nb)
+            if nb * bs >= max_tokens:
+                break
+            nb = table_width(nb + 1)
+        classes = sorted({decode_rows(b) for b in range(1, max_rows + 1)})
+        for P in classes:
+            for nb in widths:
+                zeros = mx.zeros((P,), mx.int32)
+                mx.eval(self._step_fn(mx.zeros((P, 1), mx.int32), zeros, zeros, mx.zeros((P, nb), mx.int32),
+                                      mx.full((P,), nb * bs, mx.int32), *self.store.keys, *self.store.values))
+        return len(classes) * len(widths)
+
     @property
     def takes_host_ids(self) -> bool:
         """A fresh prefill sends host-known ids through the input box: no managed array is made."""
@@ -487,36 +508,43 @@ class KernelRunner(PagedRunner):
             return self._fresh_prefill(rows, inputs)
         if L != 1:
             return super().forward(rows, inputs)
-        host, nb = self.decode_state(rows)
+        P = decode_rows(B)  # padded rows: few traced shapes (tables.decode_rows)
+        host, nb = self.decode_state(rows, P)
+        if P != B:
+            inputs = mx.concatenate([inputs.reshape(B, 1), mx.zeros((P - B, 1), inputs.dtype)])
         L = len(self.blocks)
-        packed = self._step_state(host, B)
-        out = self._step_fn(inputs, packed[:B], packed[B : 2 * B], packed[3 * B :].reshape(B, nb),
-                            packed[2 * B : 3 * B], *self.store.keys, *self.store.values)
-        if self.compiled:
-            return out
-        if isinstance(self.ops, _ReferenceOps):  # new pools, not written in place
-            self.store.keys[:], self.store.values[:] = out[1 : 1 + L], out[1 + L :]
-        return out[0]
+        packed = self._step_state(host, P, B)
+        out = self._step_fn(inputs, packed[:P], packed[P : 2 * P], packed[3 * P :].reshape(P, nb),
+                            packed[2 * P : 3 * P], *self.store.keys, *self.store.values)
+        if not self.compiled:
+            if isinstance(self.ops, _ReferenceOps):  # new pools, not written in place
+                self.store.keys[:], self.store.values[:] = out[1 : 1 + L], out[1 + L :]
+            out = out[0]
+        return out if P == B else out[:B]
 
-    def decode_state(self, rows: list[Row]) -> tuple[np.ndarray, int]:
+    def decode_state(self, rows: list[Row], padded: int | None = None) -> tuple[np.ndarray, int]:
         """A decode step's positions, slots, lengths and block table, concatenated as one
-        int32 host array, and the table's width."""
+        int32 host array, and the table's width. ``padded``: that many rows, the ones past
+        ``rows`` at position 0 with slot -1 (written nowhere) and a table of scratch blocks."""
         B = len(rows)
+        P = padded or B
         bs = self.store.block_size
-        pos = np.fromiter((r.start for r in rows), np.int32, B)
+        pos = np.zeros(P, np.int32)
+        pos[:B] = np.fromiter((r.start for r in rows), np.int32, B)
         lens = pos + 1
         nb = table_width(int((lens.max() + bs - 1) // bs))
-        table = np.zeros((B, nb), np.int32)  # 0 = the store's scratch block (never read)
+        table = np.zeros((P, nb), np.int32)  # 0 = the store's scratch block (never read)
         # Filled in one assignment, not two numpy slice writes per row: this runs on the
         # engine thread every decode step, which at batch 64 the step waits for.
         chunks = [r.seq.block_ids[:w] for r, w in zip(rows, ((lens + bs - 1) // bs).tolist())]
         counts = np.fromiter(map(len, chunks), np.int64, B)
-        table[np.arange(nb)[None, :] < counts[:, None]] = np.fromiter(
+        table[:B][np.arange(nb)[None, :] < counts[:, None]] = np.fromiter(
             itertools.chain.from_iterable(chunks), np.int32, int(counts.sum())) + 1
-        slots = table[np.arange(B), pos // bs] * bs + pos % bs
-        return np.concatenate([pos, slots.astype(np.int32), lens, table.reshape(-1)]), nb
+        slots = np.full(P, -1, np.int32)
+        slots[:B] = table[np.arange(B), pos[:B] // bs] * bs + pos[:B] % bs
+        return np.concatenate([pos, slots, lens, table.reshape(-1)]), nb
 
-    def _step_state(self, host: np.ndarray, B: int) -> mx.array:
+    def _step_state(self, host: np.ndarray, B: int, real: int | None = None) -> mx.array:
         """A decode step's positions, slots, lengths and block table (``host``: those of
         ``forward``, concatenated) as one device array.
 
@@ -530,13 +558,15 @@ class KernelRunner(PagedRunner):
         the increment is taken only when it gives exactly those values."""
         prev = self._state_prev
         dev = None
+        real = B if real is None else real  # rows past ``real`` are padding: they stay put
         if prev is not None and prev[0].shape == host.shape:
-            key = (host.shape[0], B)
+            key = (host.shape[0], B, real)
             if key not in self._state_inc:
                 if len(self._state_inc) >= 64:  # one per (batch, table width) seen; bounded
                     self._state_inc.clear()
                 bump = np.zeros(host.shape[0], np.int32)
-                bump[: 3 * B] = 1
+                for k in range(3):
+                    bump[k * B : k * B + real] = 1
                 self._state_inc[key] = (bump, mx.array(bump))
             bump, bump_dev = self._state_inc[key]
             if np.array_equal(host, prev[0] + bump):

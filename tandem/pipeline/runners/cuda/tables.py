@@ -15,3 +15,14 @@ def table_width(nb: int) -> int:
     while w < nb:
         w = w * 3 // 2 if w & (w - 1) == 0 else w * 4 // 3
     return w
+
+
+def decode_rows(B: int) -> int:
+    """The rows a decode step of ``B`` sequences runs: ``B`` up to 4, else the next of 6, 8,
+    12, 16, 24, 32, 48, 64, 96, 128, ... (the widths' sequence). The compiled step is traced
+    per (rows, width), so a batch that grew or shrank by one retraced (~10 ms of every running
+    request's time, at every batch size serving met for the first time); with a few row classes
+    the warm-up traces them all before READY. The padded rows write nowhere (slot -1), attend
+    over nothing but their own token, and their logits are dropped; a step's time grows little
+    with its rows (the weights are read once for all of them)."""
+    return B if B <= 4 else table_width(B)

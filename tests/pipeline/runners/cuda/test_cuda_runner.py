@@ -478,8 +478,8 @@ def test_step_state_is_uploaded_only_when_rows_leave_their_blocks(tiny_model_dir
     states = []
     step_state = runner._step_state
 
-    def recording(host, B):
-        dev = step_state(host, B)
+    def recording(host, *a):
+        dev = step_state(host, *a)
         states.append((host.copy(), dev))
         return dev
 
@@ -534,3 +534,40 @@ def test_fresh_prefills_are_padded_to_length_classes_that_the_warm_up_runs(tiny_
     seen.clear()
     assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
     assert seen and all(L % m == 0 for _, L in seen)
+
+
+def test_decode_steps_run_padded_row_classes_that_the_warm_up_traces(tiny_model_dir, tiny, monkeypatch):
+    """A decode step of B sequences runs tables.decode_rows(B) rows (the padding writes
+    nowhere and its logits are dropped: five sequences decode mlx-lm's tokens in steps of 6
+    rows, and the device state still advances by increment between uploads); the warm-up runs
+    every row class and width up to its bounds."""
+    import mlx.core as mx
+    import numpy as np
+
+    from tandem.pipeline.runners.cuda.tables import decode_rows
+
+    assert [decode_rows(b) for b in (1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 33, 65, 100)] == [
+        1, 2, 3, 4, 6, 6, 8, 12, 16, 24, 48, 96, 128]
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
+    prompts = random_prompts(5, 9, 9, seed=3)
+    eng = _engine(_fresh(tiny_model_dir), block_size=4, max_batch_prefill=5)
+    runner = eng.runner
+    rows, states = [], []
+    step_fn, step_state = runner._step_fn, runner._step_state
+    runner._step_fn = lambda inputs, *a: rows.append(inputs.shape[0]) or step_fn(inputs, *a)
+
+    def recording(host, *a):
+        dev = step_state(host, *a)
+        states.append((host.copy(), dev))
+        return dev
+
+    runner._step_state = recording
+    got = eng.generate_many([(p, greedy(20)) for p in prompts])
+    assert got == [oracle(tiny, p, 20) for p in prompts]
+    assert 6 in rows and 5 not in rows and all(r == decode_rows(r) for r in rows)
+    assert all(np.array_equal(np.array(dev), host) for host, dev in states)
+    assert runner.state_uploads < len(states)  # padded rows do not defeat the increment
+    rows.clear()
+    assert runner.warm_decode(5, max_tokens=24) == 5 * 2  # rows 1, 2, 3, 4, 6 x widths 4, 6
+    assert sorted(set(rows)) == [1, 2, 3, 4, 6]
+    mx.eval(runner.store.keys)
