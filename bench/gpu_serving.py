@@ -174,9 +174,9 @@ def _engine_levels(model: str, bodies: list[dict], levels: list[int], rounds: in
                           len(plan.rows) if plan is not None else 0, sum(r.n for r in plan.rows) if plan is not None else 0))
 
     eng.add_schedule_hooks(after=after)
+    warm_up(eng)  # as the worker does: before the engine thread runs for good
     eng.start()
     try:
-        warm_up(eng)
         tok = load_tokenizer(Path(model))
         prompts = [tok.apply_chat_template(b["messages"]) for b in bodies]
         out = []
