@@ -126,3 +126,16 @@ def test_an_over_long_prompt_leaves_no_transformers_warning(edge_tokenizer, capf
     assert len(edge_tokenizer.encode(long)) > edge_tokenizer.hf.model_max_length
     assert len(edge_tokenizer.apply_chat_template([{"role": "user", "content": long}])) > edge_tokenizer.hf.model_max_length
     assert "Token indices sequence length" not in capfd.readouterr().err
+
+
+def test_loading_the_tokenizer_compiles_its_chat_template(tiny_model_dir, monkeypatch):
+    """The first chat template render compiles the template; the edge pays it when it loads
+    (in gunicorn's master, before the fork), not in the first request's time to first token."""
+    from tandem.http import tokenizer as tokenizer_mod
+
+    rendered = []
+    real = tokenizer_mod.EdgeTokenizer.render_chat
+    monkeypatch.setattr(tokenizer_mod.EdgeTokenizer, "render_chat",
+                        lambda self, *a, **kw: rendered.append(a) or real(self, *a, **kw))
+    tok = tokenizer_mod.load_tokenizer(tiny_model_dir)
+    assert len(rendered) == 1 and tok.apply_chat_template([{"role": "user", "content": "hi"}])
