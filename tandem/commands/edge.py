@@ -27,7 +27,7 @@ CONF = "python:tandem.http.gunicorn_conf"
 def add_arguments(p) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config file")
     p.add_argument("--bind", metavar="HOST:PORT", help="listen address (default 127.0.0.1:8000)")
-    p.add_argument("--workers", type=int, help="gunicorn worker processes (default 1)")
+    p.add_argument("--workers", type=int, help="gunicorn worker processes (default: one per 4 CPU cores, 1 to 4)")
     p.add_argument("--model", metavar="PATH", help="mlx-lm model directory whose tokenizer to use (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", "--model-name", dest="model_name", metavar="NAME",
                    help="model id clients send and /v1/models lists (default: the model directory's name)")

@@ -24,7 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 wsgi_app = "tandem.http.app:gunicorn_app()"
 bind = [_edge.bind]
-workers = _edge.workers
+workers = _edge.worker_count()
 worker_class = "tandem.http.edge_worker.EdgeWorker"  # gunicorn's asgi worker; a first request has keepalive seconds to send its headers
 worker_connections = _edge.worker_connections
 asgi_lifespan = "on"  # each worker starts its own wire client after the fork

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class EdgeSettings:
     bind: str = field(default="127.0.0.1:8000", metadata={"help": "host:port gunicorn listens on"})
-    workers: int = field(default=1, metadata={"min": 1, "max": 256, "help": "gunicorn worker processes"})
+    workers: int = field(default=0, metadata={"min": 0, "max": 256, "help": "gunicorn worker processes; 0 = one per 4 CPU cores, 1 to 4 (each streams its share of the clients on an event loop of its own: on a GPU host one loop held back 64 clients' streams)"})
     api_key_file: str | None = field(default=None, metadata={"help": "file with the API key clients must send as a Bearer token"})
     max_request_bytes: int = field(default=1 << 20, metadata={"min": 1024, "help": "largest accepted request body"})
     model_name: str | None = field(default=None, metadata={"help": "model id clients send and /v1/models lists; default: the model directory's name"})
@@ -27,3 +27,11 @@ class EdgeSettings:
                               "or '*' for any; empty: no CORS headers (browsers refuse cross-origin calls)"})
     expose_stats: bool = field(default=True, metadata={"help": "serve the broker's redacted stats at /v1/stats"})
     console: bool = field(default=True, metadata={"help": "serve the web console (chat playground, live cluster view) at /"})
+
+    def worker_count(self) -> int:
+        """``workers``, with 0 resolved for this machine: one per 4 CPU cores, 1 to 4."""
+        if self.workers:
+            return self.workers
+        import os
+
+        return max(1, min(4, (os.cpu_count() or 1) // 4))

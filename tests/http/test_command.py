@@ -38,8 +38,19 @@ def test_gunicorn_conf_reads_tandem_config(monkeypatch, tmp_path):
 
 
 def test_bad_config_value_is_refused(monkeypatch):
-    monkeypatch.setenv("TANDEM_EDGE_WORKERS", "0")
+    monkeypatch.setenv("TANDEM_EDGE_WORKERS", "-1")
     assert main(["edge", "--dev"]) == 2
+
+
+def test_edge_workers_default_to_one_per_four_cores(monkeypatch):
+    import os
+
+    from tandem.http.settings import EdgeSettings
+
+    for cores, want in ((2, 1), (8, 2), (16, 4), (128, 4)):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        assert EdgeSettings().worker_count() == want
+    assert EdgeSettings(workers=3).worker_count() == 3
 
 
 def test_ops_gunicorn_conf_is_the_packaged_config():
