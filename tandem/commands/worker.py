@@ -66,7 +66,7 @@ def build_engine(cfg, args, log):
     return eng, loaded.model_id
 
 
-def warm_up(engine) -> float:
+def warm_up(engine, role: str = "hybrid") -> float:
     """Run the paths serving meets through the engine before READY (systemd's READY=1 and the
     broker's registration come after this), so no request pays a first-use cost: on CUDA each
     path's first run compiles kernels, a stall of every request in flight. A fresh prefill of
@@ -90,18 +90,23 @@ def warm_up(engine) -> float:
     # A runner that pads fresh prefills to a multiple of some length: every (batch, length)
     # class a prefill of up to max_batch_prefill prompts of up to a chunk can take. Each prompt
     # starts with two tokens of its own, so none is a prefix-cache hit (which takes another path).
+    # (Not on a decode worker: its prompts arrive as KV, prefilled elsewhere.)
     multiple = getattr(engine.runner, "prefill_length_multiple", None)
-    if multiple:
+    if multiple and role != "decode":
         s, c = engine.settings, 0
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        cap = engine.scheduler.max_batch_prefill_tokens or None
         for n in range(multiple, s.prefill_chunk_size + 1, multiple):
             for b in range(1, s.max_batch_prefill + 1):
+                if cap is not None and b * n > cap:
+                    break
                 heads = [[1 + (c + i) % 90, 1 + (c + i) // 90 % 90] for i in range(b)]
                 engine.generate_many([((h + prompt * (n // len(prompt) + 1))[:n], one) for h in heads])
                 c += b
-    # Every decode row class and table width the runner traces its step for (CUDA).
+    # Every decode row class and table width the runner traces its step for (CUDA); not on a
+    # prefill worker, which hands each request on after its first token.
     warm_decode = getattr(engine.runner, "warm_decode", None)
-    if warm_decode is not None:
+    if warm_decode is not None and role != "prefill":
         warm_decode(engine.scheduler.max_batch_size)
     if engine.speculator is not None:  # these steps paid first-use costs: not what drafting will
         engine.speculator.times.forget()
@@ -150,7 +155,7 @@ def run(args) -> int:
     notifier = Notifier()
     notifier.status(f"loading {cfg.model.path or 'the default model'}")
     engine, model_id = build_engine(cfg, args, lambda m: print(m, file=sys.stderr))
-    warm_ms = warm_up(engine)
+    warm_ms = warm_up(engine, role)
     st = engine.stats()
     worker = Worker(engine, settings=cfg.worker, backend=cfg.broker.backend, stream_in=cfg.broker.stream_in,
                     secret=secret, model_id=model_id, heartbeat_s=cfg.broker.heartbeat_interval_ms / 1000,
