@@ -510,16 +510,19 @@ def report(res: dict) -> str:
              f"{res['prompt_tokens']}-token prompts, {res['max_tokens']} new tokens (ignore_eos), streaming, "
              f"{res['rounds']} requests per client, {res['client_procs']} client processes.", "",
              "| topology | clients | aggregate tok/s | served / engine | per request tok/s | TTFT p50 / p95 ms "
-             "| ITL p50 / p95 ms | errors | ready after s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| ITL p50 / p95 / max ms | errors | ready after s | CPU s: workers / edge / broker |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for topo, t in res["topologies"].items():
         for r in t["levels"]:
             eng = res["engine"].get(str(r["clients"])) or res["engine"].get(r["clients"])
             ratio = f"{r['tok_per_s'] / eng:.2f}" if eng else "-"
             per = f"{r['per_request_tok_per_s']:,.0f}" if r["per_request_tok_per_s"] else "-"
+            cpu = r.get("cpu_s") or {}
+            workers = sum(v for k, v in cpu.items() if k.split("-")[0] in ("hybrid", "prefill", "decode"))
             lines.append(f"| {topo} | {r['clients']} | {r['tok_per_s']:,.0f} | {ratio} | {per} | "
                          f"{r['ttft_p50_ms']:,.0f} / {r['ttft_p95_ms']:,.0f} | {r['itl_p50_ms']:.1f} / "
-                         f"{r['itl_p95_ms']:.1f} | {r['errors']} | {t['ready_s']:.0f} |")
+                         f"{r['itl_p95_ms']:.1f} / {r.get('itl_max_ms', float('nan')):,.0f} | {r['errors']} | "
+                         f"{t['ready_s']:.0f} | {workers:.1f} / {cpu.get('edge', 0):.1f} / {cpu.get('broker', 0):.1f} |")
     if res.get("engine_levels"):
         lines += ["", "The engine alone on the same workload (in one process, as the hybrid worker builds and warms it; "
                   "served / engine above divides by its aggregate):", "",
