@@ -341,3 +341,19 @@ def test_serve_hands_speculative_to_the_workers_that_decode(tmp_path):
     assert modes(["--speculative", "ngram"]) == {"decode-0": "ngram", "prefill-0": None}
     assert modes(["--topology", "hybrid", "--speculative", "draft:/m"]) == {"hybrid-0": "draft:/m"}
     assert set(modes([]).values()) == {None}
+
+
+def test_prefill_and_decode_counts_are_refused_with_the_hybrid_topology():
+    """--prefill / --decode name disaggregated workers: with --topology hybrid they would be
+    silently ignored, so serve refuses them with a one-line reason before starting anything."""
+    import argparse
+
+    from tandem.commands import UserError
+    from tandem.commands import serve as serve_cmd
+
+    p = argparse.ArgumentParser()
+    serve_cmd.add_arguments(p)
+    with pytest.raises(UserError, match="--hybrid N"):
+        serve_cmd.run(p.parse_args(["--topology", "hybrid", "--prefill", "2"]))
+    with pytest.raises(UserError, match="at least 1"):
+        serve_cmd.run(p.parse_args(["--decode", "0"]))
