@@ -15,12 +15,12 @@ from pathlib import Path
 
 from tandem.commands.serve_state import state_dir
 
-HELP = "run the whole stack on this machine: broker, prefill + decode workers and the OpenAI HTTP edge"
+HELP = "run the whole stack on this machine: broker, workers and the OpenAI HTTP edge"
 DESCRIPTION = (
-    "Start a broker, workers and the HTTP edge as child processes on loopback: on one GPU one "
-    "hybrid worker, else one prefill and one decode worker (--topology picks; --prefill N "
-    "--decode M for more), with the edge "
-    "processes on loopback, with a cluster secret generated in the state directory. "
+    "Start a broker, workers and the HTTP edge as child processes on loopback, with a cluster "
+    "secret generated in the state directory. The workers: one hybrid worker on a machine with "
+    "one GPU, else one prefill and one decode worker (--topology picks; --prefill N --decode M "
+    "or --hybrid N for more). "
     "Waits until the edge answers /ready, prints the URL and an example request, and "
     "streams every child's log with its name. A child that dies is restarted; Ctrl-C "
     "or SIGTERM drains and stops everything."

@@ -463,11 +463,15 @@ class KernelRunner(PagedRunner):
         long_nb = table_width(pac.MAX_PARTITION // bs + 1)  # split even at TILE_MIN_BATCH rows
         for B in row_counts:
             for nb in (table_width(1), split_nb) + ((long_nb,) if B >= pac.TILE_MIN_BATCH else ()):
-                zeros = mx.zeros((B,), mx.int32)
-                out = self._step_fn(mx.zeros((B, 1), mx.int32), zeros, zeros,
-                                    mx.zeros((B, nb), mx.int32), mx.full((B,), nb * bs, mx.int32),
-                                    *self.store.keys, *self.store.values)
-                mx.eval(out)
+                self._scratch_step(B, nb)
+
+    def _scratch_step(self, P: int, nb: int) -> None:
+        """A decode step of ``P`` rows over an ``nb``-block table of the scratch block (every
+        row's full table as context), evaluated: it compiles what the step's shape needs and
+        traces the compiled step for it. Writes land in the scratch block."""
+        zeros = mx.zeros((P,), mx.int32)
+        mx.eval(self._step_fn(mx.zeros((P, 1), mx.int32), zeros, zeros, mx.zeros((P, nb), mx.int32),
+                              mx.full((P,), nb * self.store.block_size, mx.int32), *self.store.keys, *self.store.values))
 
     def warm_decode(self, max_rows: int, max_tokens: int = GRAPH_PREPARE_TOKENS) -> int:
         """Run (and so trace) the decode step of every row class up to ``max_rows``
@@ -485,9 +489,7 @@ class KernelRunner(PagedRunner):
         classes = sorted({decode_rows(b) for b in range(1, max_rows + 1)})
         for P in classes:
             for nb in widths:
-                zeros = mx.zeros((P,), mx.int32)
-                mx.eval(self._step_fn(mx.zeros((P, 1), mx.int32), zeros, zeros, mx.zeros((P, nb), mx.int32),
-                                      mx.full((P,), nb * bs, mx.int32), *self.store.keys, *self.store.values))
+                self._scratch_step(P, nb)
         return len(classes) * len(widths)
 
     @property
@@ -536,7 +538,7 @@ class KernelRunner(PagedRunner):
         table = np.zeros((P, nb), np.int32)  # 0 = the store's scratch block (never read)
         # Filled in one assignment, not two numpy slice writes per row: this runs on the
         # engine thread every decode step, which at batch 64 the step waits for.
-        chunks = [r.seq.block_ids[:w] for r, w in zip(rows, ((lens + bs - 1) // bs).tolist())]
+        chunks = [r.seq.block_ids[:w] for r, w in zip(rows, ((lens[:B] + bs - 1) // bs).tolist())]
         counts = np.fromiter(map(len, chunks), np.int64, B)
         table[:B][np.arange(nb)[None, :] < counts[:, None]] = np.fromiter(
             itertools.chain.from_iterable(chunks), np.int32, int(counts.sum())) + 1
