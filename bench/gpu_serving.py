@@ -231,13 +231,6 @@ def _engine_level(eng, prompts, clients: int, rounds: int, max_tokens: int, time
     finished = done.wait(timeout * rounds + 60)
     wall = time.perf_counter() - t0
     ticks = list(ticks)
-    good = [s for s in samples if s[0] and s[3] >= max_tokens]
-    errors = [s[4] or f"only {s[3]} of {max_tokens} tokens" for s in samples if s not in good]
-    if not finished:
-        errors.append("level timed out")
-    ttft = [s[1] for s in good]
-    gaps = [g for s in good for g in s[2]]
-    per_req = [(s[3] - 1) / sum(s[2]) for s in good if s[2] and sum(s[2]) > 0]
     # Tick k runs from schedule k to schedule k+1: its plan's kind takes that time.
     spent: dict[str, float] = {}
     decode_ms: dict[int, list[float]] = {}
@@ -247,14 +240,8 @@ def _engine_level(eng, prompts, clients: int, rounds: int, max_tokens: int, time
         slow.append((round(1e3 * (tb - ta), 1), kind, rows, tokens))
         if kind == "decode":
             decode_ms.setdefault(rows, []).append(1e3 * (tb - ta))
-    return {"clients": clients, "requests": len(samples), "errors": len(errors), "error_examples": errors[:3],
-            "tok_per_s": sum(s[3] for s in good) / wall if wall else 0.0,
-            "per_request_tok_per_s": statistics.median(per_req) if per_req else None,
-            "ttft_p50_ms": 1e3 * serving.pct(ttft, 0.5), "ttft_p95_ms": 1e3 * serving.pct(ttft, 0.95),
-            "ttft_first_ms": 1e3 * ttft[0] if ttft else None,
-            "itl_p50_ms": 1e3 * serving.pct(gaps, 0.5), "itl_p95_ms": 1e3 * serving.pct(gaps, 0.95),
-            "itl_p99_ms": 1e3 * serving.pct(gaps, 0.99), "itl_max_ms": 1e3 * max(gaps, default=float("nan")),
-            "wall_s": wall, "engine_s_by_tick": {k: round(v, 3) for k, v in spent.items()},
+    return {**level_figures(samples, clients, wall, max_tokens, () if finished else ("level timed out",)),
+            "engine_s_by_tick": {k: round(v, 3) for k, v in spent.items()},
             "ticks": {k: sum(1 for t in ticks if t[1] == k) for k in {t[1] for t in ticks}},
             "slowest_ticks_ms_kind_rows_tokens": sorted((t for t in slow if t[1] != "idle"), reverse=True)[:10],
             "decode_step_ms_p50_by_rows": {b: round(statistics.median(v), 2) for b, v in sorted(decode_ms.items())
@@ -454,8 +441,14 @@ def drive(port: int, bodies: list[dict], clients: int, rounds: int, procs: int, 
     wall = time.perf_counter() - t0
     for p in ps:
         p.join(10)
+    return level_figures(samples, clients, wall, max_tokens)
+
+
+def level_figures(samples: list[tuple], clients: int, wall: float, max_tokens: int, errors=()) -> dict:
+    """A level's figures from its requests' (ok, TTFT s, token gaps s, tokens, error) and its
+    wall time; ``errors``: the level's own, beside the requests'."""
     good = [s for s in samples if s[0] and s[3] >= max_tokens]
-    errors = [s[4] or f"only {s[3]} of {max_tokens} tokens" for s in samples if s not in good]
+    errors = [s[4] or f"only {s[3]} of {max_tokens} tokens" for s in samples if s not in good] + list(errors)
     ttft = [s[1] for s in good]
     gaps = [g for s in good for g in s[2]]
     per_req = [(s[3] - 1) / sum(s[2]) for s in good if s[2] and sum(s[2]) > 0]
