@@ -67,7 +67,7 @@ class SpecCounters:
 
 class _Sizes:
     """Seconds per step size: each size the median of its recent steps (``median``, sizes
-    in ``seen``); a size seen ``SURE`` times is sure (``sure``, sizes in ``keys``)."""
+    in ``seen``); a size seen ``SURE`` times is sure (:meth:`sure`, sizes in ``keys``)."""
 
     SURE = 3
     KEEP = 9
@@ -76,8 +76,7 @@ class _Sizes:
         self._obs: dict[int, deque] = {}
         self.median: dict[int, float] = {}
         self.seen: list[int] = []  # sorted sizes of median
-        self.sure: dict[int, float] = {}
-        self.keys: list[int] = []  # sorted sizes of sure
+        self.keys: list[int] = []  # sorted sure sizes
 
     def observe(self, positions: int, seconds: float) -> None:
         obs = self._obs.setdefault(positions, deque(maxlen=self.KEEP))
@@ -85,10 +84,13 @@ class _Sizes:
         if positions not in self.median:
             bisect.insort(self.seen, positions)
         self.median[positions] = statistics.median(obs)
-        if len(obs) >= self.SURE:
-            if positions not in self.sure:
-                bisect.insort(self.keys, positions)
-            self.sure[positions] = self.median[positions]
+        if len(obs) == self.SURE:  # (later steps only move its median)
+            bisect.insort(self.keys, positions)
+
+    def sure(self, positions: int) -> float | None:
+        """The median of a size seen ``SURE`` times, else None."""
+        obs = self._obs.get(positions)
+        return self.median[positions] if obs is not None and len(obs) >= self.SURE else None
 
     def nearest(self, positions: int) -> int | None:
         """The sure size nearest ``positions`` (None when there is none)."""
@@ -161,11 +163,11 @@ class StepTimes:
         plain = self._plain_at(positions)
         if not verifying:
             return plain
-        own = self._verify.sure.get(positions)
+        own = self._verify.sure(positions)
         if own is not None:
             return own
         near = self._verify.nearest(positions)
-        est = plain + (max(self._verify.sure[near] - self._plain_at(near), 0.0) if near is not None else 0.0)
+        est = plain + (max(self._verify.median[near] - self._plain_at(near), 0.0) if near is not None else 0.0)
         tried = self._verify.median.get(positions)
         return min(tried, est) if tried is not None else est
 
