@@ -319,11 +319,14 @@ def _serve_procs(root: int) -> dict[int, str]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        fields = serving.stat_fields(f"/proc/{entry}/stat")
         try:
-            parent[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv[int(entry)] = [a.decode(errors="replace") for a in Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0") if a]
-        except (OSError, ValueError):
+            args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
             continue
+        if fields is not None:
+            parent[int(entry)] = int(fields[1])
+            argv[int(entry)] = [a.decode(errors="replace") for a in args if a]
     out, todo = {}, [root]
     while todo:
         pid = todo.pop()
@@ -336,12 +339,8 @@ def _serve_procs(root: int) -> dict[int, str]:
 
 
 def _cpu_s(pid: int, tid: int | None = None) -> float:
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    try:
-        fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    fields = serving.stat_fields(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+    return 0.0 if fields is None else serving.stat_cpu_s(fields)
 
 
 def _threads_cpu_s(pid: int) -> dict[str, float]:

@@ -103,19 +103,27 @@ class Server:
         self._err.close()
 
 
+def stat_fields(path: str) -> list[str] | None:
+    """The fields of a ``/proc/<pid>[/task/<tid>]/stat`` after the command name (state,
+    ppid, pgrp, ...), or None when the process is gone."""
+    try:
+        return Path(path).read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def stat_cpu_s(fields: list[str]) -> float:
+    """User + system CPU seconds from :func:`stat_fields`."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def group_cpu_s(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group ``pgid`` (a
     server started in its own session, with its children: gunicorn's workers)."""
     total = 0.0
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if entry.isdigit() and (fields := stat_fields(f"/proc/{entry}/stat")) is not None and int(fields[2]) == pgid:
+            total += stat_cpu_s(fields)
     return total
 
 
