@@ -71,9 +71,8 @@ def warm_up(engine, role: str = "hybrid") -> float:
     broker's registration come after this), so no request pays a first-use cost: on CUDA each
     path's first run compiles kernels, a stall of every request in flight. A fresh prefill of
     a few blocks and its greedy decode; then, together, a prompt that extends it (a prefix-cache
-    hit: the other prefill path) and a sampled request; on a runner that pads prefills to length
-    classes, a prefill of each class, and on one that traces its decode step per row class and
-    table width, a step of each. Returns milliseconds."""
+    hit: the other prefill path) and a sampled request; on a runner that traces its decode step
+    per row class and table width (CUDA), a step of each. Returns milliseconds."""
     import time
 
     from tandem.kvtypes import SamplingParams
@@ -87,22 +86,6 @@ def warm_up(engine, role: str = "hybrid") -> float:
     engine.generate_many([(prompt, greedy)])
     engine.generate_many([(prompt + [5, 6, 7], greedy),
                           ([0, 1, 2, 3], SamplingParams(temperature=0.7, seed=0, max_tokens=2, ignore_eos=True))])
-    # A runner that pads fresh prefills to a multiple of some length: every (batch, length)
-    # class a prefill of up to max_batch_prefill prompts of up to a chunk can take. Each prompt
-    # starts with two tokens of its own, so none is a prefix-cache hit (which takes another path).
-    # (Not on a decode worker: its prompts arrive as KV, prefilled elsewhere.)
-    multiple = getattr(engine.runner, "prefill_length_multiple", None)
-    if multiple and role != "decode":
-        s, c = engine.settings, 0
-        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        cap = engine.scheduler.max_batch_prefill_tokens or None
-        for n in range(multiple, s.prefill_chunk_size + 1, multiple):
-            for b in range(1, s.max_batch_prefill + 1):
-                if cap is not None and b * n > cap:
-                    break
-                heads = [[1 + (c + i) % 90, 1 + (c + i) // 90 % 90] for i in range(b)]
-                engine.generate_many([((h + prompt * (n // len(prompt) + 1))[:n], one) for h in heads])
-                c += b
     # Every decode row class and table width the runner traces its step for (CUDA); not on a
     # prefill worker, which hands each request on after its first token.
     warm_decode = getattr(engine.runner, "warm_decode", None)

@@ -89,12 +89,7 @@ CHECKPOINT_LAYERS = 3
 work at 512 tokens, with the last layer at its last rows): what the engine waits for MLX's
 way before spinning on the token mailbox, so MLX's wake-up overlaps the last layers (the
 host read the token 0.10-0.15 ms after the device wrote it)."""
-PREFILL_LENGTH_MULTIPLE = 64
-"""A fresh prefill's length is padded up to a multiple of this (padded positions write
-nowhere and only padded queries see them): every prompt length then falls in one of a few
-shape classes, which the worker's warm-up runs before READY (``warm_up`` in
-``commands/worker.py``), so no prompt meets a shape first while serving (the attention's
-plan, the compiled layers' trace), and every fresh prefill runs the compiled layers."""
+PREFILL_COMPILE_MULTIPLE = 64
 GRAPH_PREPARE_TOKENS = 4096
 DECODE_COMPILE = True
 """``mx.compile`` the decode step (traced per batch x table width): with pipelining it
@@ -381,7 +376,8 @@ class KernelRunner(PagedRunner):
         # Their layers compiled, one function per layer traced once per (B, L): replaying
         # skips the Python that builds a layer's graph (the engine thread's share of a
         # 512-token prefill fell by about a fifth).
-        # Traced per (B, L) class: lengths are padded to PREFILL_LENGTH_MULTIPLE.
+        # Only at lengths that are a multiple of PREFILL_COMPILE_MULTIPLE (full chunks,
+        # the bench's prompts): a trace of 32 layers costs more than a length seen once saves.
         # The CUDA write kernel fills the pools in place, so a compiled layer returns h alone.
         self._prefill_fns = ([mx.compile(functools.partial(self._compiled_prefill_layer, b)) for b in self.blocks]
                              if self.compiled else None)
@@ -416,7 +412,6 @@ class KernelRunner(PagedRunner):
 
     # -- captured steps and token read-back (the engine's side, pipeline/runner.py) -----
     graph_step: "graph_step.GraphStep | None" = None  # set at the end of __init__, after the warm-up
-    prefill_length_multiple = PREFILL_LENGTH_MULTIPLE  # fresh prefills' length classes (warm_up runs each)
     mailbox: "token_mailbox.TokenMailbox | None" = None
     checkpoint: mx.array | None = None  # a fresh prefill's, for the mailbox (see _fresh_prefill)
 
@@ -585,14 +580,9 @@ class KernelRunner(PagedRunner):
         keys, with no gather of blocks. Padded positions (past a row's ``n``) write nowhere
         and only padded queries see them."""
         B, L = inputs.shape
-        pad = -L % PREFILL_LENGTH_MULTIPLE
-        if pad:
-            inputs = (np.pad(inputs, ((0, 0), (0, pad))) if isinstance(inputs, np.ndarray)
-                      else mx.pad(inputs, [(0, 0), (0, pad)]))
-            L += pad
         slots, last = self._fresh_slots(rows, L)
         inputs, pos, slots, last = self._prefill_inputs(rows, inputs, slots, last)
-        compiled = self._prefill_fns is not None
+        compiled = self._prefill_fns is not None and L % PREFILL_COMPILE_MULTIPLE == 0
         h = self._embed(inputs)  # (B, L, W)
         keys, values = self.store.keys, self.store.values
         # The last layer at the last rows (not where it is also layer 0).

@@ -516,26 +516,6 @@ def test_fresh_slots_match_the_block_table_formula_for_padded_rows():
         assert last.tolist() == [10, L + 2, 2 * L + 8]
 
 
-def test_fresh_prefills_are_padded_to_length_classes_that_the_warm_up_runs(tiny_model_dir, expected, monkeypatch):
-    """A fresh prefill's length is padded up to a multiple of PREFILL_LENGTH_MULTIPLE (the
-    tokens stay mlx-lm's), and the worker's warm-up runs every (batch, length) class a prefill
-    can take, so no prompt meets a new shape while serving."""
-    from tandem.commands.worker import warm_up
-
-    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
-    prompts, want = expected
-    eng = _engine(_fresh(tiny_model_dir), prefill_chunk_size=128, max_batch_prefill=2)
-    seen = []
-    real = eng.runner._fresh_slots
-    eng.runner._fresh_slots = lambda rows, L: seen.append((len(rows), L)) or real(rows, L)
-    warm_up(eng)
-    m = cuda_runner.PREFILL_LENGTH_MULTIPLE
-    assert {(b, n) for b in (1, 2) for n in range(m, 129, m)} <= set(seen)
-    seen.clear()
-    assert eng.generate_many([(p, greedy(MAX_TOKENS)) for p in prompts]) == want
-    assert seen and all(L % m == 0 for _, L in seen)
-
-
 def test_decode_steps_run_padded_row_classes_that_the_warm_up_traces(tiny_model_dir, tiny, monkeypatch):
     """A decode step of B sequences runs tables.decode_rows(B) rows (the padding writes
     nowhere and its logits are dropped: five sequences decode mlx-lm's tokens in steps of 6
