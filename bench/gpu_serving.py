@@ -36,6 +36,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import signal
 import statistics
@@ -257,8 +258,19 @@ def engine_same_workload(model: Path, bodies: list[dict], levels: list[int], rou
     q = ctx.Queue()
     p = ctx.Process(target=_engine_proc, args=(str(model), bodies, levels, rounds, parallel, max_tokens, timeout, q))
     p.start()
+    deadline = time.monotonic() + len(levels) * (timeout * rounds + 60) + 900
     try:
-        status, value = q.get(timeout=len(levels) * (timeout * rounds + 60) + 900)
+        while True:  # (a child that aborts, e.g. on a CUDA error, puts nothing: stop waiting then)
+            try:
+                status, value = q.get(timeout=5)
+                break
+            except queue.Empty:
+                if not p.is_alive():
+                    status, value = "error", f"the engine's process exited with code {p.exitcode}"
+                    break
+                if time.monotonic() > deadline:
+                    status, value = "error", "no result before the deadline"
+                    break
     finally:
         p.join(60)
         if p.is_alive():
