@@ -57,6 +57,10 @@ import serving  # noqa: E402  (the streaming client and workload of the CPU serv
 SHAPES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128),
+    # The 8B's layer shapes, four layers: kernel and shape probes start in seconds
+    # (bench/device/probe_prefill.py).
+    "8b-4l": dict(hidden_size=4096, num_hidden_layers=4, intermediate_size=14336, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128),
     "tiny": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64),
 }
