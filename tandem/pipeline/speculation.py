@@ -228,20 +228,25 @@ class Speculator:
         """Each row's draft length this step (see the module's policy)."""
         v = self.position_cost
         caps, rates = [0] * len(rows), [0.0] * len(rows)
+        states: list[SpecState | None] = [None] * len(rows)
         for i, r in enumerate(rows):
             seq = r.seq
             if not self.eligible(seq):
                 continue
-            st = self._state.setdefault(seq.serial, SpecState())
+            st = states[i] = self._state.setdefault(seq.serial, SpecState())
             st.idle += 1
             caps[i] = min(self.max_draft, seq.sampling.max_tokens - seq.num_generated - 1)
+            rates[i] = st.rate
             if st.idle > self.retry_steps:
                 # Just above what pays alone (its cost and the margin), so it drafts one
-                # token, and only alone.
-                st.rate = max(st.rate, min(2 * v + self.MARGIN * (1 + v), 1.0))
+                # token, and only alone. For this step only: a batch that does not take the
+                # retry leaves the row at its measured rate. (Kept past the step, the raised
+                # rates of 16 rows that had started together made the next step draft 4
+                # tokens a row, priced as sure; half were accepted, and the rows that had
+                # kept in step fell apart.)
+                rates[i] = max(st.rate, min(2 * v + self.MARGIN * (1 + v), 1.0))
                 st.idle = 0
                 caps[i] = min(caps[i], 1)
-            rates[i] = st.rate
         if not self.times.plain_known:
             return [0] * len(rows)
         # Draft tokens in order of gain, best first; the step takes the prefix of them that
@@ -267,6 +272,7 @@ class Speculator:
         ks = [0] * B
         for i, _ in order[:best_n]:
             ks[i] += 1
+            states[i].rate = rates[i]  # a retry taken: its verification moves the raised rate
         return ks
 
     def plan(self, rows: list[Row], grow) -> None:

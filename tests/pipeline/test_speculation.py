@@ -244,6 +244,24 @@ def test_draft_lengths_follow_acceptance_and_the_batch_width():
     assert costly.lengths(_rows(costly, [0.5])) == [0] and costly.lengths(_rows(costly, [0.9])) != [0]
 
 
+def test_a_retry_that_a_wide_batch_does_not_take_leaves_the_rows_rates():
+    """Rows that stopped drafting are offered one token every retry_steps steps; in a wide
+    batch that does not take it, their rates stay what verification measured, so the batch
+    never drafts on the retry's optimism (16 rows raised to a sure rate one after another
+    drafted 4 tokens each and accepted half)."""
+    spec = Speculator(NgramDrafter(), max_draft=4, retry_steps=4)
+    for p_, t in [(1, 6.5), (2, 10.0), (5, 12.0), (8, 15.0), (16, 24.0), (17, 26.5), (24, 30.0), (32, 46.0)] * 3:
+        spec.times.observe(p_, t * 1e-3)
+    rows = _rows(spec, [0.1] * 16)
+    for r, k in zip(rows, range(16)):  # they stopped drafting at different steps
+        spec._state[r.seq.serial].idle = k % 5
+    assert all(sum(spec.lengths(rows)) == 0 for _ in range(20))
+    assert all(spec._state[r.seq.serial].rate == 0.1 for r in rows)
+    lone = _rows(spec, [0.1])  # alone, the retry pays: one token, and the raised rate is kept
+    got = [spec.lengths(lone)[0] for _ in range(5)]
+    assert got == [0, 0, 0, 0, 1] and spec._state[lone[0].seq.serial].rate > 0.1
+
+
 def test_step_times_are_measured_per_size_and_filled_in_between():
     times = StepTimes(0.1)
     assert times.at(5) == pytest.approx(1.4)  # nothing measured: the prior, in one-row steps
