@@ -13,7 +13,9 @@ its exit code and, from ``PYTHONFAULTHANDLER``, the last Python frame:
 
 Paths: ``compiled`` (the length a multiple of 64: ``mx.compile``d layers), ``plain`` (the
 same length, the layers uncompiled), ``sync`` (compiled, but evaluated to the end after
-every layer instead of ``async_eval``).
+every layer instead of ``async_eval``); ``warm+`` before one of them runs the worker's
+warm-up first (``commands.worker.warm_up``), as the crash had: a prefill, a prefix hit, a
+sampled request and the decode row classes before the two prompts.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = Path(os.environ.get("PROBE_MODEL", "/tmp/m8b4"))
-CASES = [(2, 64, "compiled"), (2, 64, "plain"), (2, 64, "sync"), (1, 64, "compiled"), (2, 128, "compiled"),
-         (2, 512, "compiled"), (3, 64, "compiled"), (4, 128, "compiled")]
+CASES = [(2, 64, "compiled"), (2, 64, "plain"), (2, 64, "sync"), (2, 64, "warm+compiled"), (1, 64, "compiled"),
+         (2, 128, "compiled"), (2, 512, "compiled"), (3, 64, "compiled"), (4, 128, "compiled")]
 
 
 def case(B: int, L: int, path: str) -> None:
@@ -43,6 +45,11 @@ def case(B: int, L: int, path: str) -> None:
     roles.engine_settings(cfg.engine, "hybrid", prefill_batch=cfg.worker.prefill_batch)
     eng, _ = build_engine(cfg, None, lambda m: None)
     runner = eng.runner
+    if path.startswith("warm+"):
+        from tandem.commands.worker import warm_up
+
+        print(f"warm-up {warm_up(eng):.0f} ms", flush=True)
+        path = path[len("warm+"):]
     if path == "plain":
         runner._prefill_fns = None
     elif path == "sync":
@@ -69,7 +76,7 @@ def main(argv: list[str]) -> int:
         try:
             r = subprocess.run([sys.executable, __file__, str(B), str(L), path], capture_output=True, text=True,
                                timeout=240, env=env, cwd=ROOT)
-            lines = [x for x in (r.stdout + r.stderr).splitlines() if x.startswith(("ok", "  File", "terminate", "  what"))]
+            lines = [x for x in (r.stdout + r.stderr).splitlines() if x.startswith(("ok", "warm-up", "  File", "terminate", "  what"))]
             print(f"prompts {B} length {L} {path}: exit {r.returncode}", *lines[:4], sep="\n  ", flush=True)
         except subprocess.TimeoutExpired:
             print(f"prompts {B} length {L} {path}: no answer in 240 s", flush=True)
