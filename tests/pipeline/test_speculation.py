@@ -247,8 +247,8 @@ def test_draft_lengths_follow_acceptance_and_the_batch_width():
 def test_a_retry_that_a_wide_batch_does_not_take_leaves_the_rows_rates():
     """Rows that stopped drafting are offered one token every retry_steps steps; in a wide
     batch that does not take it, their rates stay what verification measured, so the batch
-    never drafts on the retry's optimism (16 rows raised to a sure rate one after another
-    drafted 4 tokens each and accepted half)."""
+    never drafts on the retry's optimism (16 rows that started together, raised at once,
+    declined it, then drafted 4 tokens each at the next step and accepted half)."""
     spec = Speculator(NgramDrafter(), max_draft=4, retry_steps=4)
     for p_, t in [(1, 6.5), (2, 10.0), (5, 12.0), (8, 15.0), (16, 24.0), (17, 26.5), (24, 30.0), (32, 46.0)] * 3:
         spec.times.observe(p_, t * 1e-3)
