@@ -45,7 +45,11 @@ def load(path: str | None):
 
     if path is None:
         path = model_store.resolve_model(None)
-    lm = load_model(path)
+    # Dense fp32 weights: mlx-lm's fastest CPU form, and what mlx_lm.server gets in
+    # bench/serving.py. ("auto" keeps a 4-bit checkpoint packed for tandem's kernels, and
+    # mlx-lm's forward then runs mlx's quantized CPU kernels: BatchGenerator fell from ~44
+    # to ~12 tok/s at batch 4.) The engine decodes from the packed codes kept beside them.
+    lm = load_model(path, weights="dense")
     return lm.model, lm.model_id, str(path)
 
 
