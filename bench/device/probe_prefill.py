@@ -15,7 +15,11 @@ Paths: ``compiled`` (the length a multiple of 64: ``mx.compile``d layers), ``pla
 same length, the layers uncompiled), ``sync`` (compiled, but evaluated to the end after
 every layer instead of ``async_eval``); ``warm+`` before one of them runs the worker's
 warm-up first (``commands.worker.warm_up``), as the crash had: a prefill, a prefix hit, a
-sampled request and the decode row classes before the two prompts.
+sampled request and the decode row classes before the two prompts; ``nographs+`` runs the
+case with ``MLX_USE_CUDA_GRAPHS=0``. MLX 0.32's CUDA encoder captures each op's launches
+with ``cudaStreamCaptureModeGlobal``, so a launch that fails, or a driver call another
+thread makes meanwhile, spoils the capture and aborts at ``cudaStreamEndCapture``; launched
+without graphs, a failing launch names itself.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = Path(os.environ.get("PROBE_MODEL", "/tmp/m8b4"))
-CASES = [(2, 64, "compiled"), (2, 64, "plain"), (2, 64, "sync"), (2, 64, "warm+compiled"), (1, 64, "compiled"),
+CASES = [(2, 64, "compiled"), (2, 64, "nographs+compiled"), (2, 64, "plain"), (2, 64, "sync"),
+         (2, 64, "warm+compiled"), (2, 64, "nographs+warm+compiled"), (1, 64, "compiled"),
          (2, 128, "compiled"), (2, 512, "compiled"), (3, 64, "compiled"), (4, 128, "compiled")]
 
 
@@ -45,6 +50,7 @@ def case(B: int, L: int, path: str) -> None:
     roles.engine_settings(cfg.engine, "hybrid", prefill_batch=cfg.worker.prefill_batch)
     eng, _ = build_engine(cfg, None, lambda m: None)
     runner = eng.runner
+    path = path.removeprefix("nographs+")  # (the parent set MLX_USE_CUDA_GRAPHS=0)
     if path.startswith("warm+"):
         from tandem.commands.worker import warm_up
 
@@ -75,8 +81,9 @@ def main(argv: list[str]) -> int:
     for B, L, path in CASES:
         try:
             r = subprocess.run([sys.executable, __file__, str(B), str(L), path], capture_output=True, text=True,
-                               timeout=240, env=env, cwd=ROOT)
-            lines = [x for x in (r.stdout + r.stderr).splitlines() if x.startswith(("ok", "warm-up", "  File", "terminate", "  what"))]
+                               timeout=240, cwd=ROOT,
+                               env=dict(env, MLX_USE_CUDA_GRAPHS="0") if path.startswith("nographs+") else env)
+            lines = [x for x in (r.stdout + r.stderr).splitlines() if x.startswith(("ok", "warm-up", "  File", "terminate", "  what", "RuntimeError", "ValueError"))]
             print(f"prompts {B} length {L} {path}: exit {r.returncode}", *lines[:4], sep="\n  ", flush=True)
         except subprocess.TimeoutExpired:
             print(f"prompts {B} length {L} {path}: no answer in 240 s", flush=True)
