@@ -3,8 +3,9 @@
 The worker's warm-up died on its first two-prompt prefill (2 x 64 tokens, the compiled
 layers) with ``cudaStreamEndCapture ... failed due to a previous error during capture``
 (docs/gpu.md); one 64-token prompt had passed, and MLX's causal attention alone passed at
-every shape (``probe_sdpa.py``). Here the runner itself, built as the worker builds it on a
-four-layer checkpoint with the 8B's layer shapes (written to /tmp/m8b4 once), prefills one
+every shape (a probe since deleted: ``git log -- bench/device/probe_sdpa.py``). Here the
+runner itself, built as the worker builds it on a four-layer checkpoint with the 8B's
+layer shapes (written to /tmp/m8b4 once), prefills one
 (prompts, length, path) case per process, since the failure aborts the process; each prints
 its exit code and, from ``PYTHONFAULTHANDLER``, the last Python frame:
 
