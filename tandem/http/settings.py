@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -32,6 +33,4 @@ class EdgeSettings:
         """``workers``, with 0 resolved for this machine: one per 4 CPU cores, 1 to 4."""
         if self.workers:
             return self.workers
-        import os
-
         return max(1, min(4, (os.cpu_count() or 1) // 4))
