@@ -45,6 +45,7 @@ from tandem.kernels.cuda import linear  # noqa: E402
 from tandem.kernels.cuda import paged_attention_cuda as pac  # noqa: E402
 from tandem.kernels.cuda import kv_write_cuda as kvw  # noqa: E402
 from tandem.kernels.cuda import quantized_matmul as qm  # noqa: E402
+from tandem.pipeline import budget  # noqa: E402
 from _common import Patches  # noqa: E402  (bench/ is first on sys.path when this runs as a script)
 
 LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -415,10 +416,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
     model = llama.Model(model_args(layers))
     nn.quantize(model, group_size=64, bits=4)  # lazy: replaced by the shared arrays below
     model.update(base_q4.parameters())  # shares the arrays; prepare_model adds the dense copy
-    try:
-        mem = mx.device_info().get("memory_size")
-    except Exception:  # noqa: BLE001 - older MLX: no device_info on CUDA
-        mem = None
+    mem = budget.device_memory()
     fmt = linear.prepare_model(model, weights, memory_bytes=mem)
     mx.eval(model.parameters())
     # Llama-3 RoPE keeps its frequencies in a private (non-parameter) array built lazily

@@ -58,7 +58,7 @@ SHAPES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128),
     # The 8B's layer shapes, four layers: kernel and shape probes start in seconds
-    # (bench/device/probe_prefill.py).
+    # (bench/device/probe_first_use.py).
     "8b-4l": dict(hidden_size=4096, num_hidden_layers=4, intermediate_size=14336, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=128),
     "tiny": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
@@ -169,6 +169,9 @@ def _engine_levels(model: str, bodies: list[dict], levels: list[int], rounds: in
 
     cfg = config_mod.load(None, overrides={"model.path": model, "engine.parallel": parallel})
     roles.engine_settings(cfg.engine, "hybrid", prefill_batch=cfg.worker.prefill_batch)
+    # Every client's request is taken, as the served stack queues them (the broker holds
+    # what the worker does not take); the engine's own queue would refuse past its depth.
+    cfg.engine.max_queue_depth = max(cfg.engine.max_queue_depth, max(levels))
     eng, _ = build_engine(cfg, None, lambda m: print(m, file=sys.stderr))
     ticks: list[tuple] = []  # (time, plan kind, rows, tokens) per schedule, filled during a level
     recording = threading.Event()
@@ -188,8 +191,14 @@ def _engine_levels(model: str, bodies: list[dict], levels: list[int], rounds: in
         for c in levels:
             ticks.clear()
             recording.set()
-            out.append(_engine_level(eng, prompts, c, rounds, max_tokens, timeout, ticks, SamplingParams, EngineRequest))
-            recording.clear()
+            try:
+                out.append(_engine_level(eng, prompts, c, rounds, max_tokens, timeout, ticks, SamplingParams,
+                                         EngineRequest))
+            except Exception as exc:  # noqa: BLE001 - the levels before it still count
+                print(f"engine at {c} clients failed: {exc!r}", flush=True)
+                break
+            finally:
+                recording.clear()
             print("engine", json.dumps(out[-1]), flush=True)
         return out
     finally:

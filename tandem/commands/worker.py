@@ -93,6 +93,12 @@ def warm_up(engine, role: str = "hybrid") -> float:
         warm_decode(engine.scheduler.max_batch_size)
     if engine.speculator is not None:  # these steps paid first-use costs: not what drafting will
         engine.speculator.times.forget()
+    from tandem.pipeline import budget
+
+    if budget.device_memory() is not None:  # a GPU that other workers may share
+        import mlx.core as mx
+
+        mx.clear_cache()  # the warm-up's buffers go back to the device
     return (time.perf_counter() - t) * 1000
 
 

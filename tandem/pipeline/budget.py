@@ -3,9 +3,17 @@
 Several worker processes may share one device (``tandem serve``'s prefill and decode
 workers on one GPU). Each takes an equal share of the device's memory
 (``engine.workers_per_device``): an ``auto`` KV budget is what is left of that share once
-the model and the runner's own buffers are in, and on a GPU MLX's memory limit is the
-share, so a process short of memory refuses requests (the pool is full) instead of failing
-an allocation. Host memory never sizes a GPU's budget: the two machines differ by far.
+the model, the runner's own buffers and MLX's buffer cache are in. On a GPU MLX's memory
+limit is the share and its cache is bounded (:func:`cache_bytes`), so a process short of
+memory refuses requests (the pool is full) instead of failing an allocation, and freed
+buffers go back to the device for the other processes on it. Host memory never sizes a
+GPU's budget: the two machines differ by far.
+
+MLX reports a CUDA device's size as ``total_memory`` (Metal: ``memory_size``). Reading only
+the Metal key left every CUDA worker sized from host memory: two workers on one 80 GB GPU
+each planned 33 GB of KV beside 22 GB of weights, and MLX's cache, unbounded (0.95 of the
+device by default), kept the decode worker's warm-up buffers, so the prefill worker started
+after it ran out of device memory while loading.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 AUTO_FRACTION = 0.5  # CPU: of the host memory available once the model is loaded
 DEVICE_FRACTION = 0.9  # GPU: of the device's memory, for every process on it together (the rest: the driver, CUDA graphs, fragmentation)
+CACHE_FRACTION = 0.08  # GPU: of a process's share, MLX may keep as freed buffers for reuse (a step's transients: a prefill chunk's are ~1 GB on an 8B model)
 
 
 def parse_size(text: str) -> int:
@@ -43,14 +52,30 @@ def total_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def device_memory() -> int | None:
-    """The GPU's memory in bytes; None on the CPU (or where MLX does not say)."""
+def _device_info(*keys: str) -> int | None:
     if mx.default_device() != mx.gpu:
         return None
     try:
-        return int(mx.device_info()["memory_size"])
-    except (KeyError, TypeError, ValueError, RuntimeError):
+        info = mx.device_info()
+    except (AttributeError, RuntimeError):
         return None
+    for key in keys:
+        try:
+            return int(info[key])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return None
+
+
+def device_memory() -> int | None:
+    """The GPU's memory in bytes; None on the CPU (or where MLX does not say)."""
+    return _device_info("total_memory", "memory_size")
+
+
+def device_free_memory() -> int | None:
+    """What the whole GPU has free now, every process on it counted (MLX reads NVML; CUDA
+    only); None where MLX does not say."""
+    return _device_info("free_memory")
 
 
 def share_bytes(workers: int) -> int | None:
@@ -59,15 +84,21 @@ def share_bytes(workers: int) -> int | None:
     return None if dev is None else int(dev * DEVICE_FRACTION / max(1, workers))
 
 
+def cache_bytes(share: int) -> int:
+    """How much of a GPU process's ``share`` MLX may keep as freed buffers."""
+    return int(share * CACHE_FRACTION)
+
+
 def num_blocks(setting: str, bytes_per_block: int, *, workers: int = 1, in_use: int = 0) -> int:
     """auto: on a GPU, this process's share of the device (``workers`` share it) less
-    ``in_use`` (what the process holds already: weights, runner buffers); on the CPU, half
+    ``in_use`` (what the process holds already: weights, runner buffers) and less its
+    buffer cache (:func:`cache_bytes`); on the CPU, half
     the available host memory over ``workers``. none: as many as physical memory could hold
     (no guard); otherwise the given size. At least one block."""
     s = (setting or "auto").strip().lower()
     if s == "auto":
         share = share_bytes(workers)
-        nbytes = share - in_use if share is not None else int(available_memory() * AUTO_FRACTION / max(1, workers))
+        nbytes = share - in_use - cache_bytes(share) if share is not None else int(available_memory() * AUTO_FRACTION / max(1, workers))
     elif s == "none":
         nbytes = total_memory()
     else:

@@ -104,6 +104,11 @@ class Engine:
         share = budget.share_bytes(workers)  # None on the CPU
         if share is not None:
             mx.set_memory_limit(share)  # MLX frees its cache before it takes more than the share
+            mx.set_cache_limit(budget.cache_bytes(share))  # freed buffers beyond it go back to the device
+            free = budget.device_free_memory()
+            log.info("GPU memory: this process's share %.1f GiB (%d worker%s on the device), %s free now",
+                     share / 2**30, workers, "s" if workers != 1 else "",
+                     "?" if free is None else f"{free / 2**30:.1f} GiB")
         auto = (settings.kv_cache_budget or "auto").strip().lower() == "auto"
         num_blocks = budget.num_blocks(settings.kv_cache_budget, per_block, workers=workers,
                                        in_use=mx.get_active_memory() if share is not None else 0)

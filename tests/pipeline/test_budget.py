@@ -16,8 +16,9 @@ def test_auto_on_a_gpu_is_the_workers_share_less_what_it_holds(monkeypatch):
     monkeypatch.setattr(budget, "available_memory", lambda: 1 << 50)  # host memory must not count
     one = budget.num_blocks("auto", GiB // 1024, workers=1, in_use=10 * GiB)
     two = budget.num_blocks("auto", GiB // 1024, workers=2, in_use=10 * GiB)
-    assert one == int(0.9 * 100 * 1024) - 10 * 1024
-    assert two == int(0.9 * 50 * 1024) - 10 * 1024
+    keep = 1 - budget.CACHE_FRACTION  # MLX's buffer cache comes out of the share too
+    assert one == int(0.9 * 100 * 1024 * keep) - 10 * 1024
+    assert two == int(0.9 * 50 * 1024 * keep) - 10 * 1024
     assert budget.num_blocks("auto", GiB, workers=2, in_use=80 * GiB) == 1  # nothing left: one block, no crash
     assert budget.num_blocks("2GiB", GiB // 1024, workers=2, in_use=10 * GiB) == 2048  # explicit sizes stand
 
@@ -38,6 +39,8 @@ def test_the_pool_gets_what_the_runner_left_of_the_share(tiny, monkeypatch):
     monkeypatch.setattr(budget, "share_bytes", lambda workers: share // workers)
     limits = []
     monkeypatch.setattr(mx, "set_memory_limit", lambda n: limits.append(n) or 0)
+    caches = []
+    monkeypatch.setattr(mx, "set_cache_limit", lambda n: caches.append(n) or 0)
     kept = []
 
     def hungry(model, store, shape, settings):  # a runner that holds 16 MiB of its own
@@ -50,8 +53,38 @@ def test_the_pool_gets_what_the_runner_left_of_the_share(tiny, monkeypatch):
     halved = Engine(tiny, EngineSettings(workers_per_device=2), model_id="tiny")
     per = lean.bytes_per_block
     assert limits == [share, share, share // 2]
+    assert caches == [budget.cache_bytes(n) for n in limits]  # freed buffers beyond it go back to the device
     # At least the runner's 16 MiB fewer blocks (more: the first engine's own arrays are held too).
     assert lean.pool.num_blocks - fat.pool.num_blocks >= 0.95 * (16 * 1024 * 1024 // per)
     assert halved.pool.num_blocks < lean.pool.num_blocks
     assert lean.store.num_blocks == lean.pool.num_blocks
     assert len(lean.generate_many([([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))])[0]) == 3
+
+
+def test_the_device_size_is_read_under_each_backends_key(monkeypatch):
+    """MLX's CUDA backend says total_memory and free_memory, Metal memory_size; reading only
+    the Metal key sized every CUDA worker from host memory."""
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(mx, "device_info", lambda: {"total_memory": 80 * GiB, "free_memory": 60 * GiB, "device_name": "x"})
+    assert budget.device_memory() == 80 * GiB
+    assert budget.device_free_memory() == 60 * GiB
+    assert budget.share_bytes(2) == int(80 * GiB * budget.DEVICE_FRACTION / 2)
+    monkeypatch.setattr(mx, "device_info", lambda: {"memory_size": 64 * GiB})
+    assert budget.device_memory() == 64 * GiB
+    assert budget.device_free_memory() is None
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
+    assert budget.device_memory() is None
+
+
+def test_two_workers_on_one_gpu_plan_within_the_device(monkeypatch):
+    """An 80 GB GPU, two workers each holding 22 GB of weights: their KV pools, caches and
+    weights together stay inside the device's usable fraction."""
+    monkeypatch.setattr(budget, "device_memory", lambda: 80 * GiB)
+    per_block = 2 * 1024 * 1024
+    weights = 22 * GiB
+    blocks = budget.num_blocks("auto", per_block, workers=2, in_use=weights)
+    share = budget.share_bytes(2)
+    per_process = weights + blocks * per_block + budget.cache_bytes(share)
+    assert per_process <= share
+    assert 2 * per_process <= budget.DEVICE_FRACTION * 80 * GiB
+    assert blocks * per_block > 5 * GiB  # and the pool is not starved

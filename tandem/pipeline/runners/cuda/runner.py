@@ -49,6 +49,7 @@ from tandem.kernels import paged_attention as pa
 from tandem.kernels.cuda import paged_attention_cuda as pac
 from tandem.kernels.cuda import kv_write_cuda as kvw
 from tandem.kernels.cuda.quantized_matmul import cuda_available
+from tandem.pipeline import budget
 from tandem.pipeline.runners.cuda import graph_step
 from tandem.pipeline.runners.cuda import input_box
 from tandem.pipeline.runners.cuda import token_mailbox
@@ -149,10 +150,7 @@ def _prepare_linears(model, memory_bytes: int | None = None) -> None:
     if any(isinstance(m, linear.FlatLinear) for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)):
         return  # already prepared by the caller (a bench, or a second engine on one model)
     if memory_bytes is None:
-        try:
-            memory_bytes = mx.device_info().get("memory_size")
-        except Exception:  # noqa: BLE001 - no device info: choose without a memory bound
-            memory_bytes = None
+        memory_bytes = budget.device_memory()  # None where MLX does not say: no memory bound
     linear.prepare_model(model, "auto", memory_bytes=memory_bytes)
 
 
