@@ -66,13 +66,21 @@ def build_engine(cfg, args, log):
     return eng, loaded.model_id
 
 
+WARM_PROMPT = 64  # a multiple of the CUDA runner's compiled prefill length (PREFILL_COMPILE_MULTIPLE)
+WARM_HIT_TOKENS = 80  # new tokens after a prefix hit: past the few-token kernels, as a real follow-up prompt
+
+
 def warm_up(engine, role: str = "hybrid") -> float:
     """Run the paths serving meets through the engine before READY (systemd's READY=1 and the
     broker's registration come after this), so no request pays a first-use cost: on CUDA each
-    path's first run compiles kernels, a stall of every request in flight. A fresh prefill of
-    a few blocks and its greedy decode; then, together, a prompt that extends it (a prefix-cache
-    hit: the other prefill path) and a sampled request; on a runner that traces its decode step
-    per row class and table width (CUDA), a step of each. Returns milliseconds."""
+    path's first run compiles kernels and builds cuDNN attention graphs, a stall of up to
+    seconds for every request in flight. The compiled fresh prefill (a multiple of 64 tokens)
+    and a prefix hit followed by many new tokens each run kernels nothing else runs (a hit of
+    a few tokens runs others). So: a fresh prefill of
+    ``WARM_PROMPT`` tokens and its greedy decode; then, together, a prompt that extends it by
+    a few tokens (a prefix-cache hit: the other prefill path) and a sampled request; then one
+    that extends it by ``WARM_HIT_TOKENS``; on a runner that traces its decode step per row
+    class and table width (CUDA), a step of each. Returns milliseconds."""
     import time
 
     from tandem.kvtypes import SamplingParams
@@ -80,12 +88,12 @@ def warm_up(engine, role: str = "hybrid") -> float:
     if not hasattr(engine, "generate_many"):  # a model-free test engine has nothing to warm
         return 0.0
     t = time.perf_counter()
-    bs = engine.stats().block_size or 16
-    prompt = [(7 * i + 3) % 97 + 1 for i in range(2 * bs + 3)]
+    prompt = [(7 * i + 3) % 97 + 1 for i in range(WARM_PROMPT)]
     greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     engine.generate_many([(prompt, greedy)])
     engine.generate_many([(prompt + [5, 6, 7], greedy),
                           ([0, 1, 2, 3], SamplingParams(temperature=0.7, seed=0, max_tokens=2, ignore_eos=True))])
+    engine.generate_many([(prompt + [(5 * i + 1) % 89 + 1 for i in range(WARM_HIT_TOKENS)], greedy)])
     # Every decode row class and table width the runner traces its step for (CUDA); not on a
     # prefill worker, which hands each request on after its first token.
     warm_decode = getattr(engine.runner, "warm_decode", None)

@@ -109,13 +109,20 @@ class Engine:
             log.info("GPU memory: this process's share %.1f GiB (%d worker%s on the device), %s free now",
                      share / 2**30, workers, "s" if workers != 1 else "",
                      "?" if free is None else f"{free / 2**30:.1f} GiB")
-        auto = (settings.kv_cache_budget or "auto").strip().lower() == "auto"
+        setting = (settings.kv_cache_budget or "auto").strip().lower()
+        auto = setting == "auto"
+        # On a GPU a bounded pool is allocated whole once the runner is in (below), so the
+        # store never grows while serving: a growth copies every layer, and on a device that
+        # other workers share, memory that was free at start may not be free later.
+        whole = share is not None and setting != "none"
         num_blocks = budget.num_blocks(settings.kv_cache_budget, per_block, workers=workers,
                                        in_use=mx.get_active_memory() if share is not None else 0)
         if sh.pageable:
             initial = settings.kv_initial_tokens
             if initial is None:
                 initial = settings.parallel * settings.prefill_chunk_size // 2
+            if whole:
+                initial = 0  # the minimum now: the runner's warm-up writes its scratch block only
             self.store = KVStore(sh.num_layers, sh.n_kv_heads, sh.head_dim, sh.dtype, bs, num_blocks, sh.v_head_dim,
                                  initial_blocks=max(64, -(-initial // bs)))
         else:
@@ -133,6 +140,9 @@ class Engine:
             if self.store is not None:
                 num_blocks = max(num_blocks, self.store.capacity)
                 self.store.num_blocks = num_blocks
+        if whole and self.store is not None:
+            self.runner.release_pools()  # (graphs captured on the small store)
+            self.store.ensure_capacity(num_blocks)
         self.pool = BlockPool(num_blocks, bs)
         if self.store is not None:
             log.info("KV store: %d of %d blocks allocated at start (%.0f MB)", self.store.capacity, num_blocks,
@@ -472,6 +482,7 @@ class Engine:
         """Make every block the pool handed out addressable in the store."""
         if self.pool.high_water > self.store.capacity:
             self.runner.flush()  # growing copies the pools: steps in flight write them first
+            self.runner.release_pools()
         self.store.ensure_capacity(self.pool.high_water)
         self.pool.addressable = self.store.capacity  # evict cached blocks before growing it again
 

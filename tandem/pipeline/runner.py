@@ -89,6 +89,12 @@ class ModelRunner(Protocol):
         """Evaluate everything that outlives a step: the engine thread is ending."""
         ...
 
+    def release_pools(self) -> None:
+        """Let go of the store's pool arrays held beyond a step (captured graphs), before
+        the store grows: its old arrays then go one layer at a time as they are copied,
+        instead of living beside the new store whole."""
+        ...
+
     def mirror_bytes(self) -> int:
         """Bytes of KV the runner keeps beside the store between steps (a decode batch's
         contiguous copy): it grows to the largest batch x context decoded, then stays, so a
@@ -121,6 +127,9 @@ class RunnerBase:
         pass
 
     def quiesce(self) -> None:
+        pass
+
+    def release_pools(self) -> None:
         pass
 
     def mirror_bytes(self) -> int:

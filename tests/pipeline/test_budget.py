@@ -58,6 +58,8 @@ def test_the_pool_gets_what_the_runner_left_of_the_share(tiny, monkeypatch):
     assert lean.pool.num_blocks - fat.pool.num_blocks >= 0.95 * (16 * 1024 * 1024 // per)
     assert halved.pool.num_blocks < lean.pool.num_blocks
     assert lean.store.num_blocks == lean.pool.num_blocks
+    # On a GPU the whole pool is allocated at start: the store never grows while serving.
+    assert lean.store.capacity == lean.pool.num_blocks and fat.store.capacity == fat.pool.num_blocks
     assert len(lean.generate_many([([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))])[0]) == 3
 
 
@@ -88,3 +90,25 @@ def test_two_workers_on_one_gpu_plan_within_the_device(monkeypatch):
     assert per_process <= share
     assert 2 * per_process <= budget.DEVICE_FRACTION * 80 * GiB
     assert blocks * per_block > 5 * GiB  # and the pool is not starved
+
+
+def test_the_runner_lets_go_of_the_pools_before_the_store_grows(tiny):
+    """A runner that keeps pool arrays beyond a step (the CUDA graph step) releases them
+    first, so the old store goes layer by layer instead of living beside the new one."""
+    events = []
+
+    def spying(model, store, shape, settings):
+        runner = make_runner(model, store, shape, settings)
+        grow = store.ensure_capacity
+        runner.release_pools = lambda: events.append(("release", store.capacity))
+        store.ensure_capacity = lambda blocks: (events.append(("grow", store.capacity, blocks))
+                                                if blocks > store.capacity else None, grow(blocks))[1]
+        return runner
+
+    eng = Engine(tiny, EngineSettings(kv_initial_tokens=0, block_size=16), model_id="tiny", runner_factory=spying)
+    assert eng.store.capacity == 64
+    prompts = [([5 + i] * 300, SamplingParams(max_tokens=2, ignore_eos=True)) for i in range(8)]
+    assert all(len(t) == 2 for t in eng.generate_many(prompts))
+    grows = [i for i, e in enumerate(events) if e[0] == "grow"]
+    assert grows and eng.store.capacity > 64
+    assert all(i > 0 and events[i - 1][0] == "release" for i in grows)

@@ -60,3 +60,26 @@ def test_warm_up_runs_the_decode_classes_where_the_role_decodes(tiny, role):
     eng.runner.warm_decode = lambda rows: decode.append(rows)
     warm_up(eng, role)
     assert decode == ([] if role == "prefill" else [eng.scheduler.max_batch_size])
+
+
+def test_warm_up_prefills_the_shapes_that_run_their_own_kernels(tiny):
+    """A fresh prompt of a multiple of 64 tokens (the CUDA runner's compiled prefill), a
+    prefix hit followed by a few tokens and one followed by many (each runs other kernels)."""
+    from tandem.commands.worker import WARM_HIT_TOKENS, WARM_PROMPT
+    from tandem.pipeline.runners.cuda.runner import PREFILL_COMPILE_MULTIPLE
+
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
+    seen = []
+    forward = eng.runner.forward
+
+    def spy(rows, inputs):
+        if inputs.shape[1] > 1:
+            seen.append((all(r.start == 0 for r in rows), max(r.n for r in rows)))
+        return forward(rows, inputs)
+
+    eng.runner.forward = spy
+    warm_up(eng)
+    assert WARM_PROMPT % PREFILL_COMPILE_MULTIPLE == 0
+    assert (True, WARM_PROMPT) in seen  # fresh, compiled on CUDA
+    hits = [n for fresh, n in seen if not fresh]
+    assert min(hits) <= 8 and max(hits) >= WARM_HIT_TOKENS >= 64

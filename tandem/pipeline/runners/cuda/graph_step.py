@@ -171,6 +171,13 @@ class GraphStep:
             self.drv.call("cuStreamSynchronize", self.stream)
             self._busy = False
 
+    def release(self) -> None:
+        """Drop every captured graph and the pool arrays it keeps alive (the store is about
+        to be replaced by a larger one); widths are captured again when next prepared or met."""
+        self.sync()
+        for nb in list(self._graphs):
+            self._drop(nb)
+
     def _read(self, slot: int, serial: int) -> list[int]:
         if self._serial - serial > RING:
             raise RuntimeError(f"graph step {serial}'s token was overwritten (now at {self._serial})")

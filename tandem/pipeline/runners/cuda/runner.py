@@ -424,6 +424,10 @@ class KernelRunner(PagedRunner):
         if self.graph_step is not None:
             self.graph_step.sync()
 
+    def release_pools(self) -> None:
+        if self.graph_step is not None:
+            self.graph_step.release()
+
     def post_tokens(self, tokens: mx.array):
         # Only a step waited for alone (a fresh prefill, not queued behind another): the
         # host spins on the box from the checkpoint on instead of waiting MLX's way.
@@ -470,8 +474,9 @@ class KernelRunner(PagedRunner):
         """Run (and so trace) the decode step of every row class up to ``max_rows``
         (``tables.decode_rows``) at every table width up to ``max_tokens`` of context, against
         the scratch block: serving then replays traces only (each new one was a ~10 ms stall
-        of every running request). Longer contexts trace their widths when first met. Returns
-        the number of (rows, width) classes."""
+        of every running request). Longer contexts trace their widths when first met. The
+        one-row graphs of those widths are captured again where the store's sizing released
+        them (``release_pools``). Returns the number of (rows, width) classes."""
         bs = self.store.block_size
         widths, nb = [], table_width(1)
         while True:
@@ -483,6 +488,8 @@ class KernelRunner(PagedRunner):
         for P in classes:
             for nb in widths:
                 self._scratch_step(P, nb)
+        if self.graph_step is not None and self.graph_step.failed is None:
+            self.graph_step.prepare(min(max_tokens, self.store.num_blocks * bs))
         return len(classes) * len(widths)
 
     @property

@@ -429,6 +429,29 @@ def test_prepare_captures_every_width_to_the_bound_and_a_refusal_turns_the_step_
     assert g.failed == "no" and not g.applies([_Row(5)], [SamplingParams(temperature=0.0)])
 
 
+def test_release_drops_every_graph_and_the_pools_it_kept():
+    """Before the store grows, the captured graphs go (each held the old pool arrays)."""
+    class Counting(FakeDriver):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def call(self, name, *args):
+            self.calls.append((name,) + args)
+            return super().call(name, *args)
+
+    drv = Counting()
+    g = graph_step.GraphStep(type("R", (), {})(), drv)
+    pools = (mx.zeros((4,)), mx.zeros((4,)))
+    for nb, ex in ((4, 11), (8, 12)):
+        g._graphs[nb] = graph_step._Graph(exec=ex, state_dev=100 + nb, logits=mx.zeros((1,)), logits_ptr=0, pools=pools)
+    g.release()
+    assert not g._graphs
+    assert sorted(c[1] for c in drv.calls if c[0] == "cuGraphExecDestroy") == [11, 12]
+    assert sorted(c[1] for c in drv.calls if c[0] == "cuMemFree_v2") == [104, 108]
+    assert g.failed is None  # released, not refused: widths are captured again when met
+
+
 class TimedDriver(FakeDriver):
     """FakeDriver with a device clock: a replay takes 2.4 ms, ``idle`` lets the device wait
     for the host, and a timing event records the clock when the stream reaches it."""
