@@ -79,8 +79,9 @@ def warm_up(engine, role: str = "hybrid") -> float:
     a few tokens runs others). So: a fresh prefill of
     ``WARM_PROMPT`` tokens and its greedy decode; then, together, a prompt that extends it by
     a few tokens (a prefix-cache hit: the other prefill path) and a sampled request; then one
-    that extends it by ``WARM_HIT_TOKENS``; on a runner that traces its decode step per row
-    class and table width (CUDA), a step of each. Returns milliseconds."""
+    that extends it by ``WARM_HIT_TOKENS``; on a prefill or decode worker, a KV handoff
+    through the engine (export, then import and decode); on a runner that traces its decode
+    step per row class and table width (CUDA), a step of each. Returns milliseconds."""
     import time
 
     from tandem.kvtypes import SamplingParams
@@ -94,6 +95,8 @@ def warm_up(engine, role: str = "hybrid") -> float:
     engine.generate_many([(prompt + [5, 6, 7], greedy),
                           ([0, 1, 2, 3], SamplingParams(temperature=0.7, seed=0, max_tokens=2, ignore_eos=True))])
     engine.generate_many([(prompt + [(5 * i + 1) % 89 + 1 for i in range(WARM_HIT_TOKENS)], greedy)])
+    if role in ("prefill", "decode"):
+        _warm_handoff(engine, [(11 * i + 5) % 83 + 1 for i in range(WARM_PROMPT + 5)], greedy)
     # Every decode row class and table width the runner traces its step for (CUDA); not on a
     # prefill worker, which hands each request on after its first token.
     warm_decode = getattr(engine.runner, "warm_decode", None)
@@ -108,6 +111,36 @@ def warm_up(engine, role: str = "hybrid") -> float:
 
         mx.clear_cache()  # the warm-up's buffers go back to the device
     return (time.perf_counter() - t) * 1000
+
+
+def _warm_handoff(engine, prompt: list[int], sampling) -> None:
+    """A disaggregated worker's own path, first met otherwise with the first request: the
+    prompt prefilled and its KV exported (the prefill worker's side), then imported into
+    new blocks and decoded (the decode worker's)."""
+    import queue
+    import uuid
+
+    from tandem.pipeline.api import EngineRequest
+
+    events: queue.Queue = queue.Queue()
+
+    def wait():
+        while True:
+            ev = events.get(timeout=600)
+            if ev.finish_reason == "error" or ev.error:
+                raise RuntimeError(f"warm-up handoff failed: {ev.error}")
+            if ev.snapshot is not None or ev.finish_reason is not None:
+                return ev
+
+    engine.submit(EngineRequest(uuid.uuid4().bytes, prompt, sampling, events.put, export_after_prefill=True))
+    engine.start()
+    try:
+        ev = wait()
+        if ev.snapshot is not None:
+            engine.import_kv(ev.snapshot, events.put)
+            wait()
+    finally:
+        engine.stop()
 
 
 def run(args) -> int:

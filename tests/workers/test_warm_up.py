@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.commands.worker import warm_up
+from tandem.kvtypes import SamplingParams
 from tandem.pipeline.engine import Engine
 from tandem.pipeline.settings import EngineSettings
 from tests.pipeline.conftest import EOS, tiny  # noqa: F401  (the fixture)
@@ -83,3 +84,24 @@ def test_warm_up_prefills_the_shapes_that_run_their_own_kernels(tiny):
     assert (True, WARM_PROMPT) in seen  # fresh, compiled on CUDA
     hits = [n for fresh, n in seen if not fresh]
     assert min(hits) <= 8 and max(hits) >= WARM_HIT_TOKENS >= 64
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "hybrid"])
+def test_a_disaggregated_worker_warms_its_handoff_and_ends_idle(tiny, role):
+    """Export after prefill (the prefill worker's side) and import then decode (the decode
+    worker's): first met with the first request otherwise. The engine ends idle, every
+    block free, and can start again."""
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
+    calls = []
+    for name in ("import_kv",):
+        real = getattr(eng, name)
+        setattr(eng, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    exports = []
+    real_export = eng.store.export_blocks
+    eng.store.export_blocks = lambda ids: (exports.append(len(ids)), real_export(ids))[1]
+    warm_up(eng, role)
+    assert (calls == ["import_kv"] and exports) if role != "hybrid" else (not calls and not exports)
+    st = eng.stats()
+    assert st.running == st.waiting == 0 and st.free_blocks == st.total_blocks
+    eng.pool.check()
+    assert len(eng.generate_many([([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))])[0]) == 2
