@@ -9,11 +9,10 @@ memory refuses requests (the pool is full) instead of failing an allocation, and
 buffers go back to the device for the other processes on it. Host memory never sizes a
 GPU's budget: the two machines differ by far.
 
-MLX reports a CUDA device's size as ``total_memory`` (Metal: ``memory_size``). Reading only
-the Metal key left every CUDA worker sized from host memory: two workers on one 80 GB GPU
-each planned 33 GB of KV beside 22 GB of weights, and MLX's cache, unbounded (0.95 of the
-device by default), kept the decode worker's warm-up buffers, so the prefill worker started
-after it ran out of device memory while loading.
+MLX reports a CUDA device's size as ``total_memory`` (Metal: ``memory_size``); reading only
+the Metal key sized every CUDA worker from host memory. MLX's buffer cache is otherwise
+bounded only by 0.95 of the device, so one worker's freed buffers could keep another from
+loading.
 """
 
 from __future__ import annotations
