@@ -103,3 +103,9 @@ def num_blocks(setting: str, bytes_per_block: int, *, workers: int = 1, in_use: 
     else:
         nbytes = parse_size(s)
     return max(1, nbytes // max(1, bytes_per_block))
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is MLX failing an allocation (CUDA's allocator or MLX's own)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "Unable to allocate" in text)

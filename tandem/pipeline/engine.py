@@ -156,6 +156,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._by_id: dict[bytes, Sequence] = {}
         self._inflight = None
+        self._scheduled: Plan | None = None  # the plan of the tick in progress
         self._parts: list[tuple[Sequence, KVSnapshot]] = []  # streamed imports' parts to copy in
         # On the CPU a step is read back before the next one is scheduled (see _tick).
         self._read_back_first = mx.default_device() == mx.cpu
@@ -328,7 +329,12 @@ class Engine:
                 if self._stopping:
                     break
                 t0 = time.perf_counter()
-                produced = self._tick()
+                try:
+                    produced = self._tick()
+                except RuntimeError as exc:
+                    if not budget.out_of_memory(exc):
+                        raise
+                    produced = self._fail_steps(exc)
                 self._update_stats(time.perf_counter() - t0, produced, ran=self._inflight is not None)
         except Exception:  # pragma: no cover - a bug in the loop itself
             log.exception("engine loop crashed")
@@ -410,7 +416,7 @@ class Engine:
             # kept the parts of that very prompt's streamed KV out of the store until it ended.)
             for hook in self._before_schedule:
                 hook()
-        plan = self.scheduler.schedule()
+        plan = self._scheduled = self.scheduler.schedule()
         timed = spec is not None and plan is not None and plan.kind == "decode" and bool(plan.rows)
         if timed:  # a decode step the speculator plans is timed: what its positions cost
             try:
@@ -434,6 +440,8 @@ class Engine:
                         launched += (t,)
                 except Exception as exc:
                     log.exception("forward failed")
+                    if budget.out_of_memory(exc):
+                        mx.clear_cache()  # MLX's cached buffers go back to the device
                     for r in plan.rows:
                         self._finish(r.seq, "error", error=f"engine error: {exc}")
         # A step whose KV writes go into the pools in place (the CUDA decode kernels) can
@@ -453,7 +461,27 @@ class Engine:
             # a 768 MB pool). Building N+1's graph still overlapped with N's compute.
             mx.async_eval(*launched[3])
         self._inflight = launched
+        self._scheduled = None
         return produced
+
+    def _fail_steps(self, exc: Exception) -> int:
+        """The device ran out of memory inside a step (evaluating it, or reading it back):
+        the requests of the steps in flight fail with that error and the engine goes on, so
+        a worker on a full device refuses work instead of dying. Their blocks go back to
+        the pool; MLX's cached buffers go back to the device."""
+        plans = [self._scheduled, self._inflight[0] if self._inflight is not None else None]
+        self._inflight = self._scheduled = None
+        log.error("out of device memory in a step (%s): failing its requests", exc)
+        try:
+            self.runner.sync()
+        except Exception:  # noqa: BLE001 - the device's own error again: nothing more to wait for
+            pass
+        mx.clear_cache()
+        seqs = {id(r.seq): r.seq for p in plans if p is not None for r in p.rows}
+        for seq in seqs.values():
+            if seq.status is not Status.FINISHED:
+                self._finish(seq, "error", error=f"engine error: out of device memory ({exc})")
+        return 0
 
     def _read_back(self, timed: bool = True) -> int:
         """Wait for all of the in-flight step (a chunk that samples nothing has no tokens

@@ -2,6 +2,7 @@
 what the process already holds; never sized from host memory on a GPU."""
 
 import mlx.core as mx
+import pytest
 from tandem.kvtypes import SamplingParams
 from tandem.pipeline import budget
 from tandem.pipeline.engine import Engine
@@ -112,3 +113,33 @@ def test_the_runner_lets_go_of_the_pools_before_the_store_grows(tiny):
     grows = [i for i, e in enumerate(events) if e[0] == "grow"]
     assert grows and eng.store.capacity > 64
     assert all(i > 0 and events[i - 1][0] == "release" for i in grows)
+
+
+def test_a_step_that_runs_out_of_device_memory_fails_its_requests_and_the_engine_goes_on(tiny, monkeypatch):
+    """MLX fails an allocation while evaluating a step: that step's requests end with an
+    error naming it, their blocks go back to the pool, and the next request is served."""
+    import threading
+
+    assert budget.out_of_memory(RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory"))
+    assert budget.out_of_memory(RuntimeError("[malloc] Unable to allocate 4096 bytes."))
+    assert not budget.out_of_memory(RuntimeError("shape mismatch")) and not budget.out_of_memory(MemoryError())
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny")
+    real = mx.async_eval
+    armed = threading.Event()
+
+    def failing(*arrays):
+        if armed.is_set() and threading.current_thread() is eng._thread:
+            armed.clear()
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return real(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", failing)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    armed.set()
+    with pytest.raises(RuntimeError, match="out of device memory"):
+        eng.generate_many([([5, 6, 7, 8], sp), ([9, 10, 11], sp)])
+    assert not armed.is_set()
+    assert [len(t) for t in eng.generate_many([([5, 6, 7, 8], sp)])] == [4]
+    st = eng.stats()
+    assert st.running == 0 and st.free_blocks == st.total_blocks
+    eng.pool.check()
