@@ -111,10 +111,10 @@ class Engine:
                      "?" if free is None else f"{free / 2**30:.1f} GiB")
         setting = (settings.kv_cache_budget or "auto").strip().lower()
         auto = setting == "auto"
-        # On a GPU a bounded pool is allocated whole once the runner is in (below), so the
-        # store never grows while serving: a growth copies every layer, and on a device that
-        # other workers share, memory that was free at start may not be free later.
-        whole = share is not None and setting != "none"
+        # On a CUDA GPU a bounded pool is allocated whole once the runner is in (below), so
+        # the store never grows while serving: a growth copies every layer, and on a device
+        # that other workers share, memory that was free at start may not be free later.
+        whole = share is not None and setting != "none" and budget.dedicated_device()
         num_blocks = budget.num_blocks(settings.kv_cache_budget, per_block, workers=workers,
                                        in_use=mx.get_active_memory() if share is not None else 0)
         if sh.pageable:

@@ -38,6 +38,7 @@ def test_the_pool_gets_what_the_runner_left_of_the_share(tiny, monkeypatch):
     base = mx.get_active_memory()
     share = base + 64 * 1024 * 1024
     monkeypatch.setattr(budget, "share_bytes", lambda workers: share // workers)
+    monkeypatch.setattr(budget, "dedicated_device", lambda: True)  # a CUDA GPU
     limits = []
     monkeypatch.setattr(mx, "set_memory_limit", lambda n: limits.append(n) or 0)
     caches = []
@@ -59,8 +60,13 @@ def test_the_pool_gets_what_the_runner_left_of_the_share(tiny, monkeypatch):
     assert lean.pool.num_blocks - fat.pool.num_blocks >= 0.95 * (16 * 1024 * 1024 // per)
     assert halved.pool.num_blocks < lean.pool.num_blocks
     assert lean.store.num_blocks == lean.pool.num_blocks
-    # On a GPU the whole pool is allocated at start: the store never grows while serving.
+    # On a CUDA GPU the whole pool is allocated at start: the store never grows while serving.
     assert lean.store.capacity == lean.pool.num_blocks and fat.store.capacity == fat.pool.num_blocks
+    # Apple silicon's GPU shares the host's memory: its pool grows as it fills, as on the CPU.
+    monkeypatch.setattr(budget, "dedicated_device", lambda: False)
+    monkeypatch.setattr(budget, "share_bytes", lambda workers: mx.get_active_memory() + 256 * 1024 * 1024)
+    shared = Engine(tiny, EngineSettings(workers_per_device=1, kv_initial_tokens=0), model_id="tiny")
+    assert shared.store.capacity == 64 < shared.pool.num_blocks
     assert len(lean.generate_many([([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))])[0]) == 3
 
 
