@@ -384,20 +384,24 @@ def _threads_cpu_s(pid: int) -> dict[str, float]:
 
 
 class ServeCpu:
-    """CPU seconds of each ``tandem serve`` process role over a level, and of each worker
-    thread (the engine thread and the IO thread share one interpreter); with ``py_spy``
-    seconds and py-spy on the PATH, each worker's stacks over that long from 2 s into the
-    level (raw collapsed stacks per thread, for a flame graph)."""
+    """CPU seconds of each ``tandem serve`` process role over a level, and of each thread of
+    the workers (the engine thread and the IO thread share one interpreter) and of the edge's
+    processes (gunicorn's master and workers, ``edge-<pid>``); with ``py_spy`` seconds and
+    py-spy on the PATH, the stacks of each of those processes over that long from 2 s into
+    the level (raw collapsed stacks per thread, for a flame graph). The edge's CPU per token
+    on the GPU host was several times what the stub engine's run shows on a 2-core machine."""
 
     def __init__(self, pgid: int, py_spy: float = 0.0, spy_prefix: str = ""):
         self.procs = _serve_procs(pgid)
         self.cpu0 = {pid: _cpu_s(pid) for pid in self.procs}
-        self.thr0 = {pid: _threads_cpu_s(pid) for pid, r in self.procs.items() if r.split("-")[0] in ("hybrid", "prefill", "decode")}
+        self.label = {pid: r if r != "edge" else f"edge-{pid}" for pid, r in self.procs.items()}
+        self.thr0 = {pid: _threads_cpu_s(pid) for pid, r in self.procs.items()
+                     if r.split("-")[0] in ("hybrid", "prefill", "decode", "edge")}
         self.ptx0 = self._ptx()
         self.spies = []
         exe = shutil.which("py-spy") if py_spy else None
         for pid in self.thr0 if exe else ():
-            out = f"{spy_prefix}-{self.procs[pid]}.txt"
+            out = f"{spy_prefix}-{self.label[pid]}.txt"
             self.spies.append(subprocess.Popen(
                 ["bash", "-c", f"sleep 2; exec {exe} record --pid {pid} --duration {max(1, int(py_spy))} --rate 250 "
                                f"--format raw --threads --nonblocking --output {out}"],
@@ -416,7 +420,7 @@ class ServeCpu:
         for pid, t0 in self.thr0.items():
             now = _threads_cpu_s(pid)
             busy = sorted(((round(v - t0.get(k, 0.0), 2), k) for k, v in now.items()), reverse=True)
-            threads[self.procs[pid]] = {k: v for v, k in busy[:6] if v > 0}
+            threads[self.label[pid]] = {k: v for v, k in busy[:6] if v > 0}
         return {"cpu_s": by_role, "worker_threads_cpu_s": threads,
                 "ptx_compiled": None if self.ptx0 is None else sorted(self._ptx() - self.ptx0)[:20]}
 
