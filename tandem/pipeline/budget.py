@@ -71,15 +71,6 @@ def device_memory() -> int | None:
     return _device_info("total_memory", "memory_size")
 
 
-def dedicated_device() -> bool:
-    """Whether this process runs on a GPU with memory of its own (CUDA), which a KV pool may
-    take whole at start; Apple silicon's GPU shares the host's memory with everything else."""
-    try:
-        return mx.default_device() == mx.gpu and bool(mx.cuda.is_available())
-    except AttributeError:
-        return False
-
-
 def device_free_memory() -> int | None:
     """What the whole GPU has free now, every process on it counted (MLX reads NVML; CUDA
     only); None where MLX does not say."""

@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from tandem.kvtypes import REQUEST_ID_BYTES, KVSnapshot, SamplingParams, TokenLogprob, Usage
+from tandem.kernels.cuda.quantized_matmul import cuda_available
 from tandem.pipeline import budget
 from tandem.pipeline.api import EngineRefused, EngineRequest, EngineStats, TokenEvent
 from tandem.pipeline.block_pool import BlockPool
@@ -114,7 +115,8 @@ class Engine:
         # On a CUDA GPU a bounded pool is allocated whole once the runner is in (below), so
         # the store never grows while serving: a growth copies every layer, and on a device
         # that other workers share, memory that was free at start may not be free later.
-        whole = share is not None and setting != "none" and budget.dedicated_device()
+        # (Apple silicon's GPU shares the host's memory: its pool grows as it fills.)
+        whole = share is not None and setting != "none" and cuda_available()
         num_blocks = budget.num_blocks(settings.kv_cache_budget, per_block, workers=workers,
                                        in_use=mx.get_active_memory() if share is not None else 0)
         if sh.pageable:

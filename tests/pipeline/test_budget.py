@@ -5,6 +5,7 @@ import mlx.core as mx
 import pytest
 from tandem.kvtypes import SamplingParams
 from tandem.pipeline import budget
+from tandem.pipeline import engine as engine_mod
 from tandem.pipeline.engine import Engine
 from tandem.pipeline.runners import make_runner
 from tandem.pipeline.settings import EngineSettings
@@ -38,7 +39,7 @@ def test_the_pool_gets_what_the_runner_left_of_the_share(tiny, monkeypatch):
     base = mx.get_active_memory()
     share = base + 64 * 1024 * 1024
     monkeypatch.setattr(budget, "share_bytes", lambda workers: share // workers)
-    monkeypatch.setattr(budget, "dedicated_device", lambda: True)  # a CUDA GPU
+    monkeypatch.setattr(engine_mod, "cuda_available", lambda: True)  # a CUDA GPU
     limits = []
     monkeypatch.setattr(mx, "set_memory_limit", lambda n: limits.append(n) or 0)
     caches = []
@@ -63,7 +64,7 @@ def test_the_pool_gets_what_the_runner_left_of_the_share(tiny, monkeypatch):
     # On a CUDA GPU the whole pool is allocated at start: the store never grows while serving.
     assert lean.store.capacity == lean.pool.num_blocks and fat.store.capacity == fat.pool.num_blocks
     # Apple silicon's GPU shares the host's memory: its pool grows as it fills, as on the CPU.
-    monkeypatch.setattr(budget, "dedicated_device", lambda: False)
+    monkeypatch.setattr(engine_mod, "cuda_available", lambda: False)
     monkeypatch.setattr(budget, "share_bytes", lambda workers: mx.get_active_memory() + 256 * 1024 * 1024)
     shared = Engine(tiny, EngineSettings(workers_per_device=1, kv_initial_tokens=0), model_id="tiny")
     assert shared.store.capacity == 64 < shared.pool.num_blocks
