@@ -91,6 +91,9 @@ work at 512 tokens, with the last layer at its last rows): what the engine waits
 way before spinning on the token mailbox, so MLX's wake-up overlaps the last layers (the
 host read the token 0.10-0.15 ms after the device wrote it)."""
 PREFILL_COMPILE_MULTIPLE = 64
+VERIFY_MAX_ROWS = 256
+"""A step that verifies drafts runs the decode kernels with each drafted position as a row
+of its own (``KernelRunner._verify``) up to this many rows; past it, the portable path."""
 GRAPH_PREPARE_TOKENS = 4096
 DECODE_COMPILE = True
 """``mx.compile`` the decode step (traced per batch x table width): with pipelining it
@@ -191,8 +194,11 @@ class _Step:
     bounds every row's length), so a compiled step traced for one table shape stays right
     for every step of that shape."""
 
-    def __init__(self, pos, slots, table, lens, block_size: int, n_kv_heads: int):
+    def __init__(self, pos, slots, table, lens, block_size: int, n_kv_heads: int, separate: bool = False):
         self.pos, self.slots, self.table, self.lens = pos, slots, table, lens
+        # Rows of one sequence (a verified draft): every row's K/V written before any row
+        # attends, in two launches (one launch writes and attends row by row, in any order).
+        self.separate = separate
         if table is not None:  # decode (a prefill step only writes)
             self.max_len = table.shape[1] * block_size
             self.partition = pac.choose_partition(table.shape[0], n_kv_heads, self.max_len)
@@ -210,6 +216,9 @@ class _CudaOps:
 
     def write_attend(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool,
                      scale: float, block_size: int):
+        if step.separate:
+            q, _, kp, vp = self.write(y, step, kp, vp, inv_freq, H, KVH, trad)
+            return self.attend(q, step, kp, vp, scale, block_size), kp, vp
         if y.shape[0] < dac.MAX_ROWS and dac.supported(y, H, KVH, kp.shape[-1]):
             a = dac.decode_attention(y, step.pos, step.slots, inv_freq, kp, vp, step.table, H, KVH, scale,
                                      block_size, step.max_len, self.counters, step.partition,
@@ -363,11 +372,14 @@ class KernelRunner(PagedRunner):
         # ops: the reference ops return new pools, which a compiled step cannot hand back.
         self.compiled = bool(compile_decode) and ops == "cuda"
         self._step_fn = mx.compile(self._decode_graph) if self.compiled else self._decode_graph
+        verify = functools.partial(self._decode_graph, separate=True)
+        self._verify_fn = mx.compile(verify) if self.compiled else verify
         # The last decode step's state (host copy, device array) and the increments that
         # advance it (see _step_state).
         self._state_prev: tuple[np.ndarray, mx.array] | None = None
         self._state_inc: dict[tuple[int, int], tuple[np.ndarray, mx.array]] = {}
         self.state_uploads = 0
+        self.verify_steps = 0  # steps that verified drafts through the decode kernels
         # Prompts that start at position 0 skip the block gather.
         self.fresh_prefill = True
         self._slot_offsets: dict[tuple[int, int], np.ndarray] = {}  # (L, block size) -> position % block size
@@ -508,6 +520,9 @@ class KernelRunner(PagedRunner):
         self.last_step_in_place = L == 1 and self.pipelined
         if fresh:
             return self._fresh_prefill(rows, inputs)
+        if L != 1 and all(r.n == r.logits for r in rows) and sum(r.n for r in rows) <= VERIFY_MAX_ROWS:
+            self.last_step_in_place = self.pipelined
+            return self._verify(rows, inputs)
         if L != 1:
             return super().forward(rows, inputs)
         P = decode_rows(B)  # padded rows: few traced shapes (tables.decode_rows)
@@ -524,21 +539,56 @@ class KernelRunner(PagedRunner):
             out = out[0]
         return out if P == B else out[:B]
 
+    def _verify(self, rows: list[Row], inputs) -> mx.array:
+        """A step whose rows verify drafts (and plain decode rows beside them): each row's
+        ``n`` positions go through the decode step as ``n`` one-token rows of its sequence,
+        position ``start + j`` attending to the keys up to itself, so the step runs the
+        decode kernels instead of the portable prefill path. Every row's K/V is written
+        before any row attends (``separate``). Returns every position's logits, row by row,
+        as the engine asks of a verifying step."""
+        counts = [r.n for r in rows]
+        B = sum(counts)
+        P = decode_rows(B)
+        seqs = [r.seq for r, n in zip(rows, counts) for _ in range(n)]
+        starts = np.fromiter((r.start + j for r, n in zip(rows, counts) for j in range(n)), np.int32, B)
+        host, nb = self._state(seqs, starts, P)
+        width = inputs.shape[1]
+        take = np.fromiter((b * width + j for b, n in enumerate(counts) for j in range(n)), np.int32, B)
+        if P != B:
+            take = np.concatenate([take, np.zeros(P - B, np.int32)])  # (padding: any id)
+        ids = inputs.reshape(-1)[mx.array(take)].reshape(P, 1)
+        packed = mx.array(host)
+        self._state_prev = None  # the next plain step uploads its own state
+        out = self._verify_fn(ids, packed[:P], packed[P : 2 * P], packed[3 * P :].reshape(P, nb),
+                              packed[2 * P : 3 * P], *self.store.keys, *self.store.values)
+        if not self.compiled:
+            L = len(self.blocks)
+            if isinstance(self.ops, _ReferenceOps):  # new pools, not written in place
+                self.store.keys[:], self.store.values[:] = out[1 : 1 + L], out[1 + L :]
+            out = out[0]
+        self.verify_steps += 1
+        return out if P == B else out[:B]
+
     def decode_state(self, rows: list[Row], padded: int | None = None) -> tuple[np.ndarray, int]:
         """A decode step's positions, slots, lengths and block table, concatenated as one
         int32 host array, and the table's width. ``padded``: that many rows, the ones past
         ``rows`` at position 0 with slot -1 (written nowhere) and a table of scratch blocks."""
-        B = len(rows)
+        return self._state([r.seq for r in rows], np.fromiter((r.start for r in rows), np.int32, len(rows)), padded)
+
+    def _state(self, seqs: list, starts: np.ndarray, padded: int | None = None) -> tuple[np.ndarray, int]:
+        """:meth:`decode_state` of one-token rows at ``starts`` of ``seqs`` (a sequence may
+        come more than once, at several positions)."""
+        B = len(seqs)
         P = padded or B
         bs = self.store.block_size
         pos = np.zeros(P, np.int32)
-        pos[:B] = np.fromiter((r.start for r in rows), np.int32, B)
+        pos[:B] = starts
         lens = pos + 1
         nb = table_width(int((lens.max() + bs - 1) // bs))
         table = np.zeros((P, nb), np.int32)  # 0 = the store's scratch block (never read)
         # Filled in one assignment, not two numpy slice writes per row: this runs on the
         # engine thread every decode step, which at batch 64 the step waits for.
-        chunks = [r.seq.block_ids[:w] for r, w in zip(rows, ((lens[:B] + bs - 1) // bs).tolist())]
+        chunks = [s.block_ids[:w] for s, w in zip(seqs, ((lens[:B] + bs - 1) // bs).tolist())]
         counts = np.fromiter(map(len, chunks), np.int64, B)
         table[:B][np.arange(nb)[None, :] < counts[:, None]] = np.fromiter(
             itertools.chain.from_iterable(chunks), np.int32, int(counts.sum())) + 1
@@ -711,12 +761,13 @@ class KernelRunner(PagedRunner):
     def _compiled_prefill_attention(self, blk: FusedBlock, h, pos, slots, kp, vp):
         return self._prefill_attention(blk, h, pos, slots, kp, vp)[0]
 
-    def _decode_graph(self, inputs, pos, slots, table, lens, *pools):
+    def _decode_graph(self, inputs, pos, slots, table, lens, *pools, separate: bool = False):
         """One decode step over all layers: (logits, *keys, *values); pure in its inputs
-        (weights are constants), so it can be compiled."""
+        (weights are constants), so it can be compiled. ``separate``: rows may be positions
+        of one sequence (see :meth:`_verify`)."""
         L = len(self.blocks)
         keys, values = list(pools[:L]), list(pools[L:])
-        step = _Step(pos, slots, table, lens, self.store.block_size, self.store.n_kv_heads)
+        step = _Step(pos, slots, table, lens, self.store.block_size, self.store.n_kv_heads, separate)
         B = inputs.shape[0]
         bs = self.store.block_size
         h = self._embed(inputs).reshape(B, -1)

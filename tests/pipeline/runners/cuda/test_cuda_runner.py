@@ -551,3 +551,55 @@ def test_decode_steps_run_padded_row_classes_that_the_warm_up_traces(tiny_model_
     assert runner.warm_decode(5, max_tokens=24) == 5 * 2  # rows 1, 2, 3, 4, 6 x widths 4, 6
     assert sorted(set(rows)) == [1, 2, 3, 4, 6]
     mx.eval(runner.store.keys)
+
+
+class _Recorded:
+    """Proposes each prompt's greedy continuation recorded without speculation; a draft of
+    three or more has its last token wrong at every other position (drafts accepted whole
+    and in part)."""
+
+    cost = 0.0
+
+    def __init__(self, recorded: dict[tuple, list[int]]):
+        self.recorded = recorded
+
+    def propose(self, seq, k: int) -> list[int]:
+        done = len(seq.tokens) - seq.prompt_len
+        out = list(self.recorded[tuple(seq.tokens[: seq.prompt_len])][done : done + k])
+        if len(out) >= 3 and done % 2:
+            out[-1] = (out[-1] + 1) % 50
+        return out
+
+    def drop(self, serial: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("config", [dict(), dict(block_size=4, max_batch_size=3, parallel=6)])
+def test_drafts_verify_through_the_decode_step_with_the_tokens_of_no_speculation(tiny_model_dir, monkeypatch,
+                                                                                 config):
+    """A verifying step runs each drafted position as a one-token row of the decode step
+    (its sequence's table, its own position), every K/V written before any row attends:
+    at temperature 0 the tokens are those of the engine without speculation, drafts were
+    accepted and rejected, and the portable prefill path verified none of them."""
+    from tandem.pipeline.speculation import Speculator, StepTimes
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "reference")
+    prompts = random_prompts(6, 10, 40, seed=5)
+    n = 24
+    plain = _engine(_fresh(tiny_model_dir), **config).generate_many([(p, greedy(n)) for p in prompts])
+    spec = Speculator(_Recorded({tuple(p): t for p, t in zip(prompts, plain)}), max_draft=4, retry_steps=2,
+                      times=StepTimes(0.1, measured=False))
+    eng = Engine(_fresh(tiny_model_dir), EngineSettings(kv_cache_budget="16MiB", **config), model_id="tiny",
+                 eos_token_ids=[EOS], speculator=spec)
+    portable = []
+    real = PagedRunner.forward
+    monkeypatch.setattr(PagedRunner, "forward", lambda self, rows, inputs: (
+        portable.append(any(r.draft for r in rows)), real(self, rows, inputs))[1])
+    got = eng.generate_many([(p, greedy(n)) for p in prompts])
+    assert got == plain
+    c = spec.counters
+    assert eng.runner.verify_steps > 0 and 0 < c.accepted < c.drafted
+    assert not any(portable)  # no drafted row went through the portable path
+    st = eng.stats()
+    assert st.running == 0 and st.free_blocks == st.total_blocks
+    eng.pool.check()
