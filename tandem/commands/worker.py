@@ -101,7 +101,8 @@ def warm_up(engine, role: str = "hybrid") -> float:
     # prefill worker, which hands each request on after its first token.
     warm_decode = getattr(engine.runner, "warm_decode", None)
     if warm_decode is not None and role != "prefill":
-        warm_decode(engine.scheduler.max_batch_size)
+        rows, spec = engine.scheduler.max_batch_size, engine.speculator
+        warm_decode(rows, verify_rows=rows * (1 + spec.max_draft) if spec is not None else 0)
     if engine.speculator is not None:  # these steps paid first-use costs: not what drafting will
         engine.speculator.times.forget()
     from tandem.pipeline import budget

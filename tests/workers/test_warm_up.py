@@ -58,9 +58,9 @@ def test_warm_up_runs_the_decode_classes_where_the_role_decodes(tiny, role):
     the scheduler's batch."""
     eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
     decode = []
-    eng.runner.warm_decode = lambda rows: decode.append(rows)
+    eng.runner.warm_decode = lambda rows, verify_rows: decode.append((rows, verify_rows))
     warm_up(eng, role)
-    assert decode == ([] if role == "prefill" else [eng.scheduler.max_batch_size])
+    assert decode == ([] if role == "prefill" else [(eng.scheduler.max_batch_size, 0)])
 
 
 def test_warm_up_prefills_the_shapes_that_run_their_own_kernels(tiny):
@@ -105,3 +105,17 @@ def test_a_disaggregated_worker_warms_its_handoff_and_ends_idle(tiny, role):
     assert st.running == st.waiting == 0 and st.free_blocks == st.total_blocks
     eng.pool.check()
     assert len(eng.generate_many([([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))])[0]) == 2
+
+
+def test_a_drafting_worker_warms_its_verifying_steps_too(tiny):
+    """With a speculator, the decode classes' warm-up also covers the verifying step's rows:
+    the batch times one plus the longest draft."""
+    from tandem.pipeline.drafters import NgramDrafter
+    from tandem.pipeline.speculation import Speculator
+
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS],
+                 speculator=Speculator(NgramDrafter(), max_draft=3))
+    decode = []
+    eng.runner.warm_decode = lambda rows, verify_rows: decode.append((rows, verify_rows))
+    warm_up(eng, "decode")
+    assert decode == [(eng.scheduler.max_batch_size, 4 * eng.scheduler.max_batch_size)]

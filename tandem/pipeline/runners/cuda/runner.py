@@ -474,21 +474,26 @@ class KernelRunner(PagedRunner):
             for nb in (table_width(1), split_nb) + ((long_nb,) if B >= pac.TILE_MIN_BATCH else ()):
                 self._scratch_step(B, nb)
 
-    def _scratch_step(self, P: int, nb: int) -> None:
+    def _scratch_step(self, P: int, nb: int, fn=None) -> None:
         """A decode step of ``P`` rows over an ``nb``-block table of the scratch block (every
         row's full table as context), evaluated: it compiles what the step's shape needs and
-        traces the compiled step for it. Writes land in the scratch block."""
+        traces the compiled step (``fn``: the verifying one) for it. Writes land in the
+        scratch block."""
         zeros = mx.zeros((P,), mx.int32)
-        mx.eval(self._step_fn(mx.zeros((P, 1), mx.int32), zeros, zeros, mx.zeros((P, nb), mx.int32),
-                              mx.full((P,), nb * self.store.block_size, mx.int32), *self.store.keys, *self.store.values))
+        mx.eval((fn or self._step_fn)(mx.zeros((P, 1), mx.int32), zeros, zeros, mx.zeros((P, nb), mx.int32),
+                                      mx.full((P,), nb * self.store.block_size, mx.int32),
+                                      *self.store.keys, *self.store.values))
 
-    def warm_decode(self, max_rows: int, max_tokens: int = GRAPH_PREPARE_TOKENS) -> int:
+    def warm_decode(self, max_rows: int, max_tokens: int = GRAPH_PREPARE_TOKENS, verify_rows: int = 0) -> int:
         """Run (and so trace) the decode step of every row class up to ``max_rows``
         (``tables.decode_rows``) at every table width up to ``max_tokens`` of context, against
         the scratch block: serving then replays traces only (each new one was a ~10 ms stall
-        of every running request). Longer contexts trace their widths when first met. The
-        one-row graphs of those widths are captured again where the store's sizing released
-        them (``release_pools``). Returns the number of (rows, width) classes."""
+        of every running request). Longer contexts trace their widths when first met. With
+        ``verify_rows`` (a worker that drafts: its batch times one plus the longest draft),
+        the verifying step (:meth:`_verify`) of every row class up to that, at most
+        ``VERIFY_MAX_ROWS``, as well. The one-row graphs of those widths are captured again
+        where the store's sizing released them (``release_pools``). Returns the number of
+        (rows, width) classes."""
         bs = self.store.block_size
         widths, nb = [], table_width(1)
         while True:
@@ -497,12 +502,14 @@ class KernelRunner(PagedRunner):
                 break
             nb = table_width(nb + 1)
         classes = sorted({decode_rows(b) for b in range(1, max_rows + 1)})
-        for P in classes:
-            for nb in widths:
-                self._scratch_step(P, nb)
+        verify = sorted({decode_rows(b) for b in range(2, min(verify_rows, VERIFY_MAX_ROWS) + 1)})
+        for fn, rows in ((self._step_fn, classes), (self._verify_fn, verify)):
+            for P in rows:
+                for nb in widths:
+                    self._scratch_step(P, nb, fn)
         if self.graph_step is not None and self.graph_step.failed is None:
             self.graph_step.prepare(min(max_tokens, self.store.num_blocks * bs))
-        return len(classes) * len(widths)
+        return (len(classes) + len(verify)) * len(widths)
 
     @property
     def takes_host_ids(self) -> bool:

@@ -550,6 +550,13 @@ def test_decode_steps_run_padded_row_classes_that_the_warm_up_traces(tiny_model_
     rows.clear()
     assert runner.warm_decode(5, max_tokens=24) == 5 * 2  # rows 1, 2, 3, 4, 6 x widths 4, 6
     assert sorted(set(rows)) == [1, 2, 3, 4, 6]
+    verified = []
+    verify_fn = runner._verify_fn
+    runner._verify_fn = lambda inputs, *a: verified.append(inputs.shape[0]) or verify_fn(inputs, *a)
+    rows.clear()
+    # A drafting worker: its verifying steps too, rows 2 .. 3 x (1 + 4) -> 2, 3, 4, 6, 8, 12, 16.
+    assert runner.warm_decode(3, max_tokens=24, verify_rows=15) == (3 + 7) * 2
+    assert sorted(set(rows)) == [1, 2, 3] and sorted(set(verified)) == [2, 3, 4, 6, 8, 12, 16]
     mx.eval(runner.store.keys)
 
 
