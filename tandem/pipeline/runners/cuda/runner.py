@@ -536,11 +536,15 @@ class KernelRunner(PagedRunner):
         host, nb = self.decode_state(rows, P)
         if P != B:
             inputs = mx.concatenate([inputs.reshape(B, 1), mx.zeros((P - B, 1), inputs.dtype)])
-        L = len(self.blocks)
-        packed = self._step_state(host, P, B)
-        out = self._step_fn(inputs, packed[:P], packed[P : 2 * P], packed[3 * P :].reshape(P, nb),
-                            packed[2 * P : 3 * P], *self.store.keys, *self.store.values)
+        return self._run_step(self._step_fn, inputs, self._step_state(host, P, B), P, nb, B)
+
+    def _run_step(self, fn, ids, packed, P: int, nb: int, B: int) -> mx.array:
+        """``fn`` (the decode step or the verifying one) over ``P`` rows of ``ids`` with their
+        state ``packed`` (:meth:`decode_state`'s layout) -> the logits of the first ``B`` rows."""
+        out = fn(ids, packed[:P], packed[P : 2 * P], packed[3 * P :].reshape(P, nb), packed[2 * P : 3 * P],
+                 *self.store.keys, *self.store.values)
         if not self.compiled:
+            L = len(self.blocks)
             if isinstance(self.ops, _ReferenceOps):  # new pools, not written in place
                 self.store.keys[:], self.store.values[:] = out[1 : 1 + L], out[1 + L :]
             out = out[0]
@@ -564,17 +568,9 @@ class KernelRunner(PagedRunner):
         if P != B:
             take = np.concatenate([take, np.zeros(P - B, np.int32)])  # (padding: any id)
         ids = inputs.reshape(-1)[mx.array(take)].reshape(P, 1)
-        packed = mx.array(host)
         self._state_prev = None  # the next plain step uploads its own state
-        out = self._verify_fn(ids, packed[:P], packed[P : 2 * P], packed[3 * P :].reshape(P, nb),
-                              packed[2 * P : 3 * P], *self.store.keys, *self.store.values)
-        if not self.compiled:
-            L = len(self.blocks)
-            if isinstance(self.ops, _ReferenceOps):  # new pools, not written in place
-                self.store.keys[:], self.store.values[:] = out[1 : 1 + L], out[1 + L :]
-            out = out[0]
         self.verify_steps += 1
-        return out if P == B else out[:B]
+        return self._run_step(self._verify_fn, ids, mx.array(host), P, nb, B)
 
     def decode_state(self, rows: list[Row], padded: int | None = None) -> tuple[np.ndarray, int]:
         """A decode step's positions, slots, lengths and block table, concatenated as one
