@@ -14,7 +14,7 @@ KEEP_LOGS=1 timeout -k 5 "${GS_S:-560}" python3 bench/gpu_serving.py --model /tm
     --ready-timeout 200 --timeout 240 ${EXTRA:-} --out "$OUT/gs" > "$OUT/gs.log" 2>&1
 echo "gpu_serving rc=$?"; grep -E "^(hybrid|disaggregated)" "$OUT/gs.log" | cut -c1-400; tail -5 "$OUT/gs.log"
 for f in "$OUT"/gs-*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$f.t" && mv "$f.t" "$f"; done
-grep -hE "graph step|compiled|warm|linear path" "$OUT"/gs-*.log 2>/dev/null | head -20
+grep -hE "GPU memory|KV store:|out of memory|graph step off|compiled in|warm" "$OUT"/gs-*.log 2>/dev/null | head -20
 # The workers' stacks (--py-spy), summarized here: the raw files are large.
 ls "$OUT"/gs-*-c*-*.txt >/dev/null 2>&1 && python3 bench/stacks.py "$OUT"/gs-*-c*-*.txt --top 8 > "$OUT/stacks.txt" \
     && head -c 6000 "$OUT/stacks.txt"
