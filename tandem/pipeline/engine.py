@@ -142,6 +142,11 @@ class Engine:
             if self.store is not None:
                 num_blocks = max(num_blocks, self.store.capacity)
                 self.store.num_blocks = num_blocks
+        if auto and self.store is not None and num_blocks * bs < settings.prefill_chunk_size:
+            log.warning("the KV pool holds %d tokens (%s less what the model holds): prompts longer than that "
+                        "fail; run fewer workers on this device (engine.workers_per_device) or set "
+                        "engine.kv_cache_budget", num_blocks * bs,
+                        f"a {share / 2**30:.1f} GiB share of the GPU" if share is not None else "half the free memory")
         if whole and self.store is not None:
             self.runner.release_pools()  # (graphs captured on the small store)
             self.store.ensure_capacity(num_blocks)

@@ -150,3 +150,17 @@ def test_a_step_that_runs_out_of_device_memory_fails_its_requests_and_the_engine
     st = eng.stats()
     assert st.running == 0 and st.free_blocks == st.total_blocks
     eng.pool.check()
+
+
+def test_a_share_that_leaves_no_room_for_kv_says_so(tiny, monkeypatch, caplog):
+    """Workers packed onto a device too small for them start (each request then fails on
+    its own), but the log says why and what to change."""
+    import logging
+
+    monkeypatch.setattr(budget, "share_bytes", lambda workers: mx.get_active_memory() // 2)
+    monkeypatch.setattr(mx, "set_memory_limit", lambda n: 0)
+    monkeypatch.setattr(mx, "set_cache_limit", lambda n: 0)
+    with caplog.at_level(logging.WARNING, logger="tandem.engine"):
+        eng = Engine(tiny, EngineSettings(workers_per_device=2), model_id="tiny")
+    assert eng.pool.num_blocks == 1
+    assert any("workers_per_device" in r.getMessage() and "share of the GPU" in r.getMessage() for r in caplog.records)
