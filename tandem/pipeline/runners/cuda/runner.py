@@ -216,15 +216,13 @@ class _CudaOps:
 
     def write_attend(self, y, step: _Step, kp, vp, inv_freq, H: int, KVH: int, trad: bool,
                      scale: float, block_size: int):
-        if step.separate:
-            q, _, kp, vp = self.write(y, step, kp, vp, inv_freq, H, KVH, trad)
-            return self.attend(q, step, kp, vp, scale, block_size), kp, vp
-        if y.shape[0] < dac.MAX_ROWS and dac.supported(y, H, KVH, kp.shape[-1]):
+        # Rows of one sequence (``step.separate``) take the two launches at the end: write, then attend.
+        if not step.separate and y.shape[0] < dac.MAX_ROWS and dac.supported(y, H, KVH, kp.shape[-1]):
             a = dac.decode_attention(y, step.pos, step.slots, inv_freq, kp, vp, step.table, H, KVH, scale,
                                      block_size, step.max_len, self.counters, step.partition,
                                      traditional=trad)
             return a, kp, vp
-        if y.shape[0] >= pac.TILE_MIN_BATCH and dac.tile_supported(y, kp.shape[-1]):
+        if not step.separate and y.shape[0] >= pac.TILE_MIN_BATCH and dac.tile_supported(y, kp.shape[-1]):
             a = dac.decode_attention_tile(y, step.pos, step.slots, inv_freq, kp, vp, step.table, step.lens, H,
                                           KVH, scale, block_size, step.max_len, step.partition,
                                           traditional=trad)
