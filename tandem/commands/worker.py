@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 HELP = "run a prefill, decode or hybrid worker that serves requests from the broker"
@@ -14,6 +15,8 @@ DESCRIPTION = (
     "--drain-grace seconds. Prints one JSON line {\"event\": \"ready\", ...} when it has "
     "registered its sockets."
 )
+
+log = logging.getLogger("tandem.worker")
 
 
 def add_arguments(p) -> None:
@@ -111,6 +114,7 @@ def warm_up(engine, role: str = "hybrid") -> float:
         import mlx.core as mx
 
         mx.clear_cache()  # the warm-up's buffers go back to the device
+        log.info("GPU memory after the warm-up: %s", budget.memory_report())
     return (time.perf_counter() - t) * 1000
 
 

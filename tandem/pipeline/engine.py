@@ -28,7 +28,6 @@ import mlx.core as mx
 import numpy as np
 
 from tandem.kvtypes import REQUEST_ID_BYTES, KVSnapshot, SamplingParams, TokenLogprob, Usage
-from tandem.kernels.cuda.quantized_matmul import cuda_available
 from tandem.pipeline import budget
 from tandem.pipeline.api import EngineRefused, EngineRequest, EngineStats, TokenEvent
 from tandem.pipeline.block_pool import BlockPool
@@ -112,19 +111,12 @@ class Engine:
                      "?" if free is None else f"{free / 2**30:.1f} GiB")
         setting = (settings.kv_cache_budget or "auto").strip().lower()
         auto = setting == "auto"
-        # On a CUDA GPU a bounded pool is allocated whole once the runner is in (below), so
-        # the store never grows while serving: a growth copies every layer, and on a device
-        # that other workers share, memory that was free at start may not be free later.
-        # (Apple silicon's GPU shares the host's memory: its pool grows as it fills.)
-        whole = share is not None and setting != "none" and cuda_available()
         num_blocks = budget.num_blocks(settings.kv_cache_budget, per_block, workers=workers,
                                        in_use=mx.get_active_memory() if share is not None else 0)
         if sh.pageable:
             initial = settings.kv_initial_tokens
             if initial is None:
                 initial = settings.parallel * settings.prefill_chunk_size // 2
-            if whole:
-                initial = 0  # the minimum now: the runner's warm-up writes its scratch block only
             self.store = KVStore(sh.num_layers, sh.n_kv_heads, sh.head_dim, sh.dtype, bs, num_blocks, sh.v_head_dim,
                                  initial_blocks=max(64, -(-initial // bs)))
         else:
@@ -147,9 +139,6 @@ class Engine:
                         "fail; run fewer workers on this device (engine.workers_per_device) or set "
                         "engine.kv_cache_budget", num_blocks * bs,
                         f"a {share / 2**30:.1f} GiB share of the GPU" if share is not None else "half the free memory")
-        if whole and self.store is not None:
-            self.runner.release_pools()  # (graphs captured on the small store)
-            self.store.ensure_capacity(num_blocks)
         self.pool = BlockPool(num_blocks, bs)
         if self.store is not None:
             log.info("KV store: %d of %d blocks allocated at start (%.0f MB)", self.store.capacity, num_blocks,
@@ -478,7 +467,7 @@ class Engine:
         the pool; MLX's cached buffers go back to the device."""
         plans = [self._scheduled, self._inflight[0] if self._inflight is not None else None]
         self._inflight = self._scheduled = None
-        log.error("out of device memory in a step (%s): failing its requests", exc)
+        log.error("out of device memory in a step (%s): failing its requests; %s", exc, budget.memory_report())
         try:
             self.runner.sync()
         except Exception:  # noqa: BLE001 - the device's own error again: nothing more to wait for
