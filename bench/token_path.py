@@ -105,7 +105,8 @@ def _run(tree: Path, args, mode: str) -> dict:
     # refusing worker is left alone until its next heartbeat, which would measure that
     # back-off (a second per refusal) instead of the path.
     (tmp / "worker.toml").write_text("[engine]\nmax_queue_depth = 8192\n")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(tree))
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, (str(tree), os.environ.get("PYTHONPATH")))))
     env.pop("TANDEM_CLUSTER_SECRET", None)
     procs = []
     here = os.getcwd()
@@ -149,7 +150,8 @@ def _run(tree: Path, args, mode: str) -> dict:
                 total[key] += v
         unit = total["tokens"] if mode == "streams" else total["requests"]
         if not unit:
-            raise RuntimeError(f"nothing streamed ({total}); logs in {tmp}")
+            tails = "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-1500:]}" for f in sorted(tmp.glob("*.log")))
+            raise RuntimeError(f"nothing streamed ({total}); logs in {tmp}\n{tails}")
         return {"per_s": unit / args.seconds, **total,
                 "cpu_us": {k: v / max(1, unit) * 1e6 for k, v in cpu.items()}}
     finally:
