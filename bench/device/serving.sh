@@ -18,3 +18,5 @@ grep -hE "GPU memory|KV store:|out of memory|graph step off|compiled in|warm" "$
 # The workers' stacks (--py-spy), summarized here: the raw files are large.
 ls "$OUT"/gs-*-c*-*.txt >/dev/null 2>&1 && python3 bench/stacks.py "$OUT"/gs-*-c*-*.txt --top 8 > "$OUT/stacks.txt" \
     && head -c 6000 "$OUT/stacks.txt"
+# Only so many files come back from $OUT: the raw stacks go, so gs.json and the logs return.
+rm -f "$OUT"/gs-*-c*-*.txt
