@@ -27,7 +27,11 @@ LAYERS = int(os.environ.get("PROBE_LAYERS", "4"))
 MODEL = Path(os.environ.get("PROBE_MODEL", f"/tmp/m8b{LAYERS}l"))
 # (prompt lengths of one batch, whether it extends an earlier prompt: a prefix-cache hit)
 CASES = [((512,), False), ((512,), True), ((512, 512), False), ((512, 512, 512, 512), False),
-         ((448,), False), ((500, 300), False), ((1024,), False), ((2048,), False)]
+         ((448,), False), ((500, 300), False), ((1024,), False), ((2048,), False),
+         # Prefix hits of other lengths and batches: after the warm-up's hit, a 256-token hit
+         # took 0.95 s and a burst of 4-prompt hits ~4 s more (H100, 2026-12-05 18:03): a
+         # cost per shape on this path (MLX's cuDNN attention builds a graph per shape)?
+         ((384,), True), ((512, 512), True), ((512, 512, 512, 512), True), ((400, 500, 300), True)]
 
 
 def run(label: str) -> None:
