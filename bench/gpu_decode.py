@@ -429,7 +429,8 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
                         prefill_chunk_size=prompt_len,
                         kv_cache_budget="256MiB" if TINY else "24GiB",
                         enable_prefix_caching=False, max_queue_depth=4 * top,
-                        cpus=os.environ.get("TANDEM_ENGINE_CPUS"))  # as tandem's config reads it
+                        cpus=os.environ.get("TANDEM_ENGINE_CPUS"),  # as tandem's config reads them
+                        decode_graphs=os.environ.get("TANDEM_ENGINE_DECODE_GRAPHS", "true").lower() not in ("0", "false", "off", "no"))
     eng = Engine(model, st, model_id="bench-8b")
     runner = type(eng.runner).__name__
     log(f"== tandem engine ({name}: {runner}, weights {fmt}, {nbytes(model) / 2**30:.1f} GiB)")

@@ -582,9 +582,11 @@ class Engine:
 
     def _launch(self, plan: Plan):
         rows = plan.rows
+        touched = False  # blocks written by MLX ops this step, before its forward
         if self.store is not None:
             self._grow_store()
-            if plan.copies or any(r.seq.imported is not None for r in rows):
+            touched = bool(plan.copies) or any(r.seq.imported is not None for r in rows)
+            if touched:
                 self.runner.flush()  # blocks may have changed owner since the mirror's last entries
             for src, dst in plan.copies:
                 self.store.copy_block(src, dst)
@@ -603,9 +605,10 @@ class Engine:
         samplers = [i for i, r in enumerate(rows) if r.samples]
         seqs = [rows[i].seq for i in samplers]
         masks = self.grammars.start_masks(seqs) if self.grammars is not None and seqs else None
-        if masks is None and L == 1 and all(r.samples for r in rows) and runner.can_capture(rows):
-            # A captured step: its work is queued already, with no MLX launches.
-            toks = runner.launch_captured(rows, prev if steady else self._host_inputs(rows, prev))
+        if masks is None and L == 1 and not touched and all(r.samples for r in rows) and runner.can_capture(rows):
+            # A captured step: its work is queued already, with no MLX launches. Its rows
+            # take their inputs from the sequences and the in-flight step's tokens itself.
+            toks = runner.launch_captured(rows, prev)
             if toks is not None:
                 self.scheduler.advance(plan)
                 for i, r in enumerate(rows):

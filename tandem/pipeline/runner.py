@@ -64,8 +64,9 @@ class ModelRunner(Protocol):
 
     def launch_captured(self, rows: list[Row], inputs) -> Tokens | None:
         """Queue the step as a captured graph; its tokens, or None when it cannot be captured
-        (the engine then runs ``forward``). ``inputs``: the previous step's :class:`Tokens`
-        or an ``(B, 1)`` array."""
+        (the engine then runs ``forward``). ``inputs``: the in-flight step's tokens (its
+        :class:`Tokens` or an array; None when it sampled nothing): a row whose last input is
+        not yet in its sequence's tokens takes it from there, at its ``pending_index``."""
         ...
 
     def sync(self) -> None:

@@ -1,35 +1,38 @@
-"""One-row greedy decode as one CUDA graph of tandem's kernels, replayed without MLX.
+"""Greedy decode steps as CUDA graphs of tandem's kernels, replayed without MLX.
 
-At one row the engine thread, not the GPU, set the step: MLX encodes each of a step's ~165
-kernel launches in ~8-13 us (a graph node, an output allocation, its eval loop), 1.3-1.9 ms
-a step against the GPU's 2.37 (docs/benchmarks/gpu_decode.md), and the
-token gap stayed at 2.5-2.7 ms. The kernels themselves need none of that per step: their
-weights, the KV pools and the attention's tickets live at fixed addresses, and only the
-step's token and its positions / slots / block table change.
+The engine thread, not the GPU, set the decode step: MLX encodes each of a step's ~165
+kernel launches in ~8-13 us (a graph node, an output allocation, its eval loop). At one row
+that was 1.3-1.9 ms a step against the GPU's 2.37 (docs/benchmarks/gpu_decode.md); at 16-64
+rows the host worked ~4.9 ms of a 5.7-6.4 ms step, the GPU waiting. The kernels themselves
+need none of that per step: their weights, the KV pools and the attention's tickets live at
+fixed addresses, and only the step's tokens and its positions / slots / block table change.
 
 So :class:`GraphStep` runs one decode step of the :class:`~tandem.pipeline.runners.cuda.runner.
-KernelRunner` through MLX once per block-table width with every kernel call recorded
-(``kernels.kernel_files.recording``), keeps every array of that step alive (so their
+KernelRunner` through MLX once per (row class, block-table width) with every kernel call
+recorded (``kernels.kernel_files.recording``), keeps every array of that step alive (so their
 buffers stay put), compiles each kernel's text as MLX would have (``kernel_text``, through
 NVRTC: MLX keeps its own modules to itself), and captures the launches, with the same
-arguments, into a CUDA graph on a stream of its own. The step's
-state and token move to device buffers of its own; the argmax writes the next step's token
-in place, so steady decode is one state copy, one graph launch and one 4-byte read-back a
-token. A captured step is checked against MLX's own step (another token, another position:
-the same token and logits) before it is used; anything it cannot reproduce raises
-:class:`Unsupported` and the engine keeps MLX's path.
+arguments, into a CUDA graph on a stream of its own. The step's state moves to a device
+buffer of its own; the argmax writes the step's tokens into ``tok_dev``, and the next
+step's first kernel (``select_ids``) takes each row's input from there (the row's index in
+the step before) or from the state (a token the host knows: a row that just joined). So
+steady decode is one state copy, one graph launch and one small read-back a step, with the
+next step queued before this one's tokens are read. A captured step is checked against
+MLX's own step (another token, another position: the same tokens and logits) before it is
+used; anything it cannot reproduce raises :class:`Unsupported` and the engine keeps MLX's
+path (for steps of several rows only, where only those fail).
 
-Limits: one row, greedy (no temperature, logprobs or logit bias), kernels made through
-``kernel_files.cuda_kernel`` (no precompiled cubins, no MLX ops between kernels: the check
-catches them). On unless ``engine.decode_graphs`` is off. Replays give exactly the tokens
-of MLX's launches; the engine at one row is as fast as MLX's launches on a fast host and
-~7% faster on a slow one, where MLX's encoding and not the GPU set the step.
+Limits: up to ``MAX_ROWS`` rows, greedy (no temperature, logprobs or logit bias), kernels
+made through ``kernel_files.cuda_kernel`` (no precompiled cubins, no MLX ops between
+kernels: the check catches them). On unless ``engine.decode_graphs`` is off. Replays give
+exactly the tokens of MLX's launches of the same row class.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -44,7 +47,7 @@ from tandem.kernels.cuda import cuda_driver
 from tandem.kernels.cuda import kernel_files
 from tandem.kernels.cuda import nvrtc
 from tandem.kernels.cuda.captured import MAX_NDIM, Unsupported, device_pointers, kernel_name, kernel_text
-from tandem.pipeline.runners.cuda.tables import table_width
+from tandem.pipeline.runners.cuda.tables import decode_rows, table_width
 
 log = logging.getLogger("tandem.engine")
 
@@ -53,21 +56,66 @@ log = logging.getLogger("tandem.engine")
 # graph between two timing events, and the device's idle time since the replay before.
 # CUPTI hides the idle time and its callbacks slow everything after them.
 RING = 8  # read-back slots: the engine holds at most two steps in flight
-MAX_GRAPHS = 24  # one per table width seen; the oldest goes when a new one would exceed it
+MAX_ROWS = 128  # the widest step captured (row classes of ``tables.decode_rows``)
+MAX_GRAPHS = 192  # one per (rows, table width) seen; the oldest goes when a new one would exceed it
+MAX_TABLE = 65536  # table entries a step's state may hold (rows x width)
 
 
-def scratch_state(nb: int, pos: int, block_size: int) -> np.ndarray:
-    """A one-row step state (position, slot, length, ``nb`` table columns) whose every
-    column is the store's scratch block 0: what a capture runs without touching a sequence."""
-    host = np.zeros(3 + nb, np.int32)
-    host[:3] = (pos, pos % block_size, pos + 1)
+def scratch_state(rows: int, nb: int, pos: int, block_size: int, token: int = 0) -> np.ndarray:
+    """A step state of ``rows`` rows whose every table column is the store's scratch block
+    0: what a capture runs without touching a sequence. Its layout is the runner's
+    (positions, slots, lengths, the table) followed by the input selection (see
+    :meth:`GraphStep.launch`): every row's input is ``token`` from the host. Row 0 writes
+    its K/V into the scratch block; the others write nowhere (slot -1)."""
+    P = rows
+    host = np.zeros(5 * P + P * nb, np.int32)
+    host[:P] = pos
+    host[P : 2 * P] = -1
+    host[P] = pos % block_size
+    host[2 * P : 3 * P] = pos + 1
+    sel = host[3 * P + P * nb :]
+    sel[:P] = -1
+    sel[P:] = token
     return host
+
+
+_SELECT = """
+  const int n = sel_shape[0] / 2;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    const int s = sel[i];
+    out[i] = s >= 0 ? prev[s] : sel[n + i];
+  }
+"""
+
+
+@functools.cache
+def _select_kernel():
+    return kernel_files.cuda_kernel(name="tandem_select_ids", input_names=["prev", "sel"], output_names=["out"],
+                                    source=_SELECT)
+
+
+def select_ids(prev: mx.array, sel: mx.array) -> mx.array:
+    """A captured step's input tokens, (P, 1) int32: row ``i`` takes ``prev[sel[i]]`` (a
+    token the previous replay left on the device) where ``sel[i] >= 0``, else ``sel[P + i]``
+    (one the host knows). ``sel``: (2P,) int32."""
+    P = sel.shape[0] // 2
+    (out,) = _select_kernel()(inputs=[prev, sel], grid=(P, 1, 1), threadgroup=(min(P, 64), 1, 1),
+                              output_shapes=[(P, 1)], output_dtypes=[mx.int32])
+    return out
+
+
+def select_ids_reference(prev: mx.array, sel: mx.array) -> mx.array:
+    P = sel.shape[0] // 2
+    src = sel[:P]
+    picked = prev[mx.maximum(src, 0)]
+    return mx.where(src >= 0, picked, sel[P:]).astype(mx.int32).reshape(P, 1)
 
 
 @dataclass
 class _Graph:
     exec: int
-    state_dev: int  # the step's positions, slots, lengths and table: (3 + width) int32
+    state_dev: int  # the step's positions, slots, lengths, table and input selection: (5 + width) x rows int32
     logits: mx.array  # the recorded head output, rewritten by every replay
     logits_ptr: int
     pools: tuple
@@ -77,14 +125,14 @@ class _Graph:
 class DeviceTokens:
     """A launched step's greedy tokens, read back on first use (``tolist``)."""
 
-    def __init__(self, owner: "GraphStep", slot: int, serial: int):
+    def __init__(self, owner: "GraphStep", slot: int, serial: int, rows: int = 1):
         self._owner, self._slot, self._serial = owner, slot, serial
-        self.shape = (1,)
+        self.shape = (rows,)
         self._value: list[int] | None = None
 
     def tolist(self) -> list[int]:
         if self._value is None:
-            self._value = self._owner._read(self._slot, self._serial)
+            self._value = self._owner._read(self._slot, self._serial)[: self.shape[0]]
         return self._value
 
     def as_mlx(self) -> mx.array:
@@ -99,10 +147,11 @@ class GraphStep:
         drv.bind_context()
         self.arch = drv.arch()
         self.stream = drv.stream()
-        self.tok_dev = drv.mem_alloc(4)
-        self.max_state = 3 + 4096
+        self.tok_dev = drv.mem_alloc(4 * MAX_ROWS)  # the last replay's tokens, row by row
+        self.max_state = 5 * MAX_ROWS + MAX_TABLE
         self._pinned_state = drv.host_alloc(RING * 4 * self.max_state)
-        self._pinned_tok = drv.host_alloc(RING * 8)
+        self._pinned_tok = drv.host_alloc(RING * 4 * MAX_ROWS)
+        self._slot_rows = [1] * RING
         self._events = [drv.event() for _ in range(RING)]
         # TIMING: per slot, events before the state upload and after the graph; per read
         # replay (its serial, ms from upload to graph end, ms idle since the replay before).
@@ -111,58 +160,79 @@ class GraphStep:
         self._timed = -1  # the last serial whose timing is in ``timings``
         self._modules: list[int] = []
         self._funcs: dict[str, int] = {}  # kernel text -> function
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int, int], _Graph] = {}  # (rows, table width) -> graph
         self._serial = 0
         self._tok_serial = -1  # the launch whose token tok_dev holds
         self._busy = False  # launches queued since the last sync
         self.failed: str | None = None
+        self.rows_failed: str | None = None  # why steps of more than one row are not captured
         self.replays = 0
 
     # -- the engine's side -------------------------------------------------------------
     def applies(self, rows, params) -> bool:
-        return (self.failed is None and len(rows) == 1 and rows[0].n == 1 and len(params) == 1
-                and params[0].plain_greedy)
+        return (self.failed is None and 0 < len(rows) <= MAX_ROWS and len(params) == len(rows)
+                and (len(rows) == 1 or self.rows_failed is None)
+                and all(r.n == 1 for r in rows) and all(p.plain_greedy for p in params))
 
     def launch(self, rows, prev) -> DeviceTokens | None:
-        """Queue one decode step; ``prev``: the input token, a :class:`DeviceTokens` of
-        this object's last launch or an MLX array. None (and ``failed`` set) when the step
-        cannot be captured."""
-        host, nb = self.runner.decode_state(rows)
-        if host.shape[0] > self.max_state:
+        """Queue one decode step of ``rows`` (padded to their row class); ``prev``: the
+        in-flight step's tokens, a :class:`DeviceTokens` or an MLX array, which the rows
+        whose last input is not yet on the host take theirs from. None (and ``failed`` or
+        ``rows_failed`` set) when the step cannot be captured."""
+        B = len(rows)
+        P = decode_rows(B)
+        host, nb = self.runner.decode_state(rows, P if P != B else None)
+        if host.shape[0] + 2 * P > self.max_state:
             return None
         try:
-            g = self._graph(nb)
+            g = self._graph(P, nb)
         except (Unsupported, cuda_driver.CudaError) as exc:
-            self._refuse(exc)
+            self._refuse(exc, P)
             return None
+        sel, chained = self._select(rows, prev, P)  # (after a capture, whose check overwrote tok_dev)
         drv, slot = self.drv, self._serial % RING
         drv.bind_context()
         st = self._pinned_state + slot * 4 * self.max_state
         ctypes.memmove(st, host.ctypes.data, host.nbytes)
+        ctypes.memmove(st + host.nbytes, sel.ctypes.data, sel.nbytes)
+        nbytes = host.nbytes + sel.nbytes
         if self._marks is not None:
             drv.call("cuEventRecord", self._marks[slot][0], self.stream)
-        drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, st, host.nbytes, self.stream)
-        # The argmax leaves each step's token in tok_dev for the next; a capture since
-        # (its check runs a token of its own) or an MLX-made input needs an upload.
-        if not (isinstance(prev, DeviceTokens) and prev._owner is self and prev._serial == self._tok_serial):
-            tok = self._pinned_tok + slot * 8 + 4
-            if isinstance(prev, DeviceTokens):
-                value = prev.tolist()
-            else:
-                value = np.asarray(prev).reshape(-1).tolist()
-                mx.synchronize()  # MLX's steps before this one write the pools this one reads
-            ctypes.c_int32.from_address(tok).value = int(value[0])
-            drv.call("cuMemcpyHtoDAsync_v2", self.tok_dev, tok, 4, self.stream)
+        drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, st, nbytes, self.stream)
+        if not chained:
+            mx.synchronize()  # MLX's steps before this one write the pools this one reads
         drv.call("cuGraphLaunch", g.exec, self.stream)
         if self._marks is not None:
             drv.call("cuEventRecord", self._marks[slot][1], self.stream)
-        drv.call("cuMemcpyDtoHAsync_v2", self._pinned_tok + slot * 8, self.tok_dev, 4, self.stream)
+        drv.call("cuMemcpyDtoHAsync_v2", self._pinned_tok + slot * 4 * MAX_ROWS, self.tok_dev, 4 * P, self.stream)
         drv.call("cuEventRecord", self._events[slot], self.stream)
+        self._slot_rows[slot] = P
         self._busy = True
         self.replays += 1
         self._tok_serial = self._serial
         self._serial += 1
-        return DeviceTokens(self, slot, self._serial - 1)
+        return DeviceTokens(self, slot, self._serial - 1, B)
+
+    def _select(self, rows, prev, P: int) -> tuple[np.ndarray, bool]:
+        """The step's input selection (``select_ids``) and whether it chains on the device:
+        a row whose last input is the in-flight step's sample takes it from ``tok_dev``
+        where that step was this object's last replay (nothing read back); otherwise every
+        input comes from the host, reading ``prev`` back if a row needs it."""
+        sel = np.zeros(2 * P, np.int32)
+        sel[:P] = -1
+        chained = isinstance(prev, DeviceTokens) and prev._owner is self and prev._serial == self._tok_serial
+        values = None
+        for i, r in enumerate(rows):
+            tokens = r.seq.tokens
+            if r.start < len(tokens):
+                sel[P + i] = tokens[r.start]
+            elif chained:
+                sel[i] = r.seq.pending_index
+            else:
+                if values is None:
+                    values = prev.tolist() if isinstance(prev, DeviceTokens) else np.asarray(prev).reshape(-1).tolist()
+                sel[P + i] = values[r.seq.pending_index]
+        return sel, chained
 
     def sync(self) -> None:
         """Wait for every queued step: MLX work on the pools may follow."""
@@ -175,8 +245,8 @@ class GraphStep:
         """Drop every captured graph and the pool arrays it keeps alive (the store is about
         to be replaced by a larger one); widths are captured again when next prepared or met."""
         self.sync()
-        for nb in list(self._graphs):
-            self._drop(nb)
+        for key in list(self._graphs):
+            self._drop(key)
 
     def _read(self, slot: int, serial: int) -> list[int]:
         if self._serial - serial > RING:
@@ -185,7 +255,7 @@ class GraphStep:
         self.drv.call("cuEventSynchronize", self._events[slot])
         if self._marks is not None and serial > self._timed:
             self._time(slot, serial)
-        return [ctypes.c_int32.from_address(self._pinned_tok + slot * 8).value]
+        return list((ctypes.c_int32 * self._slot_rows[slot]).from_address(self._pinned_tok + slot * 4 * MAX_ROWS))
 
     def _time(self, slot: int, serial: int) -> None:
         start, end = self._marks[slot]
@@ -198,80 +268,97 @@ class GraphStep:
         self.timings.append((serial, busy, idle))
         self._timed = serial
 
-    def prepare(self, max_tokens: int) -> None:
-        """Capture the steps of every table width up to ``max_tokens`` of context now: a
-        capture compiles the kernels it has not seen (NVRTC, ~1-3 s each the first time on
-        a machine), which mid-decode would stall the stream."""
+    def prepare(self, max_tokens: int, max_rows: int = 1) -> None:
+        """Capture the steps of every row class up to ``max_rows`` (at most ``MAX_ROWS``) and
+        every table width up to ``max_tokens`` of context now: a capture compiles the kernels
+        it has not seen (NVRTC, ~1-3 s each the first time on a machine), which mid-decode
+        would stall the stream."""
         bs = self.runner.store.block_size
-        nb, t = table_width(1), time.perf_counter()
-        try:
-            while True:
-                self._graph(nb)
-                if nb * bs >= max_tokens:
-                    break
-                nb = table_width(nb + 1)
-        except (Unsupported, cuda_driver.CudaError) as exc:
-            self._refuse(exc)
-            return
-        log.info("graph step: %d table widths (contexts to %d tokens) captured in %.1f s",
-                 len(self._graphs), nb * bs, time.perf_counter() - t)
+        t = time.perf_counter()
+        for P in sorted({decode_rows(b) for b in range(1, min(max_rows, MAX_ROWS) + 1)}):
+            if P > 1 and self.rows_failed is not None:
+                break
+            nb = table_width(1)
+            try:
+                while True:
+                    self._graph(P, nb)
+                    if nb * bs >= max_tokens:
+                        break
+                    nb = table_width(nb + 1)
+            except (Unsupported, cuda_driver.CudaError) as exc:
+                self._refuse(exc, P)
+                if P == 1:
+                    return
+        log.info("graph step: %d steps (rows up to %d, contexts to %d tokens) captured in %.1f s",
+                 len(self._graphs), max(P for P, _ in self._graphs) if self._graphs else 0, max_tokens,
+                 time.perf_counter() - t)
 
-    def _refuse(self, exc: Exception) -> None:
-        """Turn the graph step off for good: the engine runs MLX's launches from now on."""
+    def _refuse(self, exc: Exception, rows: int = 1) -> None:
+        """Turn the graph step off for good: the engine runs MLX's launches from now on. A
+        step of several rows that cannot be captured turns off those only."""
+        if rows > 1:
+            self.rows_failed = str(exc)
+            log.warning("graph steps of more than one row off, MLX's launches instead: %s", exc)
+            return
         self.failed = str(exc)
         log.warning("graph step off, MLX's launches instead: %s", exc)
 
     # -- capture -----------------------------------------------------------------------
-    def _graph(self, nb: int) -> _Graph:
+    def _graph(self, P: int, nb: int) -> _Graph:
         store = self.runner.store
         pools = tuple(store.keys) + tuple(store.values)
-        g = self._graphs.get(nb)
+        key = (P, nb)
+        g = self._graphs.get(key)
         if g is not None and len(g.pools) == len(pools) and all(a is b for a, b in zip(g.pools, pools)):
             return g
         self.sync()
         if g is not None:  # the store grew: new pools, new addresses
-            self._drop(nb)
+            self._drop(key)
         if len(self._graphs) >= MAX_GRAPHS:
             self._drop(next(iter(self._graphs)))
         t = time.perf_counter()
         self._tok_serial = -1
-        g = self._capture(nb, pools)
+        g = self._capture(P, nb, pools)
         try:
-            self._check(g, nb)
+            self._check(g, P, nb)
         except Exception:
             self.drv.call("cuGraphExecDestroy", g.exec)
             self.drv.call("cuMemFree_v2", g.state_dev)
             raise
-        self._graphs[nb] = g
-        log.info("graph step: captured the one-row step for a %d-block table in %.0f ms",
-                 nb, (time.perf_counter() - t) * 1e3)
+        self._graphs[key] = g
+        log.info("graph step: captured the %d-row step for a %d-block table in %.0f ms",
+                 P, nb, (time.perf_counter() - t) * 1e3)
         return g
 
-    def _drop(self, nb: int) -> None:
-        g = self._graphs.pop(nb)
+    def _drop(self, key: tuple[int, int]) -> None:
+        g = self._graphs.pop(key)
         self.drv.call("cuGraphExecDestroy", g.exec)
         self.drv.call("cuMemFree_v2", g.state_dev)
 
-    def _record(self, nb: int, token: int, pos: int, pools):
-        """Run one decode step through MLX with every launch recorded: (launches, the state
-        array, the token array, the tokens out, logits). Writes land in the scratch block."""
+    def _record(self, P: int, nb: int, token: int, pos: int, pools):
+        """Run one decode step of ``P`` rows through MLX with every launch recorded:
+        (launches, the state array, the previous tokens' array (``tok_dev``'s stand-in), the
+        tokens out, logits). Writes land in the scratch block."""
         r = self.runner
-        state = mx.array(scratch_state(nb, pos, r.store.block_size))
-        tok = mx.array(np.array([[token]], np.int32))
-        mx.eval(state, tok)
+        state = mx.array(scratch_state(P, nb, pos, r.store.block_size, token))
+        prev = mx.array(np.zeros(P, np.int32))
+        mx.eval(state, prev)
+        T = 3 * P + P * nb
         with kernel_files.recording() as launches:
-            out = r._decode_graph(tok, state[:1], state[1:2], state[3:].reshape(1, nb), state[2:3], *pools)
+            ids = select_ids(prev, state[T:])
+            out = r._decode_graph(ids, state[:P], state[P : 2 * P], state[3 * P : T].reshape(P, nb),
+                                  state[2 * P : 3 * P], *pools)
             logits = out[0] if isinstance(out, tuple) else out
             if not argmax_cuda.applies(logits):
                 raise Unsupported(f"greedy sampling of {logits.dtype} logits is not one kernel")
             tokens = argmax_cuda.argmax_kernel(logits)
         mx.eval(tokens, logits, [x.outputs for x in launches])
-        return launches, state, tok, tokens, logits
+        return launches, state, prev, tokens, logits
 
-    def _capture(self, nb: int, pools) -> _Graph:
+    def _capture(self, P: int, nb: int, pools) -> _Graph:
         drv = self.drv
         mx.synchronize()
-        launches, state, tok, tokens, logits = self._record(nb, 0, 0, pools)
+        launches, state, tok, tokens, logits = self._record(P, nb, 0, 0, pools)
         if not launches or launches[-1].outputs[0] is not tokens:
             raise Unsupported("the recorded step does not end in the argmax kernel")
         arrays, seen = [], set()
@@ -291,8 +378,8 @@ class GraphStep:
             p = ptrs[id(a)]
             if state_ptr <= p < state_ptr + state_len:
                 return state_dev + (p - state_ptr)
-            if tok_ptr <= p < tok_ptr + 4:
-                return self.tok_dev
+            if tok_ptr <= p < tok_ptr + 4 * P:
+                return self.tok_dev + (p - tok_ptr)
             return p
 
         drv.bind_context()
@@ -348,28 +435,27 @@ class GraphStep:
             f = self._funcs[text] = self.drv.get_function(mod, name)
         return f
 
-    def _check(self, g: _Graph, nb: int) -> None:
-        """The captured step against MLX's, at another token and position: the same token
+    def _check(self, g: _Graph, P: int, nb: int) -> None:
+        """The captured step against MLX's, at another token and position: the same tokens
         and the same logits, or the graph is not used."""
         token, pos = 1 + (7919 % max(self.runner.embed.weight.shape[0] - 1, 1)), 2
-        _, _, _, tokens, logits = self._record(nb, token, pos, g.pools)
-        want_tok, want = int(tokens.item()), np.array(logits.astype(mx.float32))
-        host = scratch_state(nb, pos, self.runner.store.block_size)
+        _, _, _, tokens, logits = self._record(P, nb, token, pos, g.pools)
+        want_tok, want = np.array(tokens).reshape(-1), np.array(logits.astype(mx.float32))
+        host = scratch_state(P, nb, pos, self.runner.store.block_size, token)
         drv = self.drv
         drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, self.stream)
-        t = np.array([token], np.int32)
-        drv.call("cuMemcpyHtoDAsync_v2", self.tok_dev, t.ctypes.data, 4, self.stream)
         drv.call("cuGraphLaunch", g.exec, self.stream)
         got = np.zeros(g.logits.shape, np.float16 if g.logits.dtype == mx.float16 else np.uint16)
+        t = np.zeros(P, np.int32)
         drv.call("cuMemcpyDtoHAsync_v2", got.ctypes.data, g.logits_ptr, got.nbytes, self.stream)
-        drv.call("cuMemcpyDtoHAsync_v2", t.ctypes.data, self.tok_dev, 4, self.stream)
+        drv.call("cuMemcpyDtoHAsync_v2", t.ctypes.data, self.tok_dev, t.nbytes, self.stream)
         drv.call("cuStreamSynchronize", self.stream)
         if g.logits.dtype != mx.float16:
             got = (got.astype(np.uint32) << 16).view(np.float32)
         diff = float(np.max(np.abs(got.astype(np.float32) - want)))
-        if int(t[0]) != want_tok or not diff <= 1e-3 * max(1.0, float(np.max(np.abs(want)))):
-            raise Unsupported(f"the captured step differs from MLX's: token {int(t[0])} against {want_tok}, "
-                              f"logits max |diff| {diff:.3g}")
+        if not np.array_equal(t, want_tok) or not diff <= 1e-3 * max(1.0, float(np.max(np.abs(want)))):
+            raise Unsupported(f"the captured {P}-row step differs from MLX's: tokens {t.tolist()} against "
+                              f"{want_tok.tolist()}, logits max |diff| {diff:.3g}")
 
 
 def make(runner) -> GraphStep | None:

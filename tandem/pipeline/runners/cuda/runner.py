@@ -99,7 +99,8 @@ DECODE_COMPILE = True
 """``mx.compile`` the decode step (traced per batch x table width): with pipelining it
 saves the engine thread's graph building and no measured cell was slower. The prefill's
 layers are compiled with it (fresh prompts whose length is a multiple of 64)."""
-"""Contexts up to this many tokens have their one-row graph captured when the runner starts."""
+"""Contexts up to this many tokens have their one-row graph captured when the runner starts
+(and the graphs of every row class when the worker warms up)."""
 
 
 def kernel_runner(model, store: KVStore, *, kernels: str | None = None, graphs: bool = True,
@@ -107,7 +108,7 @@ def kernel_runner(model, store: KVStore, *, kernels: str | None = None, graphs: 
     """The CUDA runner for ``model``, or None where it does not run (then the portable
     runner does; on CUDA its linear layers are flattened first, which still matters there).
     ``kernels``: see :data:`MODES` (default: the ``TANDEM_PAGED_KERNELS`` environment
-    variable, else ``auto`` = CUDA kernels on CUDA). ``graphs``: capture one-row decode
+    variable, else ``auto`` = CUDA kernels on CUDA). ``graphs``: capture greedy decode
     steps as CUDA graphs (``pipeline/runners/cuda/graph_step.py``). ``memory_bytes``: this
     process's share of device memory, which the weight format must fit (default: the device's)."""
     mode = (kernels or knobs.PAGED_KERNELS).strip().lower()
@@ -414,7 +415,7 @@ class KernelRunner(PagedRunner):
         # One greedy row decodes through a captured CUDA graph of these kernels.
         self.graph_step = graph_step.make(self) if ops == "cuda" and graphs else None
         if self.graph_step is not None:
-            log.info("paged runner: one-row greedy decode through captured CUDA graphs (engine.decode_graphs)")
+            log.info("paged runner: greedy decode through captured CUDA graphs (engine.decode_graphs)")
             if store.keys:
                 self.graph_step.prepare(min(GRAPH_PREPARE_TOKENS, store.num_blocks * store.block_size))
 
@@ -489,8 +490,8 @@ class KernelRunner(PagedRunner):
         of every running request). Longer contexts trace their widths when first met. With
         ``verify_rows`` (a worker that drafts: its batch times one plus the longest draft),
         the verifying step (:meth:`_verify`) of every row class up to that, at most
-        ``VERIFY_MAX_ROWS``, as well. The one-row graphs of those widths are captured again
-        where the store's sizing released them (``release_pools``). Returns the number of
+        ``VERIFY_MAX_ROWS``, as well. Then the captured steps (``graph_step``) of those row
+        classes (up to ``graph_step.MAX_ROWS``) and widths. Returns the number of
         (rows, width) classes."""
         bs = self.store.block_size
         widths, nb = [], table_width(1)
@@ -506,7 +507,7 @@ class KernelRunner(PagedRunner):
                 for nb in widths:
                     self._scratch_step(P, nb, fn)
         if self.graph_step is not None and self.graph_step.failed is None:
-            self.graph_step.prepare(min(max_tokens, self.store.num_blocks * bs))
+            self.graph_step.prepare(min(max_tokens, self.store.num_blocks * bs), max_rows)
         return (len(classes) + len(verify)) * len(widths)
 
     @property

@@ -9,6 +9,7 @@ kernels are swapped for their references (tests/kernels test those on the GPU).
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from tandem.kvtypes import SamplingParams
@@ -299,6 +300,45 @@ def test_captured_one_row_steps_give_the_tokens_of_mlx_launches(graph_model_dir,
     agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
              for g, w in zip(runs[True], want)]
     assert sum(agree) >= 0.75 * sum(len(w) for w in want), (runs[True], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(300, method="thread")
+def test_captured_steps_of_several_rows_give_the_tokens_of_mlx_launches(graph_model_dir, monkeypatch):
+    """Greedy rows together, of several lengths (rows leave the batch as they finish, so the
+    row class changes): the captured steps give exactly the tokens of MLX's launches of the
+    same kernels, and steps of several rows were captured and replayed."""
+    from tandem.pipeline.runners.cuda import graph_step
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
+    prompts = random_prompts(6, 5, 60, seed=23)
+    lengths = [40, 33, 21, 40, 12, 27]
+    runs = {}
+    for on in (True, False):
+        eng = _engine(_fresh(graph_model_dir), decode_graphs=on)
+        if on:
+            eng.runner.warm_decode(8)  # the worker's warm-up: row classes up to 8
+            g = eng.runner.graph_step
+            assert g.rows_failed is None and any(P > 1 for P, _ in g._graphs), (g.rows_failed, list(g._graphs))
+        runs[on] = eng.generate_many([(p, greedy(m)) for p, m in zip(prompts, lengths)], timeout=240)
+        if on:
+            assert g.failed is None and g.rows_failed is None and g.replays >= 20, (g.failed, g.rows_failed, g.replays)
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+def test_select_ids_kernel_equals_the_reference():
+    from tandem.pipeline.runners.cuda import graph_step
+
+    prev = mx.array([11, 22, 33, 44, 55], dtype=mx.int32)
+    # P = 6: rows 0, 2, 4 take the previous step's rows 4, 0, 2; rows 1, 3, 5 host tokens
+    sel = mx.array([4, -1, 0, -1, 2, -1] + [0, 9, 0, 13, 0, 14], dtype=mx.int32)
+    got = graph_step.select_ids(prev, sel)
+    assert got.shape == (6, 1)
+    assert got.reshape(-1).tolist() == [55, 9, 11, 13, 33, 14]
+    assert mx.array_equal(got, graph_step.select_ids_reference(prev, sel))
 
 
 @pytest.mark.gpu

@@ -75,7 +75,7 @@ class FakeGraphStep:
     forward and hands the token out as DeviceTokens. Logs launches, syncs and the
     engine's own forwards, so a test can check that MLX never runs on a pending step."""
 
-    failed = None
+    failed = rows_failed = None
     applies = graph_step.GraphStep.applies
 
     def __init__(self, runner):
@@ -83,6 +83,7 @@ class FakeGraphStep:
         self.values: list[int] = []
         self.events: list[str] = []
         self.inputs: list[str] = []  # per launch: its token left on the device ("chained") or not
+        self.rows: list[int] = []  # per launch: its rows
         self.pending = False
         runner.forward = self._engine_forward
 
@@ -93,15 +94,22 @@ class FakeGraphStep:
     def launch(self, rows, prev):
         chained = isinstance(prev, graph_step.DeviceTokens) and prev._value is None and prev._serial == len(self.values) - 1
         self.inputs.append("chained" if chained else "host")
-        tok = prev.tolist() if isinstance(prev, graph_step.DeviceTokens) else np.asarray(prev).reshape(-1).tolist()
-        logits = self.forward(rows, mx.array([[tok[0]]], dtype=mx.int32))
-        self.values.append(int(mx.argmax(logits, axis=-1).item()))
+        self.rows.append(len(rows))
+        ids = []
+        for r in rows:  # as GraphStep._select: the sequence's token, else the in-flight sample
+            if r.start < len(r.seq.tokens):
+                ids.append(r.seq.tokens[r.start])
+            else:
+                vals = prev.tolist() if isinstance(prev, graph_step.DeviceTokens) else np.asarray(prev).reshape(-1).tolist()
+                ids.append(vals[r.seq.pending_index])
+        logits = self.forward(rows, mx.array(ids, dtype=mx.int32).reshape(-1, 1))
+        self.values.append(mx.argmax(logits, axis=-1).tolist())
         self.events.append("graph")
         self.pending = True
-        return graph_step.DeviceTokens(self, 0, len(self.values) - 1)
+        return graph_step.DeviceTokens(self, 0, len(self.values) - 1, len(rows))
 
     def _read(self, slot, serial):
-        return [self.values[serial]]
+        return self.values[serial]
 
     def sync(self):
         self.pending = False
@@ -117,7 +125,7 @@ def _capture_through(eng, fake: FakeGraphStep) -> FakeGraphStep:
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_engine_decodes_greedy_single_rows_through_the_graph_step_and_matches(tiny, pipelined):
+def test_engine_decodes_greedy_rows_through_the_graph_step_and_matches(tiny, pipelined):
     prompts = random_prompts(5, 3, 40, seed=11)
     expected = [oracle(tiny, p, 12) for p in prompts]
     eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
@@ -135,6 +143,14 @@ def test_engine_decodes_greedy_single_rows_through_the_graph_step_and_matches(ti
     assert mixed[:3] == expected[2:]
     alone = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
     assert mixed[3] == alone.generate_many([(prompts[0], sampled)])[0]
+    assert "mlx-after-pending" not in fake.events
+    # Greedy rows only, of several lengths: steps of several rows are captured, rows leave
+    # them as they finish, and each row still decodes its own sequence.
+    fake.rows.clear()
+    lengths = [12, 9, 5, 12, 3]
+    got = eng.generate_many([(p, SamplingParams(temperature=0.0, max_tokens=m)) for p, m in zip(prompts, lengths)])
+    assert got == [e[:m] for e, m in zip(expected, lengths)]
+    assert max(fake.rows) == len(prompts) and min(fake.rows) < len(prompts), fake.rows
     assert "mlx-after-pending" not in fake.events
 
 
@@ -239,11 +255,13 @@ def test_one_row_kernels_compile_through_nvrtc_as_the_graph_step_writes_them(tmp
 
 
 class FakeDriver:
-    """The driver calls GraphStep.launch makes, on a simulated device: a replay turns the
-    token in tok_dev and the position in the state buffer into the next token."""
+    """The driver calls GraphStep.launch makes, on a simulated device (bytes at addresses):
+    a replay of ``FakeGraph`` gives each row ``(input * 31 + position) % 1000``, its input
+    chosen as ``select_ids`` chooses it (the last replay's token in ``tok_dev``, or the one
+    in the state)."""
 
     def __init__(self):
-        self.dev: dict[int, int] = {}  # device address -> int32 value (token, first state word)
+        self.mem: dict[int, bytearray] = {}  # device allocation base -> its bytes
         self._keep, self.uploads, self.launches = [], [], 0
 
     def bind_context(self):
@@ -259,8 +277,8 @@ class FakeDriver:
         return 0
 
     def mem_alloc(self, n):
-        addr = 0x1000 * (len(self.dev) + 1)
-        self.dev[addr] = 0
+        addr = 0x100000 * (len(self.mem) + 1)
+        self.mem[addr] = bytearray(n)
         return addr
 
     def host_alloc(self, n):
@@ -268,36 +286,79 @@ class FakeDriver:
         self._keep.append(buf)
         return ctypes.addressof(buf)
 
+    def _at(self, addr):
+        base = max(b for b in self.mem if b <= addr)
+        return self.mem[base], addr - base
+
+    def ints(self, addr, n):
+        buf, off = self._at(addr)
+        return list(np.frombuffer(bytes(buf[off : off + 4 * n]), np.int32))
+
     def call(self, name, *args):
         if name == "cuMemcpyHtoDAsync_v2":
             dst, src, n, _ = args
-            self.dev[dst] = ctypes.c_int32.from_address(src).value
+            buf, off = self._at(dst)
+            buf[off : off + n] = ctypes.string_at(src, n)
             self.uploads.append(dst)
         elif name == "cuGraphLaunch":
             self.launches += 1
-            tok, pos = self.dev[FakeGraph.tok], self.dev[FakeGraph.state]
-            self.dev[FakeGraph.tok] = (tok * 31 + pos) % 1000
+            P, nb = FakeGraph.rows, FakeGraph.nb
+            state = self.ints(FakeGraph.state, 5 * P + P * nb)
+            sel = state[3 * P + P * nb :]
+            prev = self.ints(FakeGraph.tok, P + 8)
+            out = [((prev[sel[i]] if sel[i] >= 0 else sel[P + i]) * 31 + state[i]) % 1000 for i in range(P)]
+            buf, off = self._at(FakeGraph.tok)
+            buf[off : off + 4 * P] = np.array(out, np.int32).tobytes()
         elif name == "cuMemcpyDtoHAsync_v2":
             dst, src, n, _ = args
-            ctypes.c_int32.from_address(dst).value = self.dev[src]
+            buf, off = self._at(src)
+            ctypes.memmove(dst, bytes(buf[off : off + n]), n)
 
 
 class FakeGraph:
     tok = state = 0
+    rows, nb = 1, 1
     exec = 1
 
 
+class _Seq:
+    def __init__(self, tokens, pending_index=0):
+        self.tokens, self.pending_index = tokens, pending_index
+
+
 class _Row:
-    def __init__(self, start):
+    """A decode row at position ``start``: its input is ``token`` if given (the host has
+    it), else the in-flight step's sample at ``pending_index``."""
+
+    def __init__(self, start, token=None, pending_index=0):
         self.start, self.n = start, 1
+        tokens = [0] * start + ([token] if token is not None else [])
+        self.seq = _Seq(tokens, pending_index)
 
 
-def test_launch_keeps_the_token_on_the_device_and_uploads_only_when_it_must(monkeypatch):
+class _FakeRunner:
+    def decode_state(self, rows, padded=None):
+        P = padded or len(rows)
+        pos = np.zeros(P, np.int32)
+        pos[: len(rows)] = [r.start for r in rows]
+        return np.concatenate([pos, np.zeros(3 * P, np.int32)]), 1  # positions, slots, lengths, a 1-wide table
+
+
+def _fake_graphs(g, drv):
+    FakeGraph.tok = g.tok_dev
+
+    def graph(P, nb):
+        FakeGraph.rows, FakeGraph.nb = P, nb
+        FakeGraph.state = drv.mem_alloc(4 * (5 * P + P * nb))
+        return type("G", (), {"exec": 1, "state_dev": FakeGraph.state})()
+
+    g._graph = graph
+
+
+def test_launch_chains_tokens_on_the_device_and_reads_back_only_when_it_must(monkeypatch):
     drv = FakeDriver()
-    runner = type("R", (), {"decode_state": lambda self, rows: (np.array([rows[0].start, 0, 0, 0], np.int32), 1)})()
-    g = graph_step.GraphStep(runner, drv)
-    FakeGraph.tok, FakeGraph.state = g.tok_dev, drv.mem_alloc(16)
-    g._graph = lambda nb: type("G", (), {"exec": 1, "state_dev": FakeGraph.state})()
+    g = graph_step.GraphStep(_FakeRunner(), drv)
+    _fake_graphs(g, drv)
     synced = []
     monkeypatch.setattr(mx, "synchronize", lambda *a: synced.append(1))
     want, tok = [], 5
@@ -312,13 +373,11 @@ def test_launch_keeps_the_token_on_the_device_and_uploads_only_when_it_must(monk
         want.append(tok)
     got.append(prev.tolist()[0])
     assert got == want  # every token is the chained value, though none went through the host
-    tok_uploads = [d for d in drv.uploads if d == g.tok_dev]
-    assert len(tok_uploads) == 1 and len(synced) == 1  # the MLX-made first input only
-    # A capture in between (its check writes tok_dev) makes the next launch upload again.
+    assert len(synced) == 1  # the MLX-made first input only
+    # A capture in between (its check writes tok_dev): the next launch reads the token back.
     g._tok_serial = -1
     nxt = g.launch([_Row(30)], prev)
-    assert [d for d in drv.uploads if d == g.tok_dev] == [g.tok_dev] * 2
-    assert nxt.tolist()[0] == (want[-1] * 31 + 30) % 1000
+    assert len(synced) == 2 and nxt.tolist()[0] == (want[-1] * 31 + 30) % 1000
     # A token left unread for more launches than the ring holds is refused, not misread.
     stale = nxt
     for pos in range(31, 31 + graph_step.RING + 1):
@@ -326,6 +385,27 @@ def test_launch_keeps_the_token_on_the_device_and_uploads_only_when_it_must(monk
     stale._value = None
     with pytest.raises(RuntimeError, match="overwritten"):
         stale.tolist()
+
+
+def test_a_step_of_several_rows_takes_each_input_from_the_device_or_the_host(monkeypatch):
+    """Rows keep decoding across steps in another order, one joins with a token the host
+    has, one leaves: each row's input is its own last token, and the step is padded to its
+    row class (5 rows run as 6) with only the real rows' tokens handed out."""
+    drv = FakeDriver()
+    g = graph_step.GraphStep(_FakeRunner(), drv)
+    _fake_graphs(g, drv)
+    monkeypatch.setattr(mx, "synchronize", lambda *a: None)
+    prev = g.launch([_Row(10, token=1), _Row(20, token=2), _Row(30, token=3)], None)
+    first = [(1 * 31 + 10) % 1000, (2 * 31 + 20) % 1000, (3 * 31 + 30) % 1000]
+    # The next step: the rows in reverse order (each reads its own index in the step
+    # before), and two that join with host tokens.
+    rows = [_Row(31, pending_index=2), _Row(21, pending_index=1), _Row(11, pending_index=0),
+            _Row(40, token=4), _Row(50, token=5)]
+    nxt = g.launch(rows, prev)
+    assert FakeGraph.rows == 6 and nxt.shape == (5,)
+    assert nxt.tolist() == [(first[2] * 31 + 31) % 1000, (first[1] * 31 + 21) % 1000, (first[0] * 31 + 11) % 1000,
+                            (4 * 31 + 40) % 1000, (5 * 31 + 50) % 1000]
+    assert prev.tolist() == first  # read back after the next step was queued
 
 
 class FakeCaptureDriver(FakeDriver):
@@ -384,8 +464,8 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
     monkeypatch.setattr(nvrtc, "compile_cubin", lambda text, arch, name: text.encode())
     drv = FakeCaptureDriver()
     g = graph_step.GraphStep(type("R", (), {})(), drv)
-    g._record = lambda nb, token, pos, pools: (launches, state, tok, tokens, logits)
-    graph = g._capture(4, ())
+    g._record = lambda P, nb, token, pos, pools: (launches, state, tok, tokens, logits)
+    graph = g._capture(1, 4, ())
 
     def ptr(p):
         return ctypes.c_uint64.from_address(p).value
@@ -405,9 +485,9 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
     assert drv.shared == {"graph_a": 80_000, "graph_head": 0, "graph_argmax": 0}
     assert drv.allowed == {"graph_a": 80_000}
     # A step that does not end in the argmax is not captured.
-    g._record = lambda nb, token, pos, pools: (launches[:2], state, tok, tokens, logits)
+    g._record = lambda P, nb, token, pos, pools: (launches[:2], state, tok, tokens, logits)
     with pytest.raises(graph_step.Unsupported, match="argmax"):
-        g._capture(4, ())
+        g._capture(1, 4, ())
 
 
 def test_prepare_captures_every_width_to_the_bound_and_a_refusal_turns_the_step_off():
@@ -416,17 +496,29 @@ def test_prepare_captures_every_width_to_the_bound_and_a_refusal_turns_the_step_
     store = type("S", (), {"block_size": 16})()
     g = graph_step.GraphStep(type("R", (), {"store": store})(), FakeDriver())
     seen = []
-    g._graph = lambda nb: seen.append(nb)
+    g._graph = lambda P, nb: seen.append((P, nb))
     g.prepare(1000)
-    assert seen[0] == table_width(1) and seen[-1] * 16 >= 1000 > seen[-2] * 16
-    assert seen == sorted(set(seen)) and all(table_width(n) == n for n in seen) and g.failed is None
+    widths = [nb for _, nb in seen]
+    assert {P for P, _ in seen} == {1}
+    assert widths[0] == table_width(1) and widths[-1] * 16 >= 1000 > widths[-2] * 16
+    assert widths == sorted(set(widths)) and all(table_width(n) == n for n in widths) and g.failed is None
+    # Every row class up to the batch, each over the same widths.
+    seen.clear()
+    g.prepare(1000, max_rows=10)
+    assert sorted({P for P, _ in seen}) == [1, 2, 3, 4, 6, 8, 12] and len(seen) == 7 * len(widths)
+    greedy = SamplingParams(temperature=0.0)
+    # A refusal at several rows turns off those steps only; at one row, the step.
+    g._graph = lambda P, nb: (_ for _ in ()).throw(graph_step.Unsupported(f"no {P}")) if P > 1 else None
+    g.prepare(1000, max_rows=4)
+    assert g.failed is None and g.rows_failed == "no 2"
+    assert g.applies([_Row(5)], [greedy]) and not g.applies([_Row(5), _Row(6)], [greedy] * 2)
 
-    def refuse(nb):
+    def refuse(P, nb):
         raise graph_step.Unsupported("no")
 
     g._graph = refuse
     g.prepare(1000)
-    assert g.failed == "no" and not g.applies([_Row(5)], [SamplingParams(temperature=0.0)])
+    assert g.failed == "no" and not g.applies([_Row(5)], [greedy])
 
 
 def test_release_drops_every_graph_and_the_pools_it_kept():
@@ -444,7 +536,7 @@ def test_release_drops_every_graph_and_the_pools_it_kept():
     g = graph_step.GraphStep(type("R", (), {})(), drv)
     pools = (mx.zeros((4,)), mx.zeros((4,)))
     for nb, ex in ((4, 11), (8, 12)):
-        g._graphs[nb] = graph_step._Graph(exec=ex, state_dev=100 + nb, logits=mx.zeros((1,)), logits_ptr=0, pools=pools)
+        g._graphs[(1, nb)] = graph_step._Graph(exec=ex, state_dev=100 + nb, logits=mx.zeros((1,)), logits_ptr=0, pools=pools)
     g.release()
     assert not g._graphs
     assert sorted(c[1] for c in drv.calls if c[0] == "cuGraphExecDestroy") == [11, 12]
@@ -481,10 +573,8 @@ class TimedDriver(FakeDriver):
 def test_timing_gives_each_replays_device_time_and_the_idle_time_before_it(monkeypatch):
     monkeypatch.setenv("TANDEM_GRAPH_TIMING", "1")
     drv = TimedDriver()
-    runner = type("R", (), {"decode_state": lambda self, rows: (np.array([rows[0].start, 0, 0, 0], np.int32), 1)})()
-    g = graph_step.GraphStep(runner, drv)
-    FakeGraph.tok, FakeGraph.state = g.tok_dev, drv.mem_alloc(16)
-    g._graph = lambda nb: type("G", (), {"exec": 1, "state_dev": FakeGraph.state})()
+    g = graph_step.GraphStep(_FakeRunner(), drv)
+    _fake_graphs(g, drv)
     monkeypatch.setattr(mx, "synchronize", lambda *a: None)
     prev, idles = mx.array([5], dtype=mx.int32), [0.0, 0.3, 0.0, 1.25]
     for pos, wait in enumerate(idles):
