@@ -30,6 +30,7 @@ exactly the tokens of MLX's launches of the same row class.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
 import functools
@@ -116,10 +117,61 @@ def select_ids_reference(prev: mx.array, sel: mx.array) -> mx.array:
 class _Graph:
     exec: int
     state_dev: int  # the step's positions, slots, lengths, table and input selection: (5 + width) x rows int32
-    logits: mx.array  # the recorded head output, rewritten by every replay
+    logits_shape: tuple  # the head's output, rewritten by every replay at logits_ptr
+    logits_dtype: mx.Dtype
     logits_ptr: int
     pools: tuple
-    keep: list = field(default_factory=list)  # every array the launches address
+    keep: list = field(default_factory=list)  # every array from outside the step the launches address
+
+
+ALIGN = 256
+
+
+def plan_arena(launches, produced, ptrs: dict, logits) -> tuple[dict, int]:
+    """Offsets in one buffer for a recorded step's ``produced`` arrays (its launches'
+    outputs), each live from the launch that writes it to the last that reads it or a view
+    into it (``ptrs``: MLX's addresses, which tell views apart); ``logits`` to the end (the
+    check reads them). Returns ({id: offset}, bytes). First fit over freed ranges."""
+    spans = sorted((ptrs[id(o)], ptrs[id(o)] + o.nbytes, id(o)) for o in produced)
+    starts = [a for a, _, _ in spans]
+    last = {id(o): -1 for o in produced}
+    for i, ln in enumerate(launches):
+        for a in ln.inputs:
+            p = ptrs[id(a)]
+            k = bisect.bisect_right(starts, p) - 1
+            if k >= 0 and p < spans[k][1]:
+                last[spans[k][2]] = i
+    last[id(logits)] = len(launches)
+    size_of = {id(o): -(-max(o.nbytes, 1) // ALIGN) * ALIGN for o in produced}
+    free: list[tuple[int, int]] = []  # (offset, bytes), sorted
+    top, offsets, live = 0, {}, []
+    for i, ln in enumerate(launches):
+        for oid in [x for x in live if last[x] < i]:  # dead before this launch: its range is free
+            live.remove(oid)
+            free.append((offsets[oid], size_of[oid]))
+        free.sort()
+        merged: list[tuple[int, int]] = []
+        for off, n in free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((off, n))
+        free = merged
+        for o in ln.outputs:
+            oid = id(o)
+            if oid not in size_of or oid in offsets:
+                continue
+            need = size_of[oid]
+            for j, (off, n) in enumerate(free):
+                if n >= need:
+                    offsets[oid] = off
+                    free[j] = (off + need, n - need)
+                    break
+            else:
+                offsets[oid], top = top, top + need
+            live.append(oid)
+        free = [(off, n) for off, n in free if n]
+    return offsets, top
 
 
 class DeviceTokens:
@@ -161,6 +213,7 @@ class GraphStep:
         self._modules: list[int] = []
         self._funcs: dict[str, int] = {}  # kernel text -> function
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (rows, table width) -> graph
+        self._arenas: dict[int, list[tuple[int, int]]] = {}  # rows -> [(device buffer, bytes)]
         self._serial = 0
         self._tok_serial = -1  # the launch whose token tok_dev holds
         self._busy = False  # launches queued since the last sync
@@ -247,6 +300,10 @@ class GraphStep:
         self.sync()
         for key in list(self._graphs):
             self._drop(key)
+        for arenas in self._arenas.values():
+            for buf, _ in arenas:
+                self.drv.call("cuMemFree_v2", buf)
+        self._arenas.clear()
 
     def _read(self, slot: int, serial: int) -> list[int]:
         if self._serial - serial > RING:
@@ -372,6 +429,14 @@ class GraphStep:
         ptrs = dict(zip(map(id, arrays), device_pointers(arrays)))
         state_ptr, tok_ptr = device_pointers([state, tok])
         state_len = 4 * state.size
+        # The step's own outputs (all but the tokens) move into the row class's arena,
+        # where buffers whose last reader has run are reused: kept as MLX allocated them,
+        # a 128-row step of the 8B shape held ~300 MB, for every table width.
+        produced = [o for ln in launches for o in ln.outputs if o is not tokens]
+        offsets, size = plan_arena(launches, produced, ptrs, logits)
+        arena = self._arena(P, size)
+        spans = sorted((ptrs[id(o)], ptrs[id(o)] + o.nbytes, offsets[id(o)]) for o in produced)
+        starts = [a for a, _, _ in spans]
         state_dev = drv.mem_alloc(state_len)
 
         def where(a) -> int:
@@ -380,6 +445,9 @@ class GraphStep:
                 return state_dev + (p - state_ptr)
             if tok_ptr <= p < tok_ptr + 4 * P:
                 return self.tok_dev + (p - tok_ptr)
+            k = bisect.bisect_right(starts, p) - 1
+            if k >= 0 and p < spans[k][1]:  # an output of the step, or a view into one
+                return arena + spans[k][2] + (p - spans[k][0])
             return p
 
         drv.bind_context()
@@ -420,8 +488,19 @@ class GraphStep:
             graph = drv.end_capture(self.stream)
         exec_ = drv.instantiate(graph)
         drv.call("cuGraphDestroy", graph)
-        keep = [launches, arrays, state, tok, plans]
-        return _Graph(exec_, state_dev, logits, where(logits), pools, keep)
+        # What the launches read from outside the step (weights, constants) stays alive;
+        # the step's own outputs are MLX's to free (the arena holds their replays).
+        outside = [a for a in arrays if id(a) not in offsets and a is not tokens]
+        return _Graph(exec_, state_dev, logits.shape, logits.dtype, where(logits), pools, [outside, plans])
+
+    def _arena(self, P: int, size: int) -> int:
+        """The device buffer the steps of ``P`` rows keep their outputs in (replays run one at
+        a time on this object's stream, so every table width shares it); a larger one when a
+        step needs more, the smaller kept for the steps already captured in it."""
+        arenas = self._arenas.setdefault(P, [])
+        if not arenas or arenas[-1][1] < size:
+            arenas.append((self.drv.mem_alloc(max(size, 256)), size))
+        return arenas[-1][0]
 
     def _function(self, text: str, name: str) -> int:
         f = self._funcs.get(text)
@@ -445,12 +524,12 @@ class GraphStep:
         drv = self.drv
         drv.call("cuMemcpyHtoDAsync_v2", g.state_dev, host.ctypes.data, host.nbytes, self.stream)
         drv.call("cuGraphLaunch", g.exec, self.stream)
-        got = np.zeros(g.logits.shape, np.float16 if g.logits.dtype == mx.float16 else np.uint16)
+        got = np.zeros(g.logits_shape, np.float16 if g.logits_dtype == mx.float16 else np.uint16)
         t = np.zeros(P, np.int32)
         drv.call("cuMemcpyDtoHAsync_v2", got.ctypes.data, g.logits_ptr, got.nbytes, self.stream)
         drv.call("cuMemcpyDtoHAsync_v2", t.ctypes.data, self.tok_dev, t.nbytes, self.stream)
         drv.call("cuStreamSynchronize", self.stream)
-        if g.logits.dtype != mx.float16:
+        if g.logits_dtype != mx.float16:
             got = (got.astype(np.uint32) << 16).view(np.float32)
         diff = float(np.max(np.abs(got.astype(np.float32) - want)))
         if not np.array_equal(t, want_tok) or not diff <= 1e-3 * max(1.0, float(np.max(np.abs(want)))):

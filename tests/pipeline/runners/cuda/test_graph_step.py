@@ -473,14 +473,17 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
     (na, ga, ba, pa), (_, gh, _, ph), (nm, gm, _, pm) = drv.captured
     assert (na, nm) == ("graph_a", "graph_argmax")
     assert (ga, ba, gh, gm) == ((2, 1, 1), (4, 1, 1), (1, 1, 1), (1, 1, 1))
-    sd = graph.state_dev
-    assert [ptr(pa[0]), ptr(pa[2]), ptr(pa[3]), ptr(pa[5]), ptr(pa[6])] == [0x30000, sd, sd + 12, g.tok_dev, 0x40000]
+    sd, arena = graph.state_dev, g._arenas[1][0][0]
+    # The step's own outputs live in the row class's arena: y first, the logits beside it
+    # (y is still read when the head writes them).
+    assert [ptr(pa[0]), ptr(pa[2]), ptr(pa[3]), ptr(pa[5]), ptr(pa[6])] == [0x30000, sd, sd + 12, g.tok_dev, arena]
     assert list((ctypes.c_int32 * 10).from_address(pa[1]))[:3] == [4, 8, 0]  # w_shape
     assert ctypes.c_int32.from_address(pa[4]).value == 2  # table_ndim
-    assert [ptr(ph[0]), ptr(ph[1])] == [0x40000, 0x50000]
-    assert ptr(pm[0]) == 0x50000 and list((ctypes.c_int32 * 2).from_address(pm[1])) == [1, 64]
+    assert [ptr(ph[0]), ptr(ph[1])] == [arena, arena + graph_step.ALIGN]
+    assert ptr(pm[0]) == arena + graph_step.ALIGN and list((ctypes.c_int32 * 2).from_address(pm[1])) == [1, 64]
     assert ptr(pm[2]) == g.tok_dev  # the argmax writes the next step's input
-    assert graph.logits_ptr == 0x50000 and graph.exec == 100
+    assert graph.logits_ptr == arena + graph_step.ALIGN and graph.exec == 100
+    assert not any(a is y or a is logits for a in graph.keep[0])  # the step's outputs are not kept
     # Dynamic shared memory as MLX gives it: each launch its bytes, and leave above 48 KB.
     assert drv.shared == {"graph_a": 80_000, "graph_head": 0, "graph_argmax": 0}
     assert drv.allowed == {"graph_a": 80_000}
@@ -488,6 +491,26 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
     g._record = lambda P, nb, token, pos, pools: (launches[:2], state, tok, tokens, logits)
     with pytest.raises(graph_step.Unsupported, match="argmax"):
         g._capture(1, 4, ())
+
+
+def test_the_arena_reuses_a_buffer_once_its_last_reader_ran():
+    """Outputs live from their launch to their last reader (a view of one counts as a read of
+    it); a dead one's range is reused, and the logits stay to the end."""
+    spec = kernel_files.KernelSpec("k", ["x"], ["y"], "", "")
+    a, b, c, d, logits = (mx.zeros((n,), mx.float16) for n in (1000, 200, 1000, 100, 64))
+    view = mx.zeros((1,), mx.float16)  # stands for a reshape of ``a``: its address inside a's
+    w = mx.zeros((4,), mx.float16)
+    launches = [kernel_files.Launch(spec, ins, outs, [], (1, 1, 1), (1, 1, 1), None)
+                for ins, outs in (([w], [a]), ([view], [b]), ([b], [c]), ([c], [d]), ([d], [logits]))]
+    ptrs = {id(a): 0x1000, id(view): 0x1100, id(b): 0x3000, id(c): 0x4000, id(d): 0x6000,
+            id(logits): 0x7000, id(w): 0x9000}
+    offsets, size = graph_step.plan_arena(launches, [a, b, c, d, logits], ptrs, logits)
+    A = graph_step.ALIGN
+    assert offsets[id(a)] == 0 and offsets[id(b)] == 8 * A  # a (2000 bytes: 8 x 256) read through its view by launch 1
+    assert offsets[id(c)] == 0  # a is dead once launch 1 ran: c takes its range
+    assert offsets[id(d)] == 8 * A  # b died after launch 2
+    assert offsets[id(logits)] == 0  # c died after launch 3
+    assert size == 10 * A  # a's 8 blocks and b's 2
 
 
 def test_prepare_captures_every_width_to_the_bound_and_a_refusal_turns_the_step_off():
@@ -536,7 +559,8 @@ def test_release_drops_every_graph_and_the_pools_it_kept():
     g = graph_step.GraphStep(type("R", (), {})(), drv)
     pools = (mx.zeros((4,)), mx.zeros((4,)))
     for nb, ex in ((4, 11), (8, 12)):
-        g._graphs[(1, nb)] = graph_step._Graph(exec=ex, state_dev=100 + nb, logits=mx.zeros((1,)), logits_ptr=0, pools=pools)
+        g._graphs[(1, nb)] = graph_step._Graph(exec=ex, state_dev=100 + nb, logits_shape=(1,), logits_dtype=mx.float16,
+                                                  logits_ptr=0, pools=pools)
     g.release()
     assert not g._graphs
     assert sorted(c[1] for c in drv.calls if c[0] == "cuGraphExecDestroy") == [11, 12]
