@@ -219,6 +219,7 @@ class GraphStep:
         self._busy = False  # launches queued since the last sync
         self.failed: str | None = None
         self.rows_failed: str | None = None  # why steps of more than one row are not captured
+        self._preparing = False
         self.replays = 0
 
     # -- the engine's side -------------------------------------------------------------
@@ -332,6 +333,16 @@ class GraphStep:
         would stall the stream."""
         bs = self.runner.store.block_size
         t = time.perf_counter()
+        self._preparing = True
+        try:
+            self._prepare(max_tokens, max_rows, bs)
+        finally:
+            self._preparing = False
+        log.info("graph step: %d steps (rows up to %d, contexts to %d tokens) captured in %.1f s",
+                 len(self._graphs), max(P for P, _ in self._graphs) if self._graphs else 0, max_tokens,
+                 time.perf_counter() - t)
+
+    def _prepare(self, max_tokens: int, max_rows: int, bs: int) -> None:
         for P in sorted({decode_rows(b) for b in range(1, min(max_rows, MAX_ROWS) + 1)}):
             if P > 1 and self.rows_failed is not None:
                 break
@@ -346,9 +357,6 @@ class GraphStep:
                 self._refuse(exc, P)
                 if P == 1:
                     return
-        log.info("graph step: %d steps (rows up to %d, contexts to %d tokens) captured in %.1f s",
-                 len(self._graphs), max(P for P, _ in self._graphs) if self._graphs else 0, max_tokens,
-                 time.perf_counter() - t)
 
     def _refuse(self, exc: Exception, rows: int = 1) -> None:
         """Turn the graph step off for good: the engine runs MLX's launches from now on. A
@@ -383,8 +391,9 @@ class GraphStep:
             self.drv.call("cuMemFree_v2", g.state_dev)
             raise
         self._graphs[key] = g
-        log.info("graph step: captured the %d-row step for a %d-block table in %.0f ms",
-                 P, nb, (time.perf_counter() - t) * 1e3)
+        # One line each while serving (a capture there is a stall); prepare sums its own up.
+        (log.debug if self._preparing else log.info)(
+            "graph step: captured the %d-row step for a %d-block table in %.0f ms", P, nb, (time.perf_counter() - t) * 1e3)
         return g
 
     def _drop(self, key: tuple[int, int]) -> None:
