@@ -408,6 +408,85 @@ def test_a_step_of_several_rows_takes_each_input_from_the_device_or_the_host(mon
     assert prev.tolist() == first  # read back after the next step was queued
 
 
+class ModelDriver(FakeDriver):
+    """A simulated device whose graph replay is the model's own step: it reads each row's
+    input as ``select_ids`` would (the token buffer or the state) and writes the argmax of
+    ``step(ids)`` into the token buffer, so the real ``GraphStep.launch`` runs under the
+    engine with only the device simulated."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step, self.replayed = step, []
+
+    def call(self, name, *args):
+        if name != "cuGraphLaunch":
+            return super().call(name, *args)
+        P, nb = FakeGraph.rows, FakeGraph.nb
+        state = self.ints(FakeGraph.state, 5 * P + P * nb)
+        sel = state[3 * P + P * nb :]
+        prev = self.ints(FakeGraph.tok, graph_step.MAX_ROWS)
+        ids = [int(prev[sel[i]]) if sel[i] >= 0 else int(sel[P + i]) for i in range(P)]
+        out = self.step(ids)
+        self.replayed.append(len(out))
+        buf, off = self._at(FakeGraph.tok)
+        buf[off : off + 4 * len(out)] = np.array(out, np.int32).tobytes()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_engine_runs_the_graph_steps_own_launch_as_rows_join_and_leave(tiny, pipelined):
+    """The engine (pipelined) and the real ``GraphStep.launch`` (input selection, chaining,
+    padding to the row class, read-back one step behind) with the device simulated by the
+    model's own forward: greedy requests of several lengths, arriving together and later,
+    give mlx-lm's tokens, and steps of several rows were replayed."""
+    prompts = random_prompts(6, 3, 40, seed=29)
+    lengths = [12, 7, 10, 3, 12, 5]
+    expected = [oracle(tiny, p, m) for p, m in zip(prompts, lengths)]
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
+    eng._read_back_first = not pipelined
+    runner = eng.runner
+    last: dict = {}
+
+    def decode_state(rows, padded=None):
+        last["rows"] = list(rows)
+        P = padded or len(rows)
+        pos = np.zeros(P, np.int32)
+        pos[: len(rows)] = [r.start for r in rows]
+        return np.concatenate([pos, np.zeros(3 * P, np.int32)]), 1
+
+    forward = runner.forward
+
+    def step(ids):
+        rows = last["rows"]
+        logits = forward(rows, mx.array(ids[: len(rows)], dtype=mx.int32).reshape(-1, 1))
+        return mx.argmax(logits, axis=-1).tolist()
+
+    drv = ModelDriver(step)
+    runner.decode_state = decode_state
+    g = graph_step.GraphStep(runner, drv)
+    _fake_graphs(g, drv)
+    chained, select = [], g._select
+
+    def recording_select(rows, prev, P):
+        out = select(rows, prev, P)
+        chained.append(out[1])
+        return out
+
+    g._select = recording_select
+    runner.can_capture = lambda rows: g.applies(rows, [r.seq.sampling for r in rows])
+    runner.launch_captured, runner.sync = g.launch, g.sync
+    greedy = [SamplingParams(temperature=0.0, max_tokens=m) for m in lengths]
+    eng.start()
+    try:
+        first = eng.generate_many([(p, sp) for p, sp in zip(prompts[:4], greedy[:4])])
+        rest = eng.generate_many([(p, sp) for p, sp in zip(prompts[4:], greedy[4:])])
+    finally:
+        eng.stop()
+    assert first + rest == expected
+    assert max(drv.replayed) >= 4 and len(set(drv.replayed)) > 1, drv.replayed
+    if pipelined:  # steady steps take their inputs on the device, read back one step behind
+        assert sum(chained) >= len(chained) // 2, chained
+
+
 class FakeCaptureDriver(FakeDriver):
     """Records what a capture launches, its parameters read back through the pointers."""
 
