@@ -605,9 +605,12 @@ class Engine:
         samplers = [i for i, r in enumerate(rows) if r.samples]
         seqs = [rows[i].seq for i in samplers]
         masks = self.grammars.start_masks(seqs) if self.grammars is not None and seqs else None
-        if masks is None and L == 1 and not touched and all(r.samples for r in rows) and runner.can_capture(rows):
+        drafted = any(r.draft for r in rows)
+        if (masks is None and (L == 1 or drafted) and not touched and all(r.samples for r in rows)
+                and runner.can_capture(rows)):
             # A captured step: its work is queued already, with no MLX launches. Its rows
-            # take their inputs from the sequences and the in-flight step's tokens itself.
+            # take their inputs from the sequences and the in-flight step's tokens itself;
+            # a verifying row's tokens are the greedy pick at each of its positions.
             toks = runner.launch_captured(rows, prev)
             if toks is not None:
                 self.scheduler.advance(plan)
@@ -626,7 +629,6 @@ class Engine:
             inputs = self._host_inputs(rows, prev, keep_host=runner.takes_host_ids)
         logits = runner.forward(rows, inputs)
         sampled = None
-        drafted = any(r.draft for r in rows)
         if samplers:
             if drafted:
                 logits, params, indices, history = self._positions(rows, samplers, logits)

@@ -212,36 +212,47 @@ class GraphStep:
         self._timed = -1  # the last serial whose timing is in ``timings``
         self._modules: list[int] = []
         self._funcs: dict[str, int] = {}  # kernel text -> function
-        self._graphs: dict[tuple[int, int], _Graph] = {}  # (rows, table width) -> graph
+        self._graphs: dict[tuple[int, int, bool], _Graph] = {}  # (rows, table width, verifying) -> graph
         self._arenas: dict[int, list[tuple[int, int]]] = {}  # rows -> [(device buffer, bytes)]
         self._serial = 0
         self._tok_serial = -1  # the launch whose token tok_dev holds
         self._busy = False  # launches queued since the last sync
         self.failed: str | None = None
         self.rows_failed: str | None = None  # why steps of more than one row are not captured
+        self.verify_failed: str | None = None  # why steps that verify drafts are not captured
         self._preparing = False
         self.replays = 0
 
     # -- the engine's side -------------------------------------------------------------
     def applies(self, rows, params) -> bool:
-        return (self.failed is None and 0 < len(rows) <= MAX_ROWS and len(params) == len(rows)
-                and (len(rows) == 1 or self.rows_failed is None)
-                and all(r.n == 1 for r in rows) and all(p.plain_greedy for p in params))
+        """Greedy rows of one token each, or rows that verify drafts (``n`` = 1 + the draft):
+        every position a row of the step, ``MAX_ROWS`` at most."""
+        if self.failed is not None or not rows or len(params) != len(rows) or not all(p.plain_greedy for p in params):
+            return False
+        verify = any(r.n > 1 for r in rows)
+        if verify and (self.verify_failed is not None or not all(r.n == 1 or r.n == len(r.draft) + 1 for r in rows)):
+            return False
+        positions = sum(r.n for r in rows)
+        return positions <= MAX_ROWS and (positions == 1 or verify or self.rows_failed is None)
 
     def launch(self, rows, prev) -> DeviceTokens | None:
         """Queue one decode step of ``rows`` (padded to their row class); ``prev``: the
         in-flight step's tokens, a :class:`DeviceTokens` or an MLX array, which the rows
         whose last input is not yet on the host take theirs from. None (and ``failed`` or
         ``rows_failed`` set) when the step cannot be captured."""
-        B = len(rows)
+        verify = any(r.n > 1 for r in rows)
+        B = sum(r.n for r in rows)
         P = decode_rows(B)
-        host, nb = self.runner.decode_state(rows, P if P != B else None)
+        if verify:
+            host, nb = self.runner.verify_state(rows, P)
+        else:
+            host, nb = self.runner.decode_state(rows, P if P != B else None)
         if host.shape[0] + 2 * P > self.max_state:
             return None
         try:
-            g = self._graph(P, nb)
+            g = self._graph(P, nb, verify)
         except (Unsupported, cuda_driver.CudaError) as exc:
-            self._refuse(exc, P)
+            self._refuse(exc, P, verify)
             return None
         sel, chained = self._select(rows, prev, P)  # (after a capture, whose check overwrote tok_dev)
         drv, slot = self.drv, self._serial % RING
@@ -268,7 +279,8 @@ class GraphStep:
         return DeviceTokens(self, slot, self._serial - 1, B)
 
     def _select(self, rows, prev, P: int) -> tuple[np.ndarray, bool]:
-        """The step's input selection (``select_ids``) and whether it chains on the device:
+        """The step's input selection (``select_ids``, one entry per position: a verifying
+        row's drafts follow its last token) and whether it chains on the device:
         a row whose last input is the in-flight step's sample takes it from ``tok_dev``
         where that step was this object's last replay (nothing read back); otherwise every
         input comes from the host, reading ``prev`` back if a row needs it."""
@@ -276,7 +288,8 @@ class GraphStep:
         sel[:P] = -1
         chained = isinstance(prev, DeviceTokens) and prev._owner is self and prev._serial == self._tok_serial
         values = None
-        for i, r in enumerate(rows):
+        i = 0
+        for r in rows:
             tokens = r.seq.tokens
             if r.start < len(tokens):
                 sel[P + i] = tokens[r.start]
@@ -286,6 +299,9 @@ class GraphStep:
                 if values is None:
                     values = prev.tolist() if isinstance(prev, DeviceTokens) else np.asarray(prev).reshape(-1).tolist()
                 sel[P + i] = values[r.seq.pending_index]
+            for j in range(1, r.n):  # a verifying row's drafted positions
+                sel[P + i + j] = r.draft[j - 1]
+            i += r.n
         return sel, chained
 
     def sync(self) -> None:
@@ -326,41 +342,48 @@ class GraphStep:
         self.timings.append((serial, busy, idle))
         self._timed = serial
 
-    def prepare(self, max_tokens: int, max_rows: int = 1) -> None:
+    def prepare(self, max_tokens: int, max_rows: int = 1, verify_rows: int = 0) -> None:
         """Capture the steps of every row class up to ``max_rows`` (at most ``MAX_ROWS``) and
         every table width up to ``max_tokens`` of context now: a capture compiles the kernels
         it has not seen (NVRTC, ~1-3 s each the first time on a machine), which mid-decode
-        would stall the stream."""
+        would stall the stream. With ``verify_rows``, the verifying steps of every row class
+        from 2 up to that too."""
         bs = self.runner.store.block_size
         t = time.perf_counter()
         self._preparing = True
         try:
-            self._prepare(max_tokens, max_rows, bs)
+            self._prepare(max_tokens, max_rows, bs, False)
+            if verify_rows > 1 and self.failed is None:
+                self._prepare(max_tokens, verify_rows, bs, True)
         finally:
             self._preparing = False
         log.info("graph step: %d steps (rows up to %d, contexts to %d tokens) captured in %.1f s",
-                 len(self._graphs), max(P for P, _ in self._graphs) if self._graphs else 0, max_tokens,
+                 len(self._graphs), max(k[0] for k in self._graphs) if self._graphs else 0, max_tokens,
                  time.perf_counter() - t)
 
-    def _prepare(self, max_tokens: int, max_rows: int, bs: int) -> None:
-        for P in sorted({decode_rows(b) for b in range(1, min(max_rows, MAX_ROWS) + 1)}):
-            if P > 1 and self.rows_failed is not None:
+    def _prepare(self, max_tokens: int, max_rows: int, bs: int, verify: bool) -> None:
+        for P in sorted({decode_rows(b) for b in range(2 if verify else 1, min(max_rows, MAX_ROWS) + 1)}):
+            if (self.verify_failed if verify else self.rows_failed if P > 1 else None) is not None:
                 break
             nb = table_width(1)
             try:
                 while True:
-                    self._graph(P, nb)
+                    self._graph(P, nb, verify)
                     if nb * bs >= max_tokens:
                         break
                     nb = table_width(nb + 1)
             except (Unsupported, cuda_driver.CudaError) as exc:
-                self._refuse(exc, P)
+                self._refuse(exc, P, verify)
                 if P == 1:
                     return
 
-    def _refuse(self, exc: Exception, rows: int = 1) -> None:
+    def _refuse(self, exc: Exception, rows: int = 1, verify: bool = False) -> None:
         """Turn the graph step off for good: the engine runs MLX's launches from now on. A
-        step of several rows that cannot be captured turns off those only."""
+        step of several rows (or a verifying step) that cannot be captured turns off those only."""
+        if verify:
+            self.verify_failed = str(exc)
+            log.warning("captured verifying steps off, MLX's launches instead: %s", exc)
+            return
         if rows > 1:
             self.rows_failed = str(exc)
             log.warning("graph steps of more than one row off, MLX's launches instead: %s", exc)
@@ -369,10 +392,10 @@ class GraphStep:
         log.warning("graph step off, MLX's launches instead: %s", exc)
 
     # -- capture -----------------------------------------------------------------------
-    def _graph(self, P: int, nb: int) -> _Graph:
+    def _graph(self, P: int, nb: int, verify: bool = False) -> _Graph:
         store = self.runner.store
         pools = tuple(store.keys) + tuple(store.values)
-        key = (P, nb)
+        key = (P, nb, verify)
         g = self._graphs.get(key)
         if g is not None and len(g.pools) == len(pools) and all(a is b for a, b in zip(g.pools, pools)):
             return g
@@ -383,9 +406,9 @@ class GraphStep:
             self._drop(next(iter(self._graphs)))
         t = time.perf_counter()
         self._tok_serial = -1
-        g = self._capture(P, nb, pools)
+        g = self._capture(P, nb, pools, verify)
         try:
-            self._check(g, P, nb)
+            self._check(g, P, nb, verify)
         except Exception:
             self.drv.call("cuGraphExecDestroy", g.exec)
             self.drv.call("cuMemFree_v2", g.state_dev)
@@ -393,7 +416,8 @@ class GraphStep:
         self._graphs[key] = g
         # One line each while serving (a capture there is a stall); prepare sums its own up.
         (log.debug if self._preparing else log.info)(
-            "graph step: captured the %d-row step for a %d-block table in %.0f ms", P, nb, (time.perf_counter() - t) * 1e3)
+            "graph step: captured the %d-row %s step for a %d-block table in %.0f ms", P, "verifying" if verify else "decode",
+            nb, (time.perf_counter() - t) * 1e3)
         return g
 
     def _drop(self, key: tuple[int, int]) -> None:
@@ -401,7 +425,7 @@ class GraphStep:
         self.drv.call("cuGraphExecDestroy", g.exec)
         self.drv.call("cuMemFree_v2", g.state_dev)
 
-    def _record(self, P: int, nb: int, token: int, pos: int, pools):
+    def _record(self, P: int, nb: int, token: int, pos: int, pools, verify: bool = False):
         """Run one decode step of ``P`` rows through MLX with every launch recorded:
         (launches, the state array, the previous tokens' array (``tok_dev``'s stand-in), the
         tokens out, logits). Writes land in the scratch block."""
@@ -413,7 +437,7 @@ class GraphStep:
         with kernel_files.recording() as launches:
             ids = select_ids(prev, state[T:])
             out = r._decode_graph(ids, state[:P], state[P : 2 * P], state[3 * P : T].reshape(P, nb),
-                                  state[2 * P : 3 * P], *pools)
+                                  state[2 * P : 3 * P], *pools, separate=verify)
             logits = out[0] if isinstance(out, tuple) else out
             if not argmax_cuda.applies(logits):
                 raise Unsupported(f"greedy sampling of {logits.dtype} logits is not one kernel")
@@ -421,10 +445,10 @@ class GraphStep:
         mx.eval(tokens, logits, [x.outputs for x in launches])
         return launches, state, prev, tokens, logits
 
-    def _capture(self, P: int, nb: int, pools) -> _Graph:
+    def _capture(self, P: int, nb: int, pools, verify: bool = False) -> _Graph:
         drv = self.drv
         mx.synchronize()
-        launches, state, tok, tokens, logits = self._record(P, nb, 0, 0, pools)
+        launches, state, tok, tokens, logits = self._record(P, nb, 0, 0, pools, verify)
         if not launches or launches[-1].outputs[0] is not tokens:
             raise Unsupported("the recorded step does not end in the argmax kernel")
         arrays, seen = [], set()
@@ -523,11 +547,11 @@ class GraphStep:
             f = self._funcs[text] = self.drv.get_function(mod, name)
         return f
 
-    def _check(self, g: _Graph, P: int, nb: int) -> None:
+    def _check(self, g: _Graph, P: int, nb: int, verify: bool = False) -> None:
         """The captured step against MLX's, at another token and position: the same tokens
         and the same logits, or the graph is not used."""
         token, pos = 1 + (7919 % max(self.runner.embed.weight.shape[0] - 1, 1)), 2
-        _, _, _, tokens, logits = self._record(P, nb, token, pos, g.pools)
+        _, _, _, tokens, logits = self._record(P, nb, token, pos, g.pools, verify)
         want_tok, want = np.array(tokens).reshape(-1), np.array(logits.astype(mx.float32))
         host = scratch_state(P, nb, pos, self.runner.store.block_size, token)
         drv = self.drv

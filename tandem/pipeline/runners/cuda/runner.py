@@ -507,7 +507,8 @@ class KernelRunner(PagedRunner):
                 for nb in widths:
                     self._scratch_step(P, nb, fn)
         if self.graph_step is not None and self.graph_step.failed is None:
-            self.graph_step.prepare(min(max_tokens, self.store.num_blocks * bs), max_rows)
+            self.graph_step.prepare(min(max_tokens, self.store.num_blocks * bs), max_rows,
+                                    min(verify_rows, VERIFY_MAX_ROWS))
         return (len(classes) + len(verify)) * len(widths)
 
     @property
@@ -559,9 +560,7 @@ class KernelRunner(PagedRunner):
         counts = [r.n for r in rows]
         B = sum(counts)
         P = decode_rows(B)
-        seqs = [r.seq for r, n in zip(rows, counts) for _ in range(n)]
-        starts = np.fromiter((r.start + j for r, n in zip(rows, counts) for j in range(n)), np.int32, B)
-        host, nb = self._state(seqs, starts, P)
+        host, nb = self.verify_state(rows, P)
         width = inputs.shape[1]
         take = np.fromiter((b * width + j for b, n in enumerate(counts) for j in range(n)), np.int32, B)
         if P != B:
@@ -570,6 +569,14 @@ class KernelRunner(PagedRunner):
         self._state_prev = None  # the next plain step uploads its own state
         self.verify_steps += 1
         return self._run_step(self._verify_fn, ids, mx.array(host), P, nb, B)
+
+    def verify_state(self, rows: list[Row], padded: int) -> tuple[np.ndarray, int]:
+        """:meth:`decode_state` of a verifying step: each row's ``n`` positions as one-token
+        rows of its sequence, row by row, padded to ``padded`` rows."""
+        counts = [r.n for r in rows]
+        seqs = [r.seq for r, n in zip(rows, counts) for _ in range(n)]
+        starts = np.fromiter((r.start + j for r, n in zip(rows, counts) for j in range(n)), np.int32, len(seqs))
+        return self._state(seqs, starts, padded)
 
     def decode_state(self, rows: list[Row], padded: int | None = None) -> tuple[np.ndarray, int]:
         """A decode step's positions, slots, lengths and block table, concatenated as one

@@ -329,6 +329,32 @@ def test_captured_steps_of_several_rows_give_the_tokens_of_mlx_launches(graph_mo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(300, method="thread")
+def test_captured_verifying_steps_give_the_tokens_of_mlx_launches(graph_model_dir, monkeypatch):
+    """Drafts right and wrong (MixedDrafter), verified through captured steps and through
+    MLX's launches of the same kernels: the same tokens, and verifying steps were captured."""
+    from tandem.pipeline.speculation import Speculator, StepTimes
+    from tests.pipeline.test_speculation import MixedDrafter
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
+    prompts = random_prompts(4, 5, 40, seed=37)
+    runs = {}
+    for on in (True, False):
+        model = _fresh(graph_model_dir)
+        eng = Engine(model, EngineSettings(kv_cache_budget="16MiB", decode_graphs=on), model_id="tiny",
+                     eos_token_ids=[EOS],
+                     speculator=Speculator(MixedDrafter(_fresh(graph_model_dir), seed=5), times=StepTimes(0.0, measured=False)))
+        if on:
+            eng.runner.warm_decode(4, verify_rows=4 * 5)
+            g = eng.runner.graph_step
+            assert g.verify_failed is None and any(k[2] for k in g._graphs), (g.verify_failed, list(g._graphs))
+        runs[on] = eng.generate_many([(p, greedy(24)) for p in prompts], timeout=240)
+        assert eng.speculator.counters.verify_steps > 0
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
 def test_select_ids_kernel_equals_the_reference():
     from tandem.pipeline.runners.cuda import graph_step
 

@@ -330,8 +330,8 @@ class _Row:
     """A decode row at position ``start``: its input is ``token`` if given (the host has
     it), else the in-flight step's sample at ``pending_index``."""
 
-    def __init__(self, start, token=None, pending_index=0):
-        self.start, self.n = start, 1
+    def __init__(self, start, token=None, pending_index=0, draft=()):
+        self.start, self.n, self.draft = start, 1 + len(draft), list(draft)
         tokens = [0] * start + ([token] if token is not None else [])
         self.seq = _Seq(tokens, pending_index)
 
@@ -347,7 +347,7 @@ class _FakeRunner:
 def _fake_graphs(g, drv):
     FakeGraph.tok = g.tok_dev
 
-    def graph(P, nb):
+    def graph(P, nb, verify=False):
         FakeGraph.rows, FakeGraph.nb = P, nb
         FakeGraph.state = drv.mem_alloc(4 * (5 * P + P * nb))
         return type("G", (), {"exec": 1, "state_dev": FakeGraph.state})()
@@ -488,6 +488,58 @@ def test_the_engine_runs_the_graph_steps_own_launch_as_rows_join_and_leave(tiny,
         assert sum(chained) >= len(chained) // 2, chained
 
 
+def test_captured_verifying_steps_give_the_tokens_of_greedy_decoding(tiny):
+    """Drafts (right and wrong ones, of several lengths) verified through the graph step's
+    own launch, the device simulated by the model's forward over each row's positions: the
+    output is greedy decoding's, and verifying steps were replayed."""
+    from tandem.pipeline.speculation import Speculator, StepTimes
+    from tests.pipeline.test_speculation import MixedDrafter
+
+    prompts = random_prompts(4, 3, 30, seed=31)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [oracle(tiny, p, 16, eos=()) for p in prompts]
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS],
+                 speculator=Speculator(MixedDrafter(tiny, seed=4), times=StepTimes(0.0, measured=False)))
+    runner = eng.runner
+    last: dict = {}
+
+    def decode_state(rows, padded=None):
+        last["rows"] = list(rows)
+        P = padded or len(rows)
+        pos = np.zeros(P, np.int32)
+        pos[: len(rows)] = [r.start for r in rows]
+        return np.concatenate([pos, np.zeros(3 * P, np.int32)]), 1
+
+    def verify_state(rows, padded):
+        last["rows"] = list(rows)
+        return np.zeros(4 * padded, np.int32), 1
+
+    forward = runner.forward
+
+    def step(ids):
+        rows = last["rows"]
+        L = max(r.n for r in rows)
+        inputs = np.zeros((len(rows), L), np.int32)
+        at = 0
+        for i, r in enumerate(rows):
+            inputs[i, : r.n] = ids[at : at + r.n]
+            at += r.n
+        return mx.argmax(forward(rows, mx.array(inputs)), axis=-1).tolist()  # every position's, row by row
+
+    drv = ModelDriver(step)
+    runner.decode_state, runner.verify_state = decode_state, verify_state
+    g = graph_step.GraphStep(runner, drv)
+    _fake_graphs(g, drv)
+    runner.can_capture = lambda rows: g.applies(rows, [r.seq.sampling for r in rows])
+    runner.launch_captured, runner.sync = g.launch, g.sync
+    got = eng.generate_many([(p, greedy) for p in prompts])
+    assert got == want
+    spec = eng.speculator.counters
+    assert spec.verify_steps > 0 and 0 < spec.accepted < spec.drafted, (spec.verify_steps, spec.accepted, spec.drafted)
+    assert max(drv.replayed) > len(prompts)  # a step with more positions than rows: drafts verified
+    eng.pool.check()
+
+
 class FakeCaptureDriver(FakeDriver):
     """Records what a capture launches, its parameters read back through the pointers."""
 
@@ -544,7 +596,7 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
     monkeypatch.setattr(nvrtc, "compile_cubin", lambda text, arch, name: text.encode())
     drv = FakeCaptureDriver()
     g = graph_step.GraphStep(type("R", (), {})(), drv)
-    g._record = lambda P, nb, token, pos, pools: (launches, state, tok, tokens, logits)
+    g._record = lambda P, nb, token, pos, pools, verify=False: (launches, state, tok, tokens, logits)
     graph = g._capture(1, 4, ())
 
     def ptr(p):
@@ -568,7 +620,7 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
     assert drv.shared == {"graph_a": 80_000, "graph_head": 0, "graph_argmax": 0}
     assert drv.allowed == {"graph_a": 80_000}
     # A step that does not end in the argmax is not captured.
-    g._record = lambda P, nb, token, pos, pools: (launches[:2], state, tok, tokens, logits)
+    g._record = lambda P, nb, token, pos, pools, verify=False: (launches[:2], state, tok, tokens, logits)
     with pytest.raises(graph_step.Unsupported, match="argmax"):
         g._capture(1, 4, ())
 
@@ -599,7 +651,7 @@ def test_prepare_captures_every_width_to_the_bound_and_a_refusal_turns_the_step_
     store = type("S", (), {"block_size": 16})()
     g = graph_step.GraphStep(type("R", (), {"store": store})(), FakeDriver())
     seen = []
-    g._graph = lambda P, nb: seen.append((P, nb))
+    g._graph = lambda P, nb, verify=False: seen.append((P, nb))
     g.prepare(1000)
     widths = [nb for _, nb in seen]
     assert {P for P, _ in seen} == {1}
@@ -611,12 +663,12 @@ def test_prepare_captures_every_width_to_the_bound_and_a_refusal_turns_the_step_
     assert sorted({P for P, _ in seen}) == [1, 2, 3, 4, 6, 8, 12] and len(seen) == 7 * len(widths)
     greedy = SamplingParams(temperature=0.0)
     # A refusal at several rows turns off those steps only; at one row, the step.
-    g._graph = lambda P, nb: (_ for _ in ()).throw(graph_step.Unsupported(f"no {P}")) if P > 1 else None
+    g._graph = lambda P, nb, verify=False: (_ for _ in ()).throw(graph_step.Unsupported(f"no {P}")) if P > 1 else None
     g.prepare(1000, max_rows=4)
     assert g.failed is None and g.rows_failed == "no 2"
     assert g.applies([_Row(5)], [greedy]) and not g.applies([_Row(5), _Row(6)], [greedy] * 2)
 
-    def refuse(P, nb):
+    def refuse(P, nb, verify=False):
         raise graph_step.Unsupported("no")
 
     g._graph = refuse
