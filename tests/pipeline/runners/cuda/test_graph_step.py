@@ -75,7 +75,7 @@ class FakeGraphStep:
     forward and hands the token out as DeviceTokens. Logs launches, syncs and the
     engine's own forwards, so a test can check that MLX never runs on a pending step."""
 
-    failed = rows_failed = None
+    failed = rows_failed = verify_failed = None
     applies = graph_step.GraphStep.applies
 
     def __init__(self, runner):
