@@ -433,19 +433,10 @@ class ModelDriver(FakeDriver):
         buf[off : off + 4 * len(out)] = np.array(out, np.int32).tobytes()
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_the_engine_runs_the_graph_steps_own_launch_as_rows_join_and_leave(tiny, pipelined):
-    """The engine (pipelined) and the real ``GraphStep.launch`` (input selection, chaining,
-    padding to the row class, read-back one step behind) with the device simulated by the
-    model's own forward: greedy requests of several lengths, arriving together and later,
-    give mlx-lm's tokens, and steps of several rows were replayed."""
-    prompts = random_prompts(6, 3, 40, seed=29)
-    lengths = [12, 7, 10, 3, 12, 5]
-    expected = [oracle(tiny, p, m) for p, m in zip(prompts, lengths)]
-    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
-    eng._read_back_first = not pipelined
-    runner = eng.runner
-    last: dict = {}
+def _graph_step_on_the_model(eng):
+    """The engine's runner given the real :class:`GraphStep`, on a device simulated by the
+    model's own forward over each replay's rows (every position of a verifying row)."""
+    runner, last = eng.runner, {}
 
     def decode_state(rows, padded=None):
         last["rows"] = list(rows)
@@ -454,17 +445,42 @@ def test_the_engine_runs_the_graph_steps_own_launch_as_rows_join_and_leave(tiny,
         pos[: len(rows)] = [r.start for r in rows]
         return np.concatenate([pos, np.zeros(3 * P, np.int32)]), 1
 
+    def verify_state(rows, padded):
+        last["rows"] = list(rows)
+        return np.zeros(4 * padded, np.int32), 1
+
     forward = runner.forward
 
     def step(ids):
         rows = last["rows"]
-        logits = forward(rows, mx.array(ids[: len(rows)], dtype=mx.int32).reshape(-1, 1))
-        return mx.argmax(logits, axis=-1).tolist()
+        inputs = np.zeros((len(rows), max(r.n for r in rows)), np.int32)
+        at = 0
+        for i, r in enumerate(rows):
+            inputs[i, : r.n] = ids[at : at + r.n]
+            at += r.n
+        return mx.argmax(forward(rows, mx.array(inputs)), axis=-1).tolist()  # every position's, row by row
 
     drv = ModelDriver(step)
-    runner.decode_state = decode_state
+    runner.decode_state, runner.verify_state = decode_state, verify_state
     g = graph_step.GraphStep(runner, drv)
     _fake_graphs(g, drv)
+    runner.can_capture = lambda rows: g.applies(rows, [r.seq.sampling for r in rows])
+    runner.launch_captured, runner.sync = g.launch, g.sync
+    return g, drv
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_engine_runs_the_graph_steps_own_launch_as_rows_join_and_leave(tiny, pipelined):
+    """The engine and the real ``GraphStep.launch`` (input selection, chaining, padding to
+    the row class, read-back one step behind) with the device simulated by the model's own
+    forward: greedy requests of several lengths, arriving together and later, give mlx-lm's
+    tokens, and steps of several rows were replayed."""
+    prompts = random_prompts(6, 3, 40, seed=29)
+    lengths = [12, 7, 10, 3, 12, 5]
+    expected = [oracle(tiny, p, m) for p, m in zip(prompts, lengths)]
+    eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS])
+    eng._read_back_first = not pipelined
+    g, drv = _graph_step_on_the_model(eng)
     chained, select = [], g._select
 
     def recording_select(rows, prev, P):
@@ -473,8 +489,6 @@ def test_the_engine_runs_the_graph_steps_own_launch_as_rows_join_and_leave(tiny,
         return out
 
     g._select = recording_select
-    runner.can_capture = lambda rows: g.applies(rows, [r.seq.sampling for r in rows])
-    runner.launch_captured, runner.sync = g.launch, g.sync
     greedy = [SamplingParams(temperature=0.0, max_tokens=m) for m in lengths]
     eng.start()
     try:
@@ -500,40 +514,8 @@ def test_captured_verifying_steps_give_the_tokens_of_greedy_decoding(tiny):
     want = [oracle(tiny, p, 16, eos=()) for p in prompts]
     eng = Engine(tiny, EngineSettings(kv_cache_budget="16MiB"), model_id="tiny", eos_token_ids=[EOS],
                  speculator=Speculator(MixedDrafter(tiny, seed=4), times=StepTimes(0.0, measured=False)))
-    runner = eng.runner
-    last: dict = {}
-
-    def decode_state(rows, padded=None):
-        last["rows"] = list(rows)
-        P = padded or len(rows)
-        pos = np.zeros(P, np.int32)
-        pos[: len(rows)] = [r.start for r in rows]
-        return np.concatenate([pos, np.zeros(3 * P, np.int32)]), 1
-
-    def verify_state(rows, padded):
-        last["rows"] = list(rows)
-        return np.zeros(4 * padded, np.int32), 1
-
-    forward = runner.forward
-
-    def step(ids):
-        rows = last["rows"]
-        L = max(r.n for r in rows)
-        inputs = np.zeros((len(rows), L), np.int32)
-        at = 0
-        for i, r in enumerate(rows):
-            inputs[i, : r.n] = ids[at : at + r.n]
-            at += r.n
-        return mx.argmax(forward(rows, mx.array(inputs)), axis=-1).tolist()  # every position's, row by row
-
-    drv = ModelDriver(step)
-    runner.decode_state, runner.verify_state = decode_state, verify_state
-    g = graph_step.GraphStep(runner, drv)
-    _fake_graphs(g, drv)
-    runner.can_capture = lambda rows: g.applies(rows, [r.seq.sampling for r in rows])
-    runner.launch_captured, runner.sync = g.launch, g.sync
-    got = eng.generate_many([(p, greedy) for p in prompts])
-    assert got == want
+    _, drv = _graph_step_on_the_model(eng)
+    assert eng.generate_many([(p, greedy) for p in prompts]) == want
     spec = eng.speculator.counters
     assert spec.verify_steps > 0 and 0 < spec.accepted < spec.drafted, (spec.verify_steps, spec.accepted, spec.drafted)
     assert max(drv.replayed) > len(prompts)  # a step with more positions than rows: drafts verified
