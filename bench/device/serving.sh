@@ -11,7 +11,7 @@ gpu_serving.make_model(Path('/tmp/m8b'), '8b', gpu_serving.default_tokenizer_dir
 # shellcheck disable=SC2086
 KEEP_LOGS=1 timeout -k 5 "${GS_S:-560}" python3 bench/gpu_serving.py --model /tmp/m8b \
     --topologies "${TOPOS:-hybrid,disaggregated}" --clients "${CLIENTS:-1,16,64,128}" --engine-bench "${ENGINE:-same}" \
-    --ready-timeout 200 --timeout 240 ${EXTRA:-} --out "$OUT/gs" > "$OUT/gs.log" 2>&1
+    --ready-timeout 360 --timeout 240 ${EXTRA:-} --out "$OUT/gs" > "$OUT/gs.log" 2>&1
 echo "gpu_serving rc=$?"; grep -E "^(hybrid|disaggregated)" "$OUT/gs.log" | cut -c1-400; tail -5 "$OUT/gs.log"
 for f in "$OUT"/gs-*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$f.t" && mv "$f.t" "$f"; done
 grep -hE "GPU memory|KV store:|out of memory|graph step off|compiled in|warm" "$OUT"/gs-*.log 2>/dev/null | head -20
