@@ -9,8 +9,9 @@ fixed addresses, and only the step's tokens and its positions / slots / block ta
 
 So :class:`GraphStep` runs one decode step of the :class:`~tandem.pipeline.runners.cuda.runner.
 KernelRunner` through MLX once per (row class, block-table width) with every kernel call
-recorded (``kernels.kernel_files.recording``), keeps every array of that step alive (so their
-buffers stay put), compiles each kernel's text as MLX would have (``kernel_text``, through
+recorded (``kernels.kernel_files.recording``), keeps what the step reads from outside it
+alive (so those buffers stay put), gives the step's own outputs places in one buffer per
+row class (``plan_arena``), compiles each kernel's text as MLX would have (``kernel_text``, through
 NVRTC: MLX keeps its own modules to itself), and captures the launches, with the same
 arguments, into a CUDA graph on a stream of its own. The step's state moves to a device
 buffer of its own; the argmax writes the step's tokens into ``tok_dev``, and the next
@@ -20,9 +21,10 @@ steady decode is one state copy, one graph launch and one small read-back a step
 next step queued before this one's tokens are read. A captured step is checked against
 MLX's own step (another token, another position: the same tokens and logits) before it is
 used; anything it cannot reproduce raises :class:`Unsupported` and the engine keeps MLX's
-path (for steps of several rows only, where only those fail).
+path (for steps of several rows, or verifying ones, only those). A step that verifies
+greedy rows' drafts is captured the same way, each drafted position a row of its own.
 
-Limits: up to ``MAX_ROWS`` rows, greedy (no temperature, logprobs or logit bias), kernels
+Limits: up to ``MAX_ROWS`` positions, greedy (no temperature, logprobs or logit bias), kernels
 made through ``kernel_files.cuda_kernel`` (no precompiled cubins, no MLX ops between
 kernels: the check catches them). On unless ``engine.decode_graphs`` is off. Replays give
 exactly the tokens of MLX's launches of the same row class.
@@ -238,8 +240,8 @@ class GraphStep:
     def launch(self, rows, prev) -> DeviceTokens | None:
         """Queue one decode step of ``rows`` (padded to their row class); ``prev``: the
         in-flight step's tokens, a :class:`DeviceTokens` or an MLX array, which the rows
-        whose last input is not yet on the host take theirs from. None (and ``failed`` or
-        ``rows_failed`` set) when the step cannot be captured."""
+        whose last input is not yet on the host take theirs from. None (and ``failed``,
+        ``rows_failed`` or ``verify_failed`` set) when the step cannot be captured."""
         verify = any(r.n > 1 for r in rows)
         B = sum(r.n for r in rows)
         P = decode_rows(B)
@@ -420,7 +422,7 @@ class GraphStep:
             nb, (time.perf_counter() - t) * 1e3)
         return g
 
-    def _drop(self, key: tuple[int, int]) -> None:
+    def _drop(self, key: tuple[int, int, bool]) -> None:
         g = self._graphs.pop(key)
         self.drv.call("cuGraphExecDestroy", g.exec)
         self.drv.call("cuMemFree_v2", g.state_dev)
