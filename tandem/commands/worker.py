@@ -77,7 +77,7 @@ def warm_up(engine, role: str = "hybrid") -> float:
     """Run the paths serving meets through the engine before READY (systemd's READY=1 and the
     broker's registration come after this), so no request pays a first-use cost: on CUDA each
     path's first run compiles kernels and builds cuDNN attention graphs, a stall of up to
-    seconds for every request in flight. The compiled fresh prefill (a multiple of 64 tokens)
+    seconds for every request in flight. The compiled fresh prefill (padded to a multiple of 64)
     and a prefix hit followed by many new tokens each run kernels nothing else runs (a hit of
     a few tokens runs others). So: a fresh prefill of
     ``WARM_PROMPT`` tokens and its greedy decode; then, together, a prompt that extends it by

@@ -14,8 +14,8 @@ reads the blocks in place instead (docs/gpu.md):
   the norm / swiglu / residual folded into the multirow kernel at one row (seven
   launches per layer; below 16 rows write, attention and merge are one launch,
   ``decode_attention``). Prompts that start at position 0 prefill through the same write
-  kernel and causal SDPA over the chunk's own keys, replaying compiled layers when their
-  length is a multiple of 64; other prefill chunks and mixed batches run the portable
+  kernel and causal SDPA over the chunk's own keys, replaying compiled layers (the length
+  padded to a multiple of 64); other prefill chunks and mixed batches run the portable
   path through the same fused weights;
 * a 4/8-bit embedding table is read by one kernel (``kernels.embed_cuda``) instead of
   mlx's three gathers and a dequantize.
@@ -98,7 +98,7 @@ GRAPH_PREPARE_TOKENS = 4096
 DECODE_COMPILE = True
 """``mx.compile`` the decode step (traced per batch x table width): with pipelining it
 saves the engine thread's graph building and no measured cell was slower. The prefill's
-layers are compiled with it (fresh prompts whose length is a multiple of 64)."""
+layers are compiled with it (fresh prompts, padded to a multiple of 64)."""
 """Contexts up to this many tokens have their one-row graph captured when the runner starts
 (and the graphs of every row class when the worker warms up)."""
 
@@ -385,8 +385,10 @@ class KernelRunner(PagedRunner):
         # Their layers compiled, one function per layer traced once per (B, L): replaying
         # skips the Python that builds a layer's graph (the engine thread's share of a
         # 512-token prefill fell by about a fifth).
-        # Only at lengths that are a multiple of PREFILL_COMPILE_MULTIPLE (full chunks,
-        # the bench's prompts): a trace of 32 layers costs more than a length seen once saves.
+        # Traced per (prompts, length) with the length padded to a multiple of
+        # PREFILL_COMPILE_MULTIPLE, so a few shapes cover every prompt. Unpadded, the served
+        # prompts (at most 512 tokens, rarely a multiple of 64) took the uncompiled layers,
+        # whose graph the engine thread builds per prefill.
         # The CUDA write kernel fills the pools in place, so a compiled layer returns h alone.
         self._prefill_fns = ([mx.compile(functools.partial(self._compiled_prefill_layer, b)) for b in self.blocks]
                              if self.compiled else None)
@@ -642,8 +644,14 @@ class KernelRunner(PagedRunner):
         """Prompts from position 0 (no earlier context): every layer writes its K/V into
         the pools with the RoPE + write kernel and attends causally over the chunk's own
         keys, with no gather of blocks. Padded positions (past a row's ``n``) write nowhere
-        and only padded queries see them."""
+        and only padded queries see them. The length is padded up to a multiple of
+        ``PREFILL_COMPILE_MULTIPLE`` so every fresh prefill runs the compiled layers."""
         B, L = inputs.shape
+        pad = -L % PREFILL_COMPILE_MULTIPLE  # (with the reference ops too: the tests run it on the CPU)
+        if pad:
+            inputs = (np.pad(inputs, ((0, 0), (0, pad))) if isinstance(inputs, np.ndarray)
+                      else mx.pad(inputs, [(0, 0), (0, pad)]))
+            L += pad
         slots, last = self._fresh_slots(rows, L)
         inputs, pos, slots, last = self._prefill_inputs(rows, inputs, slots, last)
         compiled = self._prefill_fns is not None and L % PREFILL_COMPILE_MULTIPLE == 0
