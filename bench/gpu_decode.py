@@ -434,6 +434,13 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
     eng = Engine(model, st, model_id="bench-8b")
     runner = type(eng.runner).__name__
     log(f"== tandem engine ({name}: {runner}, weights {fmt}, {nbytes(model) / 2**30:.1f} GiB)")
+    # As the worker's warm-up does, before the engine thread runs: every decode row class's
+    # trace and captured graphs, which a measured batch would otherwise meet inside its steps.
+    t = time.perf_counter()
+    warm_decode = getattr(eng.runner, "warm_decode", None)
+    if warm_decode is not None:
+        warm_decode(top)
+    warm_decode_s = time.perf_counter() - t
     eng.start()
     try:
         # Warm-up: every kernel variant (row buckets 1/2/4, fusions, dense GEMMs) compiles
@@ -443,7 +450,7 @@ def section_engine(base_fp16, base_q4, layers: int, batches: list[int], prompt_l
         for n in (1, 2, 4, 8, 16):
             eng.generate_many([(np.random.randint(0, _vocab(), prompt_len).tolist(),
                                 SamplingParams(max_tokens=12, ignore_eos=True))] * n, timeout=300)
-        record(name, what="warm-up (compiles)", seconds=time.perf_counter() - t, runner=runner)
+        record(name, what="warm-up (compiles)", seconds=time.perf_counter() - t + warm_decode_s, runner=runner)
         for B in batches:
             prefill_runs, prefill_ms = prefill_alone(eng, B, prompt_len, prefill_reps)
             log(f"  prefill alone, B={B}: {[round(x) for x in prefill_runs]} tok/s, ms {prefill_ms}")
