@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem import config
+from tandem.pipeline.settings import EngineSettings
 from tandem.config import ConfigError
 
 
@@ -16,7 +17,11 @@ def write(tmp_path, text):
 
 def test_defaults():
     c = config.load(env={})
-    assert c.engine.parallel == 16 and c.broker.strategy == "least_loaded" and c.model.path is None
+    assert c.engine.parallel is None and c.broker.strategy == "least_loaded" and c.model.path is None
+    # Unset, parallel is the backend's: 16 on the CPU, 128 on a GPU; a set value stands.
+    assert EngineSettings().resolve(on_cpu=True).parallel == 16
+    assert EngineSettings().resolve(on_cpu=False).parallel == 128
+    assert EngineSettings(parallel=8).resolve(on_cpu=False).parallel == 8
 
 
 def test_each_layer_overrides_the_one_below(tmp_path):

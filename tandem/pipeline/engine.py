@@ -86,7 +86,7 @@ class Engine:
     def __init__(self, model, settings: EngineSettings, *, model_id: str, eos_token_ids=(), runner_factory=None,
                  tokenizer=None, speculator: Speculator | None = None):
         self.model = model
-        self.settings = settings
+        self.settings = settings.resolve(on_cpu=mx.default_device() == mx.cpu)
         self._cpus = parse_cpus(settings.cpus)  # before any work: a bad value fails the start
         self.model_id = model_id
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)

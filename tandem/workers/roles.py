@@ -35,6 +35,9 @@ from __future__ import annotations
 def engine_settings(settings, role: str, *, prefill_batch: int = 0) -> None:
     """Set ``role``'s policies in the engine's ``settings`` (an ``EngineSettings``), before
     the engine is built from them. ``prefill_batch`` is ``worker.prefill_batch``."""
+    import mlx.core as mx
+
+    settings.resolve(on_cpu=mx.default_device() == mx.cpu)  # (the decode role reads parallel)
     if role == "prefill":
         settings.decode_graphs = False
         if prefill_batch:

@@ -174,7 +174,8 @@ def test_a_prefill_worker_batches_as_its_engine_by_default_or_as_told(tiny):
     one = make(tiny, "prefill", prefill_batch=1)
     assert [rows for rows, _ in export_all(one, ps[:2])[1]] == [[0], [1]]
     hybrid = make(tiny, "hybrid")  # the engine's own defaults are a hybrid worker's
-    assert hybrid.settings == EngineSettings(kv_cache_budget="16MiB") and hybrid.scheduler.prefix_caching
+    own = EngineSettings(kv_cache_budget="16MiB").resolve(on_cpu=True)
+    assert hybrid.settings == own and hybrid.scheduler.prefix_caching
 
 
 def test_a_decode_worker_is_built_for_its_batch_without_a_prefix_cache():
