@@ -33,6 +33,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from tandem.kernels.cuda import qgemv as qg
 from tandem.kernels.cuda import quantized_matmul as qmm
+from tandem.kernels.cuda import rms_norm_cuda
 from tandem.kernels.cuda import swiglu_cuda
 from tandem.kernels.cuda import w4gemm
 from tandem.kernels.cuda import w4wgmma
@@ -212,7 +213,7 @@ class FlatLinear(nn.Module):
             if swiglu:
                 x2, swiglu = swiglu_cuda.swiglu(x2), False
             if norm_weight is not None:
-                x2, norm_weight = mx.fast.rms_norm(x2, norm_weight, eps), None
+                x2, norm_weight = rms_norm_cuda.rms_norm(x2, norm_weight, eps), None
         if multirow:
             fused = swiglu or norm_weight is not None or residual is not None
             _note_path(f"cuda-multirow-{self.bits}bit" + ("-fused" if fused else ""))
@@ -222,7 +223,7 @@ class FlatLinear(nn.Module):
         if swiglu:
             x2 = swiglu_cuda.swiglu(x2)
         if norm_weight is not None:
-            x2 = mx.fast.rms_norm(x2, norm_weight, eps)
+            x2 = rms_norm_cuda.rms_norm(x2, norm_weight, eps)
         if self._w4g_applies(x2):
             return self._w4g(x2, residual)
         if self._w4mma_applies(x2):
@@ -240,7 +241,7 @@ class FlatLinear(nn.Module):
     def _qgemv(self, x2: mx.array, norm_weight, eps: float, *, residual=None, pair: bool = False) -> mx.array:
         if norm_weight is not None and not qg.stream_fuses_norm(
                 x2.shape[-1], pair, self["qweight"].shape[0]):
-            x2, norm_weight = mx.fast.rms_norm(x2, norm_weight, eps), None
+            x2, norm_weight = rms_norm_cuda.rms_norm(x2, norm_weight, eps), None
         return qg.qgemv(x2, self["qweight"], self["scales"], self["biases"], self.group_size,
                         norm_weight=norm_weight, eps=eps, residual=residual, pair=pair)
 

@@ -220,8 +220,10 @@ class GraphStep:
         self._tok_serial = -1  # the launch whose token tok_dev holds
         self._busy = False  # launches queued since the last sync
         self.failed: str | None = None
-        self.rows_failed: str | None = None  # why steps of more than one row are not captured
-        self.verify_failed: str | None = None  # why steps that verify drafts are not captured
+        # The widest row class captured, and why the next one was not (from 17 rows the
+        # products are MLX's dense GEMMs, which a replay would not run).
+        self.rows_limit, self.rows_failed = MAX_ROWS, None
+        self.verify_limit, self.verify_failed = MAX_ROWS, None
         self._preparing = False
         self.replays = 0
 
@@ -232,10 +234,10 @@ class GraphStep:
         if self.failed is not None or not rows or len(params) != len(rows) or not all(p.plain_greedy for p in params):
             return False
         verify = any(r.n > 1 for r in rows)
-        if verify and (self.verify_failed is not None or not all(r.n == 1 or r.n == len(r.draft) + 1 for r in rows)):
+        if verify and not all(r.n == 1 or r.n == len(r.draft) + 1 for r in rows):
             return False
         positions = sum(r.n for r in rows)
-        return positions <= MAX_ROWS and (positions == 1 or verify or self.rows_failed is None)
+        return positions == 1 or decode_rows(positions) <= (self.verify_limit if verify else self.rows_limit)
 
     def launch(self, rows, prev) -> DeviceTokens | None:
         """Queue one decode step of ``rows`` (padded to their row class); ``prev``: the
@@ -365,7 +367,7 @@ class GraphStep:
 
     def _prepare(self, max_tokens: int, max_rows: int, bs: int, verify: bool) -> None:
         for P in sorted({decode_rows(b) for b in range(2 if verify else 1, min(max_rows, MAX_ROWS) + 1)}):
-            if (self.verify_failed if verify else self.rows_failed if P > 1 else None) is not None:
+            if P > (self.verify_limit if verify else self.rows_limit):
                 break
             nb = table_width(1)
             try:
@@ -381,14 +383,16 @@ class GraphStep:
 
     def _refuse(self, exc: Exception, rows: int = 1, verify: bool = False) -> None:
         """Turn the graph step off for good: the engine runs MLX's launches from now on. A
-        step of several rows (or a verifying step) that cannot be captured turns off those only."""
-        if verify:
-            self.verify_failed = str(exc)
-            log.warning("captured verifying steps off, MLX's launches instead: %s", exc)
-            return
-        if rows > 1:
-            self.rows_failed = str(exc)
-            log.warning("graph steps of more than one row off, MLX's launches instead: %s", exc)
+        step of ``rows`` rows (or a verifying one) that cannot be captured turns off that row
+        class and the wider ones only."""
+        if verify or rows > 1:
+            limit = max(c for c in {decode_rows(b) for b in range(1, rows)} if c < rows)  # the class below
+            if verify:
+                self.verify_limit, self.verify_failed = min(self.verify_limit, limit), str(exc)
+            else:
+                self.rows_limit, self.rows_failed = min(self.rows_limit, limit), str(exc)
+            log.warning("captured %s steps of %d rows and more off, MLX's launches instead: %s",
+                        "verifying" if verify else "decode", rows, exc)
             return
         self.failed = str(exc)
         log.warning("graph step off, MLX's launches instead: %s", exc)

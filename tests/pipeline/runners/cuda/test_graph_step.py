@@ -76,6 +76,7 @@ class FakeGraphStep:
     engine's own forwards, so a test can check that MLX never runs on a pending step."""
 
     failed = rows_failed = verify_failed = None
+    rows_limit = verify_limit = graph_step.MAX_ROWS
     applies = graph_step.GraphStep.applies
 
     def __init__(self, runner):
@@ -649,6 +650,13 @@ def test_prepare_captures_every_width_to_the_bound_and_a_refusal_turns_the_step_
     g.prepare(1000, max_rows=4)
     assert g.failed is None and g.rows_failed == "no 2"
     assert g.applies([_Row(5)], [greedy]) and not g.applies([_Row(5), _Row(6)], [greedy] * 2)
+    # A refusal from 24 rows on (where the products become MLX's GEMMs) keeps the classes below.
+    wide = graph_step.GraphStep(type("R", (), {"store": store})(), FakeDriver())
+    wide._graph = lambda P, nb, verify=False: (_ for _ in ()).throw(graph_step.Unsupported("gemm")) if P >= 24 else None
+    wide.prepare(1000, max_rows=64)
+    assert wide.rows_limit == 16 and wide.rows_failed == "gemm"
+    assert wide.applies([_Row(5 + i) for i in range(16)], [greedy] * 16)
+    assert not wide.applies([_Row(5 + i) for i in range(17)], [greedy] * 17)
 
     def refuse(P, nb, verify=False):
         raise graph_step.Unsupported("no")
