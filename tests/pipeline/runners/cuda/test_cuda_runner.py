@@ -320,10 +320,12 @@ def test_captured_steps_of_several_rows_give_the_tokens_of_mlx_launches(graph_mo
         if on:
             eng.runner.warm_decode(8)  # the worker's warm-up: row classes up to 8
             g = eng.runner.graph_step
-            assert g.rows_failed is None and any(P > 1 for P, _ in g._graphs), (g.rows_failed, list(g._graphs))
+            # Some row classes above one captured (a class whose products are MLX's own is
+            # refused, with the wider ones; tokens stay right either way).
+            assert any(k[0] > 1 for k in g._graphs), (g.rows_limit, g.rows_failed, list(g._graphs))
         runs[on] = eng.generate_many([(p, greedy(m)) for p, m in zip(prompts, lengths)], timeout=240)
         if on:
-            assert g.failed is None and g.rows_failed is None and g.replays >= 20, (g.failed, g.rows_failed, g.replays)
+            assert g.failed is None and g.replays >= 20, (g.failed, g.rows_failed, g.replays)
     assert runs[True] == runs[False]
 
 
@@ -347,7 +349,7 @@ def test_captured_verifying_steps_give_the_tokens_of_mlx_launches(graph_model_di
         if on:
             eng.runner.warm_decode(4, verify_rows=4 * 5)
             g = eng.runner.graph_step
-            assert g.verify_failed is None and any(k[2] for k in g._graphs), (g.verify_failed, list(g._graphs))
+            assert any(k[2] for k in g._graphs), (g.verify_limit, g.verify_failed, list(g._graphs))
         runs[on] = eng.generate_many([(p, greedy(24)) for p in prompts], timeout=240)
         assert eng.speculator.counters.verify_steps > 0
     assert runs[True] == runs[False]
