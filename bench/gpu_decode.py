@@ -352,7 +352,8 @@ def _graph_status(eng) -> dict | None:
     g = getattr(eng.runner, "graph_step", None)
     if g is None:
         return None
-    out = {"replays": g.replays, "graphs": len(g._graphs), "failed": g.failed}
+    out = {"replays": g.replays, "graphs": len(g._graphs), "failed": g.failed,
+           "rows_limit": g.rows_limit, "rows_failed": g.rows_failed}
     if g.timings:
         out["timings_busy_idle_ms"] = [(round(b, 4), None if i is None else round(i, 4)) for _, b, i in g.timings]
     return out
