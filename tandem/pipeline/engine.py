@@ -109,8 +109,7 @@ class Engine:
             log.info("GPU memory: this process's share %.1f GiB (%d worker%s on the device), %s free now",
                      share / 2**30, workers, "s" if workers != 1 else "",
                      "?" if free is None else f"{free / 2**30:.1f} GiB")
-        setting = (settings.kv_cache_budget or "auto").strip().lower()
-        auto = setting == "auto"
+        auto = (settings.kv_cache_budget or "auto").strip().lower() == "auto"
         num_blocks = budget.num_blocks(settings.kv_cache_budget, per_block, workers=workers,
                                        in_use=mx.get_active_memory() if share is not None else 0)
         if sh.pageable:

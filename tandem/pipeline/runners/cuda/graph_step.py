@@ -50,7 +50,7 @@ from tandem.kernels.cuda import cuda_driver
 from tandem.kernels.cuda import kernel_files
 from tandem.kernels.cuda import nvrtc
 from tandem.kernels.cuda.captured import MAX_NDIM, Unsupported, device_pointers, kernel_name, kernel_text
-from tandem.pipeline.runners.cuda.tables import decode_rows, table_width
+from tandem.pipeline.runners.cuda.tables import decode_rows, row_classes, table_width
 
 log = logging.getLogger("tandem.engine")
 
@@ -129,20 +129,34 @@ class _Graph:
 ALIGN = 256
 
 
+class _Outputs:
+    """A recorded step's own output buffers by MLX address: which one an address (an array,
+    or a view into one) falls in."""
+
+    def __init__(self, produced, ptrs: dict):
+        self.spans = sorted((ptrs[id(o)], ptrs[id(o)] + o.nbytes, id(o)) for o in produced)
+        self.starts = [a for a, _, _ in self.spans]
+
+    def find(self, p: int) -> tuple[int, int] | None:
+        """(the output's id, its start address) for an address inside it; None elsewhere."""
+        k = bisect.bisect_right(self.starts, p) - 1
+        if k >= 0 and p < self.spans[k][1]:
+            return self.spans[k][2], self.spans[k][0]
+        return None
+
+
 def plan_arena(launches, produced, ptrs: dict, logits) -> tuple[dict, int]:
     """Offsets in one buffer for a recorded step's ``produced`` arrays (its launches'
     outputs), each live from the launch that writes it to the last that reads it or a view
     into it (``ptrs``: MLX's addresses, which tell views apart); ``logits`` to the end (the
     check reads them). Returns ({id: offset}, bytes). First fit over freed ranges."""
-    spans = sorted((ptrs[id(o)], ptrs[id(o)] + o.nbytes, id(o)) for o in produced)
-    starts = [a for a, _, _ in spans]
+    outputs = _Outputs(produced, ptrs)
     last = {id(o): -1 for o in produced}
     for i, ln in enumerate(launches):
         for a in ln.inputs:
-            p = ptrs[id(a)]
-            k = bisect.bisect_right(starts, p) - 1
-            if k >= 0 and p < spans[k][1]:
-                last[spans[k][2]] = i
+            hit = outputs.find(ptrs[id(a)])
+            if hit is not None:
+                last[hit[0]] = i
     last[id(logits)] = len(launches)
     size_of = {id(o): -(-max(o.nbytes, 1) // ALIGN) * ALIGN for o in produced}
     free: list[tuple[int, int]] = []  # (offset, bytes), sorted
@@ -194,7 +208,7 @@ class DeviceTokens:
 
 
 class GraphStep:
-    """Captured one-row decode steps for a :class:`KernelRunner` (see the module doc)."""
+    """Captured greedy decode and verifying steps for a :class:`KernelRunner` (see the module doc)."""
 
     def __init__(self, runner, drv: cuda_driver.Driver):
         self.runner, self.drv = runner, drv
@@ -366,7 +380,7 @@ class GraphStep:
                  time.perf_counter() - t)
 
     def _prepare(self, max_tokens: int, max_rows: int, bs: int, verify: bool) -> None:
-        for P in sorted({decode_rows(b) for b in range(2 if verify else 1, min(max_rows, MAX_ROWS) + 1)}):
+        for P in row_classes(2 if verify else 1, min(max_rows, MAX_ROWS)):
             if P > (self.verify_limit if verify else self.rows_limit):
                 break
             nb = table_width(1)
@@ -386,7 +400,7 @@ class GraphStep:
         step of ``rows`` rows (or a verifying one) that cannot be captured turns off that row
         class and the wider ones only."""
         if verify or rows > 1:
-            limit = max(c for c in {decode_rows(b) for b in range(1, rows)} if c < rows)  # the class below
+            limit = max(c for c in row_classes(1, rows - 1) if c < rows)  # the class below
             if verify:
                 self.verify_limit, self.verify_failed = min(self.verify_limit, limit), str(exc)
             else:
@@ -474,8 +488,7 @@ class GraphStep:
         produced = [o for ln in launches for o in ln.outputs if o is not tokens]
         offsets, size = plan_arena(launches, produced, ptrs, logits)
         arena = self._arena(P, size)
-        spans = sorted((ptrs[id(o)], ptrs[id(o)] + o.nbytes, offsets[id(o)]) for o in produced)
-        starts = [a for a, _, _ in spans]
+        outputs = _Outputs(produced, ptrs)
         state_dev = drv.mem_alloc(state_len)
 
         def where(a) -> int:
@@ -484,9 +497,9 @@ class GraphStep:
                 return state_dev + (p - state_ptr)
             if tok_ptr <= p < tok_ptr + 4 * P:
                 return self.tok_dev + (p - tok_ptr)
-            k = bisect.bisect_right(starts, p) - 1
-            if k >= 0 and p < spans[k][1]:  # an output of the step, or a view into one
-                return arena + spans[k][2] + (p - spans[k][0])
+            hit = outputs.find(p)
+            if hit is not None:  # an output of the step, or a view into one
+                return arena + offsets[hit[0]] + (p - hit[1])
             return p
 
         drv.bind_context()

@@ -53,7 +53,7 @@ from tandem.pipeline import budget
 from tandem.pipeline.runners.cuda import graph_step
 from tandem.pipeline.runners.cuda import input_box
 from tandem.pipeline.runners.cuda import token_mailbox
-from tandem.pipeline.runners.cuda.tables import decode_rows, table_width
+from tandem.pipeline.runners.cuda.tables import decode_rows, row_classes, table_width
 from tandem.pipeline.kv_store import KVStore
 from tandem.pipeline.runners.portable.paged import PagedRunner
 from tandem.pipeline.sequence import Row
@@ -502,8 +502,8 @@ class KernelRunner(PagedRunner):
             if nb * bs >= max_tokens:
                 break
             nb = table_width(nb + 1)
-        classes = sorted({decode_rows(b) for b in range(1, max_rows + 1)})
-        verify = sorted({decode_rows(b) for b in range(2, min(verify_rows, VERIFY_MAX_ROWS) + 1)})
+        classes = row_classes(1, max_rows)
+        verify = row_classes(2, min(verify_rows, VERIFY_MAX_ROWS))
         for fn, rows in ((self._step_fn, classes), (self._verify_fn, verify)):
             for P in rows:
                 for nb in widths:

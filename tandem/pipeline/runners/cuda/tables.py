@@ -26,3 +26,8 @@ def decode_rows(B: int) -> int:
     over nothing but their own token, and their logits are dropped; a step's time grows little
     with its rows (the weights are read once for all of them)."""
     return B if B <= 4 else table_width(B)
+
+
+def row_classes(lo: int, hi: int) -> list[int]:
+    """The row classes (:func:`decode_rows`) of batches of ``lo`` to ``hi`` sequences, ascending."""
+    return sorted({decode_rows(b) for b in range(lo, hi + 1)})
