@@ -14,7 +14,7 @@ rm -rf .whl && mkdir -p .whl
 # shellcheck disable=SC2086
 $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plats[@]}" $pins -d .whl
 $py -m pip download -q --no-deps --only-binary=:all: py-spy -d .whl  # gpu_serving.py --py-spy: the workers' stacks
-tok=$($py -c 'from tandem.pipeline import model_store; print(model_store.resolve_model(None))')
+tok=$($py -c "import sys; from tandem.pipeline import model_store; print(model_store.resolve_model(None, log=lambda s: print(s, file=sys.stderr)))")
 mkdir -p .gpuaux/tok && cp "$tok"/{tokenizer.json,tokenizer_config.json,config.json} .gpuaux/tok/
 du -sh .mlxcuda/a .mlxcuda/b .whl .gpuaux
 cat <<'MSG'

@@ -29,7 +29,7 @@ import stat
 import tempfile
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -110,6 +110,7 @@ class KernelSpec:
     source: str
     header: str
     shared_memory: int = 0  # dynamic shared bytes each launch gets (``extern __shared__``)
+    cubin: bytes | None = None  # a precompiled kernel (``precompiled_kernel``): its machine code
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Launch:
     grid: tuple
     threadgroup: tuple
     init_value: float | None
+    scalars: list = field(default_factory=list)  # a precompiled kernel's int arguments, after its outputs
 
 
 class _Kernel:
@@ -136,6 +138,25 @@ class _Kernel:
             rec.append(Launch(self.spec, list(kw["inputs"]), list(outs), list(kw.get("template") or []),
                               tuple(kw["grid"]), tuple(kw["threadgroup"]), kw.get("init_value")))
         return outs
+
+
+def precompiled_kernel(*, name: str, cubin: bytes, inputs: list, output_shapes: list, output_dtypes: list,
+                       scalars: list, grid: tuple, threadgroup: tuple, shared_memory: int = 0,
+                       init_value: float | None = None) -> list:
+    """``mx.fast.precompiled_cuda_kernel`` (row-contiguous inputs; int ``scalars``), seen by
+    an active recorder as :func:`cuda_kernel`'s calls are: its parameters are the inputs'
+    addresses, the outputs' and the scalars, in that order."""
+    outs = mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
+        output_dtypes=output_dtypes, scalars=scalars, grid=grid, threadgroup=threadgroup,
+        shared_memory=shared_memory, init_value=init_value, ensure_row_contiguous=True)
+    rec = getattr(_local, "recorder", None)
+    if rec is not None:
+        spec = KernelSpec(name, [f"in{i}" for i in range(len(inputs))], [f"out{j}" for j in range(len(outs))],
+                          "", "", shared_memory, cubin)
+        rec.append(Launch(spec, list(inputs), list(outs), [], tuple(grid), tuple(threadgroup), init_value,
+                          [int(v) for v in scalars]))
+    return outs
 
 
 @contextmanager

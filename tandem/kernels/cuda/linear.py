@@ -111,6 +111,7 @@ class FlatLinear(nn.Module):
             self.bias = bias
         self.group_size, self.bits, self.mode = group_size, bits, mode
         self.small_rows = small_rows
+        self.graph_rows = 0  # see ``capture_rows``
         self.freeze()
 
     @property
@@ -142,16 +143,21 @@ class FlatLinear(nn.Module):
         return True
 
     def _w4wg_applies(self, x2: mx.array) -> bool:
-        # Only products it runs in one pass over K (gate/up, the head): down's K splits add
-        # into fp32 behind a zero fill of their own, ~13 us a layer in the engine.
-        return (USE_W4WG and self.w4g_tiles == 16 and W4WG_ROWS[0] <= x2.shape[0] <= W4WG_ROWS[1]
-                and w4wgmma.supports(x2.shape[0], self.output_dims, x2.shape[1], self.group_size)
-                and w4wgmma.k_splits(self.output_dims, x2.shape[1]) == 1 and w4wgmma.available())
+        # Launched by MLX, only products it runs in one pass over K (gate/up, the head):
+        # down's K splits add into fp32 behind a zero fill of their own, ~13 us a layer
+        # more than cuBLAS in the engine. Up to ``graph_rows`` every packed product.
+        rows = x2.shape[0]
+        every = W4WG_ROWS[0] <= rows <= self.graph_rows
+        return (USE_W4WG and self.w4g_tiles == 16 and (every or W4WG_ROWS[0] <= rows <= W4WG_ROWS[1])
+                and w4wgmma.supports(rows, self.output_dims, x2.shape[1], self.group_size)
+                and (every or w4wgmma.k_splits(self.output_dims, x2.shape[1]) == 1) and w4wgmma.available())
 
     def _w4g_applies(self, x2: mx.array) -> bool:
         if "w4g_wp" not in self or x2.dtype != mx.float16:
             return False
-        return W4G_ROWS[0] <= x2.shape[0] <= W4G_ROWS[1] or self._w4wg_applies(x2)
+        rows = x2.shape[0]
+        return (W4G_ROWS[0] <= rows <= W4G_ROWS[1] or self._w4wg_applies(x2)
+                or W4WG_ROWS[0] <= rows <= min(self.graph_rows, w4gemm.MAX_ROWS))
 
     def _w4g(self, x2: mx.array, residual: mx.array | None = None) -> mx.array:
         if self._w4wg_applies(x2):
@@ -278,6 +284,19 @@ class FlatLinear(nn.Module):
         if "bias" in self:
             y = y + self["bias"]
         return y.reshape(*lead, y.shape[-1])
+
+
+def capture_rows(model: nn.Module, rows: int) -> int:
+    """Make every packed layer of ``model`` multiply products of 17 to ``rows`` rows with
+    tandem's kernels: on ``wgmma`` (K splits included) where ``w4wgmma`` covers the layer,
+    else ``w4gemm`` (0: back to the measured choice, ``W4WG_ROWS``). A decode step of those
+    rows is then tandem's kernels only, which the graph step can capture; cuBLAS's dense
+    product, which otherwise takes QKV, o and down from 17 rows, is launched by MLX where
+    no recorder sees it. Returns the layers set."""
+    layers = [m for m in model.modules() if isinstance(m, FlatLinear) and "w4g_wp" in m]
+    for m in layers:
+        m.graph_rows = rows
+    return len(layers)
 
 
 def _from_module(m: nn.Module, fmt: str, dense_dtype, small_rows: int) -> FlatLinear:

@@ -336,6 +336,29 @@ def _dummy(dtype) -> mx.array:
     return a
 
 
+_HALF = """
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < (size_t)x_shape[0] * x_shape[1]) y[i] = __float2half_rn(x[i]);
+"""
+
+
+@functools.cache
+def _half_kernel():
+    return kernel_files.cuda_kernel(name="tandem_to_half", input_names=["x"], output_names=["y"],
+                                    source=_HALF)
+
+
+def to_half(y: mx.array) -> mx.array:
+    """``y.astype(mx.float16)`` for the (M, N) fp32 sums of a K-split product, as a kernel of
+    tandem's own: MLX's cast is not a launch the graph step records, so a step holding one
+    could not be captured (the replay would hand the next kernel fp32 bytes). Rounds to
+    nearest even, as MLX's cast does."""
+    n = y.size
+    (out,) = _half_kernel()(inputs=[y], grid=(-(-n // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+                            output_shapes=[y.shape], output_dtypes=[mx.float16])
+    return out
+
+
 def _as(a: mx.array, dtype) -> mx.array:
     # No cast node when the dtype already matches (each op costs MLX dispatch time).
     return a if a.dtype == dtype else a.astype(dtype)

@@ -337,7 +337,7 @@ def w4_gemm(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
         output_dtypes=[mx.float32 if atomic else mx.float16],
         **kw,
     )
-    return y.astype(mx.float16) if atomic else y
+    return qmm.to_half(y) if atomic else y
 
 
 def w4_gemm_reference(x, wq, scales, biases, group_size: int = 64, *, residual=None):

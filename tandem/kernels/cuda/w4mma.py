@@ -306,7 +306,7 @@ def w4_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
         output_dtypes=[mx.float32 if atomic else mx.float16],
         **kw,
     )
-    return y.astype(mx.float16) if atomic else y
+    return qmm.to_half(y) if atomic else y
 
 
 def w4_matmul_reference(x, w, scales, biases, group_size: int = 64, *, residual=None):

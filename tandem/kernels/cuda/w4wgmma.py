@@ -26,7 +26,9 @@ import logging
 import mlx.core as mx
 
 from tandem.kernels.cuda import cuda_driver
+from tandem.kernels.cuda import kernel_files
 from tandem.kernels.cuda import nvrtc
+from tandem.kernels.cuda import quantized_matmul as qmm
 from tandem.kernels.cuda import w4gemm
 
 log = logging.getLogger(__name__)
@@ -465,14 +467,13 @@ def w4_wgmma(x: mx.array, wp: mx.array, sbp: mx.array, group_size: int = 64, *,
     mb = MIN_BLOCKS if min_blocks is None else min_blocks
     name, cubin = compile_cubin(group_size, atomic, residual is not None, stages=st, min_blocks=mb, probe=probe)
     blocks = n // 256
-    y, _ = mx.fast.precompiled_cuda_kernel(
-        name=name, compiled_source=cubin,
+    y, _ = kernel_files.precompiled_kernel(
+        name=name, cubin=cubin,
         inputs=[x, wp, sbp, residual if residual is not None else x, x],
         output_shapes=[(m, n), (1,)],
         output_dtypes=[mx.float32 if atomic else mx.float16, mx.float32],
         scalars=[m, k, n, groups],
         grid=(blocks * 256, ks, -(-m // ROWS_PER_BLOCK)), threadgroup=(256, 1, 1),
         shared_memory=shared_bytes(group_size, st), init_value=0.0 if atomic else None,
-        ensure_row_contiguous=True,
     )
-    return y.astype(mx.float16) if atomic else y
+    return qmm.to_half(y) if atomic else y

@@ -106,3 +106,31 @@ def test_every_kernel_module_builds_its_kernels_through_the_wrapper():
     direct = [str(p.relative_to(root)) for p in root.rglob("*.py")
               if p.name != "kernel_files.py" and "mx.fast.cuda_kernel(" in p.read_text()]
     assert direct == []
+
+
+def test_a_precompiled_kernel_is_recorded_with_its_machine_code_and_scalars(monkeypatch):
+    """``w4wgmma``'s cubin launches are seen by a recorder like the other kernels' (the graph
+    step captures them): the cubin, inputs, outputs, int scalars, grid and fill."""
+    seen = []
+    outs = [mx.zeros((2, 4), mx.float16), mx.zeros((1,), mx.float32)]
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: seen.append(kw) or outs)
+    x, w = mx.zeros((2, 8), mx.float16), mx.zeros((4, 1), mx.uint32)
+    kw = dict(name="k", cubin=b"\x7fELF-k", inputs=[x, w], output_shapes=[(2, 4), (1,)],
+              output_dtypes=[mx.float16, mx.float32], scalars=[2, 8], grid=(256, 3, 1),
+              threadgroup=(256, 1, 1), shared_memory=70_000)
+    assert kernel_files.precompiled_kernel(**kw) is outs  # no recorder: nothing kept
+    with kernel_files.recording() as launches:
+        got = kernel_files.precompiled_kernel(**kw, init_value=0.0)
+    assert got is outs and seen[-1]["compiled_source"] == b"\x7fELF-k" and seen[-1]["ensure_row_contiguous"]
+    (ln,) = launches
+    assert (ln.spec.name, ln.spec.cubin, ln.spec.shared_memory) == ("k", b"\x7fELF-k", 70_000)
+    assert ln.inputs[0] is x and ln.inputs[1] is w and ln.outputs == outs
+    assert (ln.scalars, ln.grid, ln.threadgroup, ln.init_value) == ([2, 8], (256, 3, 1), (256, 1, 1), 0.0)
+
+
+def test_no_kernel_module_calls_mlxs_precompiled_kernels_directly():
+    """A cubin launched past ``precompiled_kernel`` would be invisible to the graph step."""
+    root = Path(kernel_files.__file__).parents[2]
+    direct = [str(p.relative_to(root)) for p in root.rglob("*.py")
+              if p.name != "kernel_files.py" and "mx.fast.precompiled_cuda_kernel(" in p.read_text()]
+    assert direct == []

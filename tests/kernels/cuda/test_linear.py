@@ -197,3 +197,37 @@ def test_cuda_dual_layer_uses_the_tensor_core_kernel_between_multirow_and_dense(
            / mx.abs(want.astype(mx.float32)).max()).item()
     assert err < 5e-3
     assert "cuda-w4mma-4bit" in linear.paths_used()
+
+
+def test_capture_rows_puts_every_packed_product_of_17_rows_and_up_on_wgmma(monkeypatch):
+    """Launched by MLX, only one-pass products take ``w4wgmma`` (down's K splits lost to
+    cuBLAS); a step the graph step captures needs every product to be a tandem kernel, so
+    ``capture_rows`` gives the kernel every packed product of 17 rows up to its bound."""
+    from tandem.kernels.cuda import w4gemm
+    from tandem.kernels.cuda import w4wgmma
+
+    monkeypatch.setattr(w4gemm, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(w4wgmma, "available", lambda: True)
+    mx.random.seed(3)
+    model = nn.Sequential(_linear_with((mx.random.normal((256, 4096)) / 64).astype(mx.float16)))
+    model.layers[0] = linear._from_module(nn.QuantizedLinear.from_linear(model.layers[0], group_size=64, bits=4),
+                                          "dual", mx.float16, 4)
+    down = model.layers[0]  # few output rows against a long K: split along K
+    assert down.pack_w4gemm() and w4wgmma.k_splits(256, 4096) > 1
+
+    def applies(rows):
+        return down._w4wg_applies(mx.zeros((rows, 4096), mx.float16))
+
+    def packed(rows):
+        return down._w4g_applies(mx.zeros((rows, 4096), mx.float16))
+
+    assert [applies(r) for r in (16, 17, 64, 128)] == [False] * 4  # cuBLAS's dense product
+    assert [packed(r) for r in (16, 17, 64)] == [True, False, False]
+    assert linear.capture_rows(model, 128) == 1
+    assert [applies(r) for r in (16, 17, 64, 128, 129)] == [False, True, True, True, False]
+    assert [packed(r) for r in (17, 128, 129)] == [True, True, False]
+    # A layer wgmma does not cover (output rows not whole 256-row blocks) takes w4gemm.
+    monkeypatch.setattr(down, "w4g_tiles", 8)
+    assert [applies(r) for r in (17, 128)] == [False, False] and [packed(r) for r in (17, 128)] == [True, True]
+    linear.capture_rows(model, 0)
+    assert not packed(64)

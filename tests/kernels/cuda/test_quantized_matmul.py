@@ -106,3 +106,20 @@ def test_cuda_kernel_matches_reference_at_model_shapes(n, k, half_math):
     got = qm.quantized_matmul_cuda(x, wq, s, b, 64, 4, half_math=half_math)
     want = qm.quantized_matmul_reference(x, wq, s, b, 64, 4)
     assert _rel_err(got, want) < 5e-3
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.timeout(120, method="thread")
+def test_the_half_cast_kernel_rounds_as_mlxs_cast():
+    """``to_half`` (the graph step can capture it; MLX's cast it cannot) gives MLX's cast bit
+    for bit, ties, overflow and subnormals included, at sizes that end mid-block."""
+    mx.random.seed(4)
+    specials = mx.array([0.0, -0.0, 65504.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 1.00048828125, 2049.0],
+                        mx.float32)
+    for shape in [(1, 10), (3, 1000), (64, 6144)]:
+        y = mx.random.normal(shape) * 300
+        y[0, :10] = specials
+        got, want = qm.to_half(y), y.astype(mx.float16)
+        assert got.dtype == mx.float16 and got.shape == y.shape
+        assert mx.array_equal(got.view(mx.uint16), want.view(mx.uint16)).item(), shape

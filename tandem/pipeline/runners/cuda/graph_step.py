@@ -25,9 +25,11 @@ path (for steps of several rows, or verifying ones, only those). A step that ver
 greedy rows' drafts is captured the same way, each drafted position a row of its own.
 
 Limits: up to ``MAX_ROWS`` positions, greedy (no temperature, logprobs or logit bias), kernels
-made through ``kernel_files.cuda_kernel`` (no precompiled cubins, no MLX ops between
-kernels: the check catches them). On unless ``engine.decode_graphs`` is off. Replays give
-exactly the tokens of MLX's launches of the same row class.
+made through ``kernel_files.cuda_kernel`` or ``kernel_files.precompiled_kernel`` (whose cubin
+is loaded as it is), no MLX ops between kernels (the check catches them: from 17 rows the
+layers' products are tandem's only because ``linear.capture_rows`` makes them so). On unless
+``engine.decode_graphs`` is off. Replays give exactly the tokens of MLX's launches of the
+same row class.
 """
 
 from __future__ import annotations
@@ -234,8 +236,8 @@ class GraphStep:
         self._tok_serial = -1  # the launch whose token tok_dev holds
         self._busy = False  # launches queued since the last sync
         self.failed: str | None = None
-        # The widest row class captured, and why the next one was not (from 17 rows the
-        # products are MLX's dense GEMMs, which a replay would not run).
+        # The widest row class captured, and why the next one was not (a product MLX
+        # launched, say, which a replay would not run).
         self.rows_limit, self.rows_failed = MAX_ROWS, None
         self.verify_limit, self.verify_failed = MAX_ROWS, None
         self._preparing = False
@@ -505,8 +507,13 @@ class GraphStep:
         drv.bind_context()
         plans = []
         for ln in launches:
-            text, layout = kernel_text(ln)
-            func = self._function(text, kernel_name(ln.spec))
+            if ln.spec.cubin is not None:  # precompiled: inputs, outputs, int scalars
+                func = self._cubin_function(ln.spec.cubin, ln.spec.name)
+                layout = ([("in", i) for i in range(len(ln.inputs))] + [("out", j) for j in range(len(ln.outputs))]
+                          + [("scalar", v) for v in ln.scalars])
+            else:
+                text, layout = kernel_text(ln)
+                func = self._function(text, kernel_name(ln.spec))
             if ln.spec.shared_memory > 48 * 1024:
                 drv.allow_shared(func, ln.spec.shared_memory)
             outs_ptrs = [self.tok_dev if o is tokens else where(o) for o in ln.outputs]
@@ -516,6 +523,8 @@ class GraphStep:
                     values.append(where(ln.inputs[i]))
                 elif kind == "out":
                     values.append(outs_ptrs[i])
+                elif kind == "scalar":
+                    values.append(("i32", i))
                 else:
                     a = ln.inputs[i]
                     if a.ndim > MAX_NDIM:
@@ -553,6 +562,14 @@ class GraphStep:
         if not arenas or arenas[-1][1] < size:
             arenas.append((self.drv.mem_alloc(max(size, 256)), size))
         return arenas[-1][0]
+
+    def _cubin_function(self, cubin: bytes, name: str) -> int:
+        f = self._funcs.get(cubin)
+        if f is None:
+            mod = self.drv.load_module(cubin)
+            self._modules.append(mod)
+            f = self._funcs[cubin] = self.drv.get_function(mod, name)
+        return f
 
     def _function(self, text: str, name: str) -> int:
         f = self._funcs.get(text)

@@ -408,6 +408,8 @@ class KernelRunner(PagedRunner):
         log.info("paged runner: %s kernels for decode (fused QKV, RoPE + in-place KV write, split-K "
                  "paged attention%s), weights %s, %d layers", ops, ", compiled step" if self.compiled else "",
                  ",".join(fmt), len(self.blocks))
+        # Captured steps of 17+ rows need every product to be a tandem kernel (linear.capture_rows).
+        linear.capture_rows(model, graph_step.MAX_ROWS if ops == "cuda" and graphs else 0)
         if ops == "cuda":
             t = time.perf_counter()
             self.warm_kernels()

@@ -329,6 +329,49 @@ def test_captured_steps_of_several_rows_give_the_tokens_of_mlx_launches(graph_mo
     assert runs[True] == runs[False]
 
 
+@pytest.fixture(scope="module")
+def packed_model_dir(tmp_path_factory):
+    """The graph model with a vocabulary of whole 256-row blocks: every layer, the head
+    included, is one ``w4wgmma`` covers once packed."""
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("graph-q4-256"), quantize=True, dtype="float16", head_dim=128,
+                            hidden=1024, ffn=2048, heads=8, kv_heads=2, tie=False, vocab_multiple=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.timeout(400, method="thread")
+def test_captured_steps_of_17_rows_and_more_give_the_tokens_of_mlx_launches(packed_model_dir, monkeypatch):
+    """Every layer packed (the 8B's are; this model's are below ``MIN_WEIGHTS``): steps of 17
+    to 32 rows are tandem's kernels only (``linear.capture_rows``: wgmma with K splits, the
+    split sums cast by ``to_half``), so they are captured, and their replays give exactly the
+    tokens of MLX's launches of the same kernels."""
+    from tandem.kernels.cuda import linear
+    from tandem.kernels.cuda import w4gemm
+    from tandem.pipeline.runners.cuda import graph_step
+
+    monkeypatch.setenv("TANDEM_PAGED_KERNELS", "cuda")
+    monkeypatch.setattr(w4gemm, "MIN_WEIGHTS", 0)
+    prompts = random_prompts(30, 5, 40, seed=29)
+    lengths = [24 + (i * 7) % 17 for i in range(len(prompts))]
+    runs = {}
+    for on in (True, False):
+        model = _fresh(packed_model_dir)
+        eng = _engine(model, decode_graphs=on, max_batch_size=32, kv_cache_budget="64MiB")
+        if on:
+            eng.runner.warm_decode(32)
+            g = eng.runner.graph_step
+            wide = sorted({k[0] for k in g._graphs if k[0] > 16})
+            assert wide == [24, 32], (g.rows_limit, g.rows_failed, sorted({k[0] for k in g._graphs}))
+        else:  # MLX's launches of the kernels the captured steps hold
+            assert linear.capture_rows(model, graph_step.MAX_ROWS) > 0
+        runs[on] = eng.generate_many([(p, greedy(m)) for p, m in zip(prompts, lengths)], timeout=300)
+        if on:
+            assert g.failed is None and g.replays >= 20, (g.failed, g.rows_failed, g.replays)
+    assert runs[True] == runs[False]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
 @pytest.mark.timeout(300, method="thread")

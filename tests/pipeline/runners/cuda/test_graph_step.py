@@ -605,6 +605,66 @@ def test_capture_points_the_step_state_and_token_at_its_own_buffers(monkeypatch)
         g._capture(1, 4, ())
 
 
+def test_capture_launches_a_precompiled_kernel_from_its_cubin_with_its_scalars(monkeypatch):
+    """A precompiled launch (``w4wgmma``'s) is captured from its own machine code, not a
+    text NVRTC compiles: its parameters are the inputs' addresses, the outputs' and the int
+    scalars, its fill a memset of every output, its shared memory allowed above 48 KB."""
+    state = mx.array(np.arange(7, dtype=np.int32))
+    tok = mx.array([[3]], dtype=mx.int32)
+    x, w = mx.zeros((1, 8), mx.float16), mx.zeros((4, 1), mx.uint32)
+    y, part = mx.zeros((1, 64), mx.float32), mx.zeros((1,), mx.float32)
+    logits, tokens = mx.zeros((1, 64), mx.float16), mx.zeros((1,), mx.int32)
+    pre = kernel_files.KernelSpec("tandem_w4wg_x", ["in0", "in1"], ["out0", "out1"], "", "", 70_000, b"CUBIN")
+    half = kernel_files.KernelSpec("tandem_to_half", ["x"], ["y"], "// reads x_shape", "")
+    argmax = kernel_files.KernelSpec("argmax", ["logits"], ["out"], "// reads logits_shape", "")
+    launches = [
+        kernel_files.Launch(pre, [x, w], [y, part], [], (512, 3, 1), (256, 1, 1), 0.0, [1, 8]),
+        kernel_files.Launch(half, [y], [logits], [], (256, 1, 1), (256, 1, 1), None),
+        kernel_files.Launch(argmax, [logits], [tokens], [("T", mx.float16)], (1024, 1, 1), (1024, 1, 1), None)]
+    where = {id(state): 0x10000, id(tok): 0x20000, id(x): 0x30000, id(w): 0x38000, id(y): 0x40000,
+             id(part): 0x48000, id(logits): 0x50000, id(tokens): 0x60000}
+    monkeypatch.setattr(graph_step, "device_pointers", lambda arrays: [where[id(a)] for a in arrays])
+    compiled = []
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda text, arch, name: compiled.append(name) or text.encode())
+    drv = FakeCaptureDriver()
+    modules = []
+    drv.load_module = lambda cubin: modules.append(cubin) or len(modules)
+    fills = []
+    drv.call = lambda name, *args: fills.append((name, args[0], args[2])) if name == "cuMemsetD8Async" else 0
+    g = graph_step.GraphStep(type("R", (), {})(), drv)
+    g._record = lambda P, nb, token, pos, pools, verify=False: (launches, state, tok, tokens, logits)
+    g._capture(1, 4, ())
+
+    def ptr(p):
+        return ctypes.c_uint64.from_address(p).value
+
+    (name, grid, block, params), _, _ = drv.captured
+    assert name == "tandem_w4wg_x" and modules[0] == b"CUBIN" and "tandem_w4wg_x.cu" not in compiled
+    assert (grid, block) == ((2, 3, 1), (256, 1, 1))
+    arena = g._arenas[1][0][0]
+    out0, out1 = ptr(params[2]), ptr(params[3])
+    assert [ptr(params[0]), ptr(params[1])] == [0x30000, 0x38000]  # weights and input where MLX put them
+    assert arena <= out0 < arena + g._arenas[1][0][1] and arena <= out1 < arena + g._arenas[1][0][1]
+    assert [ctypes.c_int32.from_address(params[4]).value, ctypes.c_int32.from_address(params[5]).value] == [1, 8]
+    assert sorted(f[1:] for f in fills) == sorted([(out0, 4 * 64), (out1, 4)])
+    assert drv.allowed == {"tandem_w4wg_x": 70_000} and drv.shared["tandem_w4wg_x"] == 70_000
+
+
+@pytest.mark.skipif(nvrtc.library() is None, reason="needs libnvrtc (the nvidia-cuda-nvrtc wheel)")
+def test_the_half_cast_of_k_split_sums_compiles_through_nvrtc(tmp_path, monkeypatch):
+    """``quantized_matmul.to_half``, which replaced MLX's cast after a K-split product so the
+    step stays capturable, as ``kernel_text`` writes it."""
+    from tandem.kernels.cuda import quantized_matmul as qmm
+
+    monkeypatch.setenv("TANDEM_KERNEL_DIR", str(tmp_path))
+    spec = _spec("tandem_to_half", ["x"], ["y"], qmm._HALF)
+    text, layout = captured.kernel_text(kernel_files.Launch(spec, [mx.zeros((2, 4), mx.float32)],
+                                                            [mx.zeros((2, 4), mx.float16)], [], (256, 1, 1),
+                                                            (256, 1, 1), None))
+    assert layout == [("in", 0), ("shape", 0), ("out", 0)]
+    assert nvrtc.compile_cubin(text, "sm_90", "k.cu")[:4] == b"\x7fELF"
+
+
 def test_the_arena_reuses_a_buffer_once_its_last_reader_ran():
     """Outputs live from their launch to their last reader (a view of one counts as a read of
     it); a dead one's range is reused, and the logits stay to the end."""
