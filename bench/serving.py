@@ -11,9 +11,10 @@ group (tandem: broker, worker, edge with its gunicorn workers) and this client u
 during the level: on a 2-core machine every process competes with the model's threads.
 
 The servers run one after the other on the same machine (never both at once), on the
-same model directory and weight format: with ``--weights dense`` (the default, the
-fast format on the CPU BLAS path) mlx_lm.server gets a dequantized float32 copy of the
-model, and it starts under a Python that imports tandem first, so both use MKL.
+same model: tandem with ``--weights auto`` by default (what ``tandem serve`` runs: on the
+CPU a 4-bit checkpoint stays packed), mlx_lm.server on a dequantized float32 copy (its
+fastest CPU format: MLX's quantized CPU products are ~5x slower), under a Python that
+imports tandem first, so both use MKL.
 
     .venv/bin/python bench/serving.py                      # full sweep, default model
     .venv/bin/python bench/serving.py --concurrency 1,4 --rounds 1 --servers tandem
@@ -514,7 +515,7 @@ def report(results: dict, out: Path) -> str:
          f"clients x {1000 / (meta.get('stub_step_ms') or 1):.0f} tok/s. " if stub else
          f"Model `{meta['model']}` (tandem --weights {meta['weights']}, speculative decoding "
          f"{meta.get('speculative', 'as configured')}; mlx_lm.server on "
-         f"{'a dequantized fp32 copy' if 'dense' in meta['weights'].split(',') else 'the checkpoint as stored'}, "
+         f"{'a dequantized fp32 copy' if meta.get('mlx_lm_dense') or 'dense' in meta['weights'].split(',') else 'the checkpoint as stored'}, "
          f"BLAS {meta['blas']}; on the CPU "
          "tandem's decode multiplies the same values from the checkpoint's 4-bit codes, "
          "engine.native_kernels, and its prefill products run through "
@@ -550,9 +551,9 @@ def report(results: dict, out: Path) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="mlx-lm model directory (default: tandem's default model)")
-    p.add_argument("--weights", default="dense",
+    p.add_argument("--weights", default="auto",
                    help="tandem's weight format(s), a comma list of auto, dense, quantized: tandem runs once per "
-                        "format, in this order (mlx_lm.server gets a dense copy where dense is listed)")
+                        "format, in this order (mlx_lm.server always gets a dense float32 copy)")
     p.add_argument("--speculative", default="",
                    help="tandem's speculative decoding mode(s), a comma list of off, ngram, draft:PATH: tandem runs once "
                         "per mode and weight format (default: the configured one)")
@@ -650,7 +651,7 @@ def main() -> int:
                     proc.stop()
         if "mlx_lm" in servers:
             load["mlx_lm.server"] = os.getloadavg()[0]
-            served = dense_copy(model, tmp / "dense") if "dense" in formats else model
+            served = dense_copy(model, tmp / "dense")
             procs, port = start_mlx_lm(served, tmp, env)
             try:
                 rows += sweep("mlx_lm.server", port, "default_model", bodies, levels, args.rounds, args.max_tokens,
@@ -671,7 +672,8 @@ def main() -> int:
             "command": "python bench/serving.py " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
-            "model": model.name, "weights": args.weights, "speculative": args.speculative or "as configured",
+            "model": model.name, "weights": args.weights, "mlx_lm_dense": True,
+            "speculative": args.speculative or "as configured",
             "blas": tandem.BLAS,
             "prefill_blas": prefill_blas(),
             "prompt_tokens": mean_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
