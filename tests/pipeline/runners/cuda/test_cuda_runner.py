@@ -263,12 +263,13 @@ def test_one_row_decode_gives_mlx_lm_tokens(wide_quantized_model_dir, monkeypatc
 
 @pytest.fixture(scope="module")
 def graph_model_dir(tmp_path_factory):
-    """The wide 4-bit model with a head of its own and a vocabulary padded to 64: every op
-    of its one-row step is a tandem kernel (the tied head would be MLX's own matmul)."""
+    """The wide 4-bit model with a head of its own and a vocabulary padded to whole 256-row
+    blocks: every op of its one-row step is a tandem kernel (the tied head would be MLX's
+    own matmul), and every layer, the head included, one ``w4wgmma`` covers once packed."""
     from tests.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("graph-q4"), quantize=True, dtype="float16", head_dim=128,
-                            hidden=1024, ffn=2048, heads=8, kv_heads=2, tie=False, vocab_multiple=64)
+                            hidden=1024, ffn=2048, heads=8, kv_heads=2, tie=False, vocab_multiple=256)
 
 
 @pytest.mark.gpu
@@ -329,20 +330,10 @@ def test_captured_steps_of_several_rows_give_the_tokens_of_mlx_launches(graph_mo
     assert runs[True] == runs[False]
 
 
-@pytest.fixture(scope="module")
-def packed_model_dir(tmp_path_factory):
-    """The graph model with a vocabulary of whole 256-row blocks: every layer, the head
-    included, is one ``w4wgmma`` covers once packed."""
-    from tests.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("graph-q4-256"), quantize=True, dtype="float16", head_dim=128,
-                            hidden=1024, ffn=2048, heads=8, kv_heads=2, tie=False, vocab_multiple=256)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs MLX's CUDA backend")
 @pytest.mark.timeout(400, method="thread")
-def test_captured_steps_of_17_rows_and_more_give_the_tokens_of_mlx_launches(packed_model_dir, monkeypatch):
+def test_captured_steps_of_17_rows_and_more_give_the_tokens_of_mlx_launches(graph_model_dir, monkeypatch):
     """Every layer packed (the 8B's are; this model's are below ``MIN_WEIGHTS``): steps of 17
     to 32 rows are tandem's kernels only (``linear.capture_rows``: wgmma with K splits, the
     split sums cast by ``to_half``), so they are captured, and their replays give exactly the
@@ -357,7 +348,7 @@ def test_captured_steps_of_17_rows_and_more_give_the_tokens_of_mlx_launches(pack
     lengths = [24 + (i * 7) % 17 for i in range(len(prompts))]
     runs = {}
     for on in (True, False):
-        model = _fresh(packed_model_dir)
+        model = _fresh(graph_model_dir)
         eng = _engine(model, decode_graphs=on, max_batch_size=32, kv_cache_budget="64MiB")
         if on:
             eng.runner.warm_decode(32)
