@@ -10,9 +10,8 @@ broken streams, or fewer tokens than asked), and the CPU seconds each server pro
 group (tandem: broker, worker, edge with its gunicorn workers) and this client used
 during the level: on a 2-core machine every process competes with the model's threads.
 
-The servers are all up at once (an idle one uses no CPU) and take turns, level by level
-(the order reversed at every other level), so a drift of the host's speed falls on all of
-them alike; only one is ever serving. The same model: tandem with ``--weights auto`` by default (what ``tandem serve`` runs: on the
+The servers run one after the other on the same machine (never both at once), on the
+same model: tandem with ``--weights auto`` by default (what ``tandem serve`` runs: on the
 CPU a 4-bit checkpoint stays packed), mlx_lm.server on a dequantized float32 copy (its
 fastest CPU format: MLX's quantized CPU products are ~5x slower), under a Python that
 imports tandem first, so both use MKL.
@@ -41,7 +40,6 @@ import asyncio
 import json
 import os
 import platform
-import re
 import select
 import shutil
 import signal
@@ -72,8 +70,6 @@ CORPUS = (
 # ---------------------------------------------------------------- processes -------------
 
 class Server:
-    started: list["Server"] = []  # every server process this run started: the run stops them all
-
     def __init__(self, name: str, args: list[str], log: Path, env: dict, stdout_to_log: bool = False):
         self.name = name
         self.log = log
@@ -82,7 +78,6 @@ class Server:
         # on sys.path, ahead of PYTHONPATH, so a --baseline tree's tandem was shadowed by this one.
         self.p = subprocess.Popen(args, stdout=self._err if stdout_to_log else subprocess.PIPE, stderr=self._err,
                                   env=env, start_new_session=True, cwd=log.parent)
-        Server.started.append(self)
 
     def ready_line(self, timeout: float = 300.0) -> dict:
         deadline, buf = time.monotonic() + timeout, b""
@@ -388,45 +383,25 @@ def build_bodies(model: Path, prompt_tokens: int, max_tokens: int, count: int) -
     return bodies, round(statistics.fmean(lengths))
 
 
-@dataclass
-class Up:
-    """A server that is up: its processes, its HTTP port, the model id it answers to."""
-    name: str
-    procs: list
-    port: int
-    model_id: str
-
-    def groups(self) -> dict[str, int]:
-        return {proc.name: proc.p.pid for proc in self.procs}  # each in its own session
-
-
-def sweep(servers: list[Up], bodies: list[dict], levels: list[int], rounds: int, max_tokens: int,
-          timeout: float, load: dict[str, float]) -> list[dict]:
-    """Every server's levels, in turns: level by level, each server in turn, the order
-    reversed at every other level. The host's speed drifts by up to 2x within minutes
-    (2026-12-05, a KVM guest), and a server swept whole after another met another machine;
-    in turns, each level of every server meets about the same one. ``load`` gets the
-    1-minute load average at each server's first level."""
-    for up in servers:  # warm-up, not measured
-        asyncio.run(run_level(up.port, [dict(bodies[-1], model=up.model_id)], 1, 1, max_tokens, timeout))
+def sweep(name: str, port: int, model_id: str, bodies: list[dict], levels: list[int], rounds: int,
+          max_tokens: int, timeout: float, groups: dict[str, int] | None = None) -> list[dict]:
+    bodies = [dict(b, model=model_id) for b in bodies]
+    asyncio.run(run_level(port, bodies[-1:], 1, 1, max_tokens, timeout))  # warm-up, not measured
     rows = []
     offset = 0
-    for i, n in enumerate(levels):
-        # Each level gets prompts the servers have not seen: reusing the earlier levels'
-        # would let the servers' prompt caches skip prefills (docs/benchmarks/
+    for n in levels:
+        # Each level gets prompts the server has not seen: reusing the earlier levels'
+        # would let both servers' prompt caches skip prefills (docs/benchmarks/
         # serving-sweep-16: mlx_lm.server's 16-client level ran at 81 tok/s, TTFT p95
         # 5.6 s, against 71-72 tok/s and 7.2-7.6 s with fresh prompts).
         level_bodies = bodies[offset: offset + n * rounds]
         offset += n * rounds
-        for up in servers if i % 2 == 0 else servers[::-1]:
-            load.setdefault(up.name, os.getloadavg()[0])
-            row = asyncio.run(run_level(up.port, [dict(b, model=up.model_id) for b in level_bodies], n, rounds,
-                                        max_tokens, timeout, up.groups()))
-            row["server"] = up.name
-            rows.append(row)
-            print(f"  {up.name:14s} {n:3d} clients: {row['tok_per_s']:7.1f} tok/s  TTFT mean {row['ttft_mean_s']:.2f} s "
-                  f"p95 {row['ttft_p95_s']:.2f} s  ITL {row['itl_mean_ms']:.1f} ms  errors {row['errors']}  CPU s "
-                  + " ".join(f"{k} {v:.2f}" for k, v in row["cpu_s"].items()), flush=True)
+        row = asyncio.run(run_level(port, level_bodies, n, rounds, max_tokens, timeout, groups))
+        row["server"] = name
+        rows.append(row)
+        print(f"  {name:14s} {n:3d} clients: {row['tok_per_s']:7.1f} tok/s  TTFT mean {row['ttft_mean_s']:.2f} s "
+              f"p95 {row['ttft_p95_s']:.2f} s  ITL {row['itl_mean_ms']:.1f} ms  errors {row['errors']}  CPU s "
+              + " ".join(f"{k} {v:.2f}" for k, v in row["cpu_s"].items()), flush=True)
     return rows
 
 
@@ -552,11 +527,8 @@ def report(results: dict, out: Path) -> str:
         "streaming, the same client for every server. "
         f"tandem: broker + {'one hybrid worker' if meta.get('topology', 'hybrid') == 'hybrid' else 'one prefill + one decode worker'} "
         f"(parallel {meta['parallel']}) + edge ({meta['edge_workers']} gunicorn worker(s)). "
-        + ("All servers were up together and took turns level by level (the order reversed at every other "
-         "level); only one served at a time. 1-minute load average at each server's first level: "
-         if meta.get("interleaved") else
-         "The servers ran one after the other, never together. 1-minute load average when each started "
-         "(the second one's includes the first server's own, just ended, sweep): ")
+        "The servers ran one after the other, never together. 1-minute load average when each started "
+        "(the second one's includes the first server's own, just ended, sweep): "
         + ", ".join(f"{k} {v:.1f}" for k, v in meta["load_average_at_start"].items())
         + (" (other work was running on the machine: absolute numbers are low, compare the ratios)."
            if next(iter(meta["load_average_at_start"].values()), 0.0) > 1.0 else "."),
@@ -656,25 +628,39 @@ def main() -> int:
         base_src = baseline_tree(args.baseline)
         runs.append((f"tandem {args.baseline}", formats[0],
                      dict(env, PYTHONPATH=os.pathsep.join(filter(None, (str(base_src), env.get("PYTHONPATH")))))))
-    up: list[Up] = []
     try:
         for name, fmt, run_env in runs if "tandem" in servers else []:
-            where = tmp / re.sub(r"\W+", "-", name).strip("-")
-            where.mkdir()
-            procs, port = start_tandem(model, fmt, args.parallel, args.edge_workers, where, run_env,
+            load[name] = os.getloadavg()[0]
+            procs, port = start_tandem(model, fmt, args.parallel, args.edge_workers, tmp, run_env,
                                        args.engine, args.stub_step_ms, args.topology)
-            up.append(Up(name, procs, port, json.loads(asyncio.run(http_get(port, "/v1/models"))[1])["data"][0]["id"]))
+            try:
+                model_id = json.loads(asyncio.run(http_get(port, "/v1/models"))[1])["data"][0]["id"]
+                groups = {proc.name: proc.p.pid for proc in procs}  # each in its own session
+                rows += sweep(name, port, model_id, bodies, levels, args.rounds, args.max_tokens, args.timeout, groups)
+            finally:
+                for proc in reversed(procs):
+                    proc.stop()
         if "llama" in servers:
+            load["llama-server"] = os.getloadavg()[0]
             procs, port = start_llama_server(tmp, env)
-            up.append(Up("llama-server", procs, port, "default_model"))
+            try:
+                rows += sweep("llama-server", port, "default_model", bodies, levels, args.rounds, args.max_tokens,
+                              args.timeout, {proc.name: proc.p.pid for proc in procs})
+            finally:
+                for proc in procs:
+                    proc.stop()
         if "mlx_lm" in servers:
-            procs, port = start_mlx_lm(dense_copy(model, tmp / "dense"), tmp, env)
-            up.append(Up("mlx_lm.server", procs, port, "default_model"))
-        rows = sweep(up, bodies, levels, args.rounds, args.max_tokens, args.timeout, load)
+            load["mlx_lm.server"] = os.getloadavg()[0]
+            served = dense_copy(model, tmp / "dense")
+            procs, port = start_mlx_lm(served, tmp, env)
+            try:
+                rows += sweep("mlx_lm.server", port, "default_model", bodies, levels, args.rounds, args.max_tokens,
+                              args.timeout, {proc.name: proc.p.pid for proc in procs})
+            finally:
+                for proc in procs:
+                    proc.stop()
     finally:
-        for proc in reversed(Server.started):  # those of a server that failed to start too
-            proc.stop()
-        logs = sorted(tmp.rglob("*.log"))
+        logs = sorted(tmp.glob("*.log"))
         if any(r["errors"] for r in rows):
             for log in logs:
                 print(f"== {log.name}\n{log.read_text()[-1500:]}", file=sys.stderr)
@@ -686,7 +672,7 @@ def main() -> int:
             "command": "python bench/serving.py " + " ".join(sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
-            "model": model.name, "weights": args.weights, "mlx_lm_dense": True, "interleaved": True,
+            "model": model.name, "weights": args.weights, "mlx_lm_dense": True,
             "speculative": args.speculative or "as configured",
             "blas": tandem.BLAS,
             "prefill_blas": prefill_blas(),
