@@ -578,9 +578,7 @@ class GraphStep:
                 cubin = nvrtc.compile_cubin(text, self.arch, f"{name}.cu")
             except nvrtc.CompileError as exc:
                 raise Unsupported(str(exc)) from None
-            mod = self.drv.load_module(cubin)
-            self._modules.append(mod)
-            f = self._funcs[text] = self.drv.get_function(mod, name)
+            f = self._funcs[text] = self._cubin_function(cubin, name)
         return f
 
     def _check(self, g: _Graph, P: int, nb: int, verify: bool = False) -> None:
